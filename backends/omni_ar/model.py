@@ -1,0 +1,132 @@
+"""Python-based Triton backend ``omni_ar``: the AR stage.
+
+A thin adapter: tensors in -> typed request -> ``ArRunner`` -> tensors out,
+errors mapped in one place. ``mode: generate`` models (``ar``) are decoupled
+and stream text; ``mode: encode`` models (``ar_encoder``) batch prompts and
+return their last hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch/vLLM read files
+from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
+from triton_omni.errors import RequestCancelledError
+from triton_omni.triton import ar_io
+from triton_omni.triton.errors import outcome, triton_error
+from triton_omni.triton.metrics import StageMetrics
+from triton_omni.triton.responses import ResponseThread
+from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logger = logging.getLogger("omni_ar")
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        return ar_io.auto_complete(auto_complete_model_config)
+
+    def initialize(self, args):
+        self.model_name = args["model_name"]
+        model_config = json.loads(args["model_config"])
+        self.config = ar_io.runner_config(model_config, args)
+        self.runner = ArRunner(self.config)
+        self.metrics = StageMetrics("ar", self.model_name, args["model_version"])
+        self.responses = ResponseThread()
+
+    def execute(self, requests):
+        if self.config.mode == "encode":
+            return self._encode_batch(requests)
+        for request in requests:
+            self._start_generation(request)
+        return None
+
+    # -- generate (decoupled) -------------------------------------------------
+
+    def _start_generation(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            parsed = GenerateRequest.from_inputs(read_inputs(request, ar_io.GENERATE_INPUTS), self.config.limits)
+        except Exception as exc:
+            self._fail(sender, exc)
+            return
+        self.runner.loop.submit(self._generate(parsed, sender))
+
+    async def _generate(self, request: GenerateRequest, sender) -> None:
+        request_id = uuid.uuid4().hex
+        self.metrics.in_flight.increment(1)
+        text = "" if request.stream or request.exclude_input_in_output else request.prompt
+        counted = 0
+        try:
+            async for delta in self.runner.generate(request, request_id):
+                if sender.is_cancelled():
+                    await self.runner.abort(request_id)
+                    raise RequestCancelledError
+                self.metrics.generated_tokens.increment(delta.num_output_tokens - counted)
+                counted = delta.num_output_tokens
+                if request.stream:
+                    self.responses.send(sender, self._response(request, delta.text, delta),
+                                        final=delta.finish_reason is not None)
+                else:
+                    text += delta.text
+            if not request.stream:
+                self.responses.send(sender, self._response(request, text, delta), final=True)
+            self.metrics.finished("success")
+        except Exception as exc:
+            self._fail(sender, exc)
+        finally:
+            self.metrics.in_flight.increment(-1)
+
+    def _response(self, request: GenerateRequest, text: str, delta):
+        outputs = [string_tensor("text_output", text)]
+        if delta.finish_reason is not None:
+            outputs.append(string_tensor("finish_reason", delta.finish_reason))
+        if request.return_num_output_tokens:
+            outputs.append(numeric_tensor("num_output_tokens", delta.num_output_tokens, torch.int32))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def _fail(self, sender, exc: Exception) -> None:
+        self.metrics.finished(outcome(exc))
+        error = triton_error(exc, f"model '{self.model_name}'")
+        self.responses.send(sender, pb_utils.InferenceResponse(error=error), final=True)
+
+    # -- encode (batched) -----------------------------------------------------
+
+    def _encode_batch(self, requests):
+        """One response per request, in order; a bad request fails alone."""
+        results: list = [None] * len(requests)
+        valid: dict[int, EncodeRequest] = {}
+        for i, request in enumerate(requests):
+            try:
+                valid[i] = EncodeRequest.from_inputs(read_inputs(request, ar_io.ENCODE_INPUTS), self.config.limits)
+            except Exception as exc:
+                results[i] = exc
+        if valid:
+            embeddings = self.runner.loop.run(self.runner.encode(list(valid.values())))
+            for i, result in zip(valid, embeddings, strict=True):
+                results[i] = result
+        return [self._encode_response(result) for result in results]
+
+    def _encode_response(self, result):
+        if isinstance(result, Exception):
+            self.metrics.finished(outcome(result))
+            return pb_utils.InferenceResponse(error=triton_error(result, f"model '{self.model_name}'"))
+        self.metrics.finished("success")
+        hidden = result.hidden_states
+        mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
+        return pb_utils.InferenceResponse(output_tensors=[
+            numeric_tensor("prompt_embeds", hidden, batched=True),
+            numeric_tensor("prompt_embeds_mask", mask, batched=True),
+        ])
+
+    def finalize(self):
+        self.runner.close()
+        self.responses.stop()
+

@@ -1,0 +1,136 @@
+"""``ArRunner``: one AR engine, its event loop, and the checks that need the tokenizer.
+
+The runner is Triton-free. It tokenizes each prompt once (the length check
+needs the token count anyway) and hands token ids to the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import AutoTokenizer
+
+from triton_omni.aio import EventLoopThread
+from triton_omni.ar.engine import ArEngine, Delta
+from triton_omni.ar.request import ArLimits, EncodeRequest, GenerateRequest
+from triton_omni.demo_models import resolve_model
+from triton_omni.errors import RequestValidationError
+
+logger = logging.getLogger(__name__)
+
+EngineName = Literal["auto", "vllm", "transformers"]
+Mode = Literal["generate", "encode"]
+
+__all__ = ["ArRunner", "ArRunnerConfig", "Delta", "Embedding"]
+
+
+@dataclass(frozen=True)
+class ArRunnerConfig:
+    model: str
+    mode: Mode = "generate"
+    engine: EngineName = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int = 1024
+    embeds_dtype: str = "float32"  # dtype of ar_encoder's prompt_embeds output
+    limits: ArLimits = field(default_factory=ArLimits)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine args
+
+    def __post_init__(self):
+        if self.mode not in ("generate", "encode"):
+            raise ValueError(f"mode must be 'generate' or 'encode', got {self.mode!r}")
+        if self.engine not in ("auto", "vllm", "transformers"):
+            raise ValueError(f"engine must be 'auto', 'vllm' or 'transformers', got {self.engine!r}")
+
+    def resolved_engine(self) -> str:
+        if self.engine != "auto":
+            return self.engine
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class Embedding:
+    """Per-token hidden states of one prompt, ``[num_tokens, hidden]``."""
+
+    hidden_states: torch.Tensor
+
+
+class ArRunner:
+    def __init__(self, config: ArRunnerConfig):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.engine_name = config.resolved_engine()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
+        # Engines are built on the loop thread: AsyncLLM binds its output
+        # handler to the loop that is running when it is created.
+        self.engine: ArEngine = self.loop.run(self._build_engine())
+        logger.info("AR runner ready: model=%s engine=%s mode=%s", self.model_path, self.engine_name, config.mode)
+
+    async def _build_engine(self) -> ArEngine:
+        cfg = self.config
+        if self.engine_name == "vllm":
+            from triton_omni.ar.engine_vllm import VllmEngine
+
+            dtype = str(cfg.torch_dtype()).removeprefix("torch.")
+            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, cfg.engine_args)
+        from triton_omni.ar.engine_transformers import TransformersEngine
+
+        return TransformersEngine(self.model_path, cfg.device, cfg.torch_dtype())
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.hidden_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a prompt, rejecting prompts the model cannot take."""
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        allowed = self.config.max_model_len - 1  # leave room for at least one new token
+        if len(ids) > allowed:
+            raise RequestValidationError(
+                "text_input", f"prompt has {len(ids)} tokens; this model allows at most {allowed}",
+                f"{prompt[:40]}...", show_value=True,
+            )
+        return ids
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Delta]:
+        prompt_ids = self.tokenize(request.prompt)
+        async for delta in self.engine.generate(prompt_ids, request.sampling, request_id):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def encode(self, requests: list[EncodeRequest]) -> list[Embedding | RequestValidationError]:
+        """Encode a batch in one engine call.
+
+        A prompt the model cannot take gets its error in its own slot; the
+        rest of the batch is encoded as usual.
+        """
+        results: list[Embedding | RequestValidationError] = []
+        token_ids: list[list[int]] = []
+        for request in requests:
+            try:
+                token_ids.append(self.tokenize(request.prompt))
+                results.append(None)  # type: ignore[arg-type] - filled below
+            except RequestValidationError as exc:
+                results.append(exc)
+        hidden = iter(await self.engine.encode(token_ids)) if token_ids else iter(())
+        dtype = getattr(torch, self.config.embeds_dtype)
+        return [Embedding(next(hidden).to(dtype)) if r is None else r for r in results]
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.engine.shutdown(), timeout=60)
+        finally:
+            self.loop.stop()

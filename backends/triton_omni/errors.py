@@ -1,0 +1,38 @@
+"""Typed errors shared by every stage.
+
+The adapters map these to Triton error codes in one place
+(``triton_omni.triton.errors``): a validation error is the client's fault
+(INVALID_ARG), a rejection is load shedding (UNAVAILABLE), a cancellation is
+CANCELLED, anything else is INTERNAL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestValidationError(ValueError):
+    """A request parameter is missing, malformed or out of range.
+
+    The message always names the parameter and echoes the offending value so
+    that a client can fix the request without reading server logs.
+    """
+
+    def __init__(self, parameter: str, reason: str, value: Any = None, *, show_value: bool = True):
+        self.parameter = parameter
+        self.value = value
+        shown = f", got {_short_repr(value)}" if show_value else ""
+        super().__init__(f"invalid `{parameter}`: {reason}{shown}")
+
+
+class RequestCancelledError(Exception):
+    """The client cancelled the request; work on it has stopped."""
+
+
+class RequestRejectedError(Exception):
+    """The server is over a configured budget and refuses the request."""
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,262 @@
+"""Launch a real ``tritonserver`` with this project's model repositories.
+
+One launcher for every use (``omni-triton serve``, the tests, the benchmarks).
+It finds a server (the NGC image's ``/opt/tritonserver``, or the one bundled in
+the ``nvidia-pytriton`` wheel), assembles a backend directory holding the
+server's backends plus this project's Python-based backends, sets the
+environment the Python backend stub needs, starts the server in its own
+process group, waits until it is ready, and on stop takes the whole group
+down (server, stubs and engine processes) so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_BACKENDS = PROJECT_ROOT / "backends"
+DEFAULT_REPOSITORIES = [PROJECT_ROOT / "model_repository", PROJECT_ROOT / "ensemble"]
+SYSTEM_SERVER = Path("/opt/tritonserver")
+
+ServerChoice = Literal["auto", "embedded", "system"]
+
+
+@dataclass
+class ServerOptions:
+    model_repositories: list[Path] = field(default_factory=lambda: list(DEFAULT_REPOSITORIES))
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    model_control_mode: str = "none"  # none | explicit | poll
+    load_models: list[str] = field(default_factory=list)
+    server: ServerChoice = "auto"
+    startup_timeout_s: float = 600.0
+    log_file: Path | None = None  # server output goes here instead of the console
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ServerInstall:
+    """Where a tritonserver's binary, backends and shared libraries live."""
+
+    binary: Path
+    backends: Path
+    lib_dirs: tuple[Path, ...] = ()
+    stubs: Path | None = None  # per-Python-version stubs (the pip bundle only)
+
+
+def find_server(choice: ServerChoice = "auto") -> ServerInstall:
+    if choice in ("auto", "system") and (SYSTEM_SERVER / "bin" / "tritonserver").exists():
+        return ServerInstall(SYSTEM_SERVER / "bin" / "tritonserver", SYSTEM_SERVER / "backends")
+    if choice in ("auto", "system") and (which := shutil.which("tritonserver")):
+        root = Path(which).resolve().parents[1]
+        return ServerInstall(Path(which), root / "backends")
+    if choice == "system":
+        raise FileNotFoundError("no system tritonserver (looked in /opt/tritonserver and on PATH)")
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no tritonserver: install nvidia-pytriton (make install) or use the NGC image")
+    package = Path(spec.submodule_search_locations[0])
+    root = package / "tritonserver"
+    return ServerInstall(
+        binary=root / "bin" / "tritonserver",
+        backends=root / "backends",
+        lib_dirs=(package.parent / "nvidia_pytriton.libs", Path(sysconfig.get_config_var("LIBDIR"))),
+        stubs=root / "python_backend_stubs",
+    )
+
+
+def build_backend_dir(install: ServerInstall, dest: Path | None = None) -> Path:
+    """A backend directory: the server's backends, the Python backend with the
+    stub for *this* interpreter, and each ``backends/<name>/model.py`` here.
+
+    The Python backend's files are copied (Triton refuses a backend library
+    whose real path lies outside the backend directory); the rest are
+    symlinks, so edits to a model.py take effect on the next load.
+    """
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    key = hashlib.sha1(f"{install.backends}|{version}".encode()).hexdigest()[:10]
+    dest = dest or PROJECT_ROOT / ".cache" / "backends" / key
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for backend in install.backends.iterdir():
+        if backend.name != "python":
+            (dest / backend.name).symlink_to(backend)
+    python = dest / "python"
+    python.mkdir()
+    for item in (install.backends / "python").iterdir():
+        if item.is_file():
+            shutil.copy2(item, python / item.name)
+    if install.stubs is not None:
+        stub = install.stubs / version / "triton_python_backend_stub"
+        if not stub.exists():
+            raise FileNotFoundError(f"the bundled server has no Python backend stub for Python {version}")
+        (python / "triton_python_backend_stub").symlink_to(stub)
+    for model_py in PROJECT_BACKENDS.glob("*/model.py"):
+        (dest / model_py.parent.name).mkdir()
+        (dest / model_py.parent.name / "model.py").symlink_to(model_py)
+    return dest
+
+
+def server_env(install: ServerInstall) -> dict[str, str]:
+    env = dict(os.environ)
+    # The stub takes its sys.path from the first python3 on PATH (PYTHONPATH
+    # is ignored), so this interpreter's bin/ goes first.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    lib_path = [str(d) for d in install.lib_dirs if d.exists()]
+    if env.get("LD_LIBRARY_PATH"):
+        lib_path.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_path)
+    # vLLM on CPU: a small KV cache, and no pinning of every engine to the same
+    # cores (several engines share this machine with the server).
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class TritonServer:
+    """A running tritonserver; use as a context manager or call start/stop."""
+
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.options.metrics_port}/metrics"
+
+    def command(self, install: ServerInstall, backend_dir: Path) -> list[str]:
+        opts = self.options
+        cmd = [str(install.binary)]
+        cmd += [f"--model-repository={repo}" for repo in opts.model_repositories]
+        cmd += [
+            f"--backend-directory={backend_dir}",
+            f"--http-port={opts.http_port}",
+            f"--grpc-port={opts.grpc_port}",
+            f"--metrics-port={opts.metrics_port}",
+            f"--log-verbose={opts.log_verbose}",
+            f"--model-control-mode={opts.model_control_mode}",
+            "--exit-timeout-secs=15",
+        ]
+        cmd += [f"--load-model={name}" for name in opts.load_models]
+        return cmd + opts.extra_args
+
+    def start(self) -> TritonServer:
+        install = find_server(self.options.server)
+        backend_dir = build_backend_dir(install)
+        cmd = self.command(install, backend_dir)
+        logger.info("Starting %s", " ".join(cmd))
+        output = None
+        if self.options.log_file is not None:
+            self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
+            output = self._log = open(self.options.log_file, "wb")  # noqa: SIM115 - closed in stop()
+        # Own process group: stop() can then reach the stubs and their engine processes.
+        self.process = subprocess.Popen(cmd, env=server_env(install), stdout=output, stderr=subprocess.STDOUT
+                                        if output else None, start_new_session=True)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup"
+                                   + (f"; see {self.options.log_file}" if self.options.log_file else ""))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {self.options.startup_timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGINT (Triton's graceful shutdown), then SIGKILL for whatever of the
+        process group is left: stubs and vLLM engine processes included."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
+        _kill_group(pgid)
+        self.process.wait()
+        if self._log:
+            self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is already gone: nothing left behind
+    except PermissionError:
+        logger.exception("Could not kill process group %d", pgid)
+
+
+def serve(options: ServerOptions) -> int:
+    """Run until Ctrl-C / SIGTERM, then stop the server and everything it started."""
+    from triton_omni.demo_models import build_all
+
+    build_all()
+    # Until the server is ready, Ctrl-C raises KeyboardInterrupt and start() cleans up.
+    server = TritonServer(options).start()
+    stop_requested = False
+
+    def request_stop(signum, frame):
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    print(f"triton-omni is ready:\n  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
+          f"  metrics  {server.metrics_url}\nPress Ctrl-C to stop.", flush=True)
+    try:
+        while not stop_requested and server.process.poll() is None:
+            time.sleep(0.5)
+    finally:
+        code = server.stop()
+    return 0 if stop_requested else (code or 1)

@@ -1,0 +1,14 @@
+"""Adapters between Triton's Python backend and the runner library.
+
+Only this package imports ``triton_python_backend_utils``; it is imported by
+the ``model.py`` files inside the Python backend stub (and by unit tests that
+fake ``pb_utils``). One tensor<->value mapping, one error mapping, one
+response thread, one metrics helper, shared by every stage.
+"""
+
+import locale
+
+# The stub embeds Python without PEP 538 C-locale coercion, so text files
+# (torch's kernel templates, tokenizer files) would be read as ASCII.
+if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")

@@ -1,0 +1,42 @@
+"""Model parameters (``parameters { key: ... }`` in config.pbtxt) and instance placement."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+
+
+def json_parameter(params: dict[str, str], key: str) -> dict[str, Any]:
+    raw = params.get(key, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model parameter {key!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"model parameter {key!r} must be a JSON object, got {raw!r}")
+    return value
+
+
+def instance_device(args: dict, requested: str = "auto") -> str:
+    """The torch device of this model instance.
+
+    KIND_GPU instances run on the GPU Triton assigned them; KIND_CPU on the
+    CPU; KIND_MODEL (and the ``device`` parameter's ``auto``) use the first
+    GPU when there is one.
+    """
+    kind = args.get("model_instance_kind", "CPU")
+    if kind == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', 0)}"
+    if kind == "CPU":
+        return "cpu"
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,103 @@
+"""Declarative tensor specs: the one mapping between tensors and Python values.
+
+A stage declares its inputs and outputs once as :class:`TensorSpec` tables;
+the same tables fill the model config in ``auto_complete_config``, decode
+request tensors into plain Python values for the request dataclasses, and
+encode results into output tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack
+
+from triton_omni.errors import RequestValidationError
+
+Kind = Literal["scalar", "list", "array"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton config type, e.g. "TYPE_STRING"
+    dims: tuple[int, ...] = (1,)
+    kind: Kind = "scalar"  # how the value is handed to Python
+    optional: bool = True
+
+    def config_entry(self, is_input: bool) -> dict[str, Any]:
+        entry = {"name": self.name, "data_type": self.data_type, "dims": list(self.dims)}
+        if is_input and self.optional:
+            entry["optional"] = True
+        return entry
+
+
+def complete_config(config, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+    """Add the declared inputs/outputs the user's config.pbtxt does not list."""
+    model_config = config.as_dict()
+    have_inputs = {i["name"] for i in model_config.get("input", [])}
+    have_outputs = {o["name"] for o in model_config.get("output", [])}
+    for spec in inputs:
+        if spec.name not in have_inputs:
+            config.add_input(spec.config_entry(is_input=True))
+    for spec in outputs:
+        if spec.name not in have_outputs:
+            config.add_output(spec.config_entry(is_input=False))
+    return config
+
+
+def read_inputs(request, specs: list[TensorSpec]) -> dict[str, Any]:
+    """Decode the inputs a request carries; absent optional inputs are left out."""
+    values: dict[str, Any] = {}
+    for spec in specs:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        if tensor is not None:
+            values[spec.name] = _decode(spec, tensor)
+    return values
+
+
+def _decode(spec: TensorSpec, tensor) -> Any:
+    if spec.kind == "array":
+        return torch.from_dlpack(tensor.to_dlpack())
+    flat = tensor.as_numpy().reshape(-1)
+    if spec.data_type == "TYPE_STRING":
+        items = [_utf8(spec.name, item) for item in flat]
+    else:
+        items = flat.tolist()
+    if spec.kind == "list":
+        return items
+    if len(items) != 1:
+        raise RequestValidationError(spec.name, f"must hold exactly one element, got {len(items)}",
+                                     None, show_value=False)
+    return items[0]
+
+
+def _utf8(name: str, item: Any) -> str:
+    if isinstance(item, str):
+        return item
+    try:
+        return bytes(item).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestValidationError(name, "must be UTF-8 text", bytes(item)[:40]) from None
+
+
+def string_tensor(name: str, value: str | list[str], batched: bool = False):
+    values = [value] if isinstance(value, str) else value
+    array = np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+    return pb_utils.Tensor(name, array[None] if batched else array)
+
+
+def numeric_tensor(name: str, value: torch.Tensor | int | float, dtype: torch.dtype | None = None,
+                   batched: bool = False):
+    """Numeric outputs leave through DLPack: zero-copy for CUDA tensors, and
+    immune to the NumPy 2 layout trap of Triton 2.51's stub."""
+    tensor = value if isinstance(value, torch.Tensor) else torch.tensor([value], dtype=dtype)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if batched:
+        tensor = tensor.unsqueeze(0)
+    return pb_utils.Tensor.from_dlpack(name, to_dlpack(tensor.contiguous()))
