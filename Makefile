@@ -1,0 +1,32 @@
+# triton-omni: `make serve` serves the demo models, `make test` runs the tests.
+# Both install what they need into .venv first (fast when nothing changed).
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.triton-omni-installed
+
+.PHONY: install serve test test-unit lint demo-models clean
+
+install: $(STAMP)
+
+$(STAMP): scripts/install.sh requirements/cpu.lock requirements/gpu.txt pyproject.toml
+	PYTHON=$(PYTHON) scripts/install.sh $(VENV)
+	@touch $@
+
+serve: install
+	$(BIN)/omni-triton serve
+
+test: install
+	$(BIN)/pytest
+
+test-unit: install
+	$(BIN)/pytest tests/unit
+
+lint: install
+	$(BIN)/ruff check .
+
+demo-models: install
+	$(BIN)/omni-triton build-demo-models
+
+clean:
+	rm -rf .cache .pytest_cache

@@ -1,0 +1,87 @@
+"""``omni-triton``: serve the model repository, build demo models, call the models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-triton", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start tritonserver with the triton-omni models")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--model-repository", action="append", type=Path,
+                       help="repository path (repeatable); default: model_repository/ and ensemble/")
+    serve.add_argument("--log-verbose", type=int, default=0)
+    serve.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
+    serve.add_argument("--load-model", action="append", default=[], help="with explicit mode (repeatable)")
+    serve.add_argument("--server", choices=["auto", "embedded", "system"], default="auto",
+                       help="system: /opt/tritonserver (NGC image); embedded: the nvidia-pytriton bundle")
+    serve.set_defaults(run=_serve)
+
+    build = commands.add_parser("build-demo-models", help="build the tiny demo models into the cache")
+    build.set_defaults(run=_build_demo_models)
+
+    text = commands.add_parser("generate-text", help="generate text with the `ar` model")
+    text.add_argument("prompt")
+    text.add_argument("--stream", action="store_true")
+    text.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    text.add_argument("--url", help="default localhost:8001 (gRPC) / localhost:8000 (HTTP)")
+    text.add_argument("--model", default="ar")
+    text.add_argument("--max-tokens", type=int, default=64)
+    text.add_argument("--temperature", type=float)
+    text.add_argument("--seed", type=int)
+    text.set_defaults(run=_generate_text)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+def _serve(args) -> int:
+    from triton_omni.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
+
+    return serve(ServerOptions(
+        model_repositories=args.model_repository or list(DEFAULT_REPOSITORIES),
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
+        load_models=args.load_model, server=args.server,
+    ))
+
+
+def _build_demo_models(args) -> int:
+    from triton_omni.demo_models import build_all
+
+    for name, path in build_all().items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def _generate_text(args) -> int:
+    from triton_omni_client import OmniClient, OmniError
+
+    options = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        options["temperature"] = args.temperature
+    if args.seed is not None:
+        options["seed"] = args.seed
+    client = OmniClient(args.url, protocol=args.protocol)
+    try:
+        for chunk in client.generate_text(args.prompt, stream=args.stream, model=args.model,
+                                          exclude_input_in_output=True, **options):
+            print(chunk.text, end="", flush=True)
+    except OmniError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

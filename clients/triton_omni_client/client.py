@@ -1,0 +1,209 @@
+"""A small client for the triton-omni models.
+
+gRPC goes through ``tritonclient.grpc`` streaming (decoupled models need it).
+HTTP uses Triton's ``/generate`` and ``/generate_stream`` (server-sent events)
+endpoints, because Triton's HTTP ``/infer`` does not serve decoupled models.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Protocol = Literal["grpc", "http"]
+
+# Numpy dtypes of the AR model's optional inputs, for the gRPC path.
+AR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
+    "stream": ("BOOL", np.bool_),
+    "max_tokens": ("INT32", np.int32),
+    "temperature": ("FP32", np.float32),
+    "top_p": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "seed": ("INT64", np.int64),
+    "exclude_input_in_output": ("BOOL", np.bool_),
+    "return_num_output_tokens": ("BOOL", np.bool_),
+}
+
+
+class OmniError(RuntimeError):
+    """A request failed; ``status`` is Triton's code (e.g. ``INVALID_ARG``)."""
+
+    def __init__(self, status: str, message: str):
+        self.status = status
+        super().__init__(f"[{status}] {message}")
+
+
+@dataclass
+class TextChunk:
+    text: str
+    finish_reason: str | None = None
+    num_output_tokens: int | None = None
+
+
+class OmniClient:
+    def __init__(self, url: str | None = None, protocol: Protocol = "grpc"):
+        self.protocol = protocol
+        self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
+
+    # -- text ------------------------------------------------------------------
+
+    def generate_text(self, prompt: str, *, stream: bool = False, model: str = "ar",
+                      sampling_parameters: dict[str, Any] | None = None, stop: list[str] | None = None,
+                      **options: Any) -> Iterator[TextChunk]:
+        """Yield text as it arrives (one chunk when ``stream`` is false)."""
+        options = {"stream": stream, **options}
+        if self.protocol == "http":
+            yield from self._generate_http(model, prompt, options, sampling_parameters, stop)
+        else:
+            yield from self._generate_grpc(model, prompt, options, sampling_parameters, stop)
+
+    def _generate_grpc(self, model, prompt, options, sampling_parameters, stop) -> Iterator[TextChunk]:
+        import tritonclient.grpc as grpcclient
+
+        inputs = [_bytes_input(grpcclient, "text_input", [prompt])]
+        for name, value in options.items():
+            type_name, dtype = AR_INPUT_TYPES[name]
+            tensor = grpcclient.InferInput(name, [1], type_name)
+            tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+            inputs.append(tensor)
+        if sampling_parameters is not None:
+            inputs.append(_bytes_input(grpcclient, "sampling_parameters", [json.dumps(sampling_parameters)]))
+        if stop:
+            inputs.append(_bytes_input(grpcclient, "stop", stop))
+        for result in stream_infer(self.url, model, inputs):
+            yield _chunk(result)
+
+    def _generate_http(self, model, prompt, options, sampling_parameters, stop) -> Iterator[TextChunk]:
+        body: dict[str, Any] = {"text_input": prompt, **options}
+        if sampling_parameters is not None:
+            body["sampling_parameters"] = json.dumps(sampling_parameters)
+        if stop:
+            body["stop"] = stop
+        endpoint = "generate_stream" if options.get("stream") else "generate"
+        request = urllib.request.Request(f"http://{self.url}/v2/models/{model}/{endpoint}",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request) as response:
+                if endpoint == "generate":
+                    yield _http_chunk(json.load(response))
+                    return
+                for line in response:
+                    if line.startswith(b"data: "):
+                        event = json.loads(line[len(b"data: "):])
+                        if "error" in event:
+                            raise OmniError(_http_status(400, event["error"]), event["error"])
+                        yield _http_chunk(event)
+        except urllib.error.HTTPError as exc:
+            message = json.loads(exc.read() or b"{}").get("error", exc.reason)
+            raise OmniError(_http_status(exc.code, message), message) from None
+
+    # -- embeddings --------------------------------------------------------------
+
+    def encode(self, prompt: str, model: str = "ar_encoder") -> np.ndarray:
+        """Prompt embeddings ``[num_tokens, hidden]`` from the AR encoder."""
+        client_module = _client_module(self.protocol)
+        with client_module.InferenceServerClient(self.url) as client:
+            tensor = client_module.InferInput("text_input", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+            try:
+                result = client.infer(model, [tensor])
+            except Exception as exc:
+                raise _as_omni_error(exc) from None
+            return result.as_numpy("prompt_embeds")[0]
+
+
+def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator:
+    """One request over a gRPC stream; yields results until the final one.
+
+    The ``triton_grpc_error`` header makes Triton end the stream with the
+    request's real gRPC status (INVALID_ARGUMENT, CANCELLED, ...) instead of
+    an error message without a code.
+    """
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers={"triton_grpc_error": "true"})
+        try:
+            client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+            while True:
+                result, error = results.get()
+                if error is not None:
+                    raise _as_omni_error(error)
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                if result.get_response().outputs:
+                    yield result
+                if final:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=True)
+
+
+def _chunk(result) -> TextChunk:
+    finish = result.as_numpy("finish_reason")
+    count = result.as_numpy("num_output_tokens")
+    return TextChunk(
+        text=result.as_numpy("text_output")[0].decode(),
+        finish_reason=None if finish is None else finish[0].decode(),
+        num_output_tokens=None if count is None else int(count[0]),
+    )
+
+
+def _http_chunk(event: dict) -> TextChunk:
+    count = event.get("num_output_tokens")
+    return TextChunk(event.get("text_output", ""), event.get("finish_reason") or None,
+                     None if count is None else int(np.ravel(count)[0]))
+
+
+def _bytes_input(module, name: str, values: list[str]):
+    tensor = module.InferInput(name, [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array([v.encode() for v in values], dtype=np.object_))
+    return tensor
+
+
+def _client_module(protocol: Protocol):
+    if protocol == "http":
+        import tritonclient.http as module
+    else:
+        import tritonclient.grpc as module
+    return module
+
+
+_GRPC_STATUS = {
+    "StatusCode.INVALID_ARGUMENT": "INVALID_ARG",
+    "StatusCode.UNAVAILABLE": "UNAVAILABLE",
+    "StatusCode.CANCELLED": "CANCELLED",
+    "StatusCode.INTERNAL": "INTERNAL",
+    "StatusCode.NOT_FOUND": "NOT_FOUND",
+}
+
+
+# Triton's own input checks (dtype, shape, required inputs) reject a request
+# before it reaches the model. On a gRPC stream, Triton 2.51 sends these
+# without a status code, even in triton_grpc_error mode; they are INVALID_ARG.
+_CORE_INPUT_ERRORS = re.compile(
+    r"data-type is '\w+', but model|unexpected shape for input|expected \d+ inputs but got"
+    r"|unexpected inference input|missing required input"
+)
+
+
+def _as_omni_error(exc) -> OmniError:
+    status = exc.status() if hasattr(exc, "status") else None
+    message = exc.message() if hasattr(exc, "message") else str(exc)
+    if status is None:
+        return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
+    return OmniError(_GRPC_STATUS.get(str(status), str(status)), message)
+
+
+def _http_status(code, message: str) -> str:
+    return {"400": "INVALID_ARG", "503": "UNAVAILABLE", "499": "CANCELLED", "500": "INTERNAL"}.get(
+        str(code), str(code))

@@ -1,0 +1,60 @@
+"""A cancelled gRPC stream ends the request and the engine stops working on it."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tests.integration.conftest import GENERATE_MODELS, metric_value
+
+
+def _inputs():
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"tell a very long story"], dtype=np.object_))
+    stream = grpcclient.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([json.dumps({"max_tokens": 1000, "ignore_eos": True}).encode()],
+                                        dtype=np.object_))
+    return [text, stream, params]
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.parametrize("model", GENERATE_MODELS)
+def test_cancelled_stream_stops_the_engine(server, model):
+    in_flight = lambda: metric_value(server, "omni_ar_requests_in_flight", model=model)  # noqa: E731
+    tokens = lambda: metric_value(server, "omni_ar_generated_tokens_total", model=model)  # noqa: E731
+    cancelled_before = metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")
+    tokens_before = tokens()
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(model, _inputs())
+    for _ in range(3):  # generation is under way
+        result, error = responses.get(timeout=60)
+        assert error is None
+    assert in_flight() == 1
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+    assert wait_for(lambda: in_flight() == 0, timeout_s=10), "the engine kept working on a cancelled request"
+    assert wait_for(lambda: metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")
+                    == cancelled_before + 1, timeout_s=5)
+    settled = tokens()
+    time.sleep(1.0)
+    assert tokens() == settled, "tokens are still being generated"
+    assert settled - tokens_before < 1000

@@ -1,0 +1,69 @@
+"""`omni-triton serve` (what `make serve` runs): ready with the default models,
+stops on Ctrl-C and leaves no server, stub or engine process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.integration.conftest import assert_group_gone, free_port
+
+
+def test_serve_ready_then_ctrl_c_leaves_nothing_behind(tmp_path):
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    cli = Path(sys.executable).parent / "omni-triton"
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [str(cli), "serve", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while b"is ready" not in (tmp_path / "serve.log").read_bytes():
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "serve did not become ready"
+            time.sleep(0.5)
+        for model in ("ar", "ar_encoder"):
+            with urllib.request.urlopen(f"http://localhost:{http}/v2/models/{model}/ready") as response:
+                assert response.status == 200
+        children = _descendants(process.pid)
+        assert children, "expected tritonserver and its stubs"
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=120) == 0
+        for pid in children:
+            assert not _alive(pid), f"process {pid} left behind"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+    assert_group_gone(process.pid)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
