@@ -13,9 +13,8 @@ import logging
 import uuid
 
 import torch
-import triton_python_backend_utils as pb_utils
-
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch/vLLM read files
+import triton_python_backend_utils as pb_utils
 from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io

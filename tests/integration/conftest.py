@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from triton_omni.demo_models import build_all
 from triton_omni.launcher import PROJECT_ROOT, ServerOptions, TritonServer
 
@@ -107,7 +106,7 @@ def metric_value(server, name: str, **labels: str) -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        is_sample = line.startswith((name + "{", name + " "))
+        if is_sample and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total

@@ -45,7 +45,7 @@ def test_cancelled_stream_stops_the_engine(server, model):
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     client.async_stream_infer(model, _inputs())
     for _ in range(3):  # generation is under way
-        result, error = responses.get(timeout=60)
+        _, error = responses.get(timeout=60)
         assert error is None
     assert in_flight() == 1
     client.stop_stream(cancel_requests=True)

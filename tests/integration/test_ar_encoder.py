@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from transformers import AutoTokenizer
-
-from tests.integration.conftest import ENCODE_MODELS
 from triton_omni.demo_models import AR_SHAPE, resolve_model
 from triton_omni_client import OmniClient
+
+from tests.integration.conftest import ENCODE_MODELS
 
 PROMPTS = ["a red fox", "an astronaut rides a horse on the moon", "watercolor", "a robot reads a book"]
 

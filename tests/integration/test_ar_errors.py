@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import stream_infer
 from tritonclient.utils import InferenceServerException
 
 from tests.integration.conftest import ENCODE_MODELS, GENERATE_MODELS
-from triton_omni_client import OmniClient, OmniError
-from triton_omni_client.client import stream_infer
 
 
 def tensor(name, value, type_name, dtype):

@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-
 from triton_omni.ar import ArLimits, EncodeRequest, GenerateRequest
 from triton_omni.errors import RequestValidationError
 

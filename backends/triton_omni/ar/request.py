@@ -41,16 +41,16 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
 
     @classmethod
-    def keys(cls) -> set[str]:
+    def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     @classmethod
     def from_values(cls, values: dict[str, Any], limits: ArLimits) -> SamplingOptions:
         """Convert loosely typed values (JSON or tensors), then range check."""
-        unknown = sorted(set(values) - cls.keys())
+        unknown = sorted(set(values) - cls.field_names())
         if unknown:
             raise RequestValidationError(
-                "sampling_parameters", f"unknown key(s) {unknown}; allowed: {sorted(cls.keys())}", values,
+                "sampling_parameters", f"unknown key(s) {unknown}; allowed: {sorted(cls.field_names())}", values,
                 show_value=False,
             )
         converters = {
@@ -108,7 +108,7 @@ class GenerateRequest:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
         values = _parse_sampling_json(inputs.get("sampling_parameters"))
-        values.update({k: v for k, v in inputs.items() if k in SamplingOptions.keys()})
+        values.update({k: v for k, v in inputs.items() if k in SamplingOptions.field_names()})
         return cls(
             prompt=prompt,
             sampling=SamplingOptions.from_values(values, limits),
