@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 DEMO_PREFIX = "demo:"
 AR_DEMO = "tiny-qwen2"
+DIFFUSION_DEMO = "tiny-sd"
 # Bump when a builder changes, so stale caches are rebuilt.
 BUILD_VERSION = 1
 
@@ -57,7 +58,7 @@ def resolve_model(model: str) -> str:
     if not model.startswith(DEMO_PREFIX):
         return model
     name = model.removeprefix(DEMO_PREFIX)
-    builders = {AR_DEMO: build_ar_model}
+    builders = {AR_DEMO: build_ar_model, DIFFUSION_DEMO: build_diffusion_pipeline}
     if name not in builders:
         raise ValueError(f"unknown demo model {model!r}; known: {sorted(DEMO_PREFIX + n for n in builders)}")
     return str(ensure_built(name, builders[name]))
@@ -90,7 +91,7 @@ def ensure_built(name: str, builder) -> Path:
     return target
 
 
-def build_tokenizer(out: Path, vocab_size: int):
+def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -106,7 +107,7 @@ def build_tokenizer(out: Path, vocab_size: int):
     tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
-        model_max_length=AR_SHAPE["max_position_embeddings"],
+        model_max_length=max_length,
     )
     fast.save_pretrained(out)
     return fast
@@ -133,8 +134,44 @@ def build_ar_model(out: Path) -> None:
     )
 
 
+def build_diffusion_pipeline(out: Path) -> None:
+    """A tiny StableDiffusionPipeline whose cross-attention width equals the
+    demo AR model's hidden size, so ``ar_encoder`` embeddings condition it
+    directly; its own small CLIP text encoder takes text prompts."""
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    hidden = AR_SHAPE["hidden_size"]
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], max_length=77)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=hidden,
+        attention_head_dim=8, norm_num_groups=32,
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=32, sample_size=32,
+    )
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=AR_SHAPE["vocab_size"], hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+    ))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              clip_sample=False, set_alpha_to_one=False)
+    pipeline = StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(out)
+
+
 def build_all() -> dict[str, str]:
-    return {name: resolve_model(DEMO_PREFIX + name) for name in (AR_DEMO,)}
+    return {name: resolve_model(DEMO_PREFIX + name) for name in (AR_DEMO, DIFFUSION_DEMO)}
 
 
 if __name__ == "__main__":

@@ -39,6 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--seed", type=int)
     text.set_defaults(run=_generate_text)
 
+    image = commands.add_parser("generate-image", help="generate an image with the `diffusion` model")
+    image.add_argument("prompt")
+    image.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    image.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    image.add_argument("--url")
+    image.add_argument("--model", default="diffusion")
+    image.add_argument("--steps", type=int, dest="num_inference_steps")
+    image.add_argument("--seed", type=int)
+    image.add_argument("--height", type=int)
+    image.add_argument("--width", type=int)
+    image.add_argument("--guidance", type=float, dest="guidance_scale")
+    image.add_argument("--negative-prompt")
+    image.set_defaults(run=_generate_image)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.run(args)
@@ -80,6 +94,24 @@ def _generate_text(args) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     print()
+    return 0
+
+
+def _generate_image(args) -> int:
+    from PIL import Image
+
+    from triton_omni_client import OmniClient, OmniError
+
+    options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")
+               if getattr(args, k) is not None}
+    try:
+        pixels = OmniClient(args.url, protocol=args.protocol).generate_image(
+            args.prompt, negative_prompt=args.negative_prompt, model=args.model, **options)
+    except OmniError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    Image.fromarray(pixels).save(args.out, format="PNG")
+    print(f"wrote {args.out} ({pixels.shape[1]}x{pixels.shape[0]})")
     return 0
 
 

@@ -120,6 +120,54 @@ class OmniClient:
             return result.as_numpy("prompt_embeds")[0]
 
 
+    # -- images ----------------------------------------------------------------
+
+    def generate_image(self, prompt: str | None = None, *, prompt_embeds: np.ndarray | None = None,
+                       negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
+                       model: str = "diffusion", **options: Any) -> np.ndarray:
+        """An image ``[H, W, 3]`` uint8. ``options``: num_inference_steps,
+        guidance_scale, height, width, seed."""
+        client_module = _client_module(self.protocol)
+        inputs = image_inputs(client_module, prompt=prompt, prompt_embeds=prompt_embeds,
+                              negative_prompt=negative_prompt, negative_prompt_embeds=negative_prompt_embeds,
+                              **options)
+        with client_module.InferenceServerClient(self.url) as client:
+            try:
+                result = client.infer(model, inputs)
+            except Exception as exc:
+                raise _as_omni_error(exc) from None
+            return result.as_numpy("image")[0]
+
+
+IMAGE_OPTION_TYPES: dict[str, tuple[str, Any]] = {
+    "num_inference_steps": ("INT32", np.int32),
+    "guidance_scale": ("FP32", np.float32),
+    "height": ("INT32", np.int32),
+    "width": ("INT32", np.int32),
+    "seed": ("INT64", np.int64),
+}
+
+
+def image_inputs(client_module, **values: Any) -> list:
+    """Input tensors of the diffusion model (batch dimension 1) for the given values."""
+    inputs = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in ("prompt", "negative_prompt"):
+            array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
+        elif name.endswith("prompt_embeds"):
+            array = np.ascontiguousarray(value)[None] if value.ndim == 2 else np.ascontiguousarray(value)
+            type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
+        else:
+            type_name, dtype = IMAGE_OPTION_TYPES[name]
+            array = np.array([[value]], dtype=dtype)
+        tensor = client_module.InferInput(name, list(array.shape), type_name)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
 def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator:
     """One request over a gRPC stream; yields results until the final one.
 

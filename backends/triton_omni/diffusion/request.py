@@ -1,0 +1,119 @@
+"""The typed diffusion request, validated before anything is allocated.
+
+Prompt embeddings are checked from their metadata first (dtype, rank, hidden
+size, token count, byte count), so an oversized tensor is refused before it is
+copied or converted; only then are the values checked for NaN/inf. Nothing a
+client sends is unpickled or ``torch.load``-ed: embeddings arrive as tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from triton_omni.errors import RequestValidationError
+from triton_omni.validation import as_float, as_int, as_str, in_range, require
+
+ALLOWED_EMBEDS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DiffusionLimits:
+    """Server-side bounds, from model parameters."""
+
+    hidden_size: int
+    min_size: int = 32
+    max_size: int = 1024
+    max_steps: int = 100
+    max_guidance: float = 30.0
+    max_embeds_tokens: int = 512
+    max_embeds_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 10_000
+
+
+@dataclass
+class DiffusionRequest:
+    prompt: str | None
+    prompt_embeds: torch.Tensor | None
+    negative_prompt: str | None
+    negative_prompt_embeds: torch.Tensor | None
+    num_inference_steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    seed: int | None
+
+    @property
+    def uses_guidance(self) -> bool:
+        """``guidance_scale <= 1`` means no classifier-free guidance."""
+        return self.guidance_scale > 1.0
+
+    @classmethod
+    def from_inputs(cls, inputs: dict[str, Any], limits: DiffusionLimits,
+                    defaults: dict[str, Any] | None = None) -> DiffusionRequest:
+        values = {"num_inference_steps": 20, "guidance_scale": 7.5, "height": 64, "width": 64} | (defaults or {})
+        values |= inputs
+        # 1. Exactly one conditioning source per side (none at all on the negative side is fine).
+        prompt, embeds = _one_of(values, "prompt", "prompt_embeds", limits, required=True)
+        negative, negative_embeds = _one_of(values, "negative_prompt", "negative_prompt_embeds", limits,
+                                            required=False)
+        # 2. Scalar options.
+        steps = as_int("num_inference_steps", values["num_inference_steps"])
+        in_range("num_inference_steps", steps, 1, limits.max_steps)
+        guidance = as_float("guidance_scale", values["guidance_scale"])
+        in_range("guidance_scale", guidance, 0.0, limits.max_guidance)
+        height, width = (_image_side(name, values[name], limits) for name in ("height", "width"))
+        seed = values.get("seed")
+        seed = None if seed is None or as_int("seed", seed) < 0 else as_int("seed", seed)
+        return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed)
+
+
+def _one_of(values, text_name: str, embeds_name: str, limits: DiffusionLimits, required: bool):
+    text, embeds = values.get(text_name), values.get(embeds_name)
+    if text is not None and embeds is not None:
+        raise RequestValidationError(text_name, f"give either `{text_name}` or `{embeds_name}`, not both",
+                                     None, show_value=False)
+    if required and text is None and embeds is None:
+        raise RequestValidationError(text_name, f"one of `{text_name}` or `{embeds_name}` is required",
+                                     None, show_value=False)
+    if text is not None:
+        text = as_str(text_name, text)
+        require(text.strip() != "" or not required, text_name, "must be a non-empty prompt", text)
+        require(len(text) <= limits.max_prompt_chars, text_name,
+                f"is longer than {limits.max_prompt_chars} characters", len(text))
+    if embeds is not None:
+        embeds = check_embeds(embeds_name, embeds, limits)
+    return text, embeds
+
+
+def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits) -> torch.Tensor:
+    """Metadata checks first (no copy), then values. Accepts ``[T, H]`` or a
+    batch dimension of 1 (``[1, T, H]``, as batched Triton models send)."""
+    if not isinstance(embeds, torch.Tensor):
+        raise RequestValidationError(name, "must be a tensor", type(embeds).__name__)
+    require(embeds.dtype in ALLOWED_EMBEDS_DTYPES, name,
+            f"dtype must be one of {[str(d).removeprefix('torch.') for d in ALLOWED_EMBEDS_DTYPES]}",
+            str(embeds.dtype).removeprefix("torch."))
+    shape = tuple(embeds.shape)
+    if len(shape) == 3 and shape[0] == 1:
+        shape = shape[1:]
+    require(len(shape) == 2, name, "must be 2-D [num_tokens, hidden]", list(embeds.shape))
+    tokens, hidden = shape
+    require(hidden == limits.hidden_size, name, f"hidden size must be {limits.hidden_size}", hidden)
+    require(1 <= tokens <= limits.max_embeds_tokens, name,
+            f"token count must be in [1, {limits.max_embeds_tokens}]", tokens)
+    nbytes = embeds.numel() * embeds.element_size()
+    require(nbytes <= limits.max_embeds_bytes, name, f"is larger than {limits.max_embeds_bytes} bytes", nbytes)
+    embeds = embeds.reshape(shape)
+    require(bool(torch.isfinite(embeds).all()), name, "must hold only finite values (no NaN/inf)",
+            "non-finite values")
+    return embeds
+
+
+def _image_side(name: str, value: Any, limits: DiffusionLimits) -> int:
+    side = as_int(name, value)
+    in_range(name, side, limits.min_size, limits.max_size)
+    require(side % 8 == 0, name, "must be a multiple of 8", side)
+    return side

@@ -1,0 +1,172 @@
+"""``DiffusionRunner``: any diffusers text-to-image pipeline, batched exactly.
+
+Exact batching, as a recipe:
+1. every text prompt is encoded on its own (batch 1), so its embeddings never
+   depend on its neighbours;
+2. requests are grouped by what one pipeline call must share (size, steps,
+   guidance, token count);
+3. each group runs in chunks padded to one fixed batch size, with one
+   generator per request. At a fixed batch size the UNet/VAE rows are
+   bit-identical whatever the other rows hold (batch *size* changes kernel
+   choice and the low bits), so a request's image depends only on its own
+   inputs and seed. ``exact_batching=False`` skips the padding: faster for
+   small batches, but images may differ in the last bit with the batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
+from triton_omni.errors import RequestCancelledError, RequestValidationError
+
+logger = logging.getLogger(__name__)
+
+# (request index, step just finished, total steps)
+StepCallback = Callable[[int, int, int], None]
+IsCancelled = Callable[[int], bool]
+
+
+@dataclass(frozen=True)
+class DiffusionRunnerConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float16 on CUDA, float32 on CPU
+    batch_size: int = 8
+    exact_batching: bool = True
+    limits: dict[str, Any] = field(default_factory=dict)  # DiffusionLimits overrides
+    defaults: dict[str, Any] = field(default_factory=dict)  # default steps/size/guidance
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class _Job:
+    index: int
+    request: DiffusionRequest
+    cond: torch.Tensor  # [T, H]
+    uncond: torch.Tensor | None  # [T, H] when guidance is on
+
+    def group_key(self) -> tuple:
+        r = self.request
+        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if r.uses_guidance else 0.0,
+                self.cond.shape[0])
+
+
+class DiffusionRunner:
+    def __init__(self, config: DiffusionRunnerConfig):
+        from diffusers import DiffusionPipeline
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        path = resolve_model(config.model)
+        self.pipeline = DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device)
+        self.pipeline.set_progress_bar_config(disable=True)
+        denoiser = getattr(self.pipeline, "unet", None) or self.pipeline.transformer
+        hidden = getattr(denoiser.config, "cross_attention_dim", None) or denoiser.config.joint_attention_dim
+        self.limits = DiffusionLimits(hidden_size=int(hidden), **config.limits)
+        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d", path, type(self.pipeline).__name__,
+                    self.device, self.dtype, hidden)
+
+    def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
+        return DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+
+    def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
+            is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:
+        """Images ``[H, W, 3]`` uint8, or the exception of each failed request, in order."""
+        results: list[torch.Tensor | Exception | None] = [None] * len(requests)
+        groups: dict[tuple, list[_Job]] = defaultdict(list)
+        for i, request in enumerate(requests):
+            try:
+                job = self._prepare(i, request)
+                groups[job.group_key()].append(job)
+            except RequestValidationError as exc:
+                results[i] = exc
+        for jobs in groups.values():
+            for start in range(0, len(jobs), self.config.batch_size):
+                chunk = jobs[start : start + self.config.batch_size]
+                try:
+                    for job, image in zip(chunk, self._run_chunk(chunk, on_step, is_cancelled), strict=True):
+                        results[job.index] = image
+                except Exception as exc:
+                    logger.exception("Diffusion batch of %d failed", len(chunk))
+                    for job in chunk:
+                        results[job.index] = exc
+        return results  # type: ignore[return-value]
+
+    # -- steps of the recipe ------------------------------------------------------
+
+    def _prepare(self, index: int, request: DiffusionRequest) -> _Job:
+        cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
+        cond = cond.to(self.device, self.dtype)
+        uncond = None
+        if request.uses_guidance:
+            if request.negative_prompt_embeds is not None:
+                uncond = request.negative_prompt_embeds
+            elif request.negative_prompt is not None or request.prompt is not None:
+                uncond = self._encode_text(request.negative_prompt or "")
+            else:  # embeddings from another model and no negative: the null condition
+                uncond = torch.zeros_like(cond)
+            uncond = uncond.to(self.device, self.dtype)
+            if uncond.shape != cond.shape:
+                raise RequestValidationError(
+                    "negative_prompt_embeds", f"must have the same shape as the prompt's embeddings {list(cond.shape)}",
+                    list(uncond.shape))
+        return _Job(index, request, cond, uncond)
+
+    def _encode_text(self, prompt: str) -> torch.Tensor:
+        with torch.inference_mode():
+            embeds, _ = self.pipeline.encode_prompt(prompt, self.device, 1, False)
+        return embeds[0]
+
+    def _run_chunk(self, jobs: list[_Job], on_step, is_cancelled) -> list[torch.Tensor | Exception]:
+        first = jobs[0].request
+        padding = self.config.batch_size - len(jobs) if self.config.exact_batching else 0
+        rows = jobs + [jobs[0]] * padding  # padding rows repeat a real row; their output is dropped
+        generators = [self._generator(job.request.seed) for job in jobs] + [self._generator(0)] * padding
+        kwargs: dict[str, Any] = {
+            "prompt_embeds": torch.stack([job.cond for job in rows]),
+            "num_inference_steps": first.num_inference_steps,
+            "guidance_scale": first.guidance_scale,
+            "height": first.height,
+            "width": first.width,
+            "generator": generators,
+            "output_type": "pt",
+            "callback_on_step_end": self._step_callback(jobs, on_step, is_cancelled),
+        }
+        if first.uses_guidance:
+            kwargs["negative_prompt_embeds"] = torch.stack([job.uncond for job in rows])
+        with torch.inference_mode():
+            images = self.pipeline(**kwargs).images[: len(jobs)]
+        pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        cancelled = is_cancelled or (lambda i: False)
+        return [RequestCancelledError() if cancelled(job.index) else pixels[k] for k, job in enumerate(jobs)]
+
+    def _step_callback(self, jobs: list[_Job], on_step, is_cancelled):
+        total = jobs[0].request.num_inference_steps
+
+        def callback(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
+            live = [job for job in jobs if not (is_cancelled and is_cancelled(job.index))]
+            for job in live:
+                if on_step is not None:
+                    on_step(job.index, step + 1, total)
+            if not live:
+                pipeline._interrupt = True  # every request of the batch was cancelled: skip the remaining steps
+            return callback_kwargs
+
+        return callback
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(secrets.randbits(63) if seed is None else seed)

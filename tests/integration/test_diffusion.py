@@ -1,0 +1,164 @@
+"""The `diffusion` model on a real server: both inputs, exact batching, bad inputs, cancellation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from PIL import Image
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import image_inputs
+
+from tests.integration.conftest import metric_value
+
+FAST = {"num_inference_steps": 2, "height": 32, "width": 32}
+
+
+def embeds(seed: int, tokens: int = 7) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((tokens, 128)).astype(np.float32)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_prompt_and_prompt_embeds_give_images(server, protocol):
+    client = OmniClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol)
+    for inputs in ({"prompt": "a red fox"}, {"prompt_embeds": embeds(0)}):
+        image = client.generate_image(**inputs, seed=1, **FAST | {"height": 48, "width": 40})
+        assert image.dtype == np.uint8 and image.shape == (48, 40, 3)
+        assert image.std() > 0
+
+
+def test_embeddings_from_ar_encoder_condition_the_image(grpc_url):
+    client = OmniClient(grpc_url)
+    prompt_embeds = client.encode("a watercolor lighthouse")
+    image = client.generate_image(prompt_embeds=prompt_embeds, seed=2, **FAST)
+    assert image.shape == (32, 32, 3)
+
+
+def test_cli_writes_a_png(grpc_url, tmp_path):
+    out = tmp_path / "fox.png"
+    cli = Path(sys.executable).parent / "omni-triton"
+    subprocess.run([str(cli), "generate-image", "a red fox", "--out", str(out), "--url", grpc_url,
+                    "--steps", "2", "--seed", "3", "--height", "32", "--width", "48"], check=True)
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (48, 32)
+
+
+# Eight mixed requests: text and embeddings, different seeds, guidance on and off, two sizes.
+MIXED = [
+    {"prompt": "a red fox", "seed": 1},
+    {"prompt": "a red fox", "seed": 2},
+    {"prompt": "a blue cat", "seed": 1, "guidance_scale": 4.0},
+    {"prompt_embeds": embeds(1), "seed": 5},
+    {"prompt_embeds": embeds(2), "seed": 5, "guidance_scale": 3.0},
+    {"prompt": "a lighthouse", "seed": 9, "height": 40},
+    {"prompt": "a lighthouse", "seed": 9, "negative_prompt": "fog", "guidance_scale": 5.0},
+    {"prompt_embeds": embeds(1), "seed": 6},
+]
+
+
+def _generate(client, request):
+    return client.generate_image(**(FAST | {"guidance_scale": 1.0} | request))
+
+
+def test_batched_images_equal_images_computed_alone(grpc_url, http_url):
+    client = OmniClient(grpc_url)
+    alone = [_generate(client, r) for r in MIXED]
+    with concurrent.futures.ThreadPoolExecutor(len(MIXED)) as pool:
+        together = list(pool.map(lambda r: _generate(OmniClient(http_url, "http"), r), MIXED))
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"request {i} changed when batched")
+    assert not np.array_equal(alone[0], alone[1]), "different seeds must give different images"
+    assert not np.array_equal(alone[3], alone[7]), "different seeds must give different images"
+
+
+def test_requests_were_batched(http_url):
+    import tritonclient.http as httpclient
+
+    def counts():
+        with httpclient.InferenceServerClient(http_url) as c:
+            stats = c.get_inference_statistics("diffusion")["model_stats"][0]
+        return stats["inference_count"], stats["execution_count"]
+
+    before = counts()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda r: _generate(OmniClient(http_url, "http"), r), [MIXED[0]] * 8))
+    after = counts()
+    assert after[0] - before[0] == 8 and after[1] - before[1] < 8
+
+
+def _bad(**values):
+    return values
+
+
+BAD_INPUTS = {
+    "both prompt and embeds": (_bad(prompt="x", prompt_embeds=embeds(0)), "prompt"),
+    "neither prompt nor embeds": (_bad(seed=1), "prompt"),
+    "3-D embeddings": (_bad(prompt_embeds=np.zeros((2, 3, 128), np.float32)), "prompt_embeds"),
+    "wrong hidden size": (_bad(prompt_embeds=np.zeros((4, 64), np.float32)), "prompt_embeds"),
+    "too many tokens": (_bad(prompt_embeds=np.zeros((600, 128), np.float32)), "prompt_embeds"),
+    "NaN embeddings": (_bad(prompt_embeds=np.full((4, 128), np.nan, np.float32)), "prompt_embeds"),
+    "height 500": (_bad(prompt="x", height=500), "height"),
+    "height too large": (_bad(prompt="x", height=4096), "height"),
+    "steps 0": (_bad(prompt="x", num_inference_steps=0), "num_inference_steps"),
+    "too many steps": (_bad(prompt="x", num_inference_steps=5000), "num_inference_steps"),
+    "negative guidance": (_bad(prompt="x", guidance_scale=-1.0), "guidance_scale"),
+    "wrong dtype": (_bad(prompt_embeds=np.zeros((4, 128), np.float64)), "prompt_embeds"),
+    "negative embeds shape": (_bad(prompt_embeds=embeds(0), negative_prompt_embeds=embeds(1, tokens=3),
+                                   guidance_scale=3.0), "negative_prompt_embeds"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_invalid_arg(http_url, case):
+    values, parameter = BAD_INPUTS[case]
+    with pytest.raises(OmniError) as info:
+        OmniClient(http_url, "http").generate_image(**(FAST | values))
+    assert info.value.status in ("INVALID_ARG", "400"), info.value
+    assert parameter in str(info.value)
+
+
+def test_valid_requests_batched_with_bad_ones_succeed(http_url):
+    cases = [MIXED[0], BAD_INPUTS["NaN embeddings"][0], MIXED[3], BAD_INPUTS["height 500"][0], MIXED[1]]
+    client = OmniClient(http_url, "http")
+    expected = {i: _generate(client, cases[i]) for i in (0, 2, 4)}
+
+    def attempt(request):
+        try:
+            return _generate(OmniClient(http_url, "http"), request)
+        except OmniError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        outcomes = list(pool.map(attempt, cases))
+    for i, image in expected.items():
+        np.testing.assert_array_equal(outcomes[i], image)
+    assert isinstance(outcomes[1], OmniError) and isinstance(outcomes[3], OmniError)
+
+
+def test_grpc_cancel_stops_within_one_step(server):
+    steps = lambda: metric_value(server, "omni_diffusion_steps_total", model="diffusion")  # noqa: E731
+    long_request = {"prompt": "a very slow painting", "num_inference_steps": 100, "height": 128, "width": 128,
+                    "guidance_scale": 1.0, "seed": 1}
+    before = steps()
+    done = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        call = client.async_infer("diffusion", image_inputs(grpcclient, **long_request),
+                                  callback=lambda result, error: done.append(error))
+        deadline = time.monotonic() + 120
+        while steps() - before < 3:
+            assert time.monotonic() < deadline, "diffusion never started"
+            time.sleep(0.05)
+        call.cancel()
+        at_cancel = steps() - before
+        time.sleep(3.0)
+        settled = steps() - before
+    # One step may be in flight when the cancel lands, and the metric lags a little.
+    assert settled <= at_cancel + 2, f"{settled - at_cancel} steps ran after the cancel"
+    assert settled < 100
+    assert metric_value(server, "omni_diffusion_requests_total", model="diffusion", outcome="cancelled") >= 1
