@@ -59,9 +59,14 @@ def test_dynamic_batching_merges_concurrent_requests(http_url, model):
         return stats["inference_count"], stats["execution_count"]
 
     inferences_before, executions_before = counts()
-    client = OmniClient(http_url, "http")
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda p: client.encode(p, model=model), PROMPTS * 8))
+    with httpclient.InferenceServerClient(http_url, concurrency=32) as client:
+        pending = []
+        for prompt in PROMPTS * 8:
+            t = httpclient.InferInput("text_input", [1, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+            pending.append(client.async_infer(model, [t]))
+        for request in pending:
+            assert request.get_result().as_numpy("prompt_embeds").size > 0
     inferences, executions = counts()
     assert inferences - inferences_before == 32
     assert executions - executions_before < 32, "no request was batched with another"
