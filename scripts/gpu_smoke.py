@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.integration.conftest import free_port, make_variant  # noqa: E402
-from triton_omni.demo_models import build_all  # noqa: E402
-from triton_omni.launcher import ServerOptions, TritonServer  # noqa: E402
-from triton_omni_client import OmniClient  # noqa: E402
+from triton_omni.demo_models import build_all
+from triton_omni.launcher import ServerOptions, TritonServer
+from triton_omni_client import OmniClient
+
+from tests.integration.conftest import free_port, make_variant
 
 
 def main() -> int:
