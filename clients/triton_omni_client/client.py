@@ -99,11 +99,11 @@ class OmniClient:
                     if line.startswith(b"data: "):
                         event = json.loads(line[len(b"data: "):])
                         if "error" in event:
-                            raise OmniError(_http_status(400, event["error"]), event["error"])
+                            raise OmniError(_http_status(400), event["error"])
                         yield _http_chunk(event)
         except urllib.error.HTTPError as exc:
             message = json.loads(exc.read() or b"{}").get("error", exc.reason)
-            raise OmniError(_http_status(exc.code, message), message) from None
+            raise OmniError(_http_status(exc.code), message) from None
 
     # -- embeddings --------------------------------------------------------------
 
@@ -249,9 +249,9 @@ def _as_omni_error(exc) -> OmniError:
     message = exc.message() if hasattr(exc, "message") else str(exc)
     if status is None:
         return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
-    return OmniError(_GRPC_STATUS.get(str(status), str(status)), message)
+    return OmniError(_GRPC_STATUS.get(str(status)) or _http_status(status), message)
 
 
-def _http_status(code, message: str) -> str:
+def _http_status(code) -> str:
     return {"400": "INVALID_ARG", "503": "UNAVAILABLE", "499": "CANCELLED", "500": "INTERNAL"}.get(
         str(code), str(code))
