@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io
-from triton_omni.triton.errors import outcome, triton_error
+from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
@@ -92,9 +92,7 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _fail(self, sender, exc: Exception) -> None:
-        self.metrics.finished(outcome(exc))
-        error = triton_error(exc, f"model '{self.model_name}'")
-        self.responses.send(sender, pb_utils.InferenceResponse(error=error), final=True)
+        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics), final=True)
 
     # -- encode (batched) -----------------------------------------------------
 
@@ -115,8 +113,7 @@ class TritonPythonModel:
 
     def _encode_response(self, result):
         if isinstance(result, Exception):
-            self.metrics.finished(outcome(result))
-            return pb_utils.InferenceResponse(error=triton_error(result, f"model '{self.model_name}'"))
+            return error_response(result, f"model '{self.model_name}'", self.metrics)
         self.metrics.finished("success")
         hidden = result.hidden_states
         mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)

@@ -15,7 +15,7 @@ import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before 
 import triton_python_backend_utils as pb_utils
 from triton_omni.diffusion import DiffusionRunner
 from triton_omni.triton import diffusion_io
-from triton_omni.triton.errors import outcome, triton_error
+from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import COUNTER, StageMetrics, family
 from triton_omni.triton.tensors import numeric_tensor, read_inputs
 
@@ -63,7 +63,6 @@ class TritonPythonModel:
 
     def _response(self, result):
         if isinstance(result, Exception):
-            self.metrics.finished(outcome(result))
-            return pb_utils.InferenceResponse(error=triton_error(result, f"model '{self.model_name}'"))
+            return error_response(result, f"model '{self.model_name}'", self.metrics)
         self.metrics.finished("success")
         return pb_utils.InferenceResponse(output_tensors=[numeric_tensor("image", result, batched=True)])

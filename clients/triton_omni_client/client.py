@@ -20,8 +20,8 @@ import numpy as np
 
 Protocol = Literal["grpc", "http"]
 
-# Numpy dtypes of the AR model's optional inputs, for the gRPC path.
-AR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
+# Triton and NumPy types of every scalar input of the models (AR and diffusion).
+SCALAR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "stream": ("BOOL", np.bool_),
     "max_tokens": ("INT32", np.int32),
     "temperature": ("FP32", np.float32),
@@ -30,6 +30,10 @@ AR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "seed": ("INT64", np.int64),
     "exclude_input_in_output": ("BOOL", np.bool_),
     "return_num_output_tokens": ("BOOL", np.bool_),
+    "num_inference_steps": ("INT32", np.int32),
+    "guidance_scale": ("FP32", np.float32),
+    "height": ("INT32", np.int32),
+    "width": ("INT32", np.int32),
 }
 
 
@@ -70,7 +74,7 @@ class OmniClient:
 
         inputs = [_bytes_input(grpcclient, "text_input", [prompt])]
         for name, value in options.items():
-            type_name, dtype = AR_INPUT_TYPES[name]
+            type_name, dtype = SCALAR_INPUT_TYPES[name]
             tensor = grpcclient.InferInput(name, [1], type_name)
             tensor.set_data_from_numpy(np.array([value], dtype=dtype))
             inputs.append(tensor)
@@ -139,15 +143,6 @@ class OmniClient:
             return result.as_numpy("image")[0]
 
 
-IMAGE_OPTION_TYPES: dict[str, tuple[str, Any]] = {
-    "num_inference_steps": ("INT32", np.int32),
-    "guidance_scale": ("FP32", np.float32),
-    "height": ("INT32", np.int32),
-    "width": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
-}
-
-
 def image_inputs(client_module, **values: Any) -> list:
     """Input tensors of the diffusion model (batch dimension 1) for the given values."""
     inputs = []
@@ -160,7 +155,7 @@ def image_inputs(client_module, **values: Any) -> list:
             array = np.ascontiguousarray(value)[None] if value.ndim == 2 else np.ascontiguousarray(value)
             type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
         else:
-            type_name, dtype = IMAGE_OPTION_TYPES[name]
+            type_name, dtype = SCALAR_INPUT_TYPES[name]
             array = np.array([[value]], dtype=dtype)
         tensor = client_module.InferInput(name, list(array.shape), type_name)
         tensor.set_data_from_numpy(array)

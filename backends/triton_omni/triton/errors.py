@@ -34,3 +34,9 @@ def outcome(exc: BaseException | None) -> str:
         RequestRejectedError: "rejected",
         RequestCancelledError: "cancelled",
     }.get(type(exc), "error")
+
+
+def error_response(exc: BaseException, context: str, metrics):
+    """The response of a failed request, counted by outcome in ``metrics``."""
+    metrics.finished(outcome(exc))
+    return pb_utils.InferenceResponse(error=triton_error(exc, context))
