@@ -166,29 +166,27 @@ def image_inputs(client_module, **values: Any) -> list:
 def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator:
     """One request over a gRPC stream; yields results until the final one.
 
-    The ``triton_grpc_error`` header makes Triton end the stream with the
-    request's real gRPC status (INVALID_ARGUMENT, CANCELLED, ...) instead of
-    an error message without a code.
+    Leaving early (closing the generator, Ctrl-C) cancels the request on the
+    server; a stream that ended on its own is closed without a cancel.
     """
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
-        client.start_stream(callback=lambda result, error: results.put((result, error)),
-                            headers={"triton_grpc_error": "true"})
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        ended = False
         try:
             client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
-            while True:
+            while not ended:
                 result, error = results.get()
                 if error is not None:
+                    ended = True
                     raise _as_omni_error(error)
-                final = result.get_response().parameters["triton_final_response"].bool_param
+                ended = result.get_response().parameters["triton_final_response"].bool_param
                 if result.get_response().outputs:
                     yield result
-                if final:
-                    return
         finally:
-            client.stop_stream(cancel_requests=True)
+            client.stop_stream(cancel_requests=not ended)
 
 
 def _chunk(result) -> TextChunk:
@@ -230,9 +228,11 @@ _GRPC_STATUS = {
 }
 
 
-# Triton's own input checks (dtype, shape, required inputs) reject a request
-# before it reaches the model. On a gRPC stream, Triton 2.51 sends these
-# without a status code, even in triton_grpc_error mode; they are INVALID_ARG.
+# On a gRPC stream Triton sends errors without a status code. This project's
+# backends tag their messages ("[INVALID_ARG] ..."); Triton's own input checks
+# (dtype, shape, required inputs) reject a request before it reaches a backend,
+# untagged: they are INVALID_ARG too.
+_STATUS_TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL|NOT_FOUND|UNSUPPORTED)\] ")
 _CORE_INPUT_ERRORS = re.compile(
     r"data-type is '\w+', but model|unexpected shape for input|expected \d+ inputs but got"
     r"|unexpected inference input|missing required input"
@@ -242,9 +242,14 @@ _CORE_INPUT_ERRORS = re.compile(
 def _as_omni_error(exc) -> OmniError:
     status = exc.status() if hasattr(exc, "status") else None
     message = exc.message() if hasattr(exc, "message") else str(exc)
-    if status is None:
-        return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
-    return OmniError(_GRPC_STATUS.get(str(status)) or _http_status(status), message)
+    tag = _STATUS_TAG.search(message)
+    if tag:
+        message = message[:tag.start()] + message[tag.end():]
+    if status is not None:
+        return OmniError(_GRPC_STATUS.get(str(status)) or _http_status(status), message)
+    if tag:
+        return OmniError(tag.group(1), message)
+    return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
 
 
 def _http_status(code) -> str:

@@ -89,13 +89,32 @@ def server(tmp_path_factory):
     shutil.copy(log_file, PROJECT_ROOT / ".cache" / "last-test-server.log")
 
 
+def require_alive(server: TritonServer) -> None:
+    """Stop the whole run, showing the server's last log lines, once the
+    server has died: every later test would only fail with 'connection refused'."""
+    code = server.process.poll()
+    if code is not None:
+        tail = "\n".join(server.options.log_file.read_text(errors="replace").splitlines()[-60:])
+        pytest.exit(f"tritonserver exited with code {code}; last log lines:\n{tail}", returncode=3)
+
+
+@pytest.fixture(autouse=True)
+def _server_still_alive(request):
+    """Checked after every test that used the server."""
+    yield
+    if "server" in request.fixturenames:
+        require_alive(request.getfixturevalue("server"))
+
+
 @pytest.fixture
 def grpc_url(server) -> str:
+    require_alive(server)
     return server.grpc_url
 
 
 @pytest.fixture
 def http_url(server) -> str:
+    require_alive(server)
     return server.http_url
 
 

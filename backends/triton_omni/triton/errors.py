@@ -1,4 +1,11 @@
-"""The one mapping from runner exceptions to Triton errors."""
+"""The one mapping from runner exceptions to Triton errors.
+
+Every message starts with the status name in brackets (``[INVALID_ARG] ...``).
+Triton 2.51 sends errors on a gRPC stream without a status code, and its
+``triton_grpc_error`` mode, which would add one, crashes the server under
+load (a cancellation race fixed in 24.12, server PR #7840); the tag keeps the
+error typed for streaming clients on every Triton version.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +22,17 @@ def triton_error(exc: BaseException, context: str) -> pb_utils.TritonError:
     """Client errors keep their message; internal ones are logged with the
     traceback and reach the client as a short INTERNAL message."""
     if isinstance(exc, RequestValidationError):
-        return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+        return _tagged(str(exc), "INVALID_ARG")
     if isinstance(exc, RequestRejectedError):
-        return pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
+        return _tagged(str(exc), "UNAVAILABLE")
     if isinstance(exc, RequestCancelledError):
-        return pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+        return _tagged("request cancelled", "CANCELLED")
     logger.error("Internal error in %s", context, exc_info=exc)
-    return pb_utils.TritonError(f"internal error in {context}: {type(exc).__name__}: {exc}"[:500],
-                                pb_utils.TritonError.INTERNAL)
+    return _tagged(f"internal error in {context}: {type(exc).__name__}: {exc}"[:500], "INTERNAL")
+
+
+def _tagged(message: str, status: str) -> pb_utils.TritonError:
+    return pb_utils.TritonError(f"[{status}] {message}", getattr(pb_utils.TritonError, status))
 
 
 def outcome(exc: BaseException | None) -> str:
