@@ -16,10 +16,12 @@ import torch
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch/vLLM read files
 import triton_python_backend_utils as pb_utils
 from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
+from triton_omni.channel import Cancellations
 from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics
+from triton_omni.triton.params import channel_ids
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
 
@@ -39,6 +41,7 @@ class TritonPythonModel:
         self.runner = ArRunner(self.config)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"])
         self.responses = ResponseThread()
+        self.cancellations = Cancellations()
 
     def execute(self, requests):
         if self.config.mode == "encode":
@@ -56,16 +59,18 @@ class TritonPythonModel:
         except Exception as exc:
             self._fail(sender, exc)
             return
-        self.runner.loop.submit(self._generate(parsed, sender))
+        key, _ = channel_ids(request)
+        self.runner.loop.submit(self._generate(parsed, sender, key))
 
-    async def _generate(self, request: GenerateRequest, sender) -> None:
+    async def _generate(self, request: GenerateRequest, sender, key: str | None) -> None:
+        """``key``: set when the omni scheduler sent the request; it cancels through the channel."""
         request_id = uuid.uuid4().hex
         self.metrics.in_flight.increment(1)
         text = "" if request.stream or request.exclude_input_in_output else request.prompt
         counted = 0
         try:
             async for delta in self.runner.generate(request, request_id):
-                if sender.is_cancelled():
+                if sender.is_cancelled() or self.cancellations.is_cancelled(key):
                     await self.runner.abort(request_id)
                     raise RequestCancelledError
                 self.metrics.generated_tokens.increment(delta.num_output_tokens - counted)

@@ -13,10 +13,12 @@ import logging
 
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
 import triton_python_backend_utils as pb_utils
+from triton_omni.channel import Cancellations, ProgressSender
 from triton_omni.diffusion import DiffusionRunner
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import COUNTER, StageMetrics, family
+from triton_omni.triton.params import channel_ids
 from triton_omni.triton.tensors import numeric_tensor, read_inputs
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -37,6 +39,8 @@ class TritonPythonModel:
         self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"])
         self.steps = family("omni_diffusion_steps_total", "Denoising steps run, per request",
                             COUNTER).Metric(labels=self.metrics.labels)
+        self.cancellations = Cancellations()
+        self.progress = ProgressSender()
 
     def execute(self, requests):
         results: list = [None] * len(requests)
@@ -48,13 +52,18 @@ class TritonPythonModel:
                 results[i] = exc
         if valid:
             indices = list(valid)
+            channels = [channel_ids(requests[i]) for i in indices]  # set when the omni scheduler sent it
+
+            def on_step(k: int, step: int, total: int) -> None:
+                self.steps.increment(1)
+                self.progress.send(channels[k][1], channels[k][0], step, total)
+
+            def is_cancelled(k: int) -> bool:
+                return requests[indices[k]].is_cancelled() or self.cancellations.is_cancelled(channels[k][0])
+
             self.metrics.in_flight.increment(len(indices))
             try:
-                images = self.runner.run(
-                    list(valid.values()),
-                    on_step=lambda k, step, total: self.steps.increment(1),
-                    is_cancelled=lambda k: requests[indices[k]].is_cancelled(),
-                )
+                images = self.runner.run(list(valid.values()), on_step=on_step, is_cancelled=is_cancelled)
             finally:
                 self.metrics.in_flight.increment(-len(indices))
             for k, image in enumerate(images):
@@ -66,3 +75,6 @@ class TritonPythonModel:
             return error_response(result, f"model '{self.model_name}'", self.metrics)
         self.metrics.finished("success")
         return pb_utils.InferenceResponse(output_tensors=[numeric_tensor("image", result, batched=True)])
+
+    def finalize(self):
+        self.progress.close()

@@ -30,7 +30,25 @@ class RequestCancelledError(Exception):
 
 
 class RequestRejectedError(Exception):
-    """The server is over a configured budget and refuses the request."""
+    """The server is over a configured budget and refuses the request.
+
+    ``reason`` labels the rejection in metrics (e.g. ``embeds_budget``).
+    """
+
+    def __init__(self, message: str, reason: str = "overloaded"):
+        self.reason = reason
+        super().__init__(message)
+
+
+class StageError(Exception):
+    """A downstream stage (``ar``, ``ar_encoder``, ``diffusion``) failed a
+    request the scheduler sent it. ``status`` is that stage's Triton status
+    name, so the client gets the stage's own code and message."""
+
+    def __init__(self, stage: str, status: str, message: str):
+        self.stage = stage
+        self.status = status
+        super().__init__(f"{stage}: {message}")
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

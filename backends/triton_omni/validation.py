@@ -6,6 +6,7 @@ value, so request types read as a flat list of checks.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -64,3 +65,16 @@ def in_range(parameter: str, value: float, low: float | None = None, high: float
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise RequestValidationError(parameter, f"must be in {bounds}", value)
+
+
+def as_json_object(parameter: str, raw: Any) -> dict[str, Any]:
+    """A JSON object sent as a string (``sampling_parameters``, ``parameters``); absent means empty."""
+    if raw is None:
+        return {}
+    raw = as_str(parameter, raw)
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError(parameter, f"is not valid JSON ({exc.msg})", raw) from None
+    require(isinstance(values, dict), parameter, "must be a JSON object", raw)
+    return values

@@ -1,6 +1,6 @@
 """Python client for triton-omni, built on ``tritonclient`` (gRPC) and
 Triton's HTTP ``generate`` endpoints."""
 
-from triton_omni_client.client import OmniClient, OmniError, TextChunk
+from triton_omni_client.client import OmniClient, OmniError, OmniEvent, TextChunk
 
-__all__ = ["OmniClient", "OmniError", "TextChunk"]
+__all__ = ["OmniClient", "OmniError", "OmniEvent", "TextChunk"]

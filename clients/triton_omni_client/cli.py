@@ -39,6 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--seed", type=int)
     text.set_defaults(run=_generate_text)
 
+    omni = commands.add_parser("generate", help="text and/or images through the `omni` scheduler")
+    omni.add_argument("prompt")
+    omni.add_argument("--modalities", default="text", help="comma-separated: text, image, or text,image")
+    omni.add_argument("--enhance-prompt", action="store_true", help="let the AR model rewrite the image prompt")
+    omni.add_argument("--out", type=Path, help="PNG file for the image (image_1.png, ... for several)")
+    omni.add_argument("--url", help="gRPC address; default localhost:8001")
+    omni.add_argument("--model", default="omni")
+    omni.add_argument("--max-tokens", type=int)
+    omni.add_argument("--steps", type=int, dest="num_inference_steps")
+    omni.add_argument("--seed", type=int)
+    omni.add_argument("--height", type=int)
+    omni.add_argument("--width", type=int)
+    omni.add_argument("--guidance", type=float, dest="guidance_scale")
+    omni.add_argument("--negative-prompt")
+    omni.add_argument("--num-images", type=int)
+    omni.set_defaults(run=_generate)
+
     image = commands.add_parser("generate-image", help="generate an image with the `diffusion` model")
     image.add_argument("prompt")
     image.add_argument("--out", type=Path, required=True, help="PNG file to write")
@@ -95,6 +112,61 @@ def _generate_text(args) -> int:
         return 1
     print()
     return 0
+
+
+def _generate(args) -> int:
+    """Streams one omni request: text to stdout as it arrives, a progress bar
+    per image fed by the diffusion steps, then the PNG files."""
+    from tqdm import tqdm
+
+    from triton_omni_client import OmniClient, OmniError
+
+    modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    if "image" in modalities and args.out is None:
+        print("error: --out is required for the image modality", file=sys.stderr)
+        return 2
+    names = ("max_tokens", "num_inference_steps", "seed", "height", "width", "guidance_scale", "negative_prompt",
+             "num_images")
+    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    bars: dict[int, tqdm] = {}
+    written = []
+    try:
+        for event in OmniClient(args.url).generate(args.prompt, modalities=modalities,
+                                                   enhance_prompt=args.enhance_prompt, model=args.model, **options):
+            if event.text:
+                print(event.text, end="", flush=True)
+            if event.enhanced_prompt is not None:
+                print(f"\n[enhanced prompt] {event.enhanced_prompt}", file=sys.stderr)
+            if event.stage == "diffusion":
+                index = event.image_index[0]
+                bar = bars.setdefault(index, tqdm(total=event.total_steps, desc=f"image {index}", unit="step",
+                                                  file=sys.stderr, leave=True))
+                bar.update(event.step - bar.n)
+            if event.image is not None:
+                for index, pixels in zip(event.image_index, event.image, strict=True):
+                    written.append(_save_png(pixels, _image_path(args.out, index, options.get("num_images", 1))))
+    except OmniError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for bar in bars.values():
+            bar.close()
+    if "text" in modalities:
+        print()
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _image_path(out: Path, index: int, count: int) -> Path:
+    return out if count == 1 else out.with_name(f"{out.stem}_{index + 1}{out.suffix}")
+
+
+def _save_png(pixels, path: Path) -> Path:
+    from PIL import Image
+
+    Image.fromarray(pixels).save(path, format="PNG")
+    return path
 
 
 def _generate_image(args) -> int:

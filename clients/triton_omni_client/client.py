@@ -32,6 +32,8 @@ SCALAR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "return_num_output_tokens": ("BOOL", np.bool_),
     "num_inference_steps": ("INT32", np.int32),
     "guidance_scale": ("FP32", np.float32),
+    "enhance_prompt": ("BOOL", np.bool_),
+    "num_images": ("INT32", np.int32),
     "height": ("INT32", np.int32),
     "width": ("INT32", np.int32),
 }
@@ -43,6 +45,46 @@ class OmniError(RuntimeError):
     def __init__(self, status: str, message: str):
         self.status = status
         super().__init__(f"[{status}] {message}")
+
+
+@dataclass
+class OmniEvent:
+    """One response of the ``omni`` scheduler; only the fields it carries are set.
+
+    Streaming sends one event per text delta, rewrite delta, progress tick or
+    image; the non-streaming response carries the whole text, the rewritten
+    prompt and every image at once.
+    """
+
+    text: str | None = None  # text_output
+    finish_reason: str | None = None
+    enhanced_prompt_delta: str | None = None
+    enhanced_prompt: str | None = None
+    stage: str | None = None  # progress: "encode" | "diffusion"
+    step: int | None = None
+    total_steps: int | None = None
+    image: np.ndarray | None = None  # [num_images, H, W, 3] uint8
+    image_index: list[int] | None = None
+
+    @classmethod
+    def from_outputs(cls, get) -> OmniEvent:
+        """``get(name)`` returns an output as an array, or None when absent."""
+        def text(name):
+            value = get(name)
+            return None if value is None else "".join(_as_text(v) for v in np.ravel(value))
+
+        def number(name):
+            value = get(name)
+            return None if value is None else int(np.ravel(value)[0])
+
+        image, index, shape = get("image"), get("image_index"), get("image_shape")
+        if image is not None and shape is not None:  # HTTP JSON sends the image flat
+            image = np.reshape(image, [int(n) for n in np.ravel(shape)])
+        return cls(text=text("text_output"), finish_reason=text("finish_reason"),
+                   enhanced_prompt_delta=text("enhanced_prompt_delta"), enhanced_prompt=text("enhanced_prompt"),
+                   stage=text("stage"), step=number("step"), total_steps=number("total_steps"),
+                   image=None if image is None else np.asarray(image, dtype=np.uint8),
+                   image_index=None if index is None else [int(i) for i in np.ravel(index)])
 
 
 @dataclass
@@ -109,6 +151,39 @@ class OmniClient:
             message = json.loads(exc.read() or b"{}").get("error", exc.reason)
             raise OmniError(_http_status(exc.code), message) from None
 
+    # -- the omni scheduler ---------------------------------------------------------
+
+    def generate(self, prompt: str, *, modalities: tuple[str, ...] | list[str] = ("text",),
+                 enhance_prompt: bool = False, stream: bool = True, model: str = "omni",
+                 parameters: dict[str, Any] | None = None, **options: Any) -> Iterator[OmniEvent]:
+        """Run one ``omni`` request; yields its events (one when ``stream`` is
+        false). ``options``: text options (max_tokens, temperature, top_p,
+        top_k), image options (negative_prompt, num_inference_steps,
+        guidance_scale, height, width), seed, num_images."""
+        values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,
+                  "stream": stream, **options}
+        if parameters:
+            values["parameters"] = json.dumps(parameters)
+        if self.protocol == "http":
+            if stream:
+                raise ValueError("omni over HTTP is non-streaming (Triton's /generate); use gRPC to stream")
+            yield OmniEvent.from_outputs(self._post_generate(model, values).get)
+            return
+        import tritonclient.grpc as grpcclient
+
+        for result in stream_infer(self.url, model, omni_inputs(grpcclient, values)):
+            yield OmniEvent.from_outputs(result.as_numpy)
+
+    def _post_generate(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(f"http://{self.url}/v2/models/{model}/generate",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as exc:
+            message = json.loads(exc.read() or b"{}").get("error", exc.reason)
+            raise OmniError(_http_status(exc.code), message) from None
+
     # -- embeddings --------------------------------------------------------------
 
     def encode(self, prompt: str, model: str = "ar_encoder") -> np.ndarray:
@@ -161,6 +236,28 @@ def image_inputs(client_module, **values: Any) -> list:
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def omni_inputs(client_module, values: dict[str, Any]) -> list:
+    """Input tensors of the ``omni`` model (no batch dimension)."""
+    inputs = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            inputs.append(_bytes_input(client_module, name, [value]))
+        elif isinstance(value, list):
+            inputs.append(_bytes_input(client_module, name, value))
+        else:
+            type_name, dtype = SCALAR_INPUT_TYPES[name]
+            tensor = client_module.InferInput(name, [1], type_name)
+            tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+            inputs.append(tensor)
+    return inputs
+
+
+def _as_text(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator:

@@ -1,8 +1,10 @@
 """One real tritonserver for the integration tests.
 
-It serves the default repository (``model_repository/``, engine ``auto`` =
-vLLM here) plus a second repository with ``*_transformers`` variants of the
-same configs, so both engines pass the same behaviour tests.
+It serves the default repositories (``model_repository/`` with engine
+``auto`` = vLLM here, and ``ensemble/``) plus a repository of variants:
+``*_transformers`` copies of the AR configs, so both engines pass the same
+behaviour tests, and ``omni_small_budget``, an ``omni`` whose admission
+budget is smaller than one prompt's embeddings.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from triton_omni.demo_models import build_all
-from triton_omni.launcher import PROJECT_ROOT, ServerOptions, TritonServer
+from triton_omni.launcher import DEFAULT_REPOSITORIES, PROJECT_ROOT, ServerOptions, TritonServer
 
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
 GENERATE_MODELS = ["ar", "ar_transformers"]
@@ -74,9 +76,10 @@ def server(tmp_path_factory):
     variants = tmp_path_factory.mktemp("variants")
     make_variant(variants, "ar", "ar_transformers", engine="transformers")
     make_variant(variants, "ar_encoder", "ar_encoder_transformers", engine="transformers")
+    make_variant(variants, "omni", "omni_small_budget", max_embeds_bytes_in_flight="1000", admission_policy="reject")
     log_file = Path(os.environ.get("TRITON_OMNI_TEST_LOG", tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     options = ServerOptions(
-        model_repositories=[DEFAULT_REPOSITORY, variants],
+        model_repositories=[*DEFAULT_REPOSITORIES, variants],
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         log_file=log_file,
     )

@@ -74,7 +74,7 @@ def test_http_generate_endpoint_reports_invalid_arg(http_url, model):
 @pytest.mark.parametrize("model", ENCODE_MODELS)
 def test_encoder_rejects_bad_prompt_alone_in_its_batch(http_url, model):
     """Requests sent together are batched; the bad one fails, the others succeed."""
-    prompts = [b"a fox", b"", b"a cat", LONG_PROMPT, b"a dog"]
+    prompts = [b"a fox", b"   ", b"a cat", LONG_PROMPT, b"a dog"]
     results = []
     with httpclient.InferenceServerClient(http_url, concurrency=len(prompts)) as client:
         for prompt in prompts:

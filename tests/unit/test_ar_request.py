@@ -68,8 +68,15 @@ def test_bad_values_name_the_parameter(inputs, parameter):
 def test_missing_prompt():
     with pytest.raises(RequestValidationError, match="text_input"):
         GenerateRequest.from_inputs({}, LIMITS)
+
+
+def test_encoder_empty_text_encodes_nothing_but_blank_text_is_an_error():
+    """The ensemble's "no negative prompt" reaches ar_encoder as ""."""
+    assert EncodeRequest.from_inputs({"text_input": ""}, LIMITS).prompt is None
     with pytest.raises(RequestValidationError, match="text_input"):
         EncodeRequest.from_inputs({}, LIMITS)
+    with pytest.raises(RequestValidationError, match="text_input"):
+        EncodeRequest.from_inputs({"text_input": "  "}, LIMITS)
 
 
 def test_message_echoes_value():

@@ -9,12 +9,11 @@ checked; every failure names the parameter and echoes the value.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from triton_omni.errors import RequestValidationError
-from triton_omni.validation import as_bool, as_float, as_int, as_str, as_str_list, in_range, require
+from triton_omni.validation import as_bool, as_float, as_int, as_json_object, as_str, as_str_list, in_range, require
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class GenerateRequest:
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
-        values = _parse_sampling_json(inputs.get("sampling_parameters"))
+        values = as_json_object("sampling_parameters", inputs.get("sampling_parameters"))
         values.update({k: v for k, v in inputs.items() if k in SamplingOptions.field_names()})
         return cls(
             prompt=prompt,
@@ -121,24 +120,21 @@ class GenerateRequest:
 
 @dataclass
 class EncodeRequest:
-    """One prompt to encode into per-token hidden states (``ar_encoder``)."""
+    """One prompt to encode into per-token hidden states (``ar_encoder``).
 
-    prompt: str
+    The empty string encodes to zero tokens (``prompt=None``): it is how the
+    text_to_image ensemble says "no negative prompt", since a Triton 2.51
+    ensemble cannot skip a step and a batched model cannot take a request
+    without inputs. Zero tokens mean "none" to the diffusion stage. A blank
+    prompt ("  ") is still an error.
+    """
+
+    prompt: str | None
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits) -> EncodeRequest:
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
+        if inputs["text_input"] == "":
+            return cls(prompt=None)
         return cls(prompt=_verify_prompt(inputs["text_input"], limits))
-
-
-def _parse_sampling_json(raw: Any) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    raw = as_str("sampling_parameters", raw)
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError("sampling_parameters", f"is not valid JSON ({exc.msg})", raw) from None
-    require(isinstance(values, dict), "sampling_parameters", "must be a JSON object", raw)
-    return values

@@ -117,16 +117,19 @@ class ArRunner:
         A prompt the model cannot take gets its error in its own slot; the
         rest of the batch is encoded as usual.
         """
-        results: list[Embedding | RequestValidationError] = []
+        dtype = getattr(torch, self.config.embeds_dtype)
+        results: list[Embedding | RequestValidationError | None] = []
         token_ids: list[list[int]] = []
         for request in requests:
+            if request.prompt is None:  # no text: zero tokens
+                results.append(Embedding(torch.empty(0, self.hidden_size, dtype=dtype)))
+                continue
             try:
                 token_ids.append(self.tokenize(request.prompt))
-                results.append(None)  # type: ignore[arg-type] - filled below
+                results.append(None)  # filled below
             except RequestValidationError as exc:
                 results.append(exc)
         hidden = iter(await self.engine.encode(token_ids)) if token_ids else iter(())
-        dtype = getattr(torch, self.config.embeds_dtype)
         return [Embedding(next(hidden).to(dtype)) if r is None else r for r in results]
 
     def close(self) -> None:

@@ -84,11 +84,13 @@ def _one_of(values, text_name: str, embeds_name: str, limits: DiffusionLimits, r
         require(len(text) <= limits.max_prompt_chars, text_name,
                 f"is longer than {limits.max_prompt_chars} characters", len(text))
     if embeds is not None:
-        embeds = check_embeds(embeds_name, embeds, limits)
+        embeds = check_embeds(embeds_name, embeds, limits, min_tokens=1 if required else 0)
+        if embeds.shape[0] == 0:  # the encoding of no text: no negative prompt
+            embeds = None
     return text, embeds
 
 
-def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits) -> torch.Tensor:
+def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits, min_tokens: int = 1) -> torch.Tensor:
     """Metadata checks first (no copy), then values. Accepts ``[T, H]`` or a
     batch dimension of 1 (``[1, T, H]``, as batched Triton models send)."""
     if not isinstance(embeds, torch.Tensor):
@@ -102,8 +104,8 @@ def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits) -> to
     require(len(shape) == 2, name, "must be 2-D [num_tokens, hidden]", list(embeds.shape))
     tokens, hidden = shape
     require(hidden == limits.hidden_size, name, f"hidden size must be {limits.hidden_size}", hidden)
-    require(1 <= tokens <= limits.max_embeds_tokens, name,
-            f"token count must be in [1, {limits.max_embeds_tokens}]", tokens)
+    require(min_tokens <= tokens <= limits.max_embeds_tokens, name,
+            f"token count must be in [{min_tokens}, {limits.max_embeds_tokens}]", tokens)
     nbytes = embeds.numel() * embeds.element_size()
     require(nbytes <= limits.max_embeds_bytes, name, f"is larger than {limits.max_embeds_bytes} bytes", nbytes)
     embeds = embeds.reshape(shape)

@@ -119,11 +119,7 @@ class DiffusionRunner:
                 uncond = self._encode_text(request.negative_prompt or "")
             else:  # embeddings from another model and no negative: the null condition
                 uncond = torch.zeros_like(cond)
-            uncond = uncond.to(self.device, self.dtype)
-            if uncond.shape != cond.shape:
-                raise RequestValidationError(
-                    "negative_prompt_embeds", f"must have the same shape as the prompt's embeddings {list(cond.shape)}",
-                    list(uncond.shape))
+            cond, uncond = _same_length(cond, uncond.to(self.device, self.dtype))
         return _Job(index, request, cond, uncond)
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
@@ -170,3 +166,17 @@ class DiffusionRunner:
 
     def _generator(self, seed: int | None) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def _same_length(cond: torch.Tensor, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guidance runs both sides in one batch, so they need one token count.
+    An AR prompt and its negative rarely tokenize to the same length: the
+    shorter side is padded with zero rows (the null condition). Deterministic,
+    so an image still depends only on its own request."""
+    tokens = max(cond.shape[0], uncond.shape[0])
+    return _pad_tokens(cond, tokens), _pad_tokens(uncond, tokens)
+
+
+def _pad_tokens(embeds: torch.Tensor, tokens: int) -> torch.Tensor:
+    missing = tokens - embeds.shape[0]
+    return embeds if missing == 0 else torch.cat([embeds, embeds.new_zeros(missing, embeds.shape[1])])

@@ -13,7 +13,7 @@ import logging
 
 import triton_python_backend_utils as pb_utils
 
-from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError
+from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError, StageError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ def triton_error(exc: BaseException, context: str) -> pb_utils.TritonError:
         return _tagged(str(exc), "UNAVAILABLE")
     if isinstance(exc, RequestCancelledError):
         return _tagged("request cancelled", "CANCELLED")
+    if isinstance(exc, StageError):  # a downstream stage's own code and message
+        return _tagged(str(exc), exc.status)
     logger.error("Internal error in %s", context, exc_info=exc)
     return _tagged(f"internal error in {context}: {type(exc).__name__}: {exc}"[:500], "INTERNAL")
 
@@ -43,7 +45,7 @@ def outcome(exc: BaseException | None) -> str:
         RequestValidationError: "invalid",
         RequestRejectedError: "rejected",
         RequestCancelledError: "cancelled",
-    }.get(type(exc), "error")
+    }.get(type(exc), "stage_error" if isinstance(exc, StageError) else "error")
 
 
 def error_response(exc: BaseException, context: str, metrics):

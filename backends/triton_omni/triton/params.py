@@ -40,3 +40,15 @@ def instance_device(args: dict, requested: str = "auto") -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def channel_ids(request) -> tuple[str | None, str | None]:
+    """The scheduler's ``(key, progress listener)`` of a request it sent
+    (see ``triton_omni.channel``); ``(None, None)`` for a client's request."""
+    from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, valid_id
+
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (AttributeError, json.JSONDecodeError):
+        return None, None
+    return valid_id(params.get(KEY_PARAMETER)), valid_id(params.get(PROGRESS_PARAMETER))

@@ -1,0 +1,160 @@
+"""Python-based Triton backend ``omni_scheduler``: the ``omni`` BLS model.
+
+A thin adapter around the Triton-free ``OmniScheduler``: tensors in -> typed
+``OmniRequest`` -> scheduler events -> responses. Each request runs as a task
+on one event loop, so independent requests (and the sub-requests of one) are
+in flight together. A watcher task turns a client's cancellation into the
+cancellation of that task, which flags its downstream requests cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import torch
+import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack
+from triton_omni.aio import EventLoopThread
+from triton_omni.channel import Cancellations, ProgressListener
+from triton_omni.errors import RequestCancelledError, RequestRejectedError
+from triton_omni.scheduler import (
+    EmbedsBudget,
+    EnhancedPrompt,
+    ImageResult,
+    OmniRequest,
+    OmniScheduler,
+    Progress,
+    TextDelta,
+)
+from triton_omni.triton import omni_io
+from triton_omni.triton.errors import error_response
+from triton_omni.triton.metrics import COUNTER, GAUGE, StageMetrics, family
+from triton_omni.triton.responses import ResponseThread
+from triton_omni.triton.stages import TritonStages
+from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+CANCEL_POLL_S = 0.05
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        return omni_io.auto_complete(auto_complete_model_config)
+
+    def initialize(self, args):
+        self.model_name = args["model_name"]
+        settings = omni_io.settings(json.loads(args["model_config"]))
+        self.limits = settings.limits
+        self.metrics = StageMetrics("scheduler", self.model_name, args["model_version"])
+        labels = self.metrics.labels
+        embeds_gauge = family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not yet "
+                              "diffused", GAUGE).Metric(labels=labels)
+        self.rejected = family("omni_rejected_requests_total", "Requests refused by admission control, by reason",
+                               COUNTER)
+        self.loop = EventLoopThread("omni-scheduler")
+        self.progress = self.loop.run(ProgressListener().start())
+        self.stages = TritonStages(settings.ar_model, settings.encoder_model, settings.diffusion_model,
+                                   self.progress, Cancellations())
+        budget = self.loop.run(_in_loop(lambda: EmbedsBudget(settings.budget, embeds_gauge.set)))
+        self.scheduler = OmniScheduler(self.stages, budget, settings.enhance)
+        self.responses = ResponseThread()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = OmniRequest.from_inputs(read_inputs(request, omni_io.INPUTS), self.limits)
+            except Exception as exc:
+                self._fail(sender, exc)
+                continue
+            self.loop.submit(self._serve(parsed, sender))
+        return None
+
+    async def _serve(self, request: OmniRequest, sender) -> None:
+        self.metrics.in_flight.increment(1)
+        watcher = asyncio.create_task(_cancel_when_client_does(sender, asyncio.current_task()))
+        try:
+            if request.stream:
+                async for event in self.scheduler.run(request):
+                    self.responses.send(sender, _event_response(event))
+                self.responses.send(sender, None, final=True)
+            else:
+                events = [event async for event in self.scheduler.run(request)]
+                self.responses.send(sender, _summary_response(events), final=True)
+            self.metrics.finished("success")
+        except asyncio.CancelledError:
+            self._fail(sender, RequestCancelledError())
+        except Exception as exc:
+            self._fail(sender, exc)
+        finally:
+            watcher.cancel()
+            self.metrics.in_flight.increment(-1)
+
+    def _fail(self, sender, exc: Exception) -> None:
+        if isinstance(exc, RequestRejectedError):
+            self.rejected.Metric(labels=self.metrics.labels | {"reason": exc.reason}).increment(1)
+        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics), final=True)
+
+    def finalize(self):
+        self.progress.close()
+        self.stages.close()
+        self.loop.stop()
+        self.responses.stop()
+
+
+async def _in_loop(make):
+    """Build an asyncio object (``EmbedsBudget`` holds a Condition) on the scheduler's loop."""
+    return make()
+
+
+async def _cancel_when_client_does(sender, task: asyncio.Task) -> None:
+    while not sender.is_cancelled():
+        await asyncio.sleep(CANCEL_POLL_S)
+    task.cancel()
+
+
+def _event_response(event) -> pb_utils.InferenceResponse:
+    outputs = []
+    if isinstance(event, TextDelta):
+        outputs.append(string_tensor("text_output", event.text))
+        if event.finish_reason is not None:
+            outputs.append(string_tensor("finish_reason", event.finish_reason))
+    elif isinstance(event, EnhancedPrompt):
+        outputs.append(string_tensor("enhanced_prompt" if event.done else "enhanced_prompt_delta", event.text))
+    elif isinstance(event, Progress):
+        outputs += [string_tensor("stage", event.stage), numeric_tensor("step", event.step, torch.int32),
+                    numeric_tensor("total_steps", event.total, torch.int32),
+                    numeric_tensor("image_index", event.image_index, torch.int32)]
+    elif isinstance(event, ImageResult):
+        outputs += _image_outputs(torch.from_dlpack(event.image.to_dlpack()), [event.index])
+    return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _summary_response(events: list) -> pb_utils.InferenceResponse:
+    """Everything a non-streaming request produced, in one response."""
+    texts = [e for e in events if isinstance(e, TextDelta)]
+    enhanced = [e for e in events if isinstance(e, EnhancedPrompt) and e.done]
+    images = sorted((e for e in events if isinstance(e, ImageResult)), key=lambda e: e.index)
+    outputs = []
+    if texts:
+        outputs.append(string_tensor("text_output", "".join(e.text for e in texts)))
+        finish = next((e.finish_reason for e in reversed(texts) if e.finish_reason), None)
+        if finish:
+            outputs.append(string_tensor("finish_reason", finish))
+    if enhanced:
+        outputs.append(string_tensor("enhanced_prompt", enhanced[-1].text))
+    if images:
+        stacked = torch.cat([torch.from_dlpack(e.image.to_dlpack()) for e in images])
+        outputs += _image_outputs(stacked, [e.index for e in images])
+    return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _image_outputs(images: torch.Tensor, indices: list[int]) -> list:
+    """``image`` [N, H, W, 3] (through DLPack, no copy), its indices and its shape."""
+    return [pb_utils.Tensor.from_dlpack("image", to_dlpack(images.contiguous())),
+            numeric_tensor("image_index", torch.tensor(indices, dtype=torch.int32)),
+            numeric_tensor("image_shape", torch.tensor(list(images.shape), dtype=torch.int32))]

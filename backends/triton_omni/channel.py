@@ -1,0 +1,131 @@
+"""The side channel between the scheduler and the stages it calls.
+
+Two things a BLS call cannot carry in Triton 2.51: progress from inside a
+non-decoupled model (diffusion steps), and cancellation of a request the
+scheduler sent (``InferenceRequest`` has no cancel before python_backend
+24.12). Both go through a private run directory that every model process of
+one server shares:
+
+* progress: the scheduler listens on a Unix datagram socket
+  ``<run dir>/<listener>.sock``; a stage sends ``"<key> <step> <total>"`` to
+  it, fire and forget (progress is advisory: a lost datagram loses one tick).
+* cancellation: the scheduler creates ``<run dir>/<key>.cancel``; a stage
+  checks for it between steps or tokens, next to its own ``is_cancelled``.
+
+Keys and listener names are random 32-hex-digit ids sent as request
+parameters (``omni_key``, ``omni_progress``). Anything else is ignored, so a
+client setting those parameters can neither pick a path nor cancel a request
+whose key it does not know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+KEY_PARAMETER = "omni_key"
+PROGRESS_PARAMETER = "omni_progress"
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def run_dir() -> Path:
+    """``$TRITON_OMNI_RUN_DIR`` (the launcher makes one per server), else a
+    per-user directory in the system temp dir; private either way."""
+    path = Path(os.environ.get("TRITON_OMNI_RUN_DIR") or Path(tempfile.gettempdir()) / f"triton-omni-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def valid_id(value: object) -> str | None:
+    return value if isinstance(value, str) and _ID.fullmatch(value) else None
+
+
+class Cancellations:
+    """Cancel flags shared across processes, one file per key."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory or run_dir()
+
+    def cancel(self, key: str) -> None:
+        (self.directory / f"{key}.cancel").touch()
+
+    def is_cancelled(self, key: str | None) -> bool:
+        return key is not None and (self.directory / f"{key}.cancel").exists()
+
+    def forget(self, key: str) -> None:
+        (self.directory / f"{key}.cancel").unlink(missing_ok=True)
+
+
+class ProgressSender:
+    """Stage side: one non-blocking datagram socket for every request."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory or run_dir()
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setblocking(False)
+
+    def send(self, listener: str | None, key: str | None, step: int, total: int) -> None:
+        if listener is None or key is None:
+            return
+        try:
+            self._socket.sendto(f"{key} {step} {total}".encode(), str(self.directory / f"{listener}.sock"))
+        except OSError as exc:  # listener gone or its buffer full: progress is advisory
+            logger.debug("progress %s %d/%d not delivered: %s", key, step, total, exc)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class ProgressListener:
+    """Scheduler side: routes progress datagrams to the callback of their key."""
+
+    def __init__(self, directory: Path | None = None):
+        self.name = new_id()
+        self.path = (directory or run_dir()) / f"{self.name}.sock"
+        self._callbacks: dict[str, Callable[[int, int], None]] = {}
+        self._transport: asyncio.DatagramTransport | None = None
+
+    async def start(self) -> ProgressListener:
+        loop = asyncio.get_running_loop()
+        listener = self
+
+        class Protocol(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr) -> None:
+                listener._route(data)
+
+        self._transport, _ = await loop.create_datagram_endpoint(Protocol, local_addr=str(self.path),
+                                                                 family=socket.AF_UNIX)
+        return self
+
+    def subscribe(self, key: str, callback: Callable[[int, int], None]) -> None:
+        self._callbacks[key] = callback
+
+    def unsubscribe(self, key: str) -> None:
+        self._callbacks.pop(key, None)
+
+    def _route(self, data: bytes) -> None:
+        try:
+            key, step, total = data.decode().split()
+            callback = self._callbacks.get(key)
+            if callback is not None:
+                callback(int(step), int(total))
+        except ValueError:
+            logger.warning("malformed progress datagram %r", data[:80])
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,29 @@
+"""The ``omni`` BLS scheduler's Triton-free half: request, routes, admission."""
+
+from triton_omni.scheduler.budget import BudgetConfig, EmbedsBudget
+from triton_omni.scheduler.request import OmniRequest, SchedulerLimits
+from triton_omni.scheduler.scheduler import (
+    EnhanceConfig,
+    EnhancedPrompt,
+    Event,
+    ImageResult,
+    OmniScheduler,
+    Progress,
+    Stages,
+    TextDelta,
+)
+
+__all__ = [
+    "BudgetConfig",
+    "EmbedsBudget",
+    "EnhanceConfig",
+    "EnhancedPrompt",
+    "Event",
+    "ImageResult",
+    "OmniRequest",
+    "OmniScheduler",
+    "Progress",
+    "SchedulerLimits",
+    "Stages",
+    "TextDelta",
+]

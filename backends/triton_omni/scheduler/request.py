@@ -1,0 +1,95 @@
+"""The typed ``omni`` request: what to produce, and the options per stage.
+
+The scheduler validates only what it owns (prompt, modalities, routing flags,
+image count) and converts option types. Range checks of text and image
+options belong to the stages that use them (``ar``, ``diffusion``), which
+return INVALID_ARG naming the parameter; the scheduler passes their message
+on. So each parameter is validated once, by its owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from triton_omni.ar.request import SamplingOptions
+from triton_omni.errors import RequestValidationError
+from triton_omni.validation import as_bool, as_float, as_int, as_json_object, as_str, as_str_list, in_range, require
+
+MODALITIES = ("text", "image")
+# Image options forwarded to the diffusion stage, with their type converters.
+IMAGE_OPTIONS = {
+    "negative_prompt": as_str,
+    "num_inference_steps": as_int,
+    "guidance_scale": as_float,
+    "height": as_int,
+    "width": as_int,
+    "seed": as_int,
+}
+OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_images: int = 4
+    max_prompt_chars: int = 10_000
+
+
+@dataclass
+class OmniRequest:
+    prompt: str
+    modalities: tuple[str, ...] = ("text",)
+    enhance_prompt: bool = False
+    num_images: int = 1
+    stream: bool = False
+    text_options: dict[str, Any] = field(default_factory=dict)  # SamplingOptions keys, for `ar`
+    image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
+
+    @property
+    def wants_text(self) -> bool:
+        return "text" in self.modalities
+
+    @property
+    def wants_image(self) -> bool:
+        return "image" in self.modalities
+
+    @classmethod
+    def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits) -> OmniRequest:
+        """From decoded tensors; ``parameters`` (JSON) holds any option, a tensor wins over it."""
+        values = as_json_object("parameters", inputs.get("parameters"))
+        unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - SamplingOptions.field_names())
+        if unknown:
+            raise RequestValidationError("parameters", f"unknown key(s) {unknown}", values, show_value=False)
+        values |= {k: v for k, v in inputs.items() if k != "parameters"}
+
+        if "text_input" not in values:
+            raise RequestValidationError("text_input", "is required", None, show_value=False)
+        prompt = as_str("text_input", values["text_input"])
+        require(prompt.strip() != "", "text_input", "must be a non-empty prompt", prompt)
+        require(len(prompt) <= limits.max_prompt_chars, "text_input",
+                f"is longer than {limits.max_prompt_chars} characters", len(prompt))
+
+        modalities = tuple(as_str_list("modalities", values.get("modalities", ["text"])))
+        require(len(modalities) > 0, "modalities", f"must name at least one of {list(MODALITIES)}", list(modalities))
+        require(set(modalities) <= set(MODALITIES), "modalities", f"must be among {list(MODALITIES)}",
+                list(modalities))
+        require(len(set(modalities)) == len(modalities), "modalities", "must not repeat", list(modalities))
+        num_images = as_int("num_images", values.get("num_images", 1))
+        in_range("num_images", num_images, 1, limits.max_images)
+
+        return cls(
+            prompt=prompt,
+            modalities=modalities,
+            enhance_prompt=as_bool("enhance_prompt", values.get("enhance_prompt", False)),
+            num_images=num_images,
+            stream=as_bool("stream", values.get("stream", False)),
+            text_options={k: v for k, v in values.items() if k in SamplingOptions.field_names()},
+            image_options={k: IMAGE_OPTIONS[k](k, v) for k, v in values.items() if k in IMAGE_OPTIONS},
+        )
+
+    def image_options_for(self, index: int) -> dict[str, Any]:
+        """Image ``index`` of several gets seed + index, so a request's images differ but repeat."""
+        options = dict(self.image_options)
+        if index and options.get("seed", -1) >= 0:
+            options["seed"] += index
+        return options

@@ -1,0 +1,157 @@
+"""The ``omni`` routing logic, in plain asyncio (the TensorRT-LLM ``Decoder``
+half of its BLS split; ``triton_omni.triton.stages`` is the ``TritonDecoder``).
+
+Routes come from the request, never from a flag in the code:
+
+* ``modalities=["text"]``: ``ar`` streams text deltas;
+* ``["image"]``: ``ar_encoder`` (prompt and negative prompt, concurrently)
+  then ``diffusion`` (several images concurrently);
+* ``enhance_prompt``: ``ar`` first rewrites the prompt for the image path
+  (streamed as ``EnhancedPrompt`` deltas), then encode and diffuse;
+* ``["text", "image"]``: both branches at once, merged into one stream.
+
+The scheduler yields events; the adapter turns them into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from triton_omni.scheduler.budget import EmbedsBudget
+from triton_omni.scheduler.request import OmniRequest
+
+# -- events ----------------------------------------------------------------------
+
+
+@dataclass
+class TextDelta:
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class EnhancedPrompt:
+    text: str  # a delta of the rewrite while streaming; the whole prompt when done
+    done: bool = False
+
+
+@dataclass
+class Progress:
+    stage: str  # "encode" | "diffusion"
+    step: int
+    total: int
+    image_index: int = 0
+
+
+@dataclass
+class ImageResult:
+    index: int
+    image: Any  # whatever the stages adapter returns (a Triton tensor there)
+
+
+Event = TextDelta | EnhancedPrompt | Progress | ImageResult
+
+
+# -- what the scheduler needs from the stages --------------------------------------
+
+
+class Embeds(Protocol):
+    nbytes: int
+
+
+class Stages(Protocol):
+    def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]: ...
+
+    async def encode(self, prompt: str) -> Embeds: ...
+
+    async def diffuse(self, embeds: Embeds, negative: Embeds | None, options: dict[str, Any],
+                      on_step: Callable[[int, int], None]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class EnhanceConfig:
+    template: str = "Describe an image of {prompt} in vivid visual detail:"
+    max_tokens: int = 32
+
+
+class OmniScheduler:
+    def __init__(self, stages: Stages, budget: EmbedsBudget, enhance: EnhanceConfig | None = None):
+        self.stages = stages
+        self.budget = budget
+        self.enhance = enhance or EnhanceConfig()
+
+    async def run(self, request: OmniRequest) -> AsyncIterator[Event]:
+        """Events in the order they happen; the first failing branch cancels
+        the others and its exception is raised after the events before it."""
+        events: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def branches() -> None:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    if request.wants_text:
+                        group.create_task(self._text(request, events.put_nowait))
+                    if request.wants_image:
+                        group.create_task(self._images(request, events.put_nowait))
+            finally:
+                events.put_nowait(done)
+
+        task = asyncio.create_task(branches())
+        try:
+            while (event := await events.get()) is not done:
+                yield event
+            await task
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _text(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
+        async for delta in self.stages.generate(request.prompt, request.text_options):
+            emit(delta)
+
+    async def _images(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
+        prompt = await self._enhanced(request, emit) if request.enhance_prompt else request.prompt
+        negative = request.image_options.get("negative_prompt")
+        encoded = await asyncio.gather(self.stages.encode(prompt),
+                                       *([self.stages.encode(negative)] if negative else []))
+        embeds, negative_embeds = encoded[0], (encoded[1] if negative else None)
+        emit(Progress("encode", 1, 1))
+        nbytes = embeds.nbytes + (negative_embeds.nbytes if negative_embeds is not None else 0)
+        async with self.budget.reserve(nbytes * request.num_images), asyncio.TaskGroup() as group:
+            for index in range(request.num_images):
+                options = {k: v for k, v in request.image_options_for(index).items() if k != "negative_prompt"}
+                group.create_task(self._image(index, embeds, negative_embeds, options, emit))
+
+    async def _image(self, index: int, embeds, negative, options: dict[str, Any],
+                     emit: Callable[[Event], None]) -> None:
+        def on_step(step: int, total: int) -> None:
+            emit(Progress("diffusion", step, total, index))
+
+        image = await self.stages.diffuse(embeds, negative, options, on_step)
+        emit(ImageResult(index, image))
+
+    async def _enhanced(self, request: OmniRequest, emit: Callable[[Event], None]) -> str:
+        """Greedy rewrite of the prompt by the AR model; an empty rewrite
+        (possible with a small model) keeps the original prompt."""
+        options = {"max_tokens": self.enhance.max_tokens, "temperature": 0.0}
+        rewrite = ""
+        async for delta in self.stages.generate(self.enhance.template.format(prompt=request.prompt), options):
+            rewrite += delta.text
+            emit(EnhancedPrompt(delta.text))
+        prompt = rewrite.strip() or request.prompt
+        emit(EnhancedPrompt(prompt, done=True))
+        return prompt
+
+
+
+def _first_error(error: BaseException) -> BaseException:
+    """The first real exception inside (nested) task-group exception groups."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -1,0 +1,151 @@
+"""The stages, called through Triton (BLS): the ``TritonDecoder`` half of the
+scheduler. Each call is one ``pb_utils.InferenceRequest`` to ``ar``,
+``ar_encoder`` or ``diffusion``, so Triton batches the scheduler's requests
+with everyone else's.
+
+``InferenceRequest.exec`` blocks; it runs on a thread pool sized for many
+requests in flight (asyncio's default executor has only cpu_count + 4
+threads, which would cap concurrent sub-requests far below the batch sizes).
+Embeddings and images stay Triton tensors from one stage to the next (through
+DLPack: no copy, and on the GPU when the stages are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, Cancellations, ProgressListener, new_id
+from triton_omni.errors import StageError
+from triton_omni.scheduler import TextDelta
+
+_SCALAR_TYPES = {"num_inference_steps": np.int32, "height": np.int32, "width": np.int32,
+                 "guidance_scale": np.float32, "seed": np.int64}
+_STATUS_NAMES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL", "NOT_FOUND", "UNSUPPORTED",
+                 "ALREADY_EXISTS", "UNKNOWN")
+_TAG = re.compile(r"\[(" + "|".join(_STATUS_NAMES) + r")\] ")
+
+
+class TritonEmbeds:
+    """``prompt_embeds`` of ``ar_encoder``, ``[1, tokens, hidden]``, kept as a Triton tensor."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        view = torch.from_dlpack(tensor.to_dlpack())
+        self.nbytes = view.numel() * view.element_size()
+
+    def named(self, name: str):
+        return pb_utils.Tensor.from_dlpack(name, self.tensor.to_dlpack())
+
+
+class TritonStages:
+    def __init__(self, ar_model: str, encoder_model: str, diffusion_model: str,
+                 progress: ProgressListener, cancellations: Cancellations, max_threads: int = 256):
+        self.models = {"ar": ar_model, "encoder": encoder_model, "diffusion": diffusion_model}
+        self.progress = progress
+        self.cancellations = cancellations
+        self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="omni-bls")
+
+    async def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]:
+        key = new_id()
+        request = pb_utils.InferenceRequest(
+            model_name=self.models["ar"],
+            inputs=[_text("text_input", prompt, batched=False), _bool("stream", True),
+                    _text("sampling_parameters", json.dumps(options), batched=False)],
+            requested_output_names=["text_output", "finish_reason"],
+            parameters={KEY_PARAMETER: key},
+        )
+        responses = iter(await self._exec(key, lambda: request.exec(decoupled=True)))
+        while (response := await self._exec(key, lambda: next(responses, None))) is not None:
+            _raise_if_error(self.models["ar"], response)
+            text = pb_utils.get_output_tensor_by_name(response, "text_output")
+            if text is None:
+                continue  # the empty final response
+            finish = pb_utils.get_output_tensor_by_name(response, "finish_reason")
+            delta = TextDelta(_string(text), _string(finish) if finish is not None else None)
+            if delta.text or delta.finish_reason:  # vLLM sends empty deltas for partial UTF-8 characters
+                yield delta
+
+    async def encode(self, prompt: str) -> TritonEmbeds:
+        key = new_id()
+        request = pb_utils.InferenceRequest(
+            model_name=self.models["encoder"], inputs=[_text("text_input", prompt, batched=True)],
+            requested_output_names=["prompt_embeds"], parameters={KEY_PARAMETER: key},
+        )
+        response = await self._exec(key, request.exec)
+        _raise_if_error(self.models["encoder"], response)
+        return TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds"))
+
+    async def diffuse(self, embeds: TritonEmbeds, negative: TritonEmbeds | None, options: dict[str, Any],
+                      on_step: Callable[[int, int], None]):
+        """The image, ``[1, H, W, 3]`` as a Triton tensor; ``on_step`` gets
+        each denoising step through the progress channel."""
+        key = new_id()
+        inputs = [embeds.named("prompt_embeds")]
+        if negative is not None:
+            inputs.append(negative.named("negative_prompt_embeds"))
+        inputs += [pb_utils.Tensor(name, np.array([[value]], dtype=_SCALAR_TYPES[name]))
+                   for name, value in options.items()]
+        request = pb_utils.InferenceRequest(
+            model_name=self.models["diffusion"], inputs=inputs, requested_output_names=["image"],
+            parameters={KEY_PARAMETER: key, PROGRESS_PARAMETER: self.progress.name},
+        )
+        self.progress.subscribe(key, on_step)
+        try:
+            response = await self._exec(key, request.exec)
+        finally:
+            self.progress.unsubscribe(key)
+        _raise_if_error(self.models["diffusion"], response)
+        return pb_utils.get_output_tensor_by_name(response, "image")
+
+    async def _exec(self, key: str, call: Callable[[], Any]) -> Any:
+        """Run a blocking BLS call. If the caller is cancelled meanwhile, the
+        downstream request is flagged cancelled; the flag is removed once
+        the call has returned."""
+        future = asyncio.get_running_loop().run_in_executor(self.pool, call)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.cancellations.cancel(key)
+            future.add_done_callback(lambda f: (f.exception(), self.cancellations.forget(key)))
+            raise
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _raise_if_error(model: str, response) -> None:
+    """A failed sub-request becomes a ``StageError`` with the stage's status:
+    read from the message's tag (BLS responses of Triton 2.51 lose the
+    error code), else from the code, else INTERNAL."""
+    if not response.has_error():
+        return
+    error = response.error()
+    message = error.message()
+    tag = _TAG.search(message)
+    if tag:
+        raise StageError(model, tag.group(1), message[:tag.start()] + message[tag.end():])
+    code = error.code() if hasattr(error, "code") else None
+    status = next((n for n in _STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
+    raise StageError(model, status, message)
+
+
+def _text(name: str, value: str, batched: bool):
+    array = np.array([value.encode("utf-8")], dtype=np.object_)
+    return pb_utils.Tensor(name, array[None] if batched else array)
+
+
+def _bool(name: str, value: bool):
+    return pb_utils.Tensor(name, np.array([value], dtype=np.bool_))
+
+
+def _string(tensor) -> str:
+    return b"".join(tensor.as_numpy().reshape(-1)).decode("utf-8")

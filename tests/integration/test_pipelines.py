@@ -1,0 +1,229 @@
+"""The two pipelines on a real server: the `text_to_image` ensemble and the `omni` BLS scheduler."""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import omni_inputs
+
+from tests.integration.conftest import metric_value
+
+STEPS = 3
+
+
+def by_hand(url: str, prompt: str, negative: str = "", **options) -> np.ndarray:
+    """ar_encoder, then diffusion: what the pipelines must reproduce exactly."""
+    client = OmniClient(url, "http")
+    embeds = client.encode(prompt)
+    negative_embeds = client.encode(negative) if negative else None
+    return client.generate_image(prompt_embeds=embeds, negative_prompt_embeds=negative_embeds, **options)
+
+
+def ensemble(url: str, protocol: str, prompt: str, negative: str = "", **options) -> np.ndarray:
+    module = grpcclient if protocol == "grpc" else httpclient
+    inputs = []
+    for name, value in {"text_input": prompt, "negative_prompt": negative, **options}.items():
+        is_text = isinstance(value, str)
+        dtype, type_name = (np.object_, "BYTES") if is_text else (
+            {"seed": np.int64, "guidance_scale": np.float32}.get(name, np.int32),
+            {"seed": "INT64", "guidance_scale": "FP32"}.get(name, "INT32"))
+        array = np.array([[value.encode() if is_text else value]], dtype=dtype)
+        tensor = module.InferInput(name, list(array.shape), type_name)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with module.InferenceServerClient(url) as client:
+        return client.infer("text_to_image", inputs).as_numpy("image")[0]
+
+
+# -- text_to_image ensemble -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("negative", ["", "blurry, low quality"])
+def test_ensemble_equals_the_stages_called_by_hand(server, protocol, negative):
+    options = {"seed": 11, "num_inference_steps": STEPS, "guidance_scale": 5.0}
+    url = server.http_url if protocol == "http" else server.grpc_url
+    image = ensemble(url, protocol, "a lighthouse at dusk", negative, **options)
+    assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+    np.testing.assert_array_equal(image, by_hand(server.http_url, "a lighthouse at dusk", negative, **options))
+
+
+def test_ensemble_reports_the_diffusion_stage_error(http_url):
+    with pytest.raises(Exception) as info:
+        ensemble(http_url, "http", "a fox", height=500)
+    assert "400" in str(info.value) and "height" in str(info.value)
+
+
+# -- omni scheduler: the four routes ------------------------------------------------------------
+
+
+def events(url, prompt, **kwargs):
+    return list(OmniClient(url).generate(prompt, **kwargs))
+
+
+def test_text_route_streams_deltas(grpc_url):
+    stream = events(grpc_url, "once upon a time", modalities=["text"], max_tokens=8, seed=1)
+    assert len(stream) >= 2
+    assert all(e.image is None and e.stage is None for e in stream)
+    assert stream[-1].finish_reason == "length"
+    text = "".join(e.text for e in stream)
+    assert text == "".join(c.text for c in OmniClient(grpc_url).generate_text(
+        "once upon a time", stream=True, max_tokens=8, seed=1))
+
+
+def test_image_route_streams_progress_in_order_then_the_image(server):
+    options = {"seed": 5, "num_inference_steps": STEPS}
+    stream = events(server.grpc_url, "a red fox", modalities=["image"], **options)
+    progress = [(e.stage, e.step, e.total_steps) for e in stream if e.stage]
+    assert progress == [("encode", 1, 1)] + [("diffusion", i, STEPS) for i in range(1, STEPS + 1)]
+    assert stream[-1].image is not None, "the image comes last"
+    np.testing.assert_array_equal(stream[-1].image[0], by_hand(server.http_url, "a red fox", **options))
+
+
+def test_enhance_route_streams_the_rewrite_then_diffuses_it(server):
+    stream = events(server.grpc_url, "a cat", modalities=["image"], enhance_prompt=True, seed=2,
+                    num_inference_steps=2)
+    deltas = [e.enhanced_prompt_delta for e in stream if e.enhanced_prompt_delta is not None]
+    enhanced = [e.enhanced_prompt for e in stream if e.enhanced_prompt is not None]
+    assert deltas and len(enhanced) == 1
+    assert enhanced[0] == ("".join(deltas).strip() or "a cat")
+    kinds = [("rewrite" if e.enhanced_prompt_delta is not None or e.enhanced_prompt is not None
+              else "image" if e.image is not None else e.stage) for e in stream]
+    assert kinds.index("image") > kinds.index("diffusion") > kinds.index("encode") > kinds.index("rewrite")
+    image = next(e.image for e in stream if e.image is not None)[0]
+    np.testing.assert_array_equal(image, by_hand(server.http_url, enhanced[0], seed=2, num_inference_steps=2))
+
+
+def test_hybrid_route_streams_text_and_image_in_one_stream(grpc_url):
+    stream = events(grpc_url, "a harbour", modalities=["text", "image"], max_tokens=6, num_inference_steps=2,
+                    num_images=2, seed=3)
+    assert any(e.text for e in stream) and any(e.finish_reason for e in stream)
+    images = {e.image_index[0]: e.image[0] for e in stream if e.image is not None}
+    assert sorted(images) == [0, 1]
+    assert not np.array_equal(images[0], images[1]), "image i is seeded with seed + i"
+
+
+def test_non_streaming_routes_over_http(server):
+    http = OmniClient(server.http_url, "http")
+    [text] = http.generate("hello", modalities=["text"], stream=False, max_tokens=4, seed=1)
+    assert text.text and text.finish_reason == "length"
+    [both] = http.generate("a boat", modalities=["text", "image"], stream=False, max_tokens=4, seed=9,
+                           num_inference_steps=STEPS)
+    assert both.text and both.image_index == [0]
+    np.testing.assert_array_equal(both.image[0],
+                                  by_hand(server.http_url, "a boat", seed=9, num_inference_steps=STEPS))
+
+
+def test_mixed_concurrent_traffic_all_succeeds_with_correct_outputs(server):
+    kinds = {
+        "text": dict(modalities=["text"], max_tokens=6),
+        "image": dict(modalities=["image"], num_inference_steps=2),
+        "hybrid": dict(modalities=["text", "image"], max_tokens=6, num_inference_steps=2),
+        "enhanced": dict(modalities=["image"], enhance_prompt=True, num_inference_steps=2),
+    }
+    jobs = [(kind, f"prompt number {i}", i) for i in range(6) for kind in kinds]  # 24 requests
+
+    def run(job):
+        kind, prompt, seed = job
+        return job, events(server.grpc_url, prompt, seed=seed, **kinds[kind])
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (kind, prompt, seed), stream in results:
+        image = next((e.image[0] for e in stream if e.image is not None), None)
+        text = "".join(e.text or "" for e in stream)
+        assert (image is not None) == (kind != "text"), kind
+        assert bool(text) == (kind in ("text", "hybrid")), kind
+        if kind in ("image", "hybrid"):  # exact batching: the same image as alone
+            np.testing.assert_array_equal(image, by_hand(server.http_url, prompt, seed=seed, num_inference_steps=2))
+
+
+# -- failures, cancellation, admission -------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_sub_model_failure_is_typed_with_the_stage_message(server, protocol):
+    client = OmniClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol)
+    with pytest.raises(OmniError) as info:
+        list(client.generate("a fox", modalities=["image"], stream=protocol == "grpc", height=500))
+    assert info.value.status == "INVALID_ARG"
+    assert "diffusion" in str(info.value) and "height" in str(info.value) and "500" in str(info.value)
+    assert list(client.generate("still serving", modalities=["text"], stream=protocol == "grpc", max_tokens=2))
+
+
+@pytest.mark.parametrize("inputs, parameter", [
+    ({"modalities": ["video"]}, "modalities"),
+    ({"modalities": []}, "modalities"),
+    ({"num_images": 99}, "num_images"),
+    ({"parameters": '{"best_of": 2}'}, "parameters"),
+])
+def test_bad_scheduler_inputs_are_invalid_arg(grpc_url, inputs, parameter):
+    values = {"text_input": "a fox", "stream": True, **inputs}
+    with pytest.raises(OmniError) as info:
+        from triton_omni_client.client import stream_infer
+        list(stream_infer(grpc_url, "omni", omni_inputs(grpcclient, values)))
+    assert info.value.status == "INVALID_ARG" and parameter in str(info.value)
+
+
+def test_cancelling_the_stream_stops_the_diffusion_work(server):
+    steps = lambda: metric_value(server, "omni_diffusion_steps_total", model="diffusion")  # noqa: E731
+    cancelled = lambda: metric_value(server, "omni_diffusion_requests_total", model="diffusion",  # noqa: E731
+                                     outcome="cancelled")
+    cancelled_before = cancelled()
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("omni", omni_inputs(grpcclient, {
+        "text_input": "a long walk", "modalities": ["image"], "stream": True, "num_inference_steps": 100}))
+    while True:  # wait until diffusion is under way
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        step = result.as_numpy("step")
+        if result.as_numpy("stage") is not None and result.as_numpy("stage")[0] == b"diffusion" and step[0] >= 2:
+            break
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while cancelled() < cancelled_before + 1:
+        assert time.monotonic() < deadline, "the diffusion request was never cancelled"
+        time.sleep(0.1)
+    settled = steps()
+    time.sleep(1.0)
+    assert steps() == settled, "diffusion steps still running after the cancel"
+
+
+def test_over_budget_embeddings_are_refused_and_counted(server):
+    labels = {"model": "omni_small_budget", "reason": "embeds_budget"}
+    before = metric_value(server, "omni_rejected_requests_total", **labels)
+    with pytest.raises(OmniError) as info:
+        list(OmniClient(server.grpc_url).generate("a red fox on a hill", modalities=["image"],
+                                                  model="omni_small_budget", num_inference_steps=2))
+    assert info.value.status == "UNAVAILABLE"
+    assert "admission budget of 1000 bytes" in str(info.value)
+    assert metric_value(server, "omni_rejected_requests_total", **labels) == before + 1
+    text_only = events(server.grpc_url, "text needs no budget", modalities=["text"], model="omni_small_budget",
+                       max_tokens=2)
+    assert text_only[-1].finish_reason
+
+
+def test_the_cli_streams_text_and_writes_the_image(server, tmp_path, capsys):
+    from PIL import Image
+    from triton_omni_client.cli import main
+
+    out = tmp_path / "omni.png"
+    code = main(["generate", "a quiet lake", "--modalities", "text,image", "--url", server.grpc_url, "--out",
+                 str(out), "--steps", "2", "--max-tokens", "4", "--seed", "1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "image 0" in captured.err and "2/2" in captured.err  # the progress bar
+    assert f"wrote {out}" in captured.out
+    assert Image.open(out).size == (64, 64)
+
+

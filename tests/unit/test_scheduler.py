@@ -1,0 +1,96 @@
+"""The scheduler's Triton-free parts: request parsing and the admission budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from triton_omni.errors import RequestRejectedError, RequestValidationError
+from triton_omni.scheduler import BudgetConfig, EmbedsBudget, OmniRequest, SchedulerLimits
+
+LIMITS = SchedulerLimits(max_images=4)
+
+
+def test_request_routes_come_from_the_request():
+    request = OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image", "text"],
+                                       "parameters": '{"height": 128, "max_tokens": 5, "num_images": 2}'}, LIMITS)
+    assert request.wants_text and request.wants_image and request.num_images == 2
+    assert request.image_options == {"height": 128} and request.text_options == {"max_tokens": 5}
+    assert OmniRequest.from_inputs({"text_input": "a fox"}, LIMITS).modalities == ("text",)
+
+
+def test_a_tensor_wins_over_the_same_key_in_parameters():
+    request = OmniRequest.from_inputs({"text_input": "x", "seed": 3, "parameters": '{"seed": 9}'}, LIMITS)
+    assert request.image_options["seed"] == 3 and request.text_options["seed"] == 3
+
+
+def test_several_images_get_consecutive_seeds():
+    request = OmniRequest.from_inputs({"text_input": "x", "seed": 10, "num_images": 3}, LIMITS)
+    assert [request.image_options_for(i)["seed"] for i in range(3)] == [10, 11, 12]
+
+
+@pytest.mark.parametrize("inputs, parameter", [
+    ({}, "text_input"),
+    ({"text_input": " "}, "text_input"),
+    ({"text_input": "x", "modalities": []}, "modalities"),
+    ({"text_input": "x", "modalities": ["audio"]}, "modalities"),
+    ({"text_input": "x", "modalities": ["text", "text"]}, "modalities"),
+    ({"text_input": "x", "num_images": 5}, "num_images"),
+    ({"text_input": "x", "enhance_prompt": "yes"}, "enhance_prompt"),
+    ({"text_input": "x", "parameters": "{"}, "parameters"),
+    ({"text_input": "x", "parameters": '{"best_of": 2}'}, "parameters"),
+    ({"text_input": "x", "parameters": '{"height": "tall"}'}, "height"),
+])
+def test_bad_requests_name_the_parameter(inputs, parameter):
+    with pytest.raises(RequestValidationError, match=parameter):
+        OmniRequest.from_inputs(inputs, LIMITS)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_budget_rejects_what_can_never_fit():
+    async def scenario():
+        budget = EmbedsBudget(BudgetConfig(max_bytes=100))
+        with pytest.raises(RequestRejectedError, match="exceed the admission budget of 100 bytes") as info:
+            async with budget.reserve(101):
+                pass
+        assert info.value.reason == "embeds_budget" and budget.in_flight == 0
+
+    run(scenario())
+
+
+def test_budget_reject_policy_refuses_while_full_and_admits_after():
+    async def scenario():
+        seen = []
+        budget = EmbedsBudget(BudgetConfig(max_bytes=100, policy="reject"), on_change=seen.append)
+        async with budget.reserve(80):
+            with pytest.raises(RequestRejectedError, match="80 bytes of prompt embeddings in flight"):
+                async with budget.reserve(30):
+                    pass
+        async with budget.reserve(30):
+            pass
+        assert seen == [80, 0, 30, 0]
+
+    run(scenario())
+
+
+def test_budget_wait_policy_admits_when_memory_is_freed_and_times_out_otherwise():
+    async def scenario():
+        budget = EmbedsBudget(BudgetConfig(max_bytes=100, policy="wait", max_wait_s=0.3))
+        order = []
+
+        async def hold(name, nbytes, seconds):
+            async with budget.reserve(nbytes):
+                order.append(name)
+                await asyncio.sleep(seconds)
+
+        await asyncio.gather(hold("first", 80, 0.1), hold("second", 80, 0))
+        assert order == ["first", "second"]
+        async with budget.reserve(80):
+            with pytest.raises(RequestRejectedError):
+                async with budget.reserve(80):
+                    pass
+
+    run(scenario())
