@@ -25,6 +25,11 @@ test-unit: install
 lint: install
 	$(BIN)/ruff check .
 
+# Per-hop overhead of the text_to_image ensemble and the omni BLS against
+# calling the stages directly (docs/pipelines.md).
+bench-pipelines: install
+	$(BIN)/python benchmarks/pipeline_overhead.py --json .cache/pipeline-overhead.json
+
 demo-models: install
 	$(BIN)/omni-triton build-demo-models
 
