@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 
 import torch
@@ -39,7 +40,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.config = ar_io.runner_config(model_config, args)
         self.runner = ArRunner(self.config)
-        self.metrics = StageMetrics("ar", self.model_name, args["model_version"])
+        self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode")
         self.responses = ResponseThread()
         self.cancellations = Cancellations()
 
@@ -53,16 +54,17 @@ class TritonPythonModel:
     # -- generate (decoupled) -------------------------------------------------
 
     def _start_generation(self, request) -> None:
+        started = time.monotonic()
         sender = request.get_response_sender()
         try:
             parsed = GenerateRequest.from_inputs(read_inputs(request, ar_io.GENERATE_INPUTS), self.config.limits)
         except Exception as exc:
-            self._fail(sender, exc)
+            self._fail(sender, exc, started)
             return
         key, _ = channel_ids(request)
-        self.runner.loop.submit(self._generate(parsed, sender, key))
+        self.runner.loop.submit(self._generate(parsed, sender, key, started))
 
-    async def _generate(self, request: GenerateRequest, sender, key: str | None) -> None:
+    async def _generate(self, request: GenerateRequest, sender, key: str | None, started: float) -> None:
         """``key``: set when the omni scheduler sent the request; it cancels through the channel."""
         request_id = uuid.uuid4().hex
         self.metrics.in_flight.increment(1)
@@ -73,6 +75,8 @@ class TritonPythonModel:
                 if sender.is_cancelled() or self.cancellations.is_cancelled(key):
                     await self.runner.abort(request_id)
                     raise RequestCancelledError
+                if counted == 0 and delta.num_output_tokens > 0:
+                    self.metrics.time_to_first_token.observe(time.monotonic() - started)
                 self.metrics.generated_tokens.increment(delta.num_output_tokens - counted)
                 counted = delta.num_output_tokens
                 if request.stream:
@@ -82,9 +86,9 @@ class TritonPythonModel:
                     text += delta.text
             if not request.stream:
                 self.responses.send(sender, self._response(request, text, delta), final=True)
-            self.metrics.finished("success")
+            self.metrics.finished("success", started)
         except Exception as exc:
-            self._fail(sender, exc)
+            self._fail(sender, exc, started)
         finally:
             self.metrics.in_flight.increment(-1)
 
@@ -96,13 +100,16 @@ class TritonPythonModel:
             outputs.append(numeric_tensor("num_output_tokens", delta.num_output_tokens, torch.int32))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def _fail(self, sender, exc: Exception) -> None:
-        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics), final=True)
+    def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
+        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics, started),
+                            final=True)
 
     # -- encode (batched) -----------------------------------------------------
 
     def _encode_batch(self, requests):
         """One response per request, in order; a bad request fails alone."""
+        started = time.monotonic()
+        self.metrics.batch_size.observe(len(requests))
         results: list = [None] * len(requests)
         valid: dict[int, EncodeRequest] = {}
         for i, request in enumerate(requests):
@@ -114,12 +121,12 @@ class TritonPythonModel:
             embeddings = self.runner.loop.run(self.runner.encode(list(valid.values())))
             for i, result in zip(valid, embeddings, strict=True):
                 results[i] = result
-        return [self._encode_response(result) for result in results]
+        return [self._encode_response(result, started) for result in results]
 
-    def _encode_response(self, result):
+    def _encode_response(self, result, started: float):
         if isinstance(result, Exception):
-            return error_response(result, f"model '{self.model_name}'", self.metrics)
-        self.metrics.finished("success")
+            return error_response(result, f"model '{self.model_name}'", self.metrics, started)
+        self.metrics.finished("success", started)
         hidden = result.hidden_states
         mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
         return pb_utils.InferenceResponse(output_tensors=[

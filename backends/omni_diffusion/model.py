@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
 import triton_python_backend_utils as pb_utils
@@ -36,13 +37,15 @@ class TritonPythonModel:
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
         self.input_specs = diffusion_io.inputs(embeds_dtype)
         self.runner = DiffusionRunner(self.config)
-        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"])
+        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True)
         self.steps = family("omni_diffusion_steps_total", "Denoising steps run, per request",
                             COUNTER).Metric(labels=self.metrics.labels)
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
 
     def execute(self, requests):
+        started = time.monotonic()
+        self.metrics.batch_size.observe(len(requests))
         results: list = [None] * len(requests)
         valid: dict[int, object] = {}
         for i, request in enumerate(requests):
@@ -68,12 +71,12 @@ class TritonPythonModel:
                 self.metrics.in_flight.increment(-len(indices))
             for k, image in enumerate(images):
                 results[indices[k]] = image
-        return [self._response(result) for result in results]
+        return [self._response(result, started) for result in results]
 
-    def _response(self, result):
+    def _response(self, result, started: float):
         if isinstance(result, Exception):
-            return error_response(result, f"model '{self.model_name}'", self.metrics)
-        self.metrics.finished("success")
+            return error_response(result, f"model '{self.model_name}'", self.metrics, started)
+        self.metrics.finished("success", started)
         return pb_utils.InferenceResponse(output_tensors=[numeric_tensor("image", result, batched=True)])
 
     def finalize(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import torch
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
@@ -19,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 from triton_omni.aio import EventLoopThread
 from triton_omni.channel import Cancellations, ProgressListener
-from triton_omni.errors import RequestCancelledError, RequestRejectedError
+from triton_omni.errors import RequestCancelledError
 from triton_omni.scheduler import (
     EmbedsBudget,
     EnhancedPrompt,
@@ -31,7 +32,7 @@ from triton_omni.scheduler import (
 )
 from triton_omni.triton import omni_io
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, GAUGE, StageMetrics, family
+from triton_omni.triton.metrics import GAUGE, StageMetrics, family
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
@@ -53,8 +54,6 @@ class TritonPythonModel:
         labels = self.metrics.labels
         embeds_gauge = family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not yet "
                               "diffused", GAUGE).Metric(labels=labels)
-        self.rejected = family("omni_rejected_requests_total", "Requests refused by admission control, by reason",
-                               COUNTER)
         self.loop = EventLoopThread("omni-scheduler")
         self.progress = self.loop.run(ProgressListener().start())
         self.stages = TritonStages(settings.ar_model, settings.encoder_model, settings.diffusion_model,
@@ -71,10 +70,10 @@ class TritonPythonModel:
             except Exception as exc:
                 self._fail(sender, exc)
                 continue
-            self.loop.submit(self._serve(parsed, sender))
+            self.loop.submit(self._serve(parsed, sender, time.monotonic()))
         return None
 
-    async def _serve(self, request: OmniRequest, sender) -> None:
+    async def _serve(self, request: OmniRequest, sender, started: float) -> None:
         self.metrics.in_flight.increment(1)
         watcher = asyncio.create_task(_cancel_when_client_does(sender, asyncio.current_task()))
         try:
@@ -85,19 +84,18 @@ class TritonPythonModel:
             else:
                 events = [event async for event in self.scheduler.run(request)]
                 self.responses.send(sender, _summary_response(events), final=True)
-            self.metrics.finished("success")
+            self.metrics.finished("success", started)
         except asyncio.CancelledError:
-            self._fail(sender, RequestCancelledError())
+            self._fail(sender, RequestCancelledError(), started)
         except Exception as exc:
-            self._fail(sender, exc)
+            self._fail(sender, exc, started)
         finally:
             watcher.cancel()
             self.metrics.in_flight.increment(-1)
 
-    def _fail(self, sender, exc: Exception) -> None:
-        if isinstance(exc, RequestRejectedError):
-            self.rejected.Metric(labels=self.metrics.labels | {"reason": exc.reason}).increment(1)
-        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics), final=True)
+    def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
+        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics, started),
+                            final=True)
 
     def finalize(self):
         self.progress.close()

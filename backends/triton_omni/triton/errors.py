@@ -48,7 +48,10 @@ def outcome(exc: BaseException | None) -> str:
     }.get(type(exc), "stage_error" if isinstance(exc, StageError) else "error")
 
 
-def error_response(exc: BaseException, context: str, metrics):
-    """The response of a failed request, counted by outcome in ``metrics``."""
-    metrics.finished(outcome(exc))
+def error_response(exc: BaseException, context: str, metrics, started: float | None = None):
+    """The response of a failed request, counted by outcome (and rejection
+    reason) in ``metrics``; ``started`` adds its duration."""
+    metrics.finished(outcome(exc), started)
+    if isinstance(exc, RequestRejectedError):
+        metrics.rejected(exc.reason)
     return pb_utils.InferenceResponse(error=triton_error(exc, context))
