@@ -5,7 +5,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.triton-omni-installed
 
-.PHONY: install serve test test-unit lint demo-models clean
+.PHONY: install serve test test-unit lint demo-models clean bench-pipelines loadtest
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: install
 # calling the stages directly (docs/pipelines.md).
 bench-pipelines: install
 	$(BIN)/python benchmarks/pipeline_overhead.py --json .cache/pipeline-overhead.json
+
+# Locust, headless, both users against the embedded server; CSVs in .cache/loadtest/.
+loadtest: install
+	$(BIN)/python loadtest/run.py
 
 demo-models: install
 	$(BIN)/omni-triton build-demo-models

@@ -1,0 +1,147 @@
+"""Locust load test for triton-omni: an HTTP user and a gRPC user.
+
+Both users run the same three tasks, weighted:
+- `ar`: text generation;
+- `text_to_image`: the ensemble;
+- `omni`: the BLS scheduler, alternating image-only and text+image requests.
+
+HTTP speaks KServe v2 JSON through `FastHttpUser`. `text_to_image` goes to
+`/infer`; `ar` and `omni` are decoupled and go to Triton's `/generate`,
+since 2.51's `/infer` refuses decoupled models. gRPC goes through
+`tritonclient.grpc`, made cooperative with gevent (`init_gevent`), and
+reports each call through `events.request.fire`.
+
+Settings come from environment variables (defaults in brackets):
+  OMNI_GRPC_URL      gRPC address [localhost:8001]; the HTTP host is --host
+  OMNI_WEIGHTS       ar,text_to_image,omni task weights [3,1,2]
+  OMNI_PROMPTS       a file with one prompt per line [built-in prompts]
+  OMNI_STEPS         diffusion steps per image [4]
+  OMNI_MAX_TOKENS    tokens per text request [16]
+
+    make loadtest                        # starts the embedded server, CSVs in .cache/loadtest/
+    .venv/bin/locust -f loadtest/locustfile.py --host http://localhost:8000   # web UI
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+from grpc.experimental import gevent as grpc_gevent
+
+grpc_gevent.init_gevent()  # before any gRPC channel exists
+
+import numpy as np  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+from locust import FastHttpUser, User, between, events, task  # noqa: E402
+from triton_omni_client.client import image_inputs, omni_inputs, stream_infer  # noqa: E402
+
+GRPC_URL = os.environ.get("OMNI_GRPC_URL", "localhost:8001")
+WEIGHTS = [int(w) for w in os.environ.get("OMNI_WEIGHTS", "3,1,2").split(",")]
+STEPS = int(os.environ.get("OMNI_STEPS", "4"))
+MAX_TOKENS = int(os.environ.get("OMNI_MAX_TOKENS", "16"))
+PROMPTS = (Path(os.environ["OMNI_PROMPTS"]).read_text().split("\n") if os.environ.get("OMNI_PROMPTS") else [
+    "a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen, studio light",
+    "a sailing boat on a calm sea", "an old library with tall windows", "a city street in the rain",
+])
+PROMPTS = [p for p in PROMPTS if p.strip()]
+
+
+def omni_request(i: int) -> dict:
+    """Image-only and text+image requests, alternating."""
+    modalities = ["image"] if i % 2 == 0 else ["text", "image"]
+    return {"text_input": random.choice(PROMPTS), "modalities": modalities, "max_tokens": MAX_TOKENS,
+            "num_inference_steps": STEPS, "seed": i}
+
+
+class HttpOmniUser(FastHttpUser):
+    wait_time = between(0.05, 0.2)
+
+    @task(WEIGHTS[0])
+    def ar(self):
+        body = {"text_input": random.choice(PROMPTS), "max_tokens": MAX_TOKENS}
+        with self.client.post("/v2/models/ar/generate", json=body, name="http ar", catch_response=True) as r:
+            _expect(r, "text_output")
+
+    @task(WEIGHTS[1])
+    def text_to_image(self):
+        def tensor(name, datatype, value):
+            return {"name": name, "shape": [1, 1], "datatype": datatype, "data": [value]}
+
+        body = {"inputs": [tensor("text_input", "BYTES", random.choice(PROMPTS)),
+                           tensor("negative_prompt", "BYTES", ""),
+                           tensor("num_inference_steps", "INT32", STEPS)],
+                "outputs": [{"name": "image"}]}
+        with self.client.post("/v2/models/text_to_image/infer", json=body, name="http text_to_image",
+                              catch_response=True) as r:
+            _expect(r, "outputs")
+
+    @task(WEIGHTS[2])
+    def omni(self):
+        body = omni_request(random.randrange(1 << 30))
+        with self.client.post("/v2/models/omni/generate", json=body, name="http omni", catch_response=True) as r:
+            _expect(r, "image")
+
+
+def _expect(response, key: str) -> None:
+    if response.status_code != 200:
+        response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+    elif key not in response.json():
+        response.failure(f"no {key!r} in the response")
+
+
+class GrpcOmniUser(User):
+    wait_time = between(0.05, 0.2)
+
+    def on_start(self):
+        self.client = grpcclient.InferenceServerClient(GRPC_URL)
+
+    def on_stop(self):
+        self.client.close()
+
+    def _timed(self, name: str, call) -> None:
+        start = time.perf_counter()
+        length, error = 0, None
+        try:
+            length = call()
+        except Exception as exc:  # reported to Locust as a failure, not raised
+            error = exc
+        events.request.fire(request_type="grpc", name=name, response_time=(time.perf_counter() - start) * 1e3,
+                            response_length=length, exception=error, context={})
+
+    @task(WEIGHTS[0])
+    def ar(self):
+        values = {"text_input": random.choice(PROMPTS), "max_tokens": MAX_TOKENS}
+
+        def call():
+            results = list(stream_infer(GRPC_URL, "ar", omni_inputs(grpcclient, values)))
+            return sum(len(r.as_numpy("text_output")[0]) for r in results)
+
+        self._timed("grpc ar", call)
+
+    @task(WEIGHTS[1])
+    def text_to_image(self):
+        def call():
+            inputs = image_inputs(grpcclient, num_inference_steps=STEPS)
+            for name, value in (("text_input", random.choice(PROMPTS)), ("negative_prompt", "")):
+                tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+                tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=np.object_))
+                inputs.append(tensor)
+            return self.client.infer("text_to_image", inputs).as_numpy("image").nbytes
+
+        self._timed("grpc text_to_image", call)
+
+    @task(WEIGHTS[2])
+    def omni(self):
+        values = omni_request(random.randrange(1 << 30)) | {"stream": True}
+
+        def call():
+            results = list(stream_infer(GRPC_URL, "omni", omni_inputs(grpcclient, values)))
+            images = [r.as_numpy("image") for r in results if r.as_numpy("image") is not None]
+            if not images:
+                raise RuntimeError("omni returned no image")
+            return sum(i.nbytes for i in images)
+
+        self._timed("grpc omni", call)
