@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 DEMO_PREFIX = "demo:"
 AR_DEMO = "tiny-qwen2"
 DIFFUSION_DEMO = "tiny-sd"
+# Real sizes, random weights: for benchmarks on a GPU (omni-triton bench --preset realistic).
+AR_REALISTIC = "realistic-qwen2"
+DIFFUSION_REALISTIC = "realistic-sd"
 # Bump when a builder changes, so stale caches are rebuilt.
 BUILD_VERSION = 1
 
@@ -36,6 +39,27 @@ AR_SHAPE = {
     "head_dim": 64,
     "max_position_embeddings": 1024,
 }
+
+# Qwen2.5-0.5B's shape (the tokenizer stays the small offline one: ids < 512).
+AR_REALISTIC_SHAPE = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+}
+# A tiny UNet/VAE, and Stable Diffusion 1.5's (860M-parameter UNet, 8x VAE).
+UNET_TINY = {"sample_size": 16, "layers_per_block": 1, "block_out_channels": (32, 64),
+             "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+             "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}
+UNET_SD15 = {"sample_size": 64, "layers_per_block": 2, "block_out_channels": (320, 640, 1280, 1280),
+             "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+             "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3}
+VAE_TINY = {"block_out_channels": (32, 64), "layers_per_block": 1, "sample_size": 32}
+VAE_SD15 = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "sample_size": 512}
 
 _CORPUS = """
 A red fox jumps over the lazy dog. The quick brown cat sleeps in the sun.
@@ -58,7 +82,12 @@ def resolve_model(model: str) -> str:
     if not model.startswith(DEMO_PREFIX):
         return model
     name = model.removeprefix(DEMO_PREFIX)
-    builders = {AR_DEMO: build_ar_model, DIFFUSION_DEMO: build_diffusion_pipeline}
+    builders = {
+        AR_DEMO: build_ar_model,
+        DIFFUSION_DEMO: build_diffusion_pipeline,
+        AR_REALISTIC: lambda out: build_ar_model(out, AR_REALISTIC_SHAPE),
+        DIFFUSION_REALISTIC: lambda out: build_diffusion_pipeline(out, AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15),
+    }
     if name not in builders:
         raise ValueError(f"unknown demo model {model!r}; known: {sorted(DEMO_PREFIX + n for n in builders)}")
     return str(ensure_built(name, builders[name]))
@@ -113,14 +142,14 @@ def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_
     return fast
 
 
-def build_ar_model(out: Path) -> None:
+def build_ar_model(out: Path, shape: dict = AR_SHAPE) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"])
     torch.manual_seed(0)
     config = Qwen2Config(
-        **AR_SHAPE,
+        **shape,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
@@ -134,27 +163,24 @@ def build_ar_model(out: Path) -> None:
     )
 
 
-def build_diffusion_pipeline(out: Path) -> None:
-    """A tiny StableDiffusionPipeline whose cross-attention width equals the
-    demo AR model's hidden size, so ``ar_encoder`` embeddings condition it
-    directly; its own small CLIP text encoder takes text prompts."""
+def build_diffusion_pipeline(out: Path, ar_shape: dict = AR_SHAPE, unet_shape: dict = UNET_TINY,
+                             vae_shape: dict = VAE_TINY) -> None:
+    """A StableDiffusionPipeline (tiny by default) whose cross-attention width
+    equals the AR model's hidden size, so ``ar_encoder`` embeddings condition
+    it directly; its own small CLIP text encoder takes text prompts."""
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    hidden = AR_SHAPE["hidden_size"]
+    hidden = ar_shape["hidden_size"]
     tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], max_length=77)
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=hidden,
-        attention_head_dim=8, norm_num_groups=32,
-    )
+    unet = UNet2DConditionModel(in_channels=4, out_channels=4, cross_attention_dim=hidden, attention_head_dim=8,
+                                norm_num_groups=32, **unet_shape)
+    blocks = len(vae_shape["block_out_channels"])
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=32, sample_size=32,
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks, norm_num_groups=32, **vae_shape,
     )
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=AR_SHAPE["vocab_size"], hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,

@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     omni.add_argument("--num-images", type=int)
     omni.set_defaults(run=_generate)
 
+    bench = commands.add_parser("bench", help="each stage and pipeline, direct vs through Triton, side by side")
+    bench.add_argument("--preset", choices=["tiny", "realistic"], default="tiny",
+                       help="tiny: demo models on CPU; realistic: real-size random weights on a GPU")
+    bench.add_argument("--concurrency", help="comma-separated, default 1,4,8,16")
+    bench.add_argument("--workloads", help="comma-separated among diffusion,ar_encoder,ar,text_to_image,omni")
+    bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
+    bench.set_defaults(run=_bench)
+
     image = commands.add_parser("generate-image", help="generate an image with the `diffusion` model")
     image.add_argument("prompt")
     image.add_argument("--out", type=Path, required=True, help="PNG file to write")
@@ -167,6 +175,19 @@ def _save_png(pixels, path: Path) -> Path:
 
     Image.fromarray(pixels).save(path, format="PNG")
     return path
+
+
+def _bench(args) -> int:
+    from triton_omni.launcher import PROJECT_ROOT
+
+    from triton_omni_client.bench import run
+
+    def parts(value: str | None, kind=str):
+        return tuple(kind(v) for v in value.split(",")) if value else None
+
+    run(args.preset, parts(args.concurrency, int), parts(args.workloads),
+        args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset)
+    return 0
 
 
 def _generate_image(args) -> int:

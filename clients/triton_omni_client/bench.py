@@ -1,0 +1,388 @@
+"""``omni-triton bench``: each stage and pipeline, run directly through the
+runner library and through Triton, side by side in one run.
+
+For every workload and concurrency c:
+- direct: the runner library in this process; c requests at a time, as one
+  batch (diffusion, encoder) or c concurrent generations (AR). This is the
+  raw engine curve;
+- triton: c client threads in a closed loop against a server this command
+  starts, with the same models and configs.
+
+It prints a table (throughput, p50/p99 latency, Triton/direct throughput
+ratio), and writes JSON and a PNG plot. Presets:
+- ``tiny``: the demo models on CPU, a few minutes;
+- ``realistic``: random weights at real sizes on a GPU (an SD1.5-size UNet
+  and VAE at 512x512, 20 steps; a Qwen2.5-0.5B-size AR model). The direct
+  phase runs first and frees its models before the server starts, so the
+  two never share the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+
+
+@dataclass(frozen=True)
+class Preset:
+    ar_model: str
+    diffusion_model: str
+    size: int
+    steps: int
+    guidance: float
+    max_tokens: int
+    max_batch_size: int  # of diffusion and ar_encoder
+    requests_per_worker: int  # Triton side; the direct side runs the same number of requests
+    # Exact batching pads every diffusion call to max_batch_size (docs/models.md): free at full
+    # concurrency, up to max_batch_size times the work below it. `realistic` measures without it,
+    # as the raw diffusers curve does.
+    exact_batching: bool = True
+    workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "text_to_image", "omni")
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)
+
+
+PRESETS = {
+    "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
+                   max_batch_size=8, requests_per_worker=2),
+    "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
+                        max_tokens=32, max_batch_size=16, requests_per_worker=2, exact_batching=False),
+}
+
+
+@dataclass
+class Point:
+    workload: str
+    concurrency: int
+    side: str  # direct | triton
+    requests: int
+    seconds: float
+    latencies_s: list[float] = field(repr=False)
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.array(self.latencies_s)
+        return {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
+                "requests": self.requests, "throughput_per_s": self.throughput,
+                "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3)}
+
+
+# -- direct: the runner library in this process ---------------------------------
+
+
+class Direct:
+    def __init__(self, preset: Preset, device: str):
+        from triton_omni.ar import ArRunner, ArRunnerConfig
+        from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+        self.preset = preset
+        needs = set(preset.workloads)
+        self.generator = ArRunner(ArRunnerConfig(preset.ar_model, "generate", device=device)) \
+            if "ar" in needs else None
+        # every workload but `ar` needs embeddings (diffusion takes one precomputed prompt's)
+        self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device)) \
+            if needs - {"ar"} else None
+        diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
+                                                 batch_size=preset.max_batch_size,
+                                                 exact_batching=preset.exact_batching,
+                                                 limits={"max_size": max(1024, preset.size)})
+        self.diffusion = DiffusionRunner(diffusion_config) if needs - {"ar", "ar_encoder"} else None
+        self.embeds = self._encode(1)[0] if self.encoder else None
+
+    def _encode(self, n: int) -> list:
+        from triton_omni.ar import EncodeRequest
+
+        results = self.encoder.loop.run(self.encoder.encode([EncodeRequest(PROMPT)] * n))
+        return [r.hidden_states for r in results]
+
+    def _diffuse(self, embeds: list) -> None:
+        p = self.preset
+        requests = [self.diffusion.parse({"prompt_embeds": e, "num_inference_steps": p.steps, "seed": i,
+                                          "guidance_scale": p.guidance, "height": p.size, "width": p.size})
+                    for i, e in enumerate(embeds)]
+        self.diffusion.run(requests)
+
+    def _generate(self, n: int) -> None:
+        from triton_omni.ar import GenerateRequest
+
+        request = GenerateRequest.from_inputs({"text_input": PROMPT, "sampling_parameters": json.dumps(
+            {"max_tokens": self.preset.max_tokens, "ignore_eos": True})}, self.generator.config.limits)
+
+        async def one():
+            async for _ in self.generator.generate(request, uuid.uuid4().hex):
+                pass
+
+        async def all_of_them():
+            await asyncio.gather(*(one() for _ in range(n)))
+
+        self.generator.loop.run(all_of_them())
+
+    def call(self, workload: str) -> Callable[[int], None]:
+        return {
+            "diffusion": lambda c: self._diffuse([self.embeds] * c),
+            "ar_encoder": lambda c: self._encode(c),
+            "ar": self._generate,
+            "text_to_image": lambda c: self._diffuse(self._encode(c)),
+            "omni": lambda c: self._diffuse(self._encode(c)),
+        }[workload]
+
+    def close(self) -> None:
+        for runner in (self.generator, self.encoder):
+            if runner is not None:
+                runner.close()
+        self.diffusion = None
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure_direct(direct: Direct, workload: str, concurrency: int, requests: int) -> Point:
+    call = direct.call(workload)
+    call(concurrency)  # warm-up (and, on CUDA, kernel selection)
+    rounds = max(1, requests // concurrency)
+    latencies, start = [], time.perf_counter()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        call(concurrency)
+        latencies += [time.perf_counter() - t0] * concurrency
+    return Point(workload, concurrency, "direct", rounds * concurrency, time.perf_counter() - start, latencies)
+
+
+# -- triton: the same work through the server -------------------------------------
+
+
+def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> Callable[[], None]:
+    import tritonclient.grpc as grpcclient
+
+    from triton_omni_client.client import image_inputs, omni_inputs, stream_infer
+
+    image_options = {"num_inference_steps": preset.steps, "guidance_scale": preset.guidance,
+                     "height": preset.size, "width": preset.size, "seed": 1}
+    client = grpcclient.InferenceServerClient(url)
+
+    def text(name: str, value: str):
+        tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=np.object_))
+        return tensor
+
+    def check(result, name: str) -> None:
+        if result.as_numpy(name) is None:
+            raise RuntimeError(f"{workload}: no {name} in the response")
+
+    def diffusion():
+        check(client.infer("diffusion", image_inputs(grpcclient, prompt_embeds=embeds, **image_options)), "image")
+
+    def ar_encoder():
+        check(client.infer("ar_encoder", [text("text_input", PROMPT)]), "prompt_embeds")
+
+    def ar():
+        values = {"text_input": PROMPT, "sampling_parameters": json.dumps(
+            {"max_tokens": preset.max_tokens, "ignore_eos": True})}
+        list(stream_infer(url, "ar", omni_inputs(grpcclient, values)))
+
+    def text_to_image():
+        inputs = [*image_inputs(grpcclient, **image_options), text("text_input", PROMPT), text("negative_prompt", "")]
+        check(client.infer("text_to_image", inputs), "image")
+
+    def omni():
+        values = {"text_input": PROMPT, "modalities": ["image"], "stream": False, **image_options}
+        [result] = list(stream_infer(url, "omni", omni_inputs(grpcclient, values)))
+        check(result, "image")
+
+    return locals()[workload]
+
+
+def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int) -> Point:
+    triton_call(workload, url, preset, embeds)()  # warm-up
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+
+    def worker():
+        call = triton_call(workload, url, preset, embeds)
+        for _ in range(preset.requests_per_worker):
+            t0 = time.perf_counter()
+            try:
+                call()
+            except BaseException as exc:  # reported below, once every worker has finished
+                errors.append(exc)
+            latencies.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} {workload} requests failed; first: {errors[0]}")
+    return Point(workload, concurrency, "triton", len(latencies), time.perf_counter() - start, latencies)
+
+
+def bench_repository(preset: Preset, dest: Path) -> list[Path]:
+    """Copies of the default repositories with the preset's models and batch size."""
+    import re
+
+    from triton_omni.launcher import DEFAULT_REPOSITORIES
+
+    repositories = []
+    for source in DEFAULT_REPOSITORIES:
+        target = dest / source.name
+        shutil.copytree(source, target)
+        for config in target.glob("*/config.pbtxt"):
+            text = config.read_text()
+            model = preset.diffusion_model if config.parent.name == "diffusion" else preset.ar_model
+            text = re.sub(r'(key: "model" value \{ string_value: ")[^"]*(")', rf"\g<1>{model}\g<2>", text)
+            if config.parent.name in ("diffusion", "ar_encoder"):
+                text = re.sub(r"max_batch_size: \d+", f"max_batch_size: {preset.max_batch_size}", text)
+            if config.parent.name == "diffusion":
+                text = re.sub(r'\\"max_size\\": \d+', f'\\\\"max_size\\\\": {max(1024, preset.size)}', text)
+                text = re.sub(r'(key: "exact_batching" value \{ string_value: ")[^"]*(")',
+                              rf"\g<1>{str(preset.exact_batching).lower()}\g<2>", text)
+            config.write_text(text)
+        repositories.append(target)
+    return repositories
+
+
+# -- the run -------------------------------------------------------------------------
+
+
+def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
+        out_dir: Path) -> list[dict]:
+    import torch
+    from triton_omni.demo_models import resolve_model
+    from triton_omni.launcher import ServerOptions, TritonServer
+
+    preset = PRESETS[preset_name]
+    preset = Preset(**(asdict(preset) | {k: v for k, v in (("concurrency", concurrency), ("workloads", workloads))
+                                          if v}))
+    resolve_model(preset.ar_model), resolve_model(preset.diffusion_model)  # build demo models before timing
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    points: list[Point] = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def record(point: Point) -> None:
+        """Keep every point on disk as it comes: a run cut short still leaves its figures."""
+        points.append(point)
+        _progress(point)
+        (out_dir / "points.json").write_text(json.dumps([p.summary() for p in points], indent=2))
+
+    print(f"== direct ({device})", flush=True)
+    direct = Direct(preset, device)
+    embeds = direct.embeds.float().cpu().numpy() if direct.embeds is not None else None
+    for workload in preset.workloads:
+        for c in preset.concurrency:
+            record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
+    direct.close()
+    del direct
+
+    print("== triton", flush=True)
+    with tempfile.TemporaryDirectory(prefix="omni-bench-") as tmp:
+        options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=18100,
+                                grpc_port=18101, metrics_port=18102, log_file=out_dir / "server.log")
+        with TritonServer(options) as server:
+            for workload in preset.workloads:
+                for c in preset.concurrency:
+                    record(measure_triton(server.grpc_url, preset, embeds, workload, c))
+
+    rows = table(points)
+    (out_dir / "bench.json").write_text(json.dumps(
+        {"preset": asdict(preset), "device": _device_name(), "rows": rows,
+         "points": [p.summary() for p in points]}, indent=2))
+    plot(rows, out_dir / "bench.png", f"omni-triton bench --preset {preset_name} ({_device_name()})")
+    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    return rows
+
+
+def _progress(point: Point) -> None:
+    s = point.summary()
+    print(f"  {s['workload']:<14} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}/s  "
+          f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms", flush=True)
+
+
+def table(points: list[Point]) -> list[dict]:
+    by_key = {(p.workload, p.concurrency, p.side): p.summary() for p in points}
+    rows = []
+    header = (f"{'workload':<14}{'conc':>5}{'direct/s':>10}{'triton/s':>10}{'ratio':>7}"
+              f"{'direct p50':>12}{'triton p50':>12}{'direct p99':>12}{'triton p99':>12}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for (workload, c, side), d in by_key.items():
+        t = by_key.get((workload, c, "triton"))
+        if side != "direct" or t is None:
+            continue
+        row = {"workload": workload, "concurrency": c, "direct_per_s": d["throughput_per_s"],
+               "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
+               "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
+               "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
+        rows.append(row)
+        print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
+              f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
+              f"{row['triton_p99_ms']:>12.1f}")
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Throughput against concurrency, one panel per workload: direct dashed, Triton solid (PIL only)."""
+    from PIL import Image, ImageDraw
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    panel_w, panel_h, margin = 360, 260, 50
+    image = Image.new("RGB", (panel_w * len(workloads), panel_h + 40), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 8), title, fill="black")
+    for k, workload in enumerate(workloads):
+        data = [r for r in rows if r["workload"] == workload]
+        x0, y0 = k * panel_w + margin, 40 + 20
+        w, h = panel_w - margin - 20, panel_h - 60
+        top = max(max(r["direct_per_s"], r["triton_per_s"]) for r in data) * 1.1
+        concurrencies = [r["concurrency"] for r in data]
+
+        def xy(i: int, value: float) -> tuple[float, float]:
+            return (x0 + w * i / max(1, len(data) - 1), y0 + h - h * value / top)  # noqa: B023
+
+        draw.rectangle([x0, y0, x0 + w, y0 + h], outline="gray")
+        draw.text((x0, y0 - 16), f"{workload} (per s)", fill="black")
+        draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
+        for i, c in enumerate(concurrencies):
+            draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")
+        for key, colour, dashed in (("direct_per_s", "gray", True), ("triton_per_s", "#76b900", False)):
+            points = [xy(i, r[key]) for i, r in enumerate(data)]
+            for a, b in itertools.pairwise(points):
+                if dashed:
+                    for t in np.linspace(0, 1, 12)[::2]:
+                        s = min(1, t + 1 / 11)
+                        draw.line([(a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t),
+                                   (a[0] + (b[0] - a[0]) * s, a[1] + (b[1] - a[1]) * s)], fill=colour, width=2)
+                else:
+                    draw.line([a, b], fill=colour, width=3)
+            for p in points:
+                draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
+        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct, green: Triton", fill="gray")
+    image.save(path)
+
+
+def _device_name() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores"
+
