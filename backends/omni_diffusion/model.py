@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
@@ -56,17 +57,17 @@ class TritonPythonModel:
         if valid:
             indices = list(valid)
             channels = [channel_ids(requests[i]) for i in indices]  # set when the omni scheduler sent it
+            watch = _StepWatch([requests[i] for i in indices], [key for key, _ in channels], self.cancellations,
+                               self.steps)
 
             def on_step(k: int, step: int, total: int) -> None:
-                self.steps.increment(1)
+                watch.count_step()
                 self.progress.send(channels[k][1], channels[k][0], step, total)
-
-            def is_cancelled(k: int) -> bool:
-                return requests[indices[k]].is_cancelled() or self.cancellations.is_cancelled(channels[k][0])
 
             self.metrics.in_flight.increment(len(indices))
             try:
-                images = self.runner.run(list(valid.values()), on_step=on_step, is_cancelled=is_cancelled)
+                with watch:
+                    images = self.runner.run(list(valid.values()), on_step=on_step, is_cancelled=watch.cancelled)
             finally:
                 self.metrics.in_flight.increment(-len(indices))
             for k, image in enumerate(images):
@@ -81,3 +82,57 @@ class TritonPythonModel:
 
     def finalize(self):
         self.progress.close()
+
+
+class _StepWatch:
+    """Keeps round trips to the server off the denoising loop.
+
+    ``request.is_cancelled()`` and a metric increment are IPC calls to the
+    server; made per request per step (16 x 20 for an SD batch) they cost
+    about 0.4 ms each, over 10% of the batch time on an H200. A thread polls
+    cancellation (the client's, and the scheduler's cancel flag) and flushes
+    the step count every ``interval_s``; the step callback only reads flags
+    and bumps a local counter.
+    """
+
+    def __init__(self, requests: list, keys: list, cancellations, steps_metric, interval_s: float = 0.02):
+        self._requests, self._keys = requests, keys
+        self._cancellations, self._steps_metric = cancellations, steps_metric
+        self._cancelled = [False] * len(requests)
+        self._steps, self._flushed = 0, 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="omni-step-watch", daemon=True)
+
+    def __enter__(self) -> _StepWatch:
+        self._poll_once()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._flush()
+
+    def cancelled(self, k: int) -> bool:
+        return self._cancelled[k]
+
+    def count_step(self) -> None:
+        self._steps += 1  # only the denoising thread writes it
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        for k, request in enumerate(self._requests):
+            if not self._cancelled[k]:
+                self._cancelled[k] = request.is_cancelled() or self._cancellations.is_cancelled(self._keys[k])
+        self._flush()
+
+    def _flush(self) -> None:
+        steps = self._steps
+        if steps > self._flushed:
+            self._steps_metric.increment(steps - self._flushed)
+            self._flushed = steps
+
