@@ -76,6 +76,7 @@ class Point:
     seconds: float
     latencies_s: list[float] = field(repr=False)
     mean_batch: float | None = None  # Triton side: mean executed batch size of the batching stage
+    server: dict[str, float] | None = None  # Triton side: its own statistics of that stage
 
     @property
     def throughput(self) -> float:
@@ -86,7 +87,7 @@ class Point:
         return {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
                 "requests": self.requests, "throughput_per_s": self.throughput,
                 "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                "mean_batch": self.mean_batch}
+                "mean_batch": self.mean_batch, "server": self.server}
 
 
 # -- direct: the runner library in this process ---------------------------------
@@ -231,7 +232,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
         worker.start()
     for _ in workers:
         ready.get()
-    batches_before = _batch_counts(metrics_url, workload)
+    batches_before, stats_before = _batch_counts(metrics_url, workload), _server_stats(url, workload)
     start = time.time()
     go.set()
     outcomes = [results.get() for _ in workers]
@@ -244,7 +245,33 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     point = Point(workload, concurrency, "triton", len(latencies), max(end for _, end, _ in outcomes) - start,
                   latencies)
     point.mean_batch = _mean_batch(batches_before, _batch_counts(metrics_url, workload))
+    point.server = _stats_delta(stats_before, _server_stats(url, workload))
     return point
+
+
+def _batching_model(workload: str) -> str:
+    return "ar_encoder" if workload == "ar_encoder" else "ar" if workload == "ar" else "diffusion"
+
+
+def _server_stats(url: str, workload: str) -> dict[str, float]:
+    """Triton's own cumulative statistics of the stage a workload batches on."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        stats = client.get_inference_statistics(_batching_model(workload), as_json=True)["model_stats"][0]
+    inference = stats["inference_stats"]
+    values = {name: float(inference[name].get("ns", 0)) for name in
+              ("queue", "compute_input", "compute_infer", "compute_output")}
+    values["executions"] = float(stats.get("execution_count", 0))
+    values["requests"] = float(inference["success"].get("count", 0))
+    return values
+
+
+def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per request, in ms (Triton counts a batch's compute time once for each of its requests)."""
+    requests = max(1.0, after["requests"] - before["requests"])
+    return {f"{name}_ms": (after[name] - before[name]) / requests / 1e6
+            for name in ("queue", "compute_input", "compute_infer", "compute_output")}
 
 
 def _client_process(url, preset, embeds, workload, ready, go, results) -> None:
@@ -363,6 +390,9 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
 def _progress(point: Point) -> None:
     s = point.summary()
     batch = f"  mean batch {s['mean_batch']:.1f}" if s["mean_batch"] else ""
+    if s["server"]:
+        server = s["server"]
+        batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
     print(f"  {s['workload']:<14} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}/s  "
           f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
 
