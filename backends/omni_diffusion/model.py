@@ -43,6 +43,7 @@ class TritonPythonModel:
                             COUNTER).Metric(labels=self.metrics.labels)
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
+        self.poll_s = float(diffusion_io.model_parameters(model_config).get("cancel_poll_s", "0.02"))
 
     def execute(self, requests):
         started = time.monotonic()
@@ -58,7 +59,7 @@ class TritonPythonModel:
             indices = list(valid)
             channels = [channel_ids(requests[i]) for i in indices]  # set when the omni scheduler sent it
             watch = _StepWatch([requests[i] for i in indices], [key for key, _ in channels], self.cancellations,
-                               self.steps)
+                               self.steps, self.poll_s)
 
             def on_step(k: int, step: int, total: int) -> None:
                 watch.count_step()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -330,6 +331,8 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
                 text = re.sub(r'\\"max_size\\": \d+', f'\\\\"max_size\\\\": {max(1024, preset.size)}', text)
                 text = re.sub(r"max_queue_delay_microseconds: \d+",
                               f"max_queue_delay_microseconds: {preset.diffusion_queue_delay_us}", text)
+                if poll := os.environ.get("OMNI_BENCH_CANCEL_POLL_S"):  # a diagnostic knob
+                    text += f'parameters {{ key: "cancel_poll_s" value {{ string_value: "{poll}" }} }}\n'
                 text = re.sub(r'(key: "exact_batching" value \{ string_value: ")[^"]*(")',
                               rf"\g<1>{str(preset.exact_batching).lower()}\g<2>", text)
             config.write_text(text)
