@@ -224,7 +224,6 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     and make the load generator the bottleneck, not the server."""
     import multiprocessing
 
-    triton_call(workload, url, preset, embeds)()  # warm-up
     context = multiprocessing.get_context("spawn")
     ready, results, go = context.Queue(), context.Queue(), context.Event()
     workers = [context.Process(target=_client_process, args=(url, preset, embeds, workload, ready, go, results))
@@ -278,6 +277,7 @@ def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
 def _client_process(url, preset, embeds, workload, ready, go, results) -> None:
     latencies, error = [], None
     call = triton_call(workload, url, preset, embeds)
+    call()  # warm-up, all clients at once: the server meets this batch size before the clock starts
     ready.put(True)
     go.wait()
     for _ in range(preset.requests_per_worker):
