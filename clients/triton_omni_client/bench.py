@@ -311,6 +311,20 @@ def _mean_batch(before: tuple[float, float], after: tuple[float, float]) -> floa
     return (after[0] - before[0]) / count if count else None
 
 
+MODELS = {
+    "diffusion": ["diffusion"],
+    "ar_encoder": ["ar_encoder"],
+    "ar": ["ar"],
+    "text_to_image": ["ar_encoder", "diffusion", "text_to_image"],
+    "omni": ["ar", "ar_encoder", "diffusion", "omni"],
+}
+
+
+def models_for(workloads: tuple[str, ...]) -> list[str]:
+    """Only the models the workloads use are loaded (each holds GPU memory and a process)."""
+    return sorted({model for workload in workloads for model in MODELS[workload]})
+
+
 def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     """Copies of the default repositories with the preset's models and batch size."""
     import re
@@ -375,7 +389,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     print("== triton", flush=True)
     with tempfile.TemporaryDirectory(prefix="omni-bench-") as tmp:
         options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=18100,
-                                grpc_port=18101, metrics_port=18102, log_file=out_dir / "server.log")
+                                grpc_port=18101, metrics_port=18102, log_file=out_dir / "server.log",
+                                model_control_mode="explicit", load_models=models_for(preset.workloads))
         with TritonServer(options) as server:
             for workload in preset.workloads:
                 for c in preset.concurrency:
