@@ -47,12 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     omni.add_argument("--url", help="gRPC address; default localhost:8001")
     omni.add_argument("--model", default="omni")
     omni.add_argument("--max-tokens", type=int)
-    omni.add_argument("--steps", type=int, dest="num_inference_steps")
-    omni.add_argument("--seed", type=int)
-    omni.add_argument("--height", type=int)
-    omni.add_argument("--width", type=int)
-    omni.add_argument("--guidance", type=float, dest="guidance_scale")
-    omni.add_argument("--negative-prompt")
+    _add_image_options(omni)
     omni.add_argument("--num-images", type=int)
     omni.set_defaults(run=_generate)
 
@@ -70,17 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     image.add_argument("--url")
     image.add_argument("--model", default="diffusion")
-    image.add_argument("--steps", type=int, dest="num_inference_steps")
-    image.add_argument("--seed", type=int)
-    image.add_argument("--height", type=int)
-    image.add_argument("--width", type=int)
-    image.add_argument("--guidance", type=float, dest="guidance_scale")
-    image.add_argument("--negative-prompt")
+    _add_image_options(image)
     image.set_defaults(run=_generate_image)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.run(args)
+
+
+def _add_image_options(parser) -> None:
+    """The diffusion options, the same for `generate` and `generate-image`."""
+    parser.add_argument("--steps", type=int, dest="num_inference_steps")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--guidance", type=float, dest="guidance_scale")
+    parser.add_argument("--negative-prompt")
 
 
 def _serve(args) -> int:
