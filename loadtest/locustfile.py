@@ -24,8 +24,10 @@ Settings come from environment variables (defaults in brackets):
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +49,19 @@ PROMPTS = (Path(os.environ["OMNI_PROMPTS"]).read_text().split("\n") if os.enviro
     "a sailing boat on a calm sea", "an old library with tall windows", "a city street in the rain",
 ])
 PROMPTS = [p for p in PROMPTS if p.strip()]
+
+
+@events.quit.add_listener
+def _skip_finalisation(exit_code: int, **kwargs) -> None:
+    """Exit without interpreter finalisation: a gRPC channel closed from a
+    ``__del__`` during shutdown can deadlock under gevent (seen here). The
+    hook runs at exit, after Locust has closed its CSV files."""
+    def exit_now() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+    atexit.register(exit_now)
 
 
 def omni_request(i: int) -> dict:

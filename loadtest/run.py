@@ -26,9 +26,20 @@ def run_locust(http_url: str, grpc_url: str, csv_prefix: Path, users: int, run_t
     csv_prefix.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(users),
                "--spawn-rate", str(users), "--run-time", run_time, "--host", f"http://{http_url}",
-               "--csv", str(csv_prefix), "--only-summary", "--stop-timeout", "60"]
+               "--csv", str(csv_prefix), "--only-summary", "--stop-timeout", "30"]
     env = os.environ | {"OMNI_GRPC_URL": grpc_url} | (extra_env or {})
-    return subprocess.run(command, env=env, check=False).returncode
+    limit_s = _seconds(run_time) + 120  # run time, stop timeout, start-up
+    try:
+        return subprocess.run(command, env=env, check=False, timeout=limit_s).returncode
+    except subprocess.TimeoutExpired:
+        print(f"locust did not exit within {limit_s} s; killed", file=sys.stderr)
+        return 124
+
+
+def _seconds(run_time: str) -> int:
+    """Locust's run time ("90s", "5m", "1h") in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    return int(run_time[:-1]) * units[run_time[-1]] if run_time[-1] in units else int(run_time)
 
 
 def main() -> int:
