@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -70,9 +71,11 @@ class TritonPythonModel:
         self.metrics.in_flight.increment(1)
         text = "" if request.stream or request.exclude_input_in_output else request.prompt
         counted = 0
+        client_cancelled = threading.Event()
+        self.responses.watch(sender, client_cancelled.set)
         try:
             async for delta in self.runner.generate(request, request_id):
-                if sender.is_cancelled() or self.cancellations.is_cancelled(key):
+                if client_cancelled.is_set() or self.cancellations.is_cancelled(key):
                     await self.runner.abort(request_id)
                     raise RequestCancelledError
                 if counted == 0 and delta.num_output_tokens > 0:
@@ -90,6 +93,7 @@ class TritonPythonModel:
         except Exception as exc:
             self._fail(sender, exc, started)
         finally:
+            self.responses.unwatch(sender)
             self.metrics.in_flight.increment(-1)
 
     def _response(self, request: GenerateRequest, text: str, delta):

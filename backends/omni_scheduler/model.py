@@ -3,8 +3,8 @@
 A thin adapter around the Triton-free ``OmniScheduler``: tensors in -> typed
 ``OmniRequest`` -> scheduler events -> responses. Each request runs as a task
 on one event loop, so independent requests (and the sub-requests of one) are
-in flight together. A watcher task turns a client's cancellation into the
-cancellation of that task, which flags its downstream requests cancelled.
+in flight together. The response thread watches each request; a client's
+cancellation cancels its task, which flags its downstream requests cancelled.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from triton_omni.triton.stages import TritonStages
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-CANCEL_POLL_S = 0.05
 
 
 class TritonPythonModel:
@@ -75,7 +74,8 @@ class TritonPythonModel:
 
     async def _serve(self, request: OmniRequest, sender, started: float) -> None:
         self.metrics.in_flight.increment(1)
-        watcher = asyncio.create_task(_cancel_when_client_does(sender, asyncio.current_task()))
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        self.responses.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel))
         try:
             if request.stream:
                 async for event in self.scheduler.run(request):
@@ -90,7 +90,7 @@ class TritonPythonModel:
         except Exception as exc:
             self._fail(sender, exc, started)
         finally:
-            watcher.cancel()
+            self.responses.unwatch(sender)
             self.metrics.in_flight.increment(-1)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
@@ -107,12 +107,6 @@ class TritonPythonModel:
 async def _in_loop(make):
     """Build an asyncio object (``EmbedsBudget`` holds a Condition) on the scheduler's loop."""
     return make()
-
-
-async def _cancel_when_client_does(sender, task: asyncio.Task) -> None:
-    while not sender.is_cancelled():
-        await asyncio.sleep(CANCEL_POLL_S)
-    task.cancel()
 
 
 def _event_response(event) -> pb_utils.InferenceResponse:

@@ -1,8 +1,13 @@
-"""Sends decoupled responses from one thread, in order.
+"""One thread per model instance talks to the server about responses.
 
-``InferenceResponseSender.send`` talks to the server over IPC and may block;
-doing it on the engine's event loop would stall every other request. The
-engine loop enqueues, this thread sends (the Triton vLLM backend's design).
+``InferenceResponseSender.send`` and ``is_cancelled`` are IPC calls to the
+server and may block. Made from the engine's event loop they stall every
+other request. Made from several threads at once, alongside BLS traffic,
+they deadlocked a Triton 2.51 stub here: the event loop sat in
+``is_cancelled`` while another stub waited in ``send``. So the engine loop
+only enqueues, and this thread sends every response (the Triton vLLM
+backend's design). Between sends, it polls the cancellation of the
+requests it is asked to watch.
 """
 
 from __future__ import annotations
@@ -10,29 +15,71 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
 
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+POLL_S = 0.05
 
 
 class ResponseThread:
-    def __init__(self):
+    def __init__(self, poll_s: float = POLL_S):
         self._queue: queue.Queue = queue.Queue()
+        self._watched: dict[int, tuple[object, Callable[[], None]]] = {}
+        self._lock = threading.Lock()
+        self._poll_s = poll_s
         self._thread = threading.Thread(target=self._drain, name="omni-responses", daemon=True)
         self._thread.start()
 
     def send(self, sender, response=None, final: bool = False) -> None:
         self._queue.put((sender, response, FINAL if final else 0))
 
+    def watch(self, sender, on_cancel: Callable[[], None]) -> None:
+        """Call ``on_cancel`` (once, on this thread) when the client cancels the request."""
+        with self._lock:
+            self._watched[id(sender)] = (sender, on_cancel)
+
+    def unwatch(self, sender) -> None:
+        with self._lock:
+            self._watched.pop(id(sender), None)
+
     def _drain(self) -> None:
-        while (item := self._queue.get()) is not None:
-            sender, response, flags = item
+        next_poll = time.monotonic() + self._poll_s
+        while True:
             try:
-                sender.send(response, flags=flags)
+                item = self._queue.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                self._send(*item)
+            if time.monotonic() >= next_poll:
+                self._poll_cancellations()
+                next_poll = time.monotonic() + self._poll_s
+
+    def _send(self, sender, response, flags) -> None:
+        try:
+            sender.send(response, flags=flags)
+        except Exception:
+            logger.exception("Could not send a response (flags=%s)", flags)
+
+    def _poll_cancellations(self) -> None:
+        with self._lock:
+            watched = list(self._watched.items())
+        for key, (sender, on_cancel) in watched:
+            try:
+                if not sender.is_cancelled():
+                    continue
             except Exception:
-                logger.exception("Could not send a response (flags=%s)", flags)
+                logger.exception("Could not check a request's cancellation")
+                continue
+            with self._lock:
+                self._watched.pop(key, None)
+            on_cancel()
 
     def stop(self) -> None:
         self._queue.put(None)
