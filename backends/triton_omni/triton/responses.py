@@ -62,6 +62,11 @@ class ResponseThread:
                 next_poll = time.monotonic() + self._poll_s
 
     def _send(self, sender, response, flags) -> None:
+        if flags & FINAL:
+            # Never poll a request after its final response: the server frees its
+            # response factory, and is_cancelled() on it crashes tritonserver (seen).
+            # Only this thread polls, so dropping the watch here closes the race.
+            self.unwatch(sender)
         try:
             sender.send(response, flags=flags)
         except Exception:
