@@ -25,24 +25,19 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from triton_omni.demo_models import build_all
 from triton_omni.launcher import PROJECT_ROOT, ServerOptions, TritonServer
-from triton_omni_client.client import image_inputs, omni_inputs, stream_infer
+from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
 def direct(client, url: str, options: dict) -> np.ndarray:
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=np.object_))
-    embeds = client.infer("ar_encoder", [text]).as_numpy("prompt_embeds")
-    return client.infer("diffusion", image_inputs(grpcclient, prompt_embeds=embeds[0], **options)).as_numpy("image")[0]
+    embeds = client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT)).as_numpy("prompt_embeds")
+    image = client.infer("diffusion", batched_inputs(grpcclient, prompt_embeds=embeds[0], **options))
+    return image.as_numpy("image")[0]
 
 
 def ensemble(client, url: str, options: dict) -> np.ndarray:
-    inputs = image_inputs(grpcclient, **options)
-    for name, value in (("text_input", PROMPT), ("negative_prompt", "")):
-        tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=np.object_))
-        inputs.append(tensor)
+    inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **options)
     return client.infer("text_to_image", inputs).as_numpy("image")[0]
 
 

@@ -35,10 +35,9 @@ from grpc.experimental import gevent as grpc_gevent
 
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
-import numpy as np  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 from locust import FastHttpUser, User, between, events, task  # noqa: E402
-from triton_omni_client.client import image_inputs, omni_inputs, stream_infer  # noqa: E402
+from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer  # noqa: E402
 
 GRPC_URL = os.environ.get("OMNI_GRPC_URL", "localhost:8001")
 WEIGHTS = [int(w) for w in os.environ.get("OMNI_WEIGHTS", "3,1,2").split(",")]
@@ -139,11 +138,8 @@ class GrpcOmniUser(User):
     @task(WEIGHTS[1])
     def text_to_image(self):
         def call():
-            inputs = image_inputs(grpcclient, num_inference_steps=STEPS)
-            for name, value in (("text_input", random.choice(PROMPTS)), ("negative_prompt", "")):
-                tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
-                tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=np.object_))
-                inputs.append(tensor)
+            inputs = batched_inputs(grpcclient, text_input=random.choice(PROMPTS), negative_prompt="",
+                                    num_inference_steps=STEPS)
             return self.client.infer("text_to_image", inputs).as_numpy("image").nbytes
 
         self._timed("grpc text_to_image", call)

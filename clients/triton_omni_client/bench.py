@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -179,26 +178,21 @@ def measure_direct(direct: Direct, workload: str, concurrency: int, requests: in
 def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> Callable[[], None]:
     import tritonclient.grpc as grpcclient
 
-    from triton_omni_client.client import image_inputs, omni_inputs, stream_infer
+    from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 
     image_options = {"num_inference_steps": preset.steps, "guidance_scale": preset.guidance,
                      "height": preset.size, "width": preset.size, "seed": 1}
     client = grpcclient.InferenceServerClient(url)
-
-    def text(name: str, value: str):
-        tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=np.object_))
-        return tensor
 
     def check(result, name: str) -> None:
         if result.as_numpy(name) is None:
             raise RuntimeError(f"{workload}: no {name} in the response")
 
     def diffusion():
-        check(client.infer("diffusion", image_inputs(grpcclient, prompt_embeds=embeds, **image_options)), "image")
+        check(client.infer("diffusion", batched_inputs(grpcclient, prompt_embeds=embeds, **image_options)), "image")
 
     def ar_encoder():
-        check(client.infer("ar_encoder", [text("text_input", PROMPT)]), "prompt_embeds")
+        check(client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT)), "prompt_embeds")
 
     def ar():
         values = {"text_input": PROMPT, "sampling_parameters": json.dumps(
@@ -206,7 +200,7 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> 
         list(stream_infer(url, "ar", omni_inputs(grpcclient, values)))
 
     def text_to_image():
-        inputs = [*image_inputs(grpcclient, **image_options), text("text_input", PROMPT), text("negative_prompt", "")]
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **image_options)
         check(client.infer("text_to_image", inputs), "image")
 
     def omni():
@@ -345,8 +339,6 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
                 text = re.sub(r'\\"max_size\\": \d+', f'\\\\"max_size\\\\": {max(1024, preset.size)}', text)
                 text = re.sub(r"max_queue_delay_microseconds: \d+",
                               f"max_queue_delay_microseconds: {preset.diffusion_queue_delay_us}", text)
-                if poll := os.environ.get("OMNI_BENCH_CANCEL_POLL_S"):  # a diagnostic knob
-                    text += f'parameters {{ key: "cancel_poll_s" value {{ string_value: "{poll}" }} }}\n'
                 text = re.sub(r'(key: "exact_batching" value \{ string_value: ")[^"]*(")',
                               rf"\g<1>{str(preset.exact_batching).lower()}\g<2>", text)
             config.write_text(text)

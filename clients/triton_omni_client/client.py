@@ -190,10 +190,8 @@ class OmniClient:
         """Prompt embeddings ``[num_tokens, hidden]`` from the AR encoder."""
         client_module = _client_module(self.protocol)
         with client_module.InferenceServerClient(self.url) as client:
-            tensor = client_module.InferInput("text_input", [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
             try:
-                result = client.infer(model, [tensor])
+                result = client.infer(model, batched_inputs(client_module, text_input=prompt))
             except Exception as exc:
                 raise _as_omni_error(exc) from None
             return result.as_numpy("prompt_embeds")[0]
@@ -207,7 +205,7 @@ class OmniClient:
         """An image ``[H, W, 3]`` uint8. ``options``: num_inference_steps,
         guidance_scale, height, width, seed."""
         client_module = _client_module(self.protocol)
-        inputs = image_inputs(client_module, prompt=prompt, prompt_embeds=prompt_embeds,
+        inputs = batched_inputs(client_module, prompt=prompt, prompt_embeds=prompt_embeds,
                               negative_prompt=negative_prompt, negative_prompt_embeds=negative_prompt_embeds,
                               **options)
         with client_module.InferenceServerClient(self.url) as client:
@@ -218,13 +216,15 @@ class OmniClient:
             return result.as_numpy("image")[0]
 
 
-def image_inputs(client_module, **values: Any) -> list:
-    """Input tensors of the diffusion model (batch dimension 1) for the given values."""
+def batched_inputs(client_module, **values: Any) -> list:
+    """Input tensors of a batched model (``ar_encoder``, ``diffusion``,
+    ``text_to_image``), with a batch dimension of 1: text as BYTES, prompt
+    embeddings as float arrays, scalars with their declared types."""
     inputs = []
     for name, value in values.items():
         if value is None:
             continue
-        if name in ("prompt", "negative_prompt"):
+        if isinstance(value, str):
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
         elif name.endswith("prompt_embeds"):
             array = np.ascontiguousarray(value)[None] if value.ndim == 2 else np.ascontiguousarray(value)

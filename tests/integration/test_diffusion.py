@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_client.client import image_inputs
+from triton_omni_client.client import batched_inputs
 
 from tests.integration.conftest import metric_value
 
@@ -149,7 +149,7 @@ def test_grpc_cancel_stops_within_one_step(server):
     before = steps()
     done = []
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        call = client.async_infer("diffusion", image_inputs(grpcclient, **long_request),
+        call = client.async_infer("diffusion", batched_inputs(grpcclient, **long_request),
                                   callback=lambda result, error: done.append(error))
         deadline = time.monotonic() + 120
         while steps() - before < 3:

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_client.client import omni_inputs
+from triton_omni_client.client import batched_inputs, omni_inputs
 
 from tests.integration.conftest import metric_value
 
@@ -28,16 +28,7 @@ def by_hand(url: str, prompt: str, negative: str = "", **options) -> np.ndarray:
 
 def ensemble(url: str, protocol: str, prompt: str, negative: str = "", **options) -> np.ndarray:
     module = grpcclient if protocol == "grpc" else httpclient
-    inputs = []
-    for name, value in {"text_input": prompt, "negative_prompt": negative, **options}.items():
-        is_text = isinstance(value, str)
-        dtype, type_name = (np.object_, "BYTES") if is_text else (
-            {"seed": np.int64, "guidance_scale": np.float32}.get(name, np.int32),
-            {"seed": "INT64", "guidance_scale": "FP32"}.get(name, "INT32"))
-        array = np.array([[value.encode() if is_text else value]], dtype=dtype)
-        tensor = module.InferInput(name, list(array.shape), type_name)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = batched_inputs(module, text_input=prompt, negative_prompt=negative, **options)
     with module.InferenceServerClient(url) as client:
         return client.infer("text_to_image", inputs).as_numpy("image")[0]
 
