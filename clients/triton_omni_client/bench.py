@@ -160,7 +160,7 @@ class Direct:
             torch.cuda.empty_cache()
 
 
-def measure_direct(direct: Direct, workload: str, concurrency: int, requests: int) -> Point:
+def measure_direct(direct: Direct, workload: str, concurrency: int, requests: int, side: str = "direct") -> Point:
     call = direct.call(workload)
     call(concurrency)  # warm-up (and, on CUDA, kernel selection)
     rounds = max(1, requests // concurrency)
@@ -169,7 +169,17 @@ def measure_direct(direct: Direct, workload: str, concurrency: int, requests: in
         t0 = time.perf_counter()
         call(concurrency)
         latencies += [time.perf_counter() - t0] * concurrency
-    return Point(workload, concurrency, "direct", rounds * concurrency, time.perf_counter() - start, latencies)
+    return Point(workload, concurrency, side, rounds * concurrency, time.perf_counter() - start, latencies)
+
+
+def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
+    """Diffusion direct with the UNet's CUDA graphs off: the raw diffusers
+    curve of PLATFORM.md, measured in the same run as the rest."""
+    direct.diffusion.graphs.enabled = False
+    try:
+        return measure_direct(direct, "diffusion", concurrency, requests, side="eager")
+    finally:
+        direct.diffusion.graphs.enabled = True
 
 
 # -- triton: the same work through the server -------------------------------------
@@ -219,12 +229,16 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    ready, results, go = context.Queue(), context.Queue(), context.Event()
-    workers = [context.Process(target=_client_process, args=(url, preset, embeds, workload, ready, go, results))
+    ready, results, warm, go = context.Queue(), context.Queue(), context.Event(), context.Event()
+    workers = [context.Process(target=_client_process,
+                               args=(url, preset, embeds, workload, ready, warm, go, results))
                for _ in range(concurrency)]
     for worker in workers:
         worker.start()
-    for _ in workers:
+    for _ in workers:  # connected: warm up together
+        ready.get()
+    warm.set()
+    for _ in workers:  # warmed up
         ready.get()
     batches_before, stats_before = _batch_counts(metrics_url, workload), _server_stats(url, workload)
     start = time.time()
@@ -268,10 +282,14 @@ def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             for name in ("queue", "compute_input", "compute_infer", "compute_output")}
 
 
-def _client_process(url, preset, embeds, workload, ready, go, results) -> None:
+def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> None:
     latencies, error = [], None
     call = triton_call(workload, url, preset, embeds)
-    call()  # warm-up, all clients at once: the server meets this batch size before the clock starts
+    ready.put(True)
+    warm.wait()
+    # Warm-up, all clients at once: the server meets the measured batch size (its
+    # kernel selection and CUDA graph capture) before the clock starts.
+    call()
     ready.put(True)
     go.wait()
     for _ in range(preset.requests_per_worker):
@@ -375,6 +393,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     for workload in preset.workloads:
         for c in preset.concurrency:
             record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
+            if workload == "diffusion" and direct.diffusion.graphs is not None:
+                record(measure_eager(direct, c, c * preset.requests_per_worker))
     direct.close()
     del direct
 
@@ -421,10 +441,21 @@ def table(points: list[Point]) -> list[dict]:
                "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
                "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
                "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
+        eager = by_key.get((workload, c, "eager"))
+        if eager is not None:
+            row |= {"eager_per_s": eager["throughput_per_s"],
+                    "ratio_to_eager": t["throughput_per_s"] / eager["throughput_per_s"]}
         rows.append(row)
         print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
               f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
               f"{row['triton_p99_ms']:>12.1f}")
+    eager_rows = [r for r in rows if "eager_per_s" in r]
+    if eager_rows:
+        print("\ndiffusion against the eager (raw diffusers) curve, measured in the same run:")
+        for r in eager_rows:
+            print(f"  c={r['concurrency']:<3} eager {r['eager_per_s']:.2f}/s  direct (CUDA graphs) "
+                  f"{r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
+                  f"triton/eager {r['ratio_to_eager']:.2f}")
     return rows
 
 
@@ -441,7 +472,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         data = [r for r in rows if r["workload"] == workload]
         x0, y0 = k * panel_w + margin, 40 + 20
         w, h = panel_w - margin - 20, panel_h - 60
-        top = max(max(r["direct_per_s"], r["triton_per_s"]) for r in data) * 1.1
+        top = max(max(r["direct_per_s"], r["triton_per_s"], r.get("eager_per_s", 0)) for r in data) * 1.1
         concurrencies = [r["concurrency"] for r in data]
 
         def xy(i: int, value: float) -> tuple[float, float]:
@@ -452,7 +483,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
         for i, c in enumerate(concurrencies):
             draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")
-        for key, colour, dashed in (("direct_per_s", "gray", True), ("triton_per_s", "#76b900", False)):
+        for key, colour, dashed in (("eager_per_s", "#3b6fd4", True), ("direct_per_s", "gray", True),
+                                    ("triton_per_s", "#76b900", False)):
+            if any(key not in r for r in data):
+                continue
             points = [xy(i, r[key]) for i, r in enumerate(data)]
             for a, b in itertools.pairwise(points):
                 if dashed:
@@ -464,7 +498,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                     draw.line([a, b], fill=colour, width=3)
             for p in points:
                 draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
-        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct, green: Triton", fill="gray")
+        legend = "dashed: direct (blue: eager), green: Triton"
+        draw.text((x0 + 4, y0 + h + 18), f"concurrency; {legend}", fill="gray")
     image.save(path)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 
@@ -42,6 +43,8 @@ class DiffusionRunnerConfig:
     dtype: str = "auto"  # auto: float16 on CUDA, float32 on CPU
     batch_size: int = 8
     exact_batching: bool = True
+    # Replay the UNet's steps as CUDA graphs (cuda_graphs.py); CUDA only, ignored on CPU.
+    cuda_graphs: bool = True
     limits: dict[str, Any] = field(default_factory=dict)  # DiffusionLimits overrides
     defaults: dict[str, Any] = field(default_factory=dict)  # default steps/size/guidance
 
@@ -77,8 +80,11 @@ class DiffusionRunner:
         denoiser = getattr(self.pipeline, "unet", None) or self.pipeline.transformer
         hidden = getattr(denoiser.config, "cross_attention_dim", None) or denoiser.config.joint_attention_dim
         self.limits = DiffusionLimits(hidden_size=int(hidden), **config.limits)
-        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d", path, type(self.pipeline).__name__,
-                    self.device, self.dtype, hidden)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
+            self.graphs = GraphedDenoiser(self.pipeline.unet)
+        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d, CUDA graphs %s", path,
+                    type(self.pipeline).__name__, self.device, self.dtype, hidden, "on" if self.graphs else "off")
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         return DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
