@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,7 +27,7 @@ from triton_omni.launcher import ServerOptions, TritonServer
 from triton_omni_client import bench
 
 VARIANTS = {  # name: extra diffusion model parameters
-    "poll 20 ms": {},
+    "default": {},
     "poll 10 s": {"cancel_poll_s": "10"},
     "graphs off": {"cuda_graphs": "false"},
 }
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--py-spy", help="path of a py-spy binary: sample the direct phase and the stub")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     preset = replace(bench.PRESETS["realistic"], workloads=("diffusion",), requests_per_worker=args.rounds)
@@ -45,9 +49,17 @@ def main() -> None:
     phases: list[tuple[str, float, float, float]] = []  # name, start, end, throughput
     c = args.concurrency
 
-    def phase(name: str, measure) -> None:
+    def phase(name: str, measure, pid: int | None = None) -> None:
         start = time.time()
+        spy = None
+        if args.py_spy and pid:
+            tag = re.sub(r"\W+", "_", name)
+            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--threads", "--idle", "-r", "200",
+                                    "-d", "600", "-f", "raw", "-o", str(args.out / f"spy-{tag}-{len(phases)}.txt")])
         point = measure()
+        if spy:
+            spy.send_signal(2)  # py-spy writes its profile on SIGINT
+            spy.wait()
         phases.append((name, start, time.time(), point.throughput))
         server = point.server or {}
         compute = f"  compute_infer {server['compute_infer_ms']:.0f} ms" if server else ""
@@ -55,8 +67,9 @@ def main() -> None:
 
     direct = bench.Direct(preset, "cuda")
     embeds = direct.embeds.float().cpu().numpy()
-    phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds))
-    for k, (name, params) in enumerate(VARIANTS.items()):
+    phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds), os.getpid())
+    for k, name in enumerate(args.variants.split(",")):
+        params = VARIANTS[name]
         with tempfile.TemporaryDirectory() as tmp:
             repos = bench.bench_repository(preset, Path(tmp))
             config = repos[0] / "diffusion" / "config.pbtxt"
@@ -66,8 +79,11 @@ def main() -> None:
                                     log_file=args.out / f"server-{k}.log",
                                     model_control_mode="explicit", load_models=["diffusion"])
             with TritonServer(options) as server:
+                stub = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*diffusion"], capture_output=True,
+                                      text=True).stdout.split()
+                stub_pid = int(stub[0]) if stub else None
                 phase(f"triton, {name}", lambda: bench.measure_triton(server.grpc_url, preset, embeds, "diffusion", c,
-                                                                      server.metrics_url))
+                                                                      server.metrics_url), stub_pid)
         phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds))
     smi.terminate()
     _report(phases, smi_csv)
