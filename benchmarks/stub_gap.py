@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import os
 import re
 import subprocess
@@ -34,6 +35,7 @@ VARIANTS = {  # name: extra diffusion model parameters
 
 
 def main() -> None:
+    logging.basicConfig(level=os.environ.get("TRITON_OMNI_LOG_LEVEL", "INFO"), format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--concurrency", type=int, default=16)
