@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from triton_omni.launcher import ServerOptions, TritonServer
 from triton_omni_client import bench
 
-VARIANTS = {  # name: extra diffusion model parameters
-    "default": {},
-    "poll 10 s": {"cancel_poll_s": "10"},
-    "graphs off": {"cuda_graphs": "false"},
+VARIANTS = {  # name: (extra diffusion model parameters, extra tritonserver arguments)
+    "default": ({}, []),
+    "poll 10 s": ({"cancel_poll_s": "10"}, []),
+    "graphs off": ({"cuda_graphs": "false"}, []),
+    "no GPU metrics": ({}, ["--allow-gpu-metrics=false"]),
 }
 
 
@@ -71,7 +72,7 @@ def main() -> None:
     embeds = direct.embeds.float().cpu().numpy()
     phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds), os.getpid())
     for k, name in enumerate(args.variants.split(",")):
-        params = VARIANTS[name]
+        params, server_args = VARIANTS[name]
         with tempfile.TemporaryDirectory() as tmp:
             repos = bench.bench_repository(preset, Path(tmp))
             config = repos[0] / "diffusion" / "config.pbtxt"
@@ -79,11 +80,14 @@ def main() -> None:
                 f'\nparameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in params.items()))
             options = ServerOptions(model_repositories=repos, http_port=18100, grpc_port=18101, metrics_port=18102,
                                     log_file=args.out / f"server-{k}.log",
-                                    model_control_mode="explicit", load_models=["diffusion"])
+                                    model_control_mode="explicit", load_models=["diffusion"],
+                                    extra_args=server_args)
             with TritonServer(options) as server:
                 stub = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*diffusion"], capture_output=True,
                                       text=True).stdout.split()
                 stub_pid = int(stub[0]) if stub else None
+                phase(f"direct, {name} server idle", lambda: bench.measure_direct(direct, "diffusion", c,
+                                                                                   c * args.rounds))
                 phase(f"triton, {name}", lambda: bench.measure_triton(server.grpc_url, preset, embeds, "diffusion", c,
                                                                       server.metrics_url), stub_pid)
         phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds))
