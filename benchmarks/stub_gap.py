@@ -90,9 +90,32 @@ def main() -> None:
                                                                                    c * args.rounds))
                 phase(f"triton, {name}", lambda: bench.measure_triton(server.grpc_url, preset, embeds, "diffusion", c,
                                                                       server.metrics_url), stub_pid)
+                if stub_pid:
+                    _compare_processes(os.getpid(), stub_pid)
         phase("direct", lambda: bench.measure_direct(direct, "diffusion", c, c * args.rounds))
     smi.terminate()
     _report(phases, smi_csv)
+
+
+def _compare_processes(direct_pid: int, stub_pid: int) -> None:
+    """The GPU libraries each process mapped, and the environment variables that differ."""
+    def libraries(pid: int) -> set[str]:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        gpu = re.compile(r"cu(dnn|blas|dart|fft|sparse|solver)|nvrtc|nccl|libnv")
+        return {line.split()[-1] for line in maps if gpu.search(line)}
+
+    def environment(pid: int) -> dict[str, str]:
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+    direct, stub = libraries(direct_pid), libraries(stub_pid)
+    print("GPU libraries in both:", *sorted(direct & stub), sep="\n  ")
+    print("only direct:", *sorted(direct - stub), sep="\n  ")
+    print("only stub:", *sorted(stub - direct), sep="\n  ")
+    env_direct, env_stub = environment(direct_pid), environment(stub_pid)
+    for key in sorted(set(env_direct) | set(env_stub)):
+        if env_direct.get(key) != env_stub.get(key):
+            print(f"env {key}: direct={env_direct.get(key)!r} stub={env_stub.get(key)!r}")
 
 
 def _report(phases, smi_csv: Path) -> None:
