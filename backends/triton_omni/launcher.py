@@ -11,6 +11,7 @@ down (server, stubs and engine processes) so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -78,9 +79,34 @@ def find_server(choice: ServerChoice = "auto") -> ServerInstall:
     return ServerInstall(
         binary=root / "bin" / "tritonserver",
         backends=root / "backends",
-        lib_dirs=(package.parent / "nvidia_pytriton.libs", Path(sysconfig.get_config_var("LIBDIR"))),
+        lib_dirs=(package.parent / "nvidia_pytriton.libs", libpython_dir()),
         stubs=root / "python_backend_stubs",
     )
+
+
+def libpython_dir() -> Path:
+    """A folder holding only this interpreter's shared libpython, which the
+    bundle's stub links against, for ``LD_LIBRARY_PATH``.
+
+    Not the interpreter's whole ``LIBDIR``: on a distribution Python that is
+    ``/usr/lib/x86_64-linux-gnu``, where a system cuDNN may live. cuDNN loads
+    its engine libraries by name, so through ``LD_LIBRARY_PATH`` the stub's
+    torch got the system's engines beside its own ``libcudnn.so.9``, and SD
+    convolutions ran 10% slower in Triton than in a plain process (H200,
+    docs/benchmarks.md).
+    """
+    libdir = Path(sysconfig.get_config_var("LIBDIR"))
+    names = {sysconfig.get_config_var(k) for k in ("INSTSONAME", "LDLIBRARY")} - {None}
+    found = [libdir / name for name in names if ".so" in name and (libdir / name).exists()]
+    if not found:
+        return libdir  # no shared libpython to isolate: fall back to the whole folder
+    key = hashlib.sha1(str(libdir).encode()).hexdigest()[:10]
+    dest = PROJECT_ROOT / ".cache" / "libpython" / key
+    dest.mkdir(parents=True, exist_ok=True)
+    for library in found:
+        with contextlib.suppress(FileExistsError):  # already there, or made by a concurrent launch
+            (dest / library.name).symlink_to(library)
+    return dest
 
 
 def build_backend_dir(install: ServerInstall, dest: Path | None = None) -> Path:
