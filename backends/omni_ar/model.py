@@ -27,7 +27,6 @@ from triton_omni.triton.params import channel_ids
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logger = logging.getLogger("omni_ar")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 
 import torch
@@ -36,8 +35,6 @@ from triton_omni.triton.metrics import GAUGE, StageMetrics, family
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
-
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 class TritonPythonModel:

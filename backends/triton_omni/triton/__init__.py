@@ -7,8 +7,15 @@ response thread, one metrics helper, shared by every stage.
 """
 
 import locale
+import logging
+import os
 
 # The stub embeds Python without PEP 538 C-locale coercion, so text files
 # (torch's kernel templates, tokenizer files) would be read as ASCII.
 if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+# Every stage logs the same way; TRITON_OMNI_LOG_LEVEL=DEBUG adds, e.g.,
+# the diffusion backend's per-batch timing.
+logging.basicConfig(level=os.environ.get("TRITON_OMNI_LOG_LEVEL", "INFO"),
+                    format="%(asctime)s %(levelname)s %(name)s: %(message)s")
