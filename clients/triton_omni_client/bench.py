@@ -5,7 +5,9 @@ For every workload and concurrency c:
 - direct: the runner library in this process; c requests at a time, as one
   batch (diffusion, encoder) or c concurrent generations (AR). This is the
   raw engine curve;
-- triton: c client threads in a closed loop against a server this command
+- eager (diffusion on CUDA): the same direct run with the UNet's CUDA graphs
+  off, i.e. plain diffusers;
+- triton: c client processes in a closed loop against a server this command
   starts, with the same models and configs.
 
 It prints a table (throughput, p50/p99 latency, Triton/direct throughput
@@ -498,8 +500,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                     draw.line([a, b], fill=colour, width=3)
             for p in points:
                 draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
-        legend = "dashed: direct (blue: eager), green: Triton"
-        draw.text((x0 + 4, y0 + h + 18), f"concurrency; {legend}", fill="gray")
+        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct (blue: eager), green: Triton", fill="gray")
     image.save(path)
 
 
