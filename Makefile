@@ -5,11 +5,11 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.triton-omni-installed
 
-.PHONY: install serve test test-unit lint demo-models clean bench-pipelines loadtest
+.PHONY: install serve test test-unit lint demo-models clean bench-pipelines loadtest perf
 
 install: $(STAMP)
 
-$(STAMP): scripts/install.sh requirements/cpu.lock requirements/gpu.txt pyproject.toml
+$(STAMP): scripts/install.sh scripts/install_perf.sh requirements/cpu.lock requirements/gpu.txt pyproject.toml
 	PYTHON=$(PYTHON) scripts/install.sh $(VENV)
 	@touch $@
 
@@ -33,6 +33,12 @@ bench-pipelines: install
 # Locust, headless, both users against the embedded server; CSVs in .cache/loadtest/.
 loadtest: install
 	$(BIN)/python loadtest/run.py
+
+# Triton's perf_analyzer against ar_encoder, diffusion, text_to_image and ar,
+# genai-perf against ar in both input formats; reports in .cache/perf/.
+perf: install
+	scripts/install_perf.sh $(VENV) --genai-perf
+	$(BIN)/omni-triton perf --out .cache/perf
 
 demo-models: install
 	$(BIN)/omni-triton build-demo-models

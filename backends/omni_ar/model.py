@@ -23,9 +23,9 @@ from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics
-from triton_omni.triton.params import channel_ids
+from triton_omni.triton.params import channel_ids, client_parameters
 from triton_omni.triton.responses import ResponseThread
-from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
+from triton_omni.triton.tensors import numeric_tensor, read_inputs
 
 logger = logging.getLogger("omni_ar")
 
@@ -57,7 +57,9 @@ class TritonPythonModel:
         started = time.monotonic()
         sender = request.get_response_sender()
         try:
-            parsed = GenerateRequest.from_inputs(read_inputs(request, ar_io.GENERATE_INPUTS), self.config.limits)
+            parsed = GenerateRequest.from_inputs(read_inputs(request, ar_io.GENERATE_INPUTS), self.config.limits,
+                                                 client_parameters(request))
+            self.runner.check(parsed)
         except Exception as exc:
             self._fail(sender, exc, started)
             return
@@ -68,40 +70,25 @@ class TritonPythonModel:
         """``key``: set when the omni scheduler sent the request; it cancels through the channel."""
         request_id = uuid.uuid4().hex
         self.metrics.in_flight.increment(1)
-        text = "" if request.stream or request.exclude_input_in_output else request.prompt
-        counted = 0
         client_cancelled = threading.Event()
         self.responses.watch(sender, client_cancelled.set)
         try:
-            async for delta in self.runner.generate(request, request_id):
+            def first_token() -> None:
+                self.metrics.time_to_first_token.observe(time.monotonic() - started)
+
+            async for response in self.runner.generate(request, request_id, on_first_token=first_token):
                 if client_cancelled.is_set() or self.cancellations.is_cancelled(key):
                     await self.runner.abort(request_id)
                     raise RequestCancelledError
-                if counted == 0 and delta.num_output_tokens > 0:
-                    self.metrics.time_to_first_token.observe(time.monotonic() - started)
-                self.metrics.generated_tokens.increment(delta.num_output_tokens - counted)
-                counted = delta.num_output_tokens
-                if request.stream:
-                    self.responses.send(sender, self._response(request, delta.text, delta),
-                                        final=delta.finish_reason is not None)
-                else:
-                    text += delta.text
-            if not request.stream:
-                self.responses.send(sender, self._response(request, text, delta), final=True)
+                self.metrics.generated_tokens.increment(sum(response.num_output_tokens))  # new since last response
+                self.responses.send(sender, ar_io.generate_response(response, request.outputs),
+                                    final=response.final)
             self.metrics.finished("success", started)
         except Exception as exc:
             self._fail(sender, exc, started)
         finally:
             self.responses.unwatch(sender)
             self.metrics.in_flight.increment(-1)
-
-    def _response(self, request: GenerateRequest, text: str, delta):
-        outputs = [string_tensor("text_output", text)]
-        if delta.finish_reason is not None:
-            outputs.append(string_tensor("finish_reason", delta.finish_reason))
-        if request.return_num_output_tokens:
-            outputs.append(numeric_tensor("num_output_tokens", delta.num_output_tokens, torch.int32))
-        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
         self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics, started),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -34,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     text.add_argument("--url", help="default localhost:8001 (gRPC) / localhost:8000 (HTTP)")
     text.add_argument("--model", default="ar")
-    text.add_argument("--max-tokens", type=int, default=64)
+    text.add_argument("--max-tokens", type=int, help="default 64 (or max_tokens from --param)")
     text.add_argument("--temperature", type=float)
     text.add_argument("--seed", type=int)
+    _add_param_option(text, "any vLLM sampling key, e.g. --param top_p=0.9 --param stop='[\"\\n\"]'")
     text.set_defaults(run=_generate_text)
 
     omni = commands.add_parser("generate", help="text and/or images through the `omni` scheduler")
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     omni.add_argument("--max-tokens", type=int)
     _add_image_options(omni)
     omni.add_argument("--num-images", type=int)
+    _add_param_option(omni, "any option of `omni` (sampling keys, image options), e.g. --param top_k=20")
     omni.set_defaults(run=_generate)
 
     bench = commands.add_parser("bench", help="each stage and pipeline, direct vs through Triton, side by side")
@@ -58,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--workloads", help="comma-separated among diffusion,ar_encoder,ar,text_to_image,omni")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
+
+    perf = commands.add_parser("perf", help="perf_analyzer and genai-perf against the models (make perf)")
+    perf.add_argument("--url", help="gRPC address of a running server; default: start one with the demo models")
+    perf.add_argument("--out", type=Path, default=Path(".cache/perf"), help="folder for the reports")
+    perf.add_argument("--concurrency", type=int, default=2)
+    perf.add_argument("--request-count", type=int, default=20)
+    perf.add_argument("--tokenizer", help="for genai-perf; default: the demo AR model's")
+    perf.add_argument("--no-genai-perf", action="store_true", help="perf_analyzer only")
+    perf.set_defaults(run=_perf)
 
     image = commands.add_parser("generate-image", help="generate an image with the `diffusion` model")
     image.add_argument("prompt")
@@ -83,6 +95,21 @@ def _add_image_options(parser) -> None:
     parser.add_argument("--negative-prompt")
 
 
+def _add_param_option(parser, help_text: str) -> None:
+    parser.add_argument("--param", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
+                        help=f"{help_text}; VALUE is JSON when it parses as JSON, else a string (repeatable)")
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
 def _serve(args) -> int:
     from triton_omni.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
 
@@ -105,15 +132,16 @@ def _build_demo_models(args) -> int:
 def _generate_text(args) -> int:
     from triton_omni_client import OmniClient, OmniError
 
-    options = {"max_tokens": args.max_tokens}
-    if args.temperature is not None:
-        options["temperature"] = args.temperature
-    if args.seed is not None:
-        options["seed"] = args.seed
+    params = dict(args.param)
+    options = {name: getattr(args, name) for name in ("max_tokens", "temperature", "seed")
+               if getattr(args, name) is not None}
+    if "max_tokens" not in options and "max_tokens" not in params:
+        options["max_tokens"] = 64
     client = OmniClient(args.url, protocol=args.protocol)
     try:
         for chunk in client.generate_text(args.prompt, stream=args.stream, model=args.model,
-                                          exclude_input_in_output=True, **options):
+                                          exclude_input_in_output=True, sampling_parameters=params or None,
+                                          **options):
             print(chunk.text, end="", flush=True)
     except OmniError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
@@ -140,7 +168,8 @@ def _generate(args) -> int:
     written = []
     try:
         for event in OmniClient(args.url).generate(args.prompt, modalities=modalities,
-                                                   enhance_prompt=args.enhance_prompt, model=args.model, **options):
+                                                   enhance_prompt=args.enhance_prompt, model=args.model,
+                                                   parameters=dict(args.param) or None, **options):
             if event.text:
                 print(event.text, end="", flush=True)
             if event.enhanced_prompt is not None:
@@ -188,6 +217,42 @@ def _bench(args) -> int:
     run(args.preset, parts(args.concurrency, int), parts(args.workloads),
         args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset)
     return 0
+
+
+def _perf(args) -> int:
+    from triton_omni.demo_models import resolve_model
+
+    from triton_omni_client.perf import PerfError, format_table, run_all
+
+    tokenizer = args.tokenizer or resolve_model("demo:tiny-qwen2")
+
+    def measure(url: str) -> int:
+        try:
+            results = run_all(url, args.out, tokenizer, with_genai_perf=not args.no_genai_perf,
+                              concurrency=args.concurrency, request_count=args.request_count)
+        except PerfError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(format_table(results))
+        print(f"reports in {args.out}/")
+        return 0
+
+    if args.url:
+        return measure(args.url)
+    import socket
+
+    from triton_omni.launcher import ServerOptions, TritonServer
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            return sock.getsockname()[1]
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            log_file=args.out / "tritonserver.log")
+    with TritonServer(options) as server:
+        return measure(server.grpc_url)
 
 
 def _generate_image(args) -> int:

@@ -28,7 +28,15 @@ SCALAR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
     "seed": ("INT64", np.int64),
+    "min_p": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32),
+    "presence_penalty": ("FP32", np.float32),
+    "repetition_penalty": ("FP32", np.float32),
     "exclude_input_in_output": ("BOOL", np.bool_),
+    "return_finish_reason": ("BOOL", np.bool_),
+    "return_cumulative_logprob": ("BOOL", np.bool_),
+    "return_logprobs": ("BOOL", np.bool_),
+    "return_num_input_tokens": ("BOOL", np.bool_),
     "return_num_output_tokens": ("BOOL", np.bool_),
     "num_inference_steps": ("INT32", np.int32),
     "guidance_scale": ("FP32", np.float32),
@@ -89,9 +97,18 @@ class OmniEvent:
 
 @dataclass
 class TextChunk:
+    """One ``ar`` response. The optional fields are set when asked for
+    (``return_*=True``); ``num_output_tokens`` counts this response's new
+    tokens, ``cumulative_logprob`` the whole completion's so far, and
+    ``logprobs`` has one ``{token_id: {logprob, rank, decoded_token}}`` per
+    new token (Triton's vLLM backend's semantics)."""
+
     text: str
     finish_reason: str | None = None
     num_output_tokens: int | None = None
+    num_input_tokens: int | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[str, dict[str, Any]]] | None = None
 
 
 class OmniClient:
@@ -104,8 +121,13 @@ class OmniClient:
     def generate_text(self, prompt: str, *, stream: bool = False, model: str = "ar",
                       sampling_parameters: dict[str, Any] | None = None, stop: list[str] | None = None,
                       **options: Any) -> Iterator[TextChunk]:
-        """Yield text as it arrives (one chunk when ``stream`` is false)."""
-        options = {"stream": stream, **options}
+        """Yield text as it arrives (one chunk when ``stream`` is false).
+
+        ``options``: the scalar inputs of ``ar`` (``max_tokens``, ``seed``,
+        ``return_logprobs``, ...); ``sampling_parameters``: any vLLM sampling
+        key. The last chunk carries ``finish_reason`` unless
+        ``return_finish_reason=False``."""
+        options = {"stream": stream, "return_finish_reason": True, **options}
         if self.protocol == "http":
             yield from self._generate_http(model, prompt, options, sampling_parameters, stop)
         else:
@@ -287,19 +309,28 @@ def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator
 
 
 def _chunk(result) -> TextChunk:
-    finish = result.as_numpy("finish_reason")
-    count = result.as_numpy("num_output_tokens")
-    return TextChunk(
-        text=result.as_numpy("text_output")[0].decode(),
-        finish_reason=None if finish is None else finish[0].decode(),
-        num_output_tokens=None if count is None else int(count[0]),
-    )
+    return _text_chunk(result.as_numpy)
 
 
 def _http_chunk(event: dict) -> TextChunk:
-    count = event.get("num_output_tokens")
-    return TextChunk(event.get("text_output", ""), event.get("finish_reason") or None,
-                     None if count is None else int(np.ravel(count)[0]))
+    return _text_chunk(event.get)
+
+
+def _text_chunk(get) -> TextChunk:
+    """From ``get(name)``: an output as an array (gRPC) or JSON value (HTTP), None when absent."""
+    def first(name, kind):
+        value = get(name)
+        return None if value is None else kind(np.ravel(value)[0])
+
+    logprobs = first("logprobs", _as_text)
+    return TextChunk(
+        text=first("text_output", _as_text) or "",
+        finish_reason=first("finish_reason", _as_text) or None,
+        num_output_tokens=first("num_output_tokens", int),
+        num_input_tokens=first("num_input_tokens", int),
+        cumulative_logprob=first("cumulative_logprob", float),
+        logprobs=None if logprobs is None else json.loads(logprobs),
+    )
 
 
 def _bytes_input(module, name: str, values: list[str]):

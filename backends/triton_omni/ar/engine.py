@@ -8,30 +8,57 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_omni.ar.request import SamplingOptions
+from triton_omni.ar.sampling import SamplingOptions
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One candidate at one position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
 
 
 @dataclass
 class Delta:
-    """New text since the previous delta of the same request.
+    """What one completion (``index`` of the request's ``n``) produced since
+    its previous delta.
 
-    ``num_output_tokens`` is cumulative; ``finish_reason`` is set on the last
-    delta only (``stop``, ``length`` or ``abort``).
+    ``logprobs`` (one dict ``token id -> TokenLogprob`` per new token) and
+    ``cumulative_logprob`` (of the whole completion so far) are set when the
+    engine was asked for log probabilities. ``finish_reason`` is set on the
+    completion's last delta only (``stop``, ``length`` or ``abort``).
     """
 
     text: str
-    num_output_tokens: int
+    num_tokens: int
     finish_reason: str | None = None
+    index: int = 0
+    logprobs: list[dict[int, TokenLogprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 class ArEngine(ABC):
     """An LLM engine driven from one asyncio loop (the runner's)."""
 
     hidden_size: int
+    name: str
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str) -> AsyncIterator[Delta]:
-        """Stream deltas; the last one carries ``finish_reason``."""
+    def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:
+        """Raise ``RequestValidationError`` for options this engine cannot honour.
+
+        Called on Triton's thread before the request reaches the engine, so a
+        bad request fails at once and alone. ``logprobs``: as in ``generate``."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                 logprobs: int | None = None) -> AsyncIterator[Delta]:
+        """Stream deltas; each completion's last one carries its ``finish_reason``.
+
+        ``logprobs`` asks for log probabilities even when ``options`` does not
+        (0: the sampled token's only), for the ``return_*logprob*`` outputs."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

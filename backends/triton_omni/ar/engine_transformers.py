@@ -4,6 +4,10 @@ Generation runs on a single worker thread so that the asyncio loop never
 blocks, GPU work is serialised, and ``torch.manual_seed`` before a seeded
 request makes its sampling reproducible. Cancellation and stop strings end a
 ``generate`` call through a stopping criterion polled after every token.
+
+It honours the sampling keys in ``TRANSFORMERS_KEYS``; ``check`` refuses any
+other key set to a value that would change the result (``n > 1``,
+penalties, logprobs, ...), naming the key and this engine.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 from transformers.generation.streamers import BaseStreamer
 
 from triton_omni.ar.engine import ArEngine, Delta
-from triton_omni.ar.request import SamplingOptions
+from triton_omni.ar.sampling import TRANSFORMERS_KEYS, SamplingOptions
+from triton_omni.errors import RequestValidationError
 
 
 class TransformersEngine(ArEngine):
+    name = "transformers"
+
     def __init__(self, model: str, device: str, dtype: torch.dtype):
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -30,7 +37,20 @@ class TransformersEngine(ArEngine):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-transformers")
         self._stop_events: dict[str, threading.Event] = {}
 
-    async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str) -> AsyncIterator[Delta]:
+    def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:
+        for key in options.changed_keys():
+            if key not in TRANSFORMERS_KEYS:
+                raise RequestValidationError(
+                    key, f"is not supported by the transformers engine (engine 'vllm' supports it; this engine "
+                    f"supports {', '.join(sorted(TRANSFORMERS_KEYS))})", getattr(options, key))
+        if logprobs is not None:
+            raise RequestValidationError(
+                "return_logprobs", "log probabilities (return_logprobs, return_cumulative_logprob) are not "
+                "supported by the transformers engine (engine 'vllm' supports them)", None, show_value=False)
+
+    async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                       logprobs: int | None = None) -> AsyncIterator[Delta]:
+        self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         stop_event = self._stop_events[request_id] = threading.Event()
@@ -62,10 +82,14 @@ class TransformersEngine(ArEngine):
                     streamer=streamer,
                     stopping_criteria=StoppingCriteriaList([_EventCriterion(stop_event)]),
                     pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                    **_generate_kwargs(options),
+                    **_generate_kwargs(options, self._eos_ids()),
                 )
         except BaseException as exc:  # handed to the awaiting coroutine, which re-raises it
             streamer.emit(exc)
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     async def abort(self, request_id: str) -> None:
         event = self._stop_events.get(request_id)
@@ -96,7 +120,7 @@ class TransformersEngine(ArEngine):
         self._worker.shutdown(wait=True)
 
 
-def _generate_kwargs(options: SamplingOptions) -> dict:
+def _generate_kwargs(options: SamplingOptions, eos_ids: list[int]) -> dict:
     sampled = options.temperature > 0
     kwargs = {
         "max_new_tokens": options.max_tokens,
@@ -105,8 +129,11 @@ def _generate_kwargs(options: SamplingOptions) -> dict:
         "do_sample": sampled,
         "repetition_penalty": options.repetition_penalty,
     }
+    if options.stop_token_ids:  # generation ends at the model's EOS or at any of these
+        kwargs["eos_token_id"] = eos_ids + [t for t in options.stop_token_ids if t not in eos_ids]
     if sampled:
-        kwargs |= {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k or None}
+        kwargs |= {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k or None,
+                   "min_p": options.min_p or None}
     return kwargs
 
 
@@ -134,6 +161,7 @@ class _DeltaStreamer(BaseStreamer):
         self.emit = emit
         self.token_ids: list[int] = []
         self.sent_chars = 0
+        self.sent_tokens = 0
         self.finished = False
         self.prompt_seen = False
         self.hold_back = max((len(s) for s in options.stop), default=1) - 1
@@ -145,17 +173,18 @@ class _DeltaStreamer(BaseStreamer):
         if self.finished:
             return
         self.token_ids.extend(value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.options.stop) if i >= 0), default=-1)
+        text = self._decode()
+        cut, stop = min(((i, s) for s in self.options.stop if (i := text.find(s)) >= 0), default=(-1, ""))
         if cut >= 0:
-            self._finish(text[:cut], "stop")
+            keep = len(stop) if self.options.include_stop_str_in_output else 0
+            self._finish(text[:cut + keep], "stop")
             self.stop_event.set()
         elif not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             self._send(text[: max(self.sent_chars, len(text) - self.hold_back)], None)
 
     def end(self) -> None:
         if not self.finished:
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            text = self._decode()
             if self.stop_event.is_set():
                 reason = "abort"
             elif len(self.token_ids) >= self.options.max_tokens:
@@ -163,6 +192,9 @@ class _DeltaStreamer(BaseStreamer):
             else:
                 reason = "stop"
             self._finish(text, reason)
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.options.skip_special_tokens)
 
     def _finish(self, text: str, reason: str) -> None:
         self.finished = True
@@ -172,4 +204,5 @@ class _DeltaStreamer(BaseStreamer):
         delta = text[self.sent_chars:]
         if delta or reason is not None:
             self.sent_chars = len(text)
-            self.emit(Delta(delta, len(self.token_ids), reason))
+            new_tokens, self.sent_tokens = len(self.token_ids) - self.sent_tokens, len(self.token_ids)
+            self.emit(Delta(delta, new_tokens, reason))

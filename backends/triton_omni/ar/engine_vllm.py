@@ -1,25 +1,33 @@
-"""The vLLM engine: ``AsyncLLM`` driven from the runner's event loop.
+"""The vLLM engine: ``AsyncLLM`` (vLLM V1) on the runner's event loop.
 
 ``generate`` streams DELTA outputs; ``encode`` uses vLLM's pooling runner with
 the ``token_embed`` task and the activation off, which returns the raw last
 hidden states ``[num_tokens, hidden]`` (the same tensor the transformers
 engine reads from ``hidden_states[-1]``).
+
+Sampling options are validated by vLLM's own ``SamplingParams``; its
+``VLLMValidationError`` becomes a ``RequestValidationError`` naming the
+parameter, so the client gets INVALID_ARG with vLLM's message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
-from triton_omni.ar.engine import ArEngine, Delta
-from triton_omni.ar.request import SamplingOptions
+from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
+from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.errors import RequestValidationError
 
 
 class VllmEngine(ArEngine):
+    name = "vllm"
+
     def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any]):
         from transformers import AutoConfig
         from vllm import AsyncEngineArgs
@@ -33,29 +41,54 @@ class VllmEngine(ArEngine):
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
+        self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
 
-    async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str) -> AsyncIterator[Delta]:
+    def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:
+        self.sampling_params(options, logprobs)
+
+    def sampling_params(self, options: SamplingOptions, logprobs: int | None = None):
+        """vLLM's ``SamplingParams`` for ``options``; ``logprobs`` asks for
+        at least that many log probabilities (0: the sampled token's only)."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        params = SamplingParams(
-            max_tokens=options.max_tokens,
-            min_tokens=options.min_tokens,
-            temperature=options.temperature,
-            top_p=options.top_p,
-            top_k=options.top_k,
-            seed=options.seed,
-            stop=options.stop or None,
-            ignore_eos=options.ignore_eos,
-            repetition_penalty=options.repetition_penalty,
-            output_kind=RequestOutputKind.DELTA,
-        )
-        num_tokens = 0
-        async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
-            completion = output.outputs[0]
-            num_tokens += len(completion.token_ids)
-            finish = (completion.finish_reason or "stop") if output.finished else None
-            yield Delta(completion.text, num_tokens, finish)
+        wanted = options.logprobs if logprobs is None else max(logprobs, options.logprobs or 0)
+        if wanted is not None and wanted > self.max_logprobs:
+            raise RequestValidationError("logprobs", f"this engine returns at most {self.max_logprobs}", wanted)
+        kwargs = {key: getattr(options, key) for key in options.changed_keys()} | {"logprobs": wanted}
+        for key in ("stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids"):
+            kwargs[key] = kwargs.get(key) or None  # vLLM's "not set" is None, not empty
+        try:
+            if options.structured_outputs is not None:
+                kwargs["structured_outputs"] = StructuredOutputsParams(**options.structured_outputs)
+            return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+        except Exception as exc:  # VLLMValidationError, ValueError, TypeError from vLLM's checks
+            raise _validation_error(exc) from None
+
+    async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                       logprobs: int | None = None) -> AsyncIterator[Delta]:
+        params = self.sampling_params(options, logprobs)
+        tokens_so_far: dict[int, int] = {}
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+                for completion in output.outputs:  # DELTA + n > 1: one child completion per output
+                    tokens_so_far[completion.index] = tokens_so_far.get(completion.index, 0) + len(
+                        completion.token_ids)
+                    yield Delta(
+                        text=completion.text,
+                        num_tokens=len(completion.token_ids),
+                        finish_reason=completion.finish_reason,
+                        index=completion.index,
+                        logprobs=None if completion.logprobs is None else [
+                            {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token or "")
+                             for token, lp in position.items()}
+                            for position in completion.logprobs],
+                        cumulative_logprob=completion.cumulative_logprob,
+                    )
+        except Exception as exc:
+            if type(exc).__name__ == "VLLMValidationError":  # raised by the engine's input checks
+                raise _validation_error(exc) from None
+            raise
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -78,3 +111,17 @@ class VllmEngine(ArEngine):
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+_SUFFIX = re.compile(r"\s*\(parameter=.*\)\s*$")
+
+
+def _validation_error(exc: Exception) -> RequestValidationError:
+    """vLLM's message, under the parameter it names (its ``parameter``
+    attribute, else the sampling key its message starts with)."""
+    message = _SUFFIX.sub("", str(exc)).strip() or type(exc).__name__
+    parameter = getattr(exc, "parameter", None)
+    if parameter is None:
+        first = re.match(r"[`'\"]?(\w+)", message)
+        parameter = first.group(1) if first and first.group(1) in SamplingOptions.names() else "sampling_parameters"
+    return RequestValidationError(parameter, f"rejected by vLLM: {message}", None, show_value=False)

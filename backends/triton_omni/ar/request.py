@@ -1,84 +1,67 @@
 """Typed AR requests, validated once, where they are built.
 
-Two ways to pass sampling options reach the same dataclass: the
-``sampling_parameters`` JSON string (as Triton's vLLM backend accepts) and one
-tensor per parameter. A tensor wins over the same key in the JSON. Values are
-normalised first (``seed=-1`` means none, ``stop`` string -> list), then range
-checked; every failure names the parameter and echoes the value.
+``GenerateRequest`` follows the request contract of Triton's vLLM backend:
+
+* sampling options come from the ``sampling_parameters`` JSON input, else
+  from the request's parameters (gRPC/HTTP ``parameters``, and the extra keys
+  of an HTTP ``/generate`` body); when both come they must agree, so neither
+  is silently dropped. One tensor per option (``max_tokens``, ``temperature``,
+  ... and the TensorRT-LLM names ``stop_words``, ``frequency_penalty``,
+  ``presence_penalty``) wins over the same key in either;
+* ``exclude_input_in_output``: absent means "include" without streaming and
+  "exclude" while streaming; ``false`` while streaming is an error;
+* ``return_*`` inputs switch the additional outputs on, one by one.
+
+Values are normalised first (``seed=-1`` means none, ``stop`` string ->
+list), then range checked; every failure names the parameter and echoes the
+value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.errors import RequestValidationError
-from triton_omni.validation import as_bool, as_float, as_int, as_json_object, as_str, as_str_list, in_range, require
+from triton_omni.validation import as_bool, as_json_object, as_str, require
+
+# Input tensors that carry one sampling option each: tensor name -> option.
+SAMPLING_TENSORS = {
+    "max_tokens": "max_tokens",
+    "min_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_words": "stop",  # TensorRT-LLM's names (Triton's OpenAI frontend, genai-perf)
+    "min_length": "min_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_p": "min_p",
+}
 
 
 @dataclass(frozen=True)
-class ArLimits:
-    """Server-side bounds, from model parameters; not settable by clients."""
+class ReturnOptions:
+    """Which additional outputs a request asked for (all off by default)."""
 
-    max_tokens: int = 1024
-    max_prompt_chars: int = 100_000
-    max_stop_strings: int = 8
-
-
-@dataclass
-class SamplingOptions:
-    """The sampling options both engines implement (a subset of vLLM's)."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
 
     @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+    def from_inputs(cls, inputs: dict[str, Any]) -> ReturnOptions:
+        return cls(**{name: as_bool(f"return_{name}", inputs.get(f"return_{name}", False))
+                      for name in cls.__dataclass_fields__})
 
-    @classmethod
-    def from_values(cls, values: dict[str, Any], limits: ArLimits) -> SamplingOptions:
-        """Convert loosely typed values (JSON or tensors), then range check."""
-        unknown = sorted(set(values) - cls.field_names())
-        if unknown:
-            raise RequestValidationError(
-                "sampling_parameters", f"unknown key(s) {unknown}; allowed: {sorted(cls.field_names())}", values,
-                show_value=False,
-            )
-        converters = {
-            "max_tokens": as_int, "min_tokens": as_int, "top_k": as_int,
-            "temperature": as_float, "top_p": as_float, "repetition_penalty": as_float,
-            "stop": as_str_list, "ignore_eos": as_bool,
-            "seed": lambda name, v: None if v is None else as_int(name, v),
-        }
-        options = cls(**{key: converters[key](key, value) for key, value in values.items()})
-        options.normalise()
-        options.verify(limits)
-        return options
-
-    def normalise(self) -> None:
-        if self.seed is not None and self.seed < 0:
-            self.seed = None  # -1 (any negative) means "no seed", as in vLLM
-        if self.top_k < 0:
-            self.top_k = 0  # -1 means "disabled", as in vLLM
-
-    def verify(self, limits: ArLimits) -> None:
-        in_range("max_tokens", self.max_tokens, 1, limits.max_tokens)
-        in_range("min_tokens", self.min_tokens, 0, self.max_tokens)
-        in_range("temperature", self.temperature, 0.0, 100.0)
-        require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        in_range("repetition_penalty", self.repetition_penalty, 0.01, 10.0)
-        in_range("seed", self.seed or 0, 0, 2**63 - 1)
-        require(len(self.stop) <= limits.max_stop_strings, "stop",
-                f"at most {limits.max_stop_strings} stop strings", self.stop)
-        require(all(self.stop), "stop", "stop strings must be non-empty", self.stop)
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.cumulative_logprob or self.logprobs
 
 
 def _verify_prompt(prompt: Any, limits: ArLimits) -> str:
@@ -89,6 +72,28 @@ def _verify_prompt(prompt: Any, limits: ArLimits) -> str:
     return prompt
 
 
+def sampling_values(inputs: dict[str, Any], request_parameters: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The sampling options a request carries, and where they came from.
+
+    Triton's vLLM backend reads the ``sampling_parameters`` input, else the
+    request parameters; its own sample client sends the same options both
+    ways. So both may come, as long as the request parameters repeat the
+    input: one that differs (or adds a key) would otherwise be dropped."""
+    if "sampling_parameters" not in inputs:
+        values, source = dict(request_parameters), "request parameters"
+    else:
+        values, source = as_json_object("sampling_parameters", inputs["sampling_parameters"]), "sampling_parameters"
+        differing = sorted(k for k, v in request_parameters.items() if k not in values or values[k] != v)
+        if differing:
+            raise RequestValidationError(
+                "sampling_parameters", f"request parameters {differing} differ from the `sampling_parameters` "
+                "input; send sampling options one way (or the same both ways)", None, show_value=False)
+    for tensor, key in SAMPLING_TENSORS.items():
+        if tensor in inputs:
+            values[key] = inputs[tensor]
+    return values, source
+
+
 @dataclass
 class GenerateRequest:
     """One text-generation request for the ``ar`` model."""
@@ -96,26 +101,37 @@ class GenerateRequest:
     prompt: str
     sampling: SamplingOptions
     stream: bool = False
-    exclude_input_in_output: bool = False
-    return_num_output_tokens: bool = False
+    include_prompt: bool = True  # prepend the prompt to the (non-streamed) text
+    outputs: ReturnOptions = field(default_factory=ReturnOptions)
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits) -> GenerateRequest:
-        """Build from decoded tensors (name -> Python value); missing optional
-        inputs are simply absent from ``inputs``."""
+    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
+                    request_parameters: dict[str, Any] | None = None) -> GenerateRequest:
+        """Build from decoded tensors (name -> Python value; absent optional
+        inputs are left out) and the request's own parameters."""
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
-        values = as_json_object("sampling_parameters", inputs.get("sampling_parameters"))
-        values.update({k: v for k, v in inputs.items() if k in SamplingOptions.field_names()})
-        return cls(
-            prompt=prompt,
-            sampling=SamplingOptions.from_values(values, limits),
-            stream=as_bool("stream", inputs.get("stream", False)),
-            exclude_input_in_output=as_bool("exclude_input_in_output", inputs.get("exclude_input_in_output", False)),
-            return_num_output_tokens=as_bool("return_num_output_tokens",
-                                             inputs.get("return_num_output_tokens", False)),
-        )
+        stream = as_bool("stream", inputs.get("stream", False))
+        values, source = sampling_values(inputs, request_parameters or {})
+        sampling = SamplingOptions.from_values(values, limits, source)
+        outputs = ReturnOptions.from_inputs(inputs)
+        # Log probabilities leave only through the `logprobs` output: asking for
+        # them without it would compute them for nothing (a key silently ignored).
+        require(sampling.logprobs is None or outputs.logprobs, "logprobs",
+                "needs the `return_logprobs` input set to true (they come back on the `logprobs` output)",
+                sampling.logprobs)
+        return cls(prompt=prompt, sampling=sampling, stream=stream,
+                   include_prompt=_include_prompt(inputs, stream), outputs=outputs)
+
+
+def _include_prompt(inputs: dict[str, Any], stream: bool) -> bool:
+    if "exclude_input_in_output" not in inputs:
+        return not stream
+    exclude = as_bool("exclude_input_in_output", inputs["exclude_input_in_output"])
+    require(exclude or not stream, "exclude_input_in_output",
+            "must be true while streaming (the prompt is never streamed back)", exclude)
+    return not exclude
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,7 +17,9 @@ from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
-from triton_omni.ar.request import ArLimits, EncodeRequest, GenerateRequest
+from triton_omni.ar.request import EncodeRequest, GenerateRequest
+from triton_omni.ar.response import ArResponse, ResponseAssembler
+from triton_omni.ar.sampling import ArLimits
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 EngineName = Literal["auto", "vllm", "transformers"]
 Mode = Literal["generate", "encode"]
 
-__all__ = ["ArRunner", "ArRunnerConfig", "Delta", "Embedding"]
+__all__ = ["ArResponse", "ArRunner", "ArRunnerConfig", "Delta", "Embedding"]
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,25 @@ class ArRunner:
             )
         return ids
 
-    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Delta]:
+    def check(self, request: GenerateRequest) -> None:
+        """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
+        or the keys the transformers engine lacks); raises ``RequestValidationError``."""
+        self.engine.check(request.sampling, _logprobs_needed(request))
+
+    async def generate(self, request: GenerateRequest, request_id: str,
+                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[ArResponse]:
+        """The request's responses, in order; the last one is final.
+        ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
-        async for delta in self.engine.generate(prompt_ids, request.sampling, request_id):
-            yield delta
+        assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
+                                      prompt=request.prompt if request.include_prompt else "")
+        async for delta in self.engine.generate(prompt_ids, request.sampling, request_id, _logprobs_needed(request)):
+            if on_first_token is not None and (delta.num_tokens or delta.finish_reason):
+                on_first_token()
+                on_first_token = None
+            response = assembler.add(delta)
+            if response is not None:
+                yield response
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -137,3 +154,9 @@ class ArRunner:
             self.loop.run(self.engine.shutdown(), timeout=60)
         finally:
             self.loop.stop()
+
+
+def _logprobs_needed(request: GenerateRequest) -> int | None:
+    """The returned log probabilities need the engine to compute them, at
+    least for the sampled token, even when ``logprobs`` was not asked for."""
+    return 0 if request.outputs.needs_logprobs else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_omni.ar.request import SamplingOptions
+from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
 from triton_omni.validation import as_bool, as_float, as_int, as_json_object, as_str, as_str_list, in_range, require
 
@@ -27,6 +27,12 @@ IMAGE_OPTIONS = {
     "seed": as_int,
 }
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
+# Sampling keys `ar` takes that the omni text route cannot return the result of.
+TEXT_OPTIONS_REFUSED = {
+    "n": "omni streams one completion per request; call `ar` for several",
+    "logprobs": "omni has no logprobs output; call `ar` with return_logprobs",
+}
+TEXT_OPTIONS = set(SamplingOptions.names()) - set(TEXT_OPTIONS_REFUSED)
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class OmniRequest:
     enhance_prompt: bool = False
     num_images: int = 1
     stream: bool = False
-    text_options: dict[str, Any] = field(default_factory=dict)  # SamplingOptions keys, for `ar`
+    text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
 
     @property
@@ -57,7 +63,9 @@ class OmniRequest:
     def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits) -> OmniRequest:
         """From decoded tensors; ``parameters`` (JSON) holds any option, a tensor wins over it."""
         values = as_json_object("parameters", inputs.get("parameters"))
-        unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - SamplingOptions.field_names())
+        for key in TEXT_OPTIONS_REFUSED.keys() & values.keys():
+            raise RequestValidationError(key, TEXT_OPTIONS_REFUSED[key], values[key])
+        unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - TEXT_OPTIONS)
         if unknown:
             raise RequestValidationError("parameters", f"unknown key(s) {unknown}", values, show_value=False)
         values |= {k: v for k, v in inputs.items() if k != "parameters"}
@@ -83,7 +91,7 @@ class OmniRequest:
             enhance_prompt=as_bool("enhance_prompt", values.get("enhance_prompt", False)),
             num_images=num_images,
             stream=as_bool("stream", values.get("stream", False)),
-            text_options={k: v for k, v in values.items() if k in SamplingOptions.field_names()},
+            text_options={k: v for k, v in values.items() if k in TEXT_OPTIONS},
             image_options={k: IMAGE_OPTIONS[k](k, v) for k, v in values.items() if k in IMAGE_OPTIONS},
         )
 

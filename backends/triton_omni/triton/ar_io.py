@@ -1,28 +1,50 @@
-"""The AR stage's Triton contract: tensor tables, config completion, runner config."""
+"""The AR stage's Triton contract: tensor tables, config completion, runner config, responses."""
 
 from __future__ import annotations
 
-from triton_omni.ar import ArLimits, ArRunnerConfig
-from triton_omni.triton.params import instance_device, json_parameter, model_parameters
-from triton_omni.triton.tensors import TensorSpec, complete_config
+import json
+import math
 
+import torch
+import triton_python_backend_utils as pb_utils
+
+from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
+from triton_omni.triton.params import instance_device, json_parameter, model_parameters
+from triton_omni.triton.tensors import TensorSpec, complete_config, numeric_tensor, string_tensor
+
+# Triton's vLLM backend's inputs (text_input, stream, sampling_parameters,
+# exclude_input_in_output, return_*), then one tensor per common sampling
+# option, with the names TensorRT-LLM models use (stop_words, penalties) so
+# that clients written for either drive `ar` unchanged.
 GENERATE_INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", optional=False),
     TensorSpec("stream", "TYPE_BOOL"),
     TensorSpec("sampling_parameters", "TYPE_STRING"),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL"),
+    *(TensorSpec(f"return_{name}", "TYPE_BOOL") for name in ReturnOptions.__dataclass_fields__),
     TensorSpec("max_tokens", "TYPE_INT32"),
+    TensorSpec("min_tokens", "TYPE_INT32"),
+    TensorSpec("min_length", "TYPE_INT32"),
     TensorSpec("temperature", "TYPE_FP32"),
     TensorSpec("top_p", "TYPE_FP32"),
     TensorSpec("top_k", "TYPE_INT32"),
+    TensorSpec("min_p", "TYPE_FP32"),
     TensorSpec("seed", "TYPE_INT64"),
     TensorSpec("stop", "TYPE_STRING", dims=(-1,), kind="list"),
-    TensorSpec("exclude_input_in_output", "TYPE_BOOL"),
-    TensorSpec("return_num_output_tokens", "TYPE_BOOL"),
+    TensorSpec("stop_words", "TYPE_STRING", dims=(-1,), kind="list"),
+    TensorSpec("frequency_penalty", "TYPE_FP32"),
+    TensorSpec("presence_penalty", "TYPE_FP32"),
+    TensorSpec("repetition_penalty", "TYPE_FP32"),
 ]
+# One entry per completion (`n`), as in Triton's vLLM backend; all but
+# text_output are sent only when the matching return_* input is true.
 GENERATE_OUTPUTS = [
     TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
     TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("num_output_tokens", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("cumulative_logprob", "TYPE_FP32", dims=(-1,)),
+    TensorSpec("logprobs", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("num_input_tokens", "TYPE_UINT32", dims=(1,)),
+    TensorSpec("num_output_tokens", "TYPE_UINT32", dims=(-1,)),
 ]
 ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False)]
 
@@ -57,6 +79,8 @@ def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
     limits = ArLimits(
         max_tokens=int(params.get("max_tokens_limit", ArLimits.max_tokens)),
         max_prompt_chars=int(params.get("max_prompt_chars", ArLimits.max_prompt_chars)),
+        max_n=int(params.get("max_n", ArLimits.max_n)),
+        max_logprobs=int(params.get("max_logprobs", ArLimits.max_logprobs)),
     )
     return ArRunnerConfig(
         model=params.get("model", "demo:tiny-qwen2"),
@@ -69,3 +93,32 @@ def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
         limits=limits,
         engine_args=json_parameter(params, "engine_args"),
     )
+
+
+def generate_response(response: ArResponse, wanted: ReturnOptions):
+    """The tensors of one ``ar`` response: ``text_output`` always, the others
+    when their ``return_*`` input asked for them (``finish_reason`` on the
+    final response only)."""
+    outputs = [string_tensor("text_output", response.texts)]
+    if wanted.finish_reason and response.finish_reasons is not None:
+        outputs.append(string_tensor("finish_reason", response.finish_reasons))
+    if wanted.cumulative_logprob:
+        values = [math.nan if v is None else v for v in response.cumulative_logprobs]
+        outputs.append(numeric_tensor("cumulative_logprob", torch.tensor(values, dtype=torch.float32)))
+    if wanted.logprobs:
+        outputs.append(string_tensor("logprobs", [json.dumps(_logprobs_json(lp)) for lp in response.logprobs]))
+    if wanted.num_input_tokens:
+        outputs.append(numeric_tensor("num_input_tokens", response.num_input_tokens, torch.uint32))
+    if wanted.num_output_tokens:
+        outputs.append(numeric_tensor("num_output_tokens", torch.tensor(response.num_output_tokens,
+                                                                        dtype=torch.uint32)))
+    return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _logprobs_json(positions) -> list[dict[str, dict]] | None:
+    """Triton's vLLM backend's shape: one object per token, mapping each
+    candidate token id to its logprob, rank and decoded text."""
+    if positions is None:
+        return None
+    return [{str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token, lp in position.items()} for position in positions]

@@ -52,3 +52,18 @@ def channel_ids(request) -> tuple[str | None, str | None]:
     except (AttributeError, json.JSONDecodeError):
         return None, None
     return valid_id(params.get(KEY_PARAMETER)), valid_id(params.get(PROGRESS_PARAMETER))
+
+
+def client_parameters(request) -> dict[str, Any]:
+    """The parameters a client set on a request (gRPC/HTTP ``parameters``,
+    and the keys of an HTTP ``/generate`` body that are not inputs), without
+    the scheduler's channel ids."""
+    from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER
+    from triton_omni.errors import RequestValidationError
+
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except json.JSONDecodeError:
+        raise RequestValidationError("parameters", "request parameters are not valid JSON", None,
+                                     show_value=False) from None
+    return {key: value for key, value in params.items() if key not in (KEY_PARAMETER, PROGRESS_PARAMETER)}

@@ -59,6 +59,7 @@ class TritonStages:
         request = pb_utils.InferenceRequest(
             model_name=self.models["ar"],
             inputs=[_text("text_input", prompt, batched=False), _bool("stream", True),
+                    _bool("return_finish_reason", True),
                     _text("sampling_parameters", json.dumps(options), batched=False)],
             requested_output_names=["text_output", "finish_reason"],
             parameters={KEY_PARAMETER: key},

@@ -1,0 +1,102 @@
+"""From engine deltas to the responses of one ``ar`` request.
+
+The semantics are those of Triton's vLLM backend:
+
+* streaming: one response per delta; ``text_output`` and ``logprobs`` hold
+  what is new, ``num_output_tokens`` counts the new tokens,
+  ``cumulative_logprob`` is the running total; the last response (all ``n``
+  completions done) is final and carries ``finish_reason``;
+* not streaming: one final response with the whole text (the prompt first
+  when the request includes it), all tokens and log probabilities.
+
+Every field holds one entry per completion (``n`` of them), in index order.
+Which fields reach the client is the adapter's business (the ``return_*``
+inputs); this module is Triton-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from triton_omni.ar.engine import Delta, TokenLogprob
+
+
+@dataclass
+class ArResponse:
+    texts: list[str]
+    num_output_tokens: list[int]
+    num_input_tokens: int
+    cumulative_logprobs: list[float | None]
+    logprobs: list[list[dict[int, TokenLogprob]] | None]
+    finish_reasons: list[str] | None = None  # set on the final response only
+    final: bool = False
+
+
+@dataclass
+class _Completion:
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[dict[int, TokenLogprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.num_tokens += delta.num_tokens
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.cumulative_logprob is not None:
+            self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+@dataclass
+class ResponseAssembler:
+    """Feed it deltas; it answers with the response each one makes, if any."""
+
+    n: int
+    num_input_tokens: int
+    stream: bool
+    prompt: str = ""  # prepended to the whole text when not streaming
+    completions: list[_Completion] = field(init=False)
+
+    def __post_init__(self):
+        self.completions = [_Completion() for _ in range(self.n)]
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def add(self, delta: Delta) -> ArResponse | None:
+        self.completions[delta.index].add(delta)
+        if self.stream:
+            return self._streamed(delta)
+        return self._whole() if self.done else None
+
+    def _streamed(self, delta: Delta) -> ArResponse:
+        def per_index(value, empty):
+            return [value if i == delta.index else empty for i in range(self.n)]
+
+        return ArResponse(
+            texts=per_index(delta.text, ""),
+            num_output_tokens=per_index(delta.num_tokens, 0),
+            num_input_tokens=self.num_input_tokens,
+            cumulative_logprobs=[c.cumulative_logprob for c in self.completions],
+            logprobs=per_index(delta.logprobs, []),
+            finish_reasons=self._finish_reasons(),
+            final=self.done,
+        )
+
+    def _whole(self) -> ArResponse:
+        return ArResponse(
+            texts=[self.prompt + c.text for c in self.completions],
+            num_output_tokens=[c.num_tokens for c in self.completions],
+            num_input_tokens=self.num_input_tokens,
+            cumulative_logprobs=[c.cumulative_logprob for c in self.completions],
+            logprobs=[c.logprobs for c in self.completions],
+            finish_reasons=self._finish_reasons(),
+            final=True,
+        )
+
+    def _finish_reasons(self) -> list[str] | None:
+        return [c.finish_reason for c in self.completions] if self.done else None
