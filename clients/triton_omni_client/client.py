@@ -282,7 +282,8 @@ def _as_text(value: Any) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator:
+def stream_infer(url: str, model: str, inputs, request_id: str = "",
+                 parameters: dict[str, Any] | None = None) -> Iterator:
     """One request over a gRPC stream; yields results until the final one.
 
     Leaving early (closing the generator, Ctrl-C) cancels the request on the
@@ -295,7 +296,8 @@ def stream_infer(url: str, model: str, inputs, request_id: str = "") -> Iterator
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         ended = False
         try:
-            client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+            client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True,
+                                      parameters=parameters)
             while not ended:
                 result, error = results.get()
                 if error is not None:

@@ -69,6 +69,29 @@ def test_text_route_streams_deltas(grpc_url):
         "once upon a time", stream=True, max_tokens=8, seed=1))
 
 
+def test_text_route_takes_the_same_sampling_contract_as_ar(grpc_url):
+    """omni's `parameters` JSON: any vLLM sampling key, numbers as strings."""
+    options = {"max_tokens": "6", "temperature": "0", "presence_penalty": "0.5", "ignore_eos": "true"}
+    stream = events(grpc_url, "once upon a time", modalities=["text"], parameters=options)
+    assert stream[-1].finish_reason == "length"
+    expected = OmniClient(grpc_url).generate_text("once upon a time", stream=True, sampling_parameters=options)
+    assert "".join(e.text for e in stream) == "".join(c.text for c in expected)
+
+
+def test_the_cli_passes_any_sampling_key_with_param(server, capsys):
+    from triton_omni_client.cli import main
+
+    code = main(["generate-text", "once upon a time", "--url", server.grpc_url, "--param", "max_tokens=3",
+                 "--param", "temperature=0", "--param", "presence_penalty=0.5"])
+    assert code == 0
+    code = main(["generate-text", "once upon a time", "--url", server.grpc_url, "--param", "max_token=3"])
+    assert code == 1
+    assert "INVALID_ARG" in capsys.readouterr().err
+    code = main(["generate", "once upon a time", "--url", server.grpc_url, "--param", "max_tokens=\"3\"",
+                 "--param", "top_k=20"])
+    assert code == 0
+
+
 def test_image_route_streams_progress_in_order_then_the_image(server):
     options = {"seed": 5, "num_inference_steps": STEPS}
     stream = events(server.grpc_url, "a red fox", modalities=["image"], **options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from triton_omni.errors import RequestRejectedError, RequestValidationError
@@ -24,6 +25,15 @@ def test_a_tensor_wins_over_the_same_key_in_parameters():
     assert request.image_options["seed"] == 3 and request.text_options["seed"] == 3
 
 
+def test_parameters_take_every_ar_sampling_key_and_string_forms():
+    """The same contract as `ar`: vLLM's keys, numbers as strings; `ar` validates the text options."""
+    request = OmniRequest.from_inputs({"text_input": "x", "parameters": json.dumps(
+        {"max_tokens": "3", "presence_penalty": "0.5", "stop_token_ids": [7], "num_inference_steps": "2",
+         "guidance_scale": "7.5"})}, LIMITS)
+    assert request.text_options == {"max_tokens": "3", "presence_penalty": "0.5", "stop_token_ids": [7]}
+    assert request.image_options == {"num_inference_steps": 2, "guidance_scale": 7.5}
+
+
 def test_several_images_get_consecutive_seeds():
     request = OmniRequest.from_inputs({"text_input": "x", "seed": 10, "num_images": 3}, LIMITS)
     assert [request.image_options_for(i)["seed"] for i in range(3)] == [10, 11, 12]
@@ -40,6 +50,9 @@ def test_several_images_get_consecutive_seeds():
     ({"text_input": "x", "parameters": "{"}, "parameters"),
     ({"text_input": "x", "parameters": '{"best_of": 2}'}, "parameters"),
     ({"text_input": "x", "parameters": '{"height": "tall"}'}, "height"),
+    ({"text_input": "x", "parameters": '{"n": 2}'}, "n"),
+    ({"text_input": "x", "parameters": '{"logprobs": 1}'}, "logprobs"),
+    ({"text_input": "x", "parameters": '{"num_inference_steps": 4294967297.5}'}, "num_inference_steps"),
 ])
 def test_bad_requests_name_the_parameter(inputs, parameter):
     with pytest.raises(RequestValidationError, match=parameter):

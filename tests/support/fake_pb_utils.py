@@ -1,0 +1,70 @@
+"""A stand-in for ``triton_python_backend_utils``, for unit tests of the adapters.
+
+Only what the adapters touch: tensors (from NumPy or DLPack), responses,
+errors with their codes, the FINAL flag. ``install()`` puts it in
+``sys.modules`` so ``import triton_python_backend_utils`` finds it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import torch
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
+class Tensor:
+    def __init__(self, name: str, array: np.ndarray):
+        self._name = name
+        self._array = np.asarray(array)
+
+    @classmethod
+    def from_dlpack(cls, name: str, capsule) -> Tensor:
+        return cls(name, torch.from_dlpack(capsule).numpy())
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class TritonError:
+    INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL, NOT_FOUND, UNSUPPORTED, ALREADY_EXISTS, UNKNOWN = range(8)
+
+    def __init__(self, message: str, code: int = 3):
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=(), error: TritonError | None = None):
+        self._outputs = list(output_tensors)
+        self._error = error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def install() -> types.ModuleType:
+    module = sys.modules[__name__]
+    sys.modules["triton_python_backend_utils"] = module
+    return module
