@@ -38,7 +38,7 @@ loadtest: install
 # genai-perf against ar in both input formats; reports in .cache/perf/.
 perf: install
 	scripts/install_perf.sh $(VENV) --genai-perf
-	$(BIN)/omni-triton perf --out .cache/perf
+	$(BIN)/omni-triton perf --out .cache/perf --concurrency 4 --request-count 40
 
 demo-models: install
 	$(BIN)/omni-triton build-demo-models

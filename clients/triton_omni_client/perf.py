@@ -9,7 +9,7 @@
   ``--backend tensorrtllm`` (one tensor per option: ``max_tokens``,
   ``min_length``, ...).
 
-Each run writes its report (perf_analyzer's CSV, genai-perf's artifacts)
+Each run writes its report (perf_analyzer's per-request export, genai-perf's artifacts)
 under the output folder, and a ``summary.json`` of all of them. A run with
 any failed request raises ``PerfError`` with the tool's output.
 
@@ -18,7 +18,6 @@ Standard library only: it runs the tools, it does not import them.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -92,18 +91,35 @@ def perf_analyzer(url: str, run: PerfRun, out_dir: Path, concurrency: int = 2, r
     out_dir.mkdir(parents=True, exist_ok=True)
     data_file = out_dir / f"{run.data}.input.json"
     data_file.write_text(json.dumps({"data": [INPUT_DATA[run.data]]}))
-    report = out_dir / f"{run.data}.perf_analyzer.csv"
+    report = out_dir / f"{run.data}.perf_analyzer.json"
+    report.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite its export
     command = [str(binary), "-m", run.model, "-u", url, "-i", "grpc", "--input-data", str(data_file),
-               "--concurrency-range", str(concurrency), "--request-count", str(request_count), "-f", str(report)]
+               "--concurrency-range", str(concurrency), "--request-count", str(request_count),
+               "--profile-export-file", str(report)]
     if run.streaming:
         command.append("--streaming")
     output = _run(command, timeout_s=900)
     (out_dir / f"{run.data}.perf_analyzer.log").write_text(output)
-    with report.open() as f:
-        row = next(csv.DictReader(f))
-    return PerfResult("perf_analyzer", run.model, run.data, concurrency, request_count,
-                      float(row["Inferences/Second"]), "requests/s",
-                      float(row["p50 latency"]) / 1000, float(row["p99 latency"]) / 1000, str(report))
+    requests = json.loads(report.read_text())["experiments"][0]["requests"]
+    throughput, p50, p99 = _request_stats(requests)
+    return PerfResult("perf_analyzer", run.model, run.data, concurrency, len(requests), throughput, "requests/s",
+                      p50, p99, str(report))
+
+
+def _request_stats(requests: list[dict]) -> tuple[float, float, float]:
+    """Throughput and p50/p99 latency (ms, to the last response) from
+    perf_analyzer's per-request export. Its own throughput line, measured in
+    whole-second windows, is too coarse for a short ``--request-count`` run."""
+    starts = [r["timestamp"] for r in requests]
+    ends = [r["response_timestamps"][-1] for r in requests]
+    latencies = sorted((end - start) / 1e6 for start, end in zip(starts, ends, strict=True))
+    span_s = (max(ends) - min(starts)) / 1e9
+    return len(requests) / span_s, _percentile(latencies, 50), _percentile(latencies, 99)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    index = min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))
+    return values[index]
 
 
 def genai_perf(url: str, backend: str, out_dir: Path, tokenizer: str, concurrency: int = 2, request_count: int = 20,
@@ -116,7 +132,9 @@ def genai_perf(url: str, backend: str, out_dir: Path, tokenizer: str, concurrenc
                "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
                "--output-tokens-mean", str(output_tokens), "--output-tokens-mean-deterministic",
                "--concurrency", str(concurrency), "--request-count", str(request_count),
-               "--warmup-request-count", "2", "--num-dataset-entries", str(request_count),
+               # perf_analyzer 2.51 hangs when fewer warm-up requests than the concurrency
+               # are asked for (seen with 2 at concurrency 4; the server kept serving).
+               "--warmup-request-count", str(concurrency), "--num-dataset-entries", str(request_count),
                "--artifact-dir", str(artifacts)]
     # genai-perf runs `perf_analyzer` from PATH; the installer links ours there.
     env = os.environ | {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -17,4 +17,4 @@ def test_perf_analyzer_runs_without_errors(grpc_url, tmp_path, run):
     result = perf_analyzer(grpc_url, run, tmp_path, concurrency=2, request_count=10)
     assert result.requests == 10
     assert result.throughput > 0
-    assert (tmp_path / f"{run.data}.perf_analyzer.csv").exists()
+    assert (tmp_path / f"{run.data}.perf_analyzer.json").exists()
