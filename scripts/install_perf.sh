@@ -16,7 +16,7 @@
 #   in the serving environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${1:-.venv}
+venv=$(realpath -m "${1:-.venv}")
 python=${PYTHON:-python3}
 tools="$venv/opt/perf_analyzer"
 pip_q=(--disable-pip-version-check -q)
@@ -25,7 +25,7 @@ if [ ! -x "$tools/bin/perf_analyzer" ]; then
     tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
     mkdir -p "$tools/bin" "$tools/lib"
     "$venv/bin/python" -m pip download "${pip_q[@]}" --no-deps tritonclient==2.51.0 -d "$tmp"
-    (cd "$tmp" && "$OLDPWD/$venv/bin/python" -m zipfile -e tritonclient-2.51.0-*.whl wheel)
+    (cd "$tmp" && "$venv/bin/python" -m zipfile -e tritonclient-2.51.0-*.whl wheel)
     install -m 755 "$tmp"/wheel/tritonclient-2.51.0.data/data/bin/perf_analyzer "$tools/bin/"
     (cd "$tmp" && apt-get download libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get download libb64-0d; })
     dpkg -x "$tmp"/libb64-0d_*.deb "$tmp/b64"

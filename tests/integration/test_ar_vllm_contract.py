@@ -218,13 +218,14 @@ def test_exclude_input_in_output_semantics(grpc_url, model):
 # -- cancellation -------------------------------------------------------------------------------
 
 
-def test_stop_stream_with_cancel_requests_gives_cancelled(grpc_url):
+@pytest.mark.parametrize("model", GENERATE_MODELS)
+def test_stop_stream_with_cancel_requests_gives_cancelled(grpc_url, model):
     import queue
 
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("ar", request_inputs(stream=True, sampling={"max_tokens": 1000, "ignore_eos": True}))
+    client.async_stream_infer(model, request_inputs(stream=True, sampling={"max_tokens": 1000, "ignore_eos": True}))
     assert results.get(timeout=60)[1] is None  # under way
     client.stop_stream(cancel_requests=True)
     client.close()
