@@ -24,8 +24,8 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 from triton_omni.demo_models import build_all
-from triton_omni.launcher import PROJECT_ROOT, ServerOptions, TritonServer
 from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
+from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer
 
 PROMPT = "a lighthouse on a cliff at dusk"
 

@@ -30,8 +30,8 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from triton_omni.launcher import ServerOptions, TritonServer
 from triton_omni_client import bench
+from triton_omni_tools.launcher import ServerOptions, TritonServer
 
 VARIANTS = {  # name: (extra diffusion model parameters, extra tritonserver arguments)
     "default": ({}, []),

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from triton_omni.demo_models import build_all
-from triton_omni.launcher import PROJECT_ROOT, ServerOptions, TritonServer
+from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 

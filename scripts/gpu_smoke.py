@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from triton_omni.demo_models import build_all
-from triton_omni.launcher import ServerOptions, TritonServer
 from triton_omni_client import OmniClient
+from triton_omni_tools.launcher import ServerOptions, TritonServer
 
 from tests.integration.conftest import free_port, make_variant
 

@@ -26,6 +26,7 @@ from triton_omni.triton.metrics import StageMetrics
 from triton_omni.triton.params import channel_ids, client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import numeric_tensor, read_inputs
+from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS
 
 logger = logging.getLogger("omni_ar")
 
@@ -57,7 +58,7 @@ class TritonPythonModel:
         started = time.monotonic()
         sender = request.get_response_sender()
         try:
-            parsed = GenerateRequest.from_inputs(read_inputs(request, ar_io.GENERATE_INPUTS), self.config.limits,
+            parsed = GenerateRequest.from_inputs(read_inputs(request, AR_GENERATE_INPUTS), self.config.limits,
                                                  client_parameters(request))
             self.runner.check(parsed)
         except Exception as exc:
@@ -104,7 +105,7 @@ class TritonPythonModel:
         valid: dict[int, EncodeRequest] = {}
         for i, request in enumerate(requests):
             try:
-                valid[i] = EncodeRequest.from_inputs(read_inputs(request, ar_io.ENCODE_INPUTS), self.config.limits)
+                valid[i] = EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits)
             except Exception as exc:
                 results[i] = exc
         if valid:

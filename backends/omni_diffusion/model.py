@@ -22,6 +22,7 @@ from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import COUNTER, StageMetrics, family
 from triton_omni.triton.params import channel_ids
 from triton_omni.triton.tensors import numeric_tensor, read_inputs
+from triton_omni_protocol import diffusion_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.config = diffusion_io.runner_config(model_config, args)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
-        self.input_specs = diffusion_io.inputs(embeds_dtype)
+        self.input_specs = diffusion_inputs(embeds_dtype)
         self.runner = DiffusionRunner(self.config)
         self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True)
         self.steps = family("omni_diffusion_steps_total", "Denoising steps run, per request",

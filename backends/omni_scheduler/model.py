@@ -35,6 +35,7 @@ from triton_omni.triton.metrics import GAUGE, StageMetrics, family
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
 from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
+from triton_omni_protocol import OMNI_INPUTS
 
 
 class TritonPythonModel:
@@ -62,7 +63,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = OmniRequest.from_inputs(read_inputs(request, omni_io.INPUTS), self.limits)
+                parsed = OmniRequest.from_inputs(read_inputs(request, OMNI_INPUTS), self.limits)
             except Exception as exc:
                 self._fail(sender, exc)
                 continue

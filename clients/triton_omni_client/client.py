@@ -17,34 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from triton_omni_protocol import parse_status, scalar_inputs
 
 Protocol = Literal["grpc", "http"]
 
-# Triton and NumPy types of every scalar input of the models (AR and diffusion).
+# Triton and NumPy types of every scalar input of the models, from the protocol.
 SCALAR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
-    "stream": ("BOOL", np.bool_),
-    "max_tokens": ("INT32", np.int32),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
-    "min_p": ("FP32", np.float32),
-    "frequency_penalty": ("FP32", np.float32),
-    "presence_penalty": ("FP32", np.float32),
-    "repetition_penalty": ("FP32", np.float32),
-    "exclude_input_in_output": ("BOOL", np.bool_),
-    "return_finish_reason": ("BOOL", np.bool_),
-    "return_cumulative_logprob": ("BOOL", np.bool_),
-    "return_logprobs": ("BOOL", np.bool_),
-    "return_num_input_tokens": ("BOOL", np.bool_),
-    "return_num_output_tokens": ("BOOL", np.bool_),
-    "num_inference_steps": ("INT32", np.int32),
-    "guidance_scale": ("FP32", np.float32),
-    "enhance_prompt": ("BOOL", np.bool_),
-    "num_images": ("INT32", np.int32),
-    "height": ("INT32", np.int32),
-    "width": ("INT32", np.int32),
-}
+    name: (spec.wire_type, spec.numpy_dtype) for name, spec in scalar_inputs().items()}
 
 
 class OmniError(RuntimeError):
@@ -359,10 +338,9 @@ _GRPC_STATUS = {
 
 
 # On a gRPC stream Triton sends errors without a status code. This project's
-# backends tag their messages ("[INVALID_ARG] ..."); Triton's own input checks
-# (dtype, shape, required inputs) reject a request before it reaches a backend,
-# untagged: they are INVALID_ARG too.
-_STATUS_TAG = re.compile(r"\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL|NOT_FOUND|UNSUPPORTED)\] ")
+# backends tag their messages ("[INVALID_ARG] ...", triton_omni_protocol.status);
+# Triton's own input checks (dtype, shape, required inputs) reject a request
+# before it reaches a backend, untagged: they are INVALID_ARG too.
 _CORE_INPUT_ERRORS = re.compile(
     r"data-type is '\w+', but model|unexpected shape for input|expected \d+ inputs but got"
     r"|unexpected inference input|missing required input"
@@ -371,14 +349,11 @@ _CORE_INPUT_ERRORS = re.compile(
 
 def _as_omni_error(exc) -> OmniError:
     status = exc.status() if hasattr(exc, "status") else None
-    message = exc.message() if hasattr(exc, "message") else str(exc)
-    tag = _STATUS_TAG.search(message)
-    if tag:
-        message = message[:tag.start()] + message[tag.end():]
+    tagged, message = parse_status(exc.message() if hasattr(exc, "message") else str(exc))
     if status is not None:
         return OmniError(_GRPC_STATUS.get(str(status)) or _http_status(status), message)
-    if tag:
-        return OmniError(tag.group(1), message)
+    if tagged:
+        return OmniError(tagged, message)
     return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
 
 

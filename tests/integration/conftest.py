@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from triton_omni.demo_models import build_all
-from triton_omni.launcher import DEFAULT_REPOSITORIES, PROJECT_ROOT, ServerOptions, TritonServer
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, PROJECT_ROOT, ServerOptions, TritonServer
 
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
 GENERATE_MODELS = ["ar", "ar_transformers"]

@@ -6,8 +6,8 @@ import re
 import urllib.request
 
 import pytest
-from triton_omni.launcher import PROJECT_ROOT
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.launcher import PROJECT_ROOT
 
 from tests.integration.test_pipelines import ensemble
 

@@ -6,7 +6,7 @@ full set and genai-perf itself."""
 from __future__ import annotations
 
 import pytest
-from triton_omni_client.perf import PerfRun, perf_analyzer
+from triton_omni_tools.perf import PerfRun, perf_analyzer
 
 SMOKE_RUNS = [PerfRun("ar_encoder", "ar_encoder"), PerfRun("ar", "ar_vllm", streaming=True),
               PerfRun("ar", "ar_tensorrtllm", streaming=True)]

@@ -79,7 +79,7 @@ def test_text_route_takes_the_same_sampling_contract_as_ar(grpc_url):
 
 
 def test_the_cli_passes_any_sampling_key_with_param(server, capsys):
-    from triton_omni_client.cli import main
+    from triton_omni_tools.cli import main
 
     code = main(["generate-text", "once upon a time", "--url", server.grpc_url, "--param", "max_tokens=3",
                  "--param", "temperature=0", "--param", "presence_penalty=0.5"])
@@ -229,7 +229,7 @@ def test_over_budget_embeddings_are_refused_and_counted(server):
 
 def test_the_cli_streams_text_and_writes_the_image(server, tmp_path, capsys):
     from PIL import Image
-    from triton_omni_client.cli import main
+    from triton_omni_tools.cli import main
 
     out = tmp_path / "omni.png"
     code = main(["generate", "a quiet lake", "--modalities", "text,image", "--url", server.grpc_url, "--out",

@@ -9,6 +9,7 @@ import pytest
 from triton_omni.ar import Delta, ReturnOptions
 from triton_omni.ar.engine import TokenLogprob
 from triton_omni.ar.response import ResponseAssembler
+from triton_omni_protocol import AR_GENERATE_INPUTS
 
 from tests.support import fake_pb_utils
 
@@ -88,6 +89,6 @@ def test_outputs_are_present_exactly_when_asked(ar_io):
 def test_every_sampling_tensor_is_an_input_of_ar(ar_io):
     from triton_omni.ar.request import SAMPLING_TENSORS
 
-    inputs = {spec.name for spec in ar_io.GENERATE_INPUTS}
+    inputs = {spec.name for spec in AR_GENERATE_INPUTS}
     assert set(SAMPLING_TENSORS) <= inputs
     assert {f"return_{name}" for name in ReturnOptions.__dataclass_fields__} <= inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from triton_omni.launcher import PROJECT_ROOT
+from triton_omni_tools.launcher import PROJECT_ROOT
 
 from tests.integration.test_metrics import documented_metrics
 

@@ -8,7 +8,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from triton_omni.launcher import find_server, libpython_dir, server_env
+from triton_omni_tools.launcher import find_server, libpython_dir, server_env
 
 
 def test_libpython_dir_links_only_libpython():

@@ -7,69 +7,23 @@ import math
 
 import torch
 import triton_python_backend_utils as pb_utils
+from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS, ar_encode_outputs
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
 from triton_omni.triton.params import instance_device, json_parameter, model_parameters
-from triton_omni.triton.tensors import TensorSpec, complete_config, numeric_tensor, string_tensor
-
-# Triton's vLLM backend's inputs (text_input, stream, sampling_parameters,
-# exclude_input_in_output, return_*), then one tensor per common sampling
-# option, with the names TensorRT-LLM models use (stop_words, penalties) so
-# that clients written for either drive `ar` unchanged.
-GENERATE_INPUTS = [
-    TensorSpec("text_input", "TYPE_STRING", optional=False),
-    TensorSpec("stream", "TYPE_BOOL"),
-    TensorSpec("sampling_parameters", "TYPE_STRING"),
-    TensorSpec("exclude_input_in_output", "TYPE_BOOL"),
-    *(TensorSpec(f"return_{name}", "TYPE_BOOL") for name in ReturnOptions.__dataclass_fields__),
-    TensorSpec("max_tokens", "TYPE_INT32"),
-    TensorSpec("min_tokens", "TYPE_INT32"),
-    TensorSpec("min_length", "TYPE_INT32"),
-    TensorSpec("temperature", "TYPE_FP32"),
-    TensorSpec("top_p", "TYPE_FP32"),
-    TensorSpec("top_k", "TYPE_INT32"),
-    TensorSpec("min_p", "TYPE_FP32"),
-    TensorSpec("seed", "TYPE_INT64"),
-    TensorSpec("stop", "TYPE_STRING", dims=(-1,), kind="list"),
-    TensorSpec("stop_words", "TYPE_STRING", dims=(-1,), kind="list"),
-    TensorSpec("frequency_penalty", "TYPE_FP32"),
-    TensorSpec("presence_penalty", "TYPE_FP32"),
-    TensorSpec("repetition_penalty", "TYPE_FP32"),
-]
-# One entry per completion (`n`), as in Triton's vLLM backend; all but
-# text_output are sent only when the matching return_* input is true.
-GENERATE_OUTPUTS = [
-    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("cumulative_logprob", "TYPE_FP32", dims=(-1,)),
-    TensorSpec("logprobs", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("num_input_tokens", "TYPE_UINT32", dims=(1,)),
-    TensorSpec("num_output_tokens", "TYPE_UINT32", dims=(-1,)),
-]
-ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False)]
-
-EMBEDS_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
-
-
-def encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
-    if embeds_dtype not in EMBEDS_TYPES:
-        raise ValueError(f"model parameter 'embeds_dtype' must be one of {sorted(EMBEDS_TYPES)}, got {embeds_dtype!r}")
-    return [
-        TensorSpec("prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1, -1)),
-        TensorSpec("prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
-    ]
+from triton_omni.triton.tensors import complete_config, numeric_tensor, string_tensor
 
 
 def auto_complete(config):
     """``generate`` models are decoupled (streaming); ``encode`` models batch."""
     params = model_parameters(config.as_dict())
     if params.get("mode", "generate") == "encode":
-        complete_config(config, ENCODE_INPUTS, encode_outputs(params.get("embeds_dtype", "float32")))
+        complete_config(config, AR_ENCODE_INPUTS, ar_encode_outputs(params.get("embeds_dtype", "float32")))
         if config.as_dict().get("max_batch_size", 0) == 0:
             config.set_max_batch_size(8)
         config.set_dynamic_batching()
     else:
-        complete_config(config, GENERATE_INPUTS, GENERATE_OUTPUTS)
+        complete_config(config, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS)
         config.set_model_transaction_policy({"decoupled": True})
     return config
 

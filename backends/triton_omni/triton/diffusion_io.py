@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
+from triton_omni_protocol import diffusion_inputs, diffusion_outputs
+
 from triton_omni.diffusion import DiffusionRunnerConfig
-from triton_omni.triton.ar_io import EMBEDS_TYPES
 from triton_omni.triton.params import instance_device, json_parameter, model_parameters
-from triton_omni.triton.tensors import TensorSpec, complete_config
-
-
-def inputs(embeds_dtype: str) -> list[TensorSpec]:
-    embeds_type = EMBEDS_TYPES[embeds_dtype]
-    return [
-        TensorSpec("prompt", "TYPE_STRING"),
-        TensorSpec("prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
-        TensorSpec("negative_prompt", "TYPE_STRING"),
-        TensorSpec("negative_prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
-        TensorSpec("num_inference_steps", "TYPE_INT32"),
-        TensorSpec("guidance_scale", "TYPE_FP32"),
-        TensorSpec("height", "TYPE_INT32"),
-        TensorSpec("width", "TYPE_INT32"),
-        TensorSpec("seed", "TYPE_INT64"),
-    ]
-
-
-OUTPUTS = [TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3))]
+from triton_omni.triton.tensors import complete_config
 
 
 def auto_complete(config):
     params = model_parameters(config.as_dict())
-    complete_config(config, inputs(params.get("embeds_dtype", "float32")), OUTPUTS)
+    complete_config(config, diffusion_inputs(params.get("embeds_dtype", "float32")), diffusion_outputs())
     if config.as_dict().get("max_batch_size", 0) == 0:
         config.set_max_batch_size(8)
     config.set_dynamic_batching()

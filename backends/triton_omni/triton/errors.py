@@ -1,6 +1,7 @@
 """The one mapping from runner exceptions to Triton errors.
 
-Every message starts with the status name in brackets (``[INVALID_ARG] ...``).
+Every message starts with the status name in brackets (``[INVALID_ARG] ...``,
+the format of ``triton_omni_protocol.status``).
 Triton 2.51 sends errors on a gRPC stream without a status code, and its
 ``triton_grpc_error`` mode, which would add one, crashes the server under
 load (a cancellation race fixed in 24.12, server PR #7840); the tag keeps the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import triton_python_backend_utils as pb_utils
+from triton_omni_protocol import tag_status
 
 from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError, StageError
 
@@ -34,7 +36,7 @@ def triton_error(exc: BaseException, context: str) -> pb_utils.TritonError:
 
 
 def _tagged(message: str, status: str) -> pb_utils.TritonError:
-    return pb_utils.TritonError(f"[{status}] {message}", getattr(pb_utils.TritonError, status))
+    return pb_utils.TritonError(tag_status(status, message), getattr(pb_utils.TritonError, status))
 
 
 def outcome(exc: BaseException | None) -> str:

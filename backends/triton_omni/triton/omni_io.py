@@ -4,49 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from triton_omni_protocol import OMNI_INPUTS, OMNI_OUTPUTS
+
 from triton_omni.scheduler import BudgetConfig, EnhanceConfig, SchedulerLimits
 from triton_omni.triton.params import model_parameters
-from triton_omni.triton.tensors import TensorSpec, complete_config
-
-INPUTS = [
-    TensorSpec("text_input", "TYPE_STRING", optional=False),
-    TensorSpec("modalities", "TYPE_STRING", dims=(-1,), kind="list"),
-    TensorSpec("enhance_prompt", "TYPE_BOOL"),
-    TensorSpec("stream", "TYPE_BOOL"),
-    TensorSpec("num_images", "TYPE_INT32"),
-    TensorSpec("parameters", "TYPE_STRING"),  # JSON: any option below, and the text options
-    # text options (as `ar` takes them)
-    TensorSpec("max_tokens", "TYPE_INT32"),
-    TensorSpec("temperature", "TYPE_FP32"),
-    TensorSpec("top_p", "TYPE_FP32"),
-    TensorSpec("top_k", "TYPE_INT32"),
-    # image options (as `diffusion` takes them); `seed` seeds both stages
-    TensorSpec("negative_prompt", "TYPE_STRING"),
-    TensorSpec("num_inference_steps", "TYPE_INT32"),
-    TensorSpec("guidance_scale", "TYPE_FP32"),
-    TensorSpec("height", "TYPE_INT32"),
-    TensorSpec("width", "TYPE_INT32"),
-    TensorSpec("seed", "TYPE_INT64"),
-]
-# A streamed response carries the outputs of one event; the non-streaming
-# response carries them all.
-OUTPUTS = [
-    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("enhanced_prompt_delta", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("enhanced_prompt", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("stage", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("step", "TYPE_INT32", dims=(-1,)),
-    TensorSpec("total_steps", "TYPE_INT32", dims=(-1,)),
-    TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [num_images, H, W, 3]
-    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),
-    # The image's shape again: Triton's HTTP /generate flattens tensors to JSON lists.
-    TensorSpec("image_shape", "TYPE_INT32", dims=(4,)),
-]
+from triton_omni.triton.tensors import complete_config
 
 
 def auto_complete(config):
-    complete_config(config, INPUTS, OUTPUTS)
+    complete_config(config, OMNI_INPUTS, OMNI_OUTPUTS)
     config.set_model_transaction_policy({"decoupled": True})
     return config
 

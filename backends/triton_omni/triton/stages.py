@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,16 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
+from triton_omni_protocol import STATUS_NAMES, diffusion_inputs, parse_status
 
 from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, Cancellations, ProgressListener, new_id
 from triton_omni.errors import StageError
 from triton_omni.scheduler import TextDelta
 
-_SCALAR_TYPES = {"num_inference_steps": np.int32, "height": np.int32, "width": np.int32,
-                 "guidance_scale": np.float32, "seed": np.int64}
-_STATUS_NAMES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL", "NOT_FOUND", "UNSUPPORTED",
-                 "ALREADY_EXISTS", "UNKNOWN")
-_TAG = re.compile(r"\[(" + "|".join(_STATUS_NAMES) + r")\] ")
+_SCALAR_TYPES = {spec.name: spec.numpy_dtype for spec in diffusion_inputs() if spec.kind == "scalar"}
 
 
 class TritonEmbeds:
@@ -130,12 +126,10 @@ def _raise_if_error(model: str, response) -> None:
     if not response.has_error():
         return
     error = response.error()
-    message = error.message()
-    tag = _TAG.search(message)
-    if tag:
-        raise StageError(model, tag.group(1), message[:tag.start()] + message[tag.end():])
-    code = error.code() if hasattr(error, "code") else None
-    status = next((n for n in _STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
+    status, message = parse_status(error.message())
+    if status is None:
+        code = error.code() if hasattr(error, "code") else None
+        status = next((n for n in STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
     raise StageError(model, status, message)
 
 

@@ -1,39 +1,22 @@
-"""Declarative tensor specs: the one mapping between tensors and Python values.
+"""The one mapping between Triton tensors and Python values.
 
-A stage declares its inputs and outputs once as :class:`TensorSpec` tables;
-the same tables fill the model config in ``auto_complete_config``, decode
-request tensors into plain Python values for the request dataclasses, and
-encode results into output tensors.
+The stages' inputs and outputs are declared once, as ``TensorSpec`` tables
+in ``triton_omni_protocol``; here those tables fill the model config in
+``auto_complete_config`` and decode request tensors into plain Python
+values for the request dataclasses; results leave as tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
+from triton_omni_protocol import TensorSpec
 
 from triton_omni.errors import RequestValidationError
-
-Kind = Literal["scalar", "list", "array"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    data_type: str  # Triton config type, e.g. "TYPE_STRING"
-    dims: tuple[int, ...] = (1,)
-    kind: Kind = "scalar"  # how the value is handed to Python
-    optional: bool = True
-
-    def config_entry(self, is_input: bool) -> dict[str, Any]:
-        entry = {"name": self.name, "data_type": self.data_type, "dims": list(self.dims)}
-        if is_input and self.optional:
-            entry["optional"] = True
-        return entry
 
 
 def complete_config(config, inputs: list[TensorSpec], outputs: list[TensorSpec]):

@@ -111,7 +111,7 @@ def _key_value(text: str) -> tuple[str, object]:
 
 
 def _serve(args) -> int:
-    from triton_omni.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
 
     return serve(ServerOptions(
         model_repositories=args.model_repository or list(DEFAULT_REPOSITORIES),
@@ -154,7 +154,6 @@ def _generate(args) -> int:
     """Streams one omni request: text to stdout as it arrives, a progress bar
     per image fed by the diffusion steps, then the PNG files."""
     from tqdm import tqdm
-
     from triton_omni_client import OmniClient, OmniError
 
     modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
@@ -207,9 +206,8 @@ def _save_png(pixels, path: Path) -> Path:
 
 
 def _bench(args) -> int:
-    from triton_omni.launcher import PROJECT_ROOT
-
-    from triton_omni_client.bench import run
+    from triton_omni_tools.bench import run
+    from triton_omni_tools.launcher import PROJECT_ROOT
 
     def parts(value: str | None, kind=str):
         return tuple(kind(v) for v in value.split(",")) if value else None
@@ -222,7 +220,7 @@ def _bench(args) -> int:
 def _perf(args) -> int:
     from triton_omni.demo_models import resolve_model
 
-    from triton_omni_client.perf import PerfError, format_table, run_all
+    from triton_omni_tools.perf import PerfError, format_table, run_all
 
     tokenizer = args.tokenizer or resolve_model("demo:tiny-qwen2")
 
@@ -241,7 +239,7 @@ def _perf(args) -> int:
         return measure(args.url)
     import socket
 
-    from triton_omni.launcher import ServerOptions, TritonServer
+    from triton_omni_tools.launcher import ServerOptions, TritonServer
 
     def free_port() -> int:
         with socket.socket() as sock:
@@ -257,7 +255,6 @@ def _perf(args) -> int:
 
 def _generate_image(args) -> int:
     from PIL import Image
-
     from triton_omni_client import OmniClient, OmniError
 
     options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")

@@ -175,8 +175,8 @@ def measure_direct(direct: Direct, workload: str, concurrency: int, requests: in
 
 
 def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
-    """Diffusion direct with the UNet's CUDA graphs off: the raw diffusers
-    curve of PLATFORM.md, measured in the same run as the rest."""
+    """Diffusion direct with the UNet's CUDA graphs off: plain eager
+    diffusers, the raw curve, measured in the same run as the rest."""
     direct.diffusion.graphs.enabled = False
     try:
         return measure_direct(direct, "diffusion", concurrency, requests, side="eager")
@@ -189,7 +189,6 @@ def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
 
 def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> Callable[[], None]:
     import tritonclient.grpc as grpcclient
-
     from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 
     image_options = {"num_inference_steps": preset.steps, "guidance_scale": preset.guidance,
@@ -343,7 +342,7 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     """Copies of the default repositories with the preset's models and batch size."""
     import re
 
-    from triton_omni.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
 
     repositories = []
     for source in DEFAULT_REPOSITORIES:
@@ -373,7 +372,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         out_dir: Path) -> list[dict]:
     import torch
     from triton_omni.demo_models import resolve_model
-    from triton_omni.launcher import ServerOptions, TritonServer
+
+    from triton_omni_tools.launcher import ServerOptions, TritonServer
 
     preset = PRESETS[preset_name]
     preset = Preset(**(asdict(preset) | {k: v for k, v in (("concurrency", concurrency), ("workloads", workloads))

@@ -1,0 +1,124 @@
+"""Every model's inputs and outputs.
+
+Adding an optional input to a stage is one line in its table here, plus the
+code that uses the value (see ARCHITECTURE.md). The server completes each
+model's config from these tables and decodes requests with them; the client
+builds its input tensors from them; a test renders the repository's and
+the ensemble's configs against them.
+"""
+
+from __future__ import annotations
+
+from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
+
+# -- ar (decoupled): Triton's vLLM backend's inputs, then one tensor per common
+# sampling option with the names TensorRT-LLM models use, so that clients
+# written for either drive it unchanged.
+RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+AR_GENERATE_INPUTS = [
+    TensorSpec("text_input", "TYPE_STRING", optional=False),
+    TensorSpec("stream", "TYPE_BOOL"),
+    TensorSpec("sampling_parameters", "TYPE_STRING"),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL"),
+    *(TensorSpec(f"return_{name}", "TYPE_BOOL") for name in RETURN_FLAGS),
+    TensorSpec("max_tokens", "TYPE_INT32"),
+    TensorSpec("min_tokens", "TYPE_INT32"),
+    TensorSpec("min_length", "TYPE_INT32"),
+    TensorSpec("temperature", "TYPE_FP32"),
+    TensorSpec("top_p", "TYPE_FP32"),
+    TensorSpec("top_k", "TYPE_INT32"),
+    TensorSpec("min_p", "TYPE_FP32"),
+    TensorSpec("seed", "TYPE_INT64"),
+    TensorSpec("stop", "TYPE_STRING", dims=(-1,), kind="list"),
+    TensorSpec("stop_words", "TYPE_STRING", dims=(-1,), kind="list"),
+    TensorSpec("frequency_penalty", "TYPE_FP32"),
+    TensorSpec("presence_penalty", "TYPE_FP32"),
+    TensorSpec("repetition_penalty", "TYPE_FP32"),
+]
+# One entry per completion (`n`), as in Triton's vLLM backend; all but
+# text_output are sent only when the matching return_* input is true.
+AR_GENERATE_OUTPUTS = [
+    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("cumulative_logprob", "TYPE_FP32", dims=(-1,)),
+    TensorSpec("logprobs", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("num_input_tokens", "TYPE_UINT32", dims=(1,)),
+    TensorSpec("num_output_tokens", "TYPE_UINT32", dims=(-1,)),
+]
+
+# -- ar_encoder (dynamic batching)
+AR_ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False)]
+
+
+def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
+    if embeds_dtype not in EMBEDS_TYPES:
+        raise ValueError(f"model parameter 'embeds_dtype' must be one of {sorted(EMBEDS_TYPES)}, got {embeds_dtype!r}")
+    return [
+        TensorSpec("prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1, -1)),
+        TensorSpec("prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
+    ]
+
+
+# -- diffusion (dynamic batching)
+def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
+    embeds_type = EMBEDS_TYPES[embeds_dtype]
+    return [
+        TensorSpec("prompt", "TYPE_STRING"),
+        TensorSpec("prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
+        TensorSpec("negative_prompt", "TYPE_STRING"),
+        TensorSpec("negative_prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
+        TensorSpec("num_inference_steps", "TYPE_INT32"),
+        TensorSpec("guidance_scale", "TYPE_FP32"),
+        TensorSpec("height", "TYPE_INT32"),
+        TensorSpec("width", "TYPE_INT32"),
+        TensorSpec("seed", "TYPE_INT64"),
+    ]
+
+
+def diffusion_outputs() -> list[TensorSpec]:
+    return [TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3))]
+
+
+# -- omni (decoupled BLS scheduler)
+OMNI_INPUTS = [
+    TensorSpec("text_input", "TYPE_STRING", optional=False),
+    TensorSpec("modalities", "TYPE_STRING", dims=(-1,), kind="list"),
+    TensorSpec("enhance_prompt", "TYPE_BOOL"),
+    TensorSpec("stream", "TYPE_BOOL"),
+    TensorSpec("num_images", "TYPE_INT32"),
+    TensorSpec("parameters", "TYPE_STRING"),  # JSON: any option below, and the text options
+    # text options (as `ar` takes them)
+    TensorSpec("max_tokens", "TYPE_INT32"),
+    TensorSpec("temperature", "TYPE_FP32"),
+    TensorSpec("top_p", "TYPE_FP32"),
+    TensorSpec("top_k", "TYPE_INT32"),
+    # image options (as `diffusion` takes them); `seed` seeds both stages
+    TensorSpec("negative_prompt", "TYPE_STRING"),
+    TensorSpec("num_inference_steps", "TYPE_INT32"),
+    TensorSpec("guidance_scale", "TYPE_FP32"),
+    TensorSpec("height", "TYPE_INT32"),
+    TensorSpec("width", "TYPE_INT32"),
+    TensorSpec("seed", "TYPE_INT64"),
+]
+# A streamed response carries the outputs of one event; the non-streaming
+# response carries them all.
+OMNI_OUTPUTS = [
+    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("enhanced_prompt_delta", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("enhanced_prompt", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("stage", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("step", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("total_steps", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [num_images, H, W, 3]
+    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),
+    # The image's shape again: Triton's HTTP /generate flattens tensors to JSON lists.
+    TensorSpec("image_shape", "TYPE_INT32", dims=(4,)),
+]
+
+
+def scalar_inputs() -> dict[str, TensorSpec]:
+    """Every one-value, non-text input of any model, by name (one type per
+    name across models: a test checks it)."""
+    specs = [*AR_GENERATE_INPUTS, *diffusion_inputs(), *OMNI_INPUTS]
+    return {s.name: s for s in specs if s.kind == "scalar" and s.data_type != "TYPE_STRING"}

@@ -1,0 +1,135 @@
+"""The import directions are the architecture (ARCHITECTURE.md), and the
+configs on disk agree with the wire contract in ``triton_omni_protocol``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc.model_config_pb2 as model_config
+from google.protobuf import text_format
+from triton_omni_protocol import (
+    AR_ENCODE_INPUTS,
+    AR_GENERATE_INPUTS,
+    AR_GENERATE_OUTPUTS,
+    OMNI_INPUTS,
+    OMNI_OUTPUTS,
+    RETURN_FLAGS,
+    ar_encode_outputs,
+    diffusion_inputs,
+    diffusion_outputs,
+    scalar_inputs,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "protocol": ROOT / "protocol" / "triton_omni_protocol",
+    "runtime": ROOT / "backends",
+    "client": ROOT / "clients" / "triton_omni_client",
+    "tools": ROOT / "tools" / "triton_omni_tools",
+}
+HEAVY = ("torch", "diffusers", "transformers", "vllm")
+
+
+def imported_modules(folder: Path) -> dict[str, set[str]]:
+    """Top-level names each .py file under ``folder`` imports (anywhere in the file)."""
+    found = {}
+    for path in folder.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    return {path: sorted(n for n in names if n.split(".")[0] in forbidden or n.startswith(forbidden))
+            for path, names in imported_modules(PACKAGES[package]).items()
+            if any(n.split(".")[0] in forbidden or n.startswith(forbidden) for n in names)}
+
+
+def test_the_runtime_never_imports_the_client_or_the_tools():
+    assert offenders("runtime", ("triton_omni_client", "triton_omni_tools")) == {}
+
+
+def test_the_client_imports_neither_the_runtime_nor_the_tools_nor_ml_libraries():
+    assert offenders("client", ("triton_omni_tools", "triton_omni.", *HEAVY)) == {}
+    assert not any("triton_omni" in names for names in imported_modules(PACKAGES["client"]).values())
+
+
+def test_the_protocol_needs_only_the_standard_library_and_numpy():
+    allowed = set(sys.stdlib_module_names) | {"numpy", "triton_omni_protocol", "__future__"}
+    used = {n.split(".")[0] for names in imported_modules(PACKAGES["protocol"]).values() for n in names}
+    assert used <= allowed, used - allowed
+
+
+def test_importing_the_client_loads_no_ml_library():
+    code = ("import sys, triton_omni_client, triton_omni_client.client, triton_omni_protocol; "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# -- configs against the protocol -----------------------------------------------------------
+
+
+def load_config(path: Path):
+    return text_format.Parse(path.read_text(), model_config.ModelConfig())
+
+
+def type_name(value: int) -> str:
+    return model_config.DataType.Name(value)
+
+
+CONTRACTS = {  # model -> (inputs, outputs) of the protocol
+    "ar": (AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS),
+    "ar_encoder": (AR_ENCODE_INPUTS, ar_encode_outputs("float32")),
+    "diffusion": (diffusion_inputs(), diffusion_outputs()),
+    "omni": (OMNI_INPUTS, OMNI_OUTPUTS),
+}
+
+
+@pytest.mark.parametrize("model", sorted(CONTRACTS))
+def test_repository_configs_only_declare_what_the_protocol_says(model):
+    """The configs stay tiny (auto-complete fills them from the protocol);
+    whatever they do declare must agree with it."""
+    config = load_config(ROOT / "model_repository" / model / "config.pbtxt")
+    inputs, outputs = ({s.name: s for s in specs} for specs in CONTRACTS[model])
+    for declared, specs in ((config.input, inputs), (config.output, outputs)):
+        for tensor in declared:
+            spec = specs[tensor.name]
+            assert (type_name(tensor.data_type), list(tensor.dims)) == (spec.data_type, list(spec.dims))
+
+
+def test_the_ensemble_is_wired_from_the_protocol():
+    config = load_config(ROOT / "ensemble" / "text_to_image" / "config.pbtxt")
+    diffusion = {s.name: s for s in diffusion_inputs()}
+    own = {"text_input": AR_ENCODE_INPUTS[0], **{k: v for k, v in diffusion.items() if "embeds" not in k}}
+    for tensor in config.input:
+        spec = own[tensor.name]
+        assert (type_name(tensor.data_type), list(tensor.dims)) == (spec.data_type, list(spec.dims)), tensor.name
+    (image,) = config.output
+    assert (type_name(image.data_type), list(image.dims)) == ("TYPE_UINT8", list(diffusion_outputs()[0].dims))
+    for step in config.ensemble_scheduling.step:
+        inputs, outputs = CONTRACTS[step.model_name]
+        assert set(step.input_map) <= {s.name for s in inputs}, step.model_name
+        assert set(step.output_map) <= {s.name for s in outputs}, step.model_name
+
+
+def test_one_type_per_scalar_input_name_across_models():
+    seen = {}
+    for spec in [*AR_GENERATE_INPUTS, *diffusion_inputs(), *OMNI_INPUTS]:
+        if spec.name in scalar_inputs():
+            assert seen.setdefault(spec.name, spec.data_type) == spec.data_type, spec.name
+
+
+def test_the_runtime_return_flags_are_the_protocol_s():
+    from triton_omni.ar import ReturnOptions
+
+    assert tuple(ReturnOptions.__dataclass_fields__) == RETURN_FLAGS
