@@ -30,8 +30,9 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from triton_omni_client import bench
+from triton_omni_tools import bench
 from triton_omni_tools.launcher import ServerOptions, TritonServer
+from triton_omni_tools.repository import edit_config
 
 VARIANTS = {  # name: (extra diffusion model parameters, extra tritonserver arguments)
     "default": ({}, []),
@@ -106,9 +107,7 @@ def serve(preset: bench.Preset, variant: str, tmp: Path, log: Path) -> TritonSer
     """The bench's repository with only ``diffusion`` loaded, changed as the variant says."""
     params, server_args = VARIANTS[variant]
     repositories = bench.bench_repository(preset, tmp)
-    config = repositories[0] / "diffusion" / "config.pbtxt"
-    config.write_text(config.read_text() + "".join(
-        f'\nparameters {{ key: "{key}" value {{ string_value: "{value}" }} }}' for key, value in params.items()))
+    edit_config(repositories[0] / "diffusion" / "config.pbtxt", parameters=params)
     return TritonServer(ServerOptions(model_repositories=repositories, http_port=18100, grpc_port=18101,
                                       metrics_port=18102, log_file=log, model_control_mode="explicit",
                                       load_models=["diffusion"], extra_args=server_args))

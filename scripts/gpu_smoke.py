@@ -10,7 +10,6 @@ images equal the ones computed alone.
 from __future__ import annotations
 
 import concurrent.futures
-import re
 import sys
 import tempfile
 import time
@@ -21,20 +20,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from triton_omni.demo_models import build_all
 from triton_omni_client import OmniClient
-from triton_omni_tools.launcher import ServerOptions, TritonServer
-
-from tests.integration.conftest import free_port, make_variant
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
+from triton_omni_tools.repository import copy_model
 
 
 def main() -> int:
     build_all()
     repo = Path(tempfile.mkdtemp())
-    make_variant(repo, "diffusion", "diffusion")
-    make_variant(repo, "ar_encoder", "ar_encoder", engine="transformers")
-    for name, group in (("diffusion", "[{ kind: KIND_GPU count: 2 gpus: [0] }]"),
-                        ("ar_encoder", "[{ kind: KIND_GPU count: 1 }]")):
-        config = repo / name / "config.pbtxt"
-        config.write_text(re.sub(r"instance_group \[.*\]", f"instance_group {group}", config.read_text()))
+    default = DEFAULT_REPOSITORIES[0]
+    copy_model(default, "diffusion", repo, instance_group=[{"kind": "KIND_GPU", "count": 2, "gpus": [0]}])
+    copy_model(default, "ar_encoder", repo, parameters={"engine": "transformers"},
+               instance_group=[{"kind": "KIND_GPU", "count": 1}])
     log = repo / "tritonserver.log"
     options = ServerOptions(model_repositories=[repo], http_port=free_port(), grpc_port=free_port(),
                             metrics_port=free_port(), log_file=log)

@@ -8,9 +8,9 @@ return their last hidden states.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 
@@ -21,6 +21,7 @@ from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
 from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io
+from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics
 from triton_omni.triton.params import channel_ids, client_parameters
@@ -68,23 +69,28 @@ class TritonPythonModel:
         self.runner.loop.submit(self._generate(parsed, sender, key, started))
 
     async def _generate(self, request: GenerateRequest, sender, key: str | None, started: float) -> None:
-        """``key``: set when the omni scheduler sent the request; it cancels through the channel."""
+        """``key``: set when the omni scheduler sent the request; it cancels through the channel.
+
+        A cancellation (the client's, or the scheduler's flag) cancels this
+        task at once, wherever it waits (a long prefill included); the engine
+        aborts the request and the client gets CANCELLED."""
         request_id = uuid.uuid4().hex
         self.metrics.in_flight.increment(1)
-        client_cancelled = threading.Event()
-        self.responses.watch(sender, client_cancelled.set)
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        self.responses.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel),
+                             cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key))
         try:
             def first_token() -> None:
                 self.metrics.time_to_first_token.observe(time.monotonic() - started)
 
             async for response in self.runner.generate(request, request_id, on_first_token=first_token):
-                if client_cancelled.is_set() or self.cancellations.is_cancelled(key):
-                    await self.runner.abort(request_id)
-                    raise RequestCancelledError
                 self.metrics.generated_tokens.increment(sum(response.num_output_tokens))  # new since last response
                 self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                     final=response.final)
             self.metrics.finished("success", started)
+        except asyncio.CancelledError:
+            await self.runner.abort(request_id)
+            self._fail(sender, RequestCancelledError(), started)
         except Exception as exc:
             self._fail(sender, exc, started)
         finally:
@@ -92,8 +98,7 @@ class TritonPythonModel:
             self.metrics.in_flight.increment(-1)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
-        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics, started),
-                            final=True)
+        self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)
 
     # -- encode (batched) -----------------------------------------------------
 
@@ -101,17 +106,12 @@ class TritonPythonModel:
         """One response per request, in order; a bad request fails alone."""
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))
-        results: list = [None] * len(requests)
-        valid: dict[int, EncodeRequest] = {}
-        for i, request in enumerate(requests):
-            try:
-                valid[i] = EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits)
-            except Exception as exc:
-                results[i] = exc
-        if valid:
-            embeddings = self.runner.loop.run(self.runner.encode(list(valid.values())))
-            for i, result in zip(valid, embeddings, strict=True):
-                results[i] = result
+        results = run_batch(
+            requests,
+            parse=lambda request: EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS),
+                                                            self.config.limits),
+            run=lambda _, parsed: self.runner.loop.run(self.runner.encode(parsed)),
+        )
         return [self._encode_response(result, started) for result in results]
 
     def _encode_response(self, result, started: float):

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from triton_omni.channel import Cancellations, ProgressSender
 from triton_omni.diffusion import DiffusionRunner
 from triton_omni.triton import diffusion_io
+from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import COUNTER, StageMetrics, family
 from triton_omni.triton.params import channel_ids
@@ -49,36 +50,29 @@ class TritonPythonModel:
     def execute(self, requests):
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))
-        results: list = [None] * len(requests)
-        valid: dict[int, object] = {}
-        for i, request in enumerate(requests):
-            try:
-                valid[i] = self.runner.parse(read_inputs(request, self.input_specs))
-            except Exception as exc:
-                results[i] = exc
-        if valid:
-            indices = list(valid)
-            channels = [channel_ids(requests[i]) for i in indices]  # set when the omni scheduler sent it
-            watch = _StepWatch([requests[i] for i in indices], [key for key, _ in channels], self.cancellations,
-                               self.steps, self.poll_s)
-
-            def on_step(k: int, step: int, total: int) -> None:
-                watch.count_step()
-                self.progress.send(channels[k][1], channels[k][0], step, total)
-
-            self.metrics.in_flight.increment(len(indices))
-            try:
-                with watch:
-                    images = self.runner.run(list(valid.values()), on_step=on_step, is_cancelled=watch.cancelled)
-            finally:
-                self.metrics.in_flight.increment(-len(indices))
-            for k, image in enumerate(images):
-                results[indices[k]] = image
+        results = run_batch(requests, parse=lambda request: self.runner.parse(read_inputs(request, self.input_specs)),
+                            run=lambda indices, parsed: self._run([requests[i] for i in indices], parsed))
         ran = time.monotonic()
         responses = [self._response(result, started) for result in results]
         logger.debug("batch of %d: inputs and run %.1f ms, responses %.1f ms", len(requests),
                      (ran - started) * 1e3, (time.monotonic() - ran) * 1e3)
         return responses
+
+    def _run(self, requests: list, parsed: list) -> list:
+        """The valid requests of a batch, denoised together, with progress and cancellation."""
+        channels = [channel_ids(request) for request in requests]  # set when the omni scheduler sent it
+        watch = _StepWatch(requests, [key for key, _ in channels], self.cancellations, self.steps, self.poll_s)
+
+        def on_step(k: int, step: int, total: int) -> None:
+            watch.count_step()
+            self.progress.send(channels[k][1], channels[k][0], step, total)
+
+        self.metrics.in_flight.increment(len(requests))
+        try:
+            with watch:
+                return self.runner.run(parsed, on_step=on_step, is_cancelled=watch.cancelled)
+        finally:
+            self.metrics.in_flight.increment(-len(requests))
 
     def _response(self, result, started: float):
         if isinstance(result, Exception):

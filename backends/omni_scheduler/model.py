@@ -30,7 +30,6 @@ from triton_omni.scheduler import (
     TextDelta,
 )
 from triton_omni.triton import omni_io
-from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import GAUGE, StageMetrics, family
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
@@ -92,8 +91,7 @@ class TritonPythonModel:
             self.metrics.in_flight.increment(-1)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
-        self.responses.send(sender, error_response(exc, f"model '{self.model_name}'", self.metrics, started),
-                            final=True)
+        self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)
 
     def finalize(self):
         self.progress.close()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.integration.conftest import GENERATE_MODELS, metric_value
+from tests.support.server import GENERATE_MODELS, metric_value
 
 
 def _inputs():

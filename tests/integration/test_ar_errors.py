@@ -12,7 +12,7 @@ from triton_omni_client import OmniClient, OmniError
 from triton_omni_client.client import stream_infer
 from tritonclient.utils import InferenceServerException
 
-from tests.integration.conftest import ENCODE_MODELS, GENERATE_MODELS
+from tests.support.server import ENCODE_MODELS, GENERATE_MODELS
 
 
 def tensor(name, value, type_name, dtype):

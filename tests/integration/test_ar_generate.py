@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 from triton_omni_client import OmniClient
 from triton_omni_client.client import stream_infer
 
-from tests.integration.conftest import GENERATE_MODELS
+from tests.support.server import GENERATE_MODELS
 
 pytestmark = pytest.mark.parametrize("model", GENERATE_MODELS)
 

@@ -26,7 +26,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni_client import OmniError
 from triton_omni_client.client import stream_infer
 
-from tests.integration.conftest import GENERATE_MODELS
+from tests.support.server import GENERATE_MODELS
 
 RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 OUTPUT_OF = {"finish_reason": "finish_reason", "cumulative_logprob": "cumulative_logprob", "logprobs": "logprobs",

@@ -15,7 +15,7 @@ from PIL import Image
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_client.client import batched_inputs
 
-from tests.integration.conftest import metric_value
+from tests.support.server import metric_value
 
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32}
 

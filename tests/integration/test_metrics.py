@@ -7,21 +7,14 @@ import urllib.request
 
 import pytest
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_tools.launcher import PROJECT_ROOT
 
-from tests.integration.test_pipelines import ensemble
-
-
-def documented_metrics() -> dict[str, str]:
-    """name -> kind, from the table in docs/metrics.md."""
-    table = (PROJECT_ROOT / "docs" / "metrics.md").read_text()
-    return dict(re.findall(r"^\| `(omni_\w+)` \| (counter|gauge|histogram) \|", table, flags=re.M))
+from tests.support.server import documented_metrics, text_to_image
 
 
 def test_every_custom_metric_is_served_with_counts_after_a_mixed_run(server):
     client = OmniClient(server.grpc_url)
     list(client.generate("hello", modalities=["text", "image"], max_tokens=4, num_inference_steps=2))
-    ensemble(server.http_url, "http", "a fox", num_inference_steps=2)
+    text_to_image(server.http_url, "http", "a fox", num_inference_steps=2)
     with pytest.raises(OmniError):  # refused by admission, for omni_rejected_requests_total
         list(client.generate("a fox", modalities=["image"], model="omni_small_budget", num_inference_steps=2))
 

@@ -9,11 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_client.client import batched_inputs, omni_inputs
+from triton_omni_client.client import omni_inputs
 
-from tests.integration.conftest import metric_value
+from tests.support.server import metric_value, text_to_image
 
 STEPS = 3
 
@@ -26,13 +25,6 @@ def by_hand(url: str, prompt: str, negative: str = "", **options) -> np.ndarray:
     return client.generate_image(prompt_embeds=embeds, negative_prompt_embeds=negative_embeds, **options)
 
 
-def ensemble(url: str, protocol: str, prompt: str, negative: str = "", **options) -> np.ndarray:
-    module = grpcclient if protocol == "grpc" else httpclient
-    inputs = batched_inputs(module, text_input=prompt, negative_prompt=negative, **options)
-    with module.InferenceServerClient(url) as client:
-        return client.infer("text_to_image", inputs).as_numpy("image")[0]
-
-
 # -- text_to_image ensemble -------------------------------------------------------------
 
 
@@ -41,14 +33,14 @@ def ensemble(url: str, protocol: str, prompt: str, negative: str = "", **options
 def test_ensemble_equals_the_stages_called_by_hand(server, protocol, negative):
     options = {"seed": 11, "num_inference_steps": STEPS, "guidance_scale": 5.0}
     url = server.http_url if protocol == "http" else server.grpc_url
-    image = ensemble(url, protocol, "a lighthouse at dusk", negative, **options)
+    image = text_to_image(url, protocol, "a lighthouse at dusk", negative, **options)
     assert image.shape == (64, 64, 3) and image.dtype == np.uint8
     np.testing.assert_array_equal(image, by_hand(server.http_url, "a lighthouse at dusk", negative, **options))
 
 
 def test_ensemble_reports_the_diffusion_stage_error(http_url):
     with pytest.raises(Exception) as info:
-        ensemble(http_url, "http", "a fox", height=500)
+        text_to_image(http_url, "http", "a fox", height=500)
     assert "400" in str(info.value) and "height" in str(info.value)
 
 

@@ -11,7 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.integration.conftest import assert_group_gone, free_port
+from triton_omni_tools.launcher import free_port
+
+from tests.support.server import assert_group_gone
 
 
 def test_serve_ready_then_ctrl_c_leaves_nothing_behind(tmp_path):

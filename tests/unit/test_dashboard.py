@@ -7,7 +7,7 @@ import re
 
 from triton_omni_tools.launcher import PROJECT_ROOT
 
-from tests.integration.test_metrics import documented_metrics
+from tests.support.server import documented_metrics
 
 TRITON_METRICS = {"nv_inference_request_success", "nv_inference_request_failure", "nv_inference_queue_duration_us",
                   "nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import shutil
 import tempfile
 import time
 import uuid
@@ -340,29 +339,20 @@ def models_for(workloads: tuple[str, ...]) -> list[str]:
 
 def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     """Copies of the default repositories with the preset's models and batch size."""
-    import re
-
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.repository import copy_repositories
 
-    repositories = []
-    for source in DEFAULT_REPOSITORIES:
-        target = dest / source.name
-        shutil.copytree(source, target)
-        for config in target.glob("*/config.pbtxt"):
-            text = config.read_text()
-            model = preset.diffusion_model if config.parent.name == "diffusion" else preset.ar_model
-            text = re.sub(r'(key: "model" value \{ string_value: ")[^"]*(")', rf"\g<1>{model}\g<2>", text)
-            if config.parent.name in ("diffusion", "ar_encoder"):
-                text = re.sub(r"max_batch_size: \d+", f"max_batch_size: {preset.max_batch_size}", text)
-            if config.parent.name == "diffusion":
-                text = re.sub(r'\\"max_size\\": \d+', f'\\\\"max_size\\\\": {max(1024, preset.size)}', text)
-                text = re.sub(r"max_queue_delay_microseconds: \d+",
-                              f"max_queue_delay_microseconds: {preset.diffusion_queue_delay_us}", text)
-                text = re.sub(r'(key: "exact_batching" value \{ string_value: ")[^"]*(")',
-                              rf"\g<1>{str(preset.exact_batching).lower()}\g<2>", text)
-            config.write_text(text)
-        repositories.append(target)
-    return repositories
+    ar = {"model": preset.ar_model}
+    return copy_repositories(DEFAULT_REPOSITORIES, dest, {
+        "ar": {"parameters": ar},
+        "ar_encoder": {"parameters": ar, "max_batch_size": preset.max_batch_size},
+        "diffusion": {
+            "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
+                           "exact_batching": str(preset.exact_batching).lower()},
+            "max_batch_size": preset.max_batch_size,
+            "max_queue_delay_us": preset.diffusion_queue_delay_us,
+        },
+    })
 
 
 # -- the run -------------------------------------------------------------------------

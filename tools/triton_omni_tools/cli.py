@@ -237,14 +237,7 @@ def _perf(args) -> int:
 
     if args.url:
         return measure(args.url)
-    import socket
-
-    from triton_omni_tools.launcher import ServerOptions, TritonServer
-
-    def free_port() -> int:
-        with socket.socket() as sock:
-            sock.bind(("localhost", 0))
-            return sock.getsockname()[1]
+    from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
     args.out.mkdir(parents=True, exist_ok=True)
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),

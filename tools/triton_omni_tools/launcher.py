@@ -63,6 +63,15 @@ class ServerInstall:
     stubs: Path | None = None  # per-Python-version stubs (the pip bundle only)
 
 
+def free_port() -> int:
+    """A TCP port free right now on localhost (for servers started beside others)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
 def find_server(choice: ServerChoice = "auto") -> ServerInstall:
     if choice in ("auto", "system") and (SYSTEM_SERVER / "bin" / "tritonserver").exists():
         return ServerInstall(SYSTEM_SERVER / "bin" / "tritonserver", SYSTEM_SERVER / "backends")

@@ -21,6 +21,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
 from triton_omni.demo_models import resolve_model
+from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,7 @@ class ArRunnerConfig:
         return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return getattr(torch, self.dtype)
+        return torch_dtype(self.dtype, self.device, cuda_default=torch.bfloat16)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
+from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,7 @@ class DiffusionRunnerConfig:
     defaults: dict[str, Any] = field(default_factory=dict)  # default steps/size/guidance
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.float16 if self.device.startswith("cuda") else torch.float32
-        return getattr(torch, self.dtype)
+        return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
 
 
 @dataclass

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
 
+from triton_omni.triton.errors import error_response
+
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 POLL_S = 0.05
@@ -28,7 +30,7 @@ POLL_S = 0.05
 class ResponseThread:
     def __init__(self, poll_s: float = POLL_S):
         self._queue: queue.Queue = queue.Queue()
-        self._watched: dict[int, tuple[object, Callable[[], None]]] = {}
+        self._watched: dict[int, tuple[object, Callable[[], None], Callable[[], bool] | None]] = {}
         self._lock = threading.Lock()
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._drain, name="omni-responses", daemon=True)
@@ -37,10 +39,17 @@ class ResponseThread:
     def send(self, sender, response=None, final: bool = False) -> None:
         self._queue.put((sender, response, FINAL if final else 0))
 
-    def watch(self, sender, on_cancel: Callable[[], None]) -> None:
-        """Call ``on_cancel`` (once, on this thread) when the client cancels the request."""
+    def fail(self, sender, exc: BaseException, context: str, metrics, started: float | None = None) -> None:
+        """End a request with the error response for ``exc`` (counted in ``metrics``)."""
+        self.send(sender, error_response(exc, context, metrics, started), final=True)
+
+    def watch(self, sender, on_cancel: Callable[[], None],
+              cancelled_elsewhere: Callable[[], bool] | None = None) -> None:
+        """Call ``on_cancel`` (once, on this thread) when the client cancels the
+        request, or when ``cancelled_elsewhere()`` says so (the ``omni``
+        scheduler's cancel flag for a request it sent)."""
         with self._lock:
-            self._watched[id(sender)] = (sender, on_cancel)
+            self._watched[id(sender)] = (sender, on_cancel, cancelled_elsewhere)
 
     def unwatch(self, sender) -> None:
         with self._lock:
@@ -75,9 +84,9 @@ class ResponseThread:
     def _poll_cancellations(self) -> None:
         with self._lock:
             watched = list(self._watched.items())
-        for key, (sender, on_cancel) in watched:
+        for key, (sender, on_cancel, cancelled_elsewhere) in watched:
             try:
-                if not sender.is_cancelled():
+                if not (sender.is_cancelled() or (cancelled_elsewhere is not None and cancelled_elsewhere())):
                     continue
             except Exception:
                 logger.exception("Could not check a request's cancellation")

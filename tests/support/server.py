@@ -1,0 +1,82 @@
+"""Helpers for tests against a real tritonserver: the models both engines
+serve, process-group checks, metric reads, the server-alive guard."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from triton_omni_client.client import batched_inputs
+from triton_omni_tools.launcher import PROJECT_ROOT, TritonServer
+
+GENERATE_MODELS = ["ar", "ar_transformers"]
+ENCODE_MODELS = ["ar_encoder", "ar_encoder_transformers"]
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live processes of a process group (server, stubs, engine processes)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def assert_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := process_group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {[_cmdline(p) for p in left]}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return str(pid)
+
+
+def require_alive(server: TritonServer) -> None:
+    """Stop the whole run, showing the server's last log lines, once the
+    server has died: every later test would only fail with 'connection refused'."""
+    code = server.process.poll()
+    if code is not None:
+        tail = "\n".join(server.options.log_file.read_text(errors="replace").splitlines()[-60:])
+        pytest.exit(f"tritonserver exited with code {code}; last log lines:\n{tail}", returncode=3)
+
+
+def metric_value(server: TritonServer, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        is_sample = line.startswith((name + "{", name + " "))
+        if is_sample and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def documented_metrics() -> dict[str, str]:
+    """name -> kind, from the table in docs/metrics.md."""
+    table = (PROJECT_ROOT / "docs" / "metrics.md").read_text()
+    return dict(re.findall(r"^\| `(omni_\w+)` \| (counter|gauge|histogram) \|", table, flags=re.M))
+
+
+def text_to_image(url: str, protocol: str, prompt: str, negative: str = "", **options) -> np.ndarray:
+    """One image from the ``text_to_image`` ensemble."""
+    module = grpcclient if protocol == "grpc" else httpclient
+    inputs = batched_inputs(module, text_input=prompt, negative_prompt=negative, **options)
+    with module.InferenceServerClient(url) as client:
+        return client.infer("text_to_image", inputs).as_numpy("image")[0]

@@ -1,0 +1,79 @@
+"""Copies of model repositories with configs changed: the one config editor.
+
+The tests' variants (``ar_transformers``, a small-budget ``omni``), the bench
+presets, the stub-gap diagnosis and the GPU smoke test all start from the
+configs in ``model_repository/`` and ``ensemble/`` and change a few fields.
+The configs are parsed as Triton's ``ModelConfig`` protobuf, changed as
+structured data and written back, so an edit can neither miss its target
+nor corrupt a neighbour.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+ParameterValue = str | dict[str, Any]
+
+
+def load_config(path: Path) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = None,
+                max_batch_size: int | None = None, max_queue_delay_us: int | None = None,
+                instance_group: list[dict[str, Any]] | None = None) -> None:
+    """Change ``path`` in place.
+
+    ``parameters``: a string sets the model parameter; a dict is merged into
+    the JSON object the parameter holds (``{"limits": {"max_size": 1024}}``).
+    ``instance_group``: Triton's JSON form, e.g. ``[{"kind": "KIND_GPU", "count": 2, "gpus": [0]}]``.
+    """
+    config = load_config(path)
+    for key, value in (parameters or {}).items():
+        if isinstance(value, dict):
+            current = config.parameters[key].string_value
+            value = json.dumps((json.loads(current) if current.strip() else {}) | value)
+        config.parameters[key].string_value = value
+    if max_batch_size is not None:
+        config.max_batch_size = max_batch_size
+    if max_queue_delay_us is not None:
+        config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    if instance_group is not None:
+        del config.instance_group[:]
+        for group in instance_group:
+            json_format.ParseDict(group, config.instance_group.add())
+    path.write_text(text_format.MessageToString(config))
+
+
+def copy_model(source_repository: Path, model: str, dest_repository: Path, name: str | None = None,
+               **edits: Any) -> Path:
+    """``model`` copied into ``dest_repository`` (as ``name``), its config edited; the config's
+    ``name`` field, when set, follows the new name."""
+    target = dest_repository / (name or model)
+    shutil.copytree(source_repository / model, target)
+    if name and name != model:
+        config = load_config(target / "config.pbtxt")
+        if config.name:
+            config.name = name
+            (target / "config.pbtxt").write_text(text_format.MessageToString(config))
+    edit_config(target / "config.pbtxt", **edits)
+    return target
+
+
+def copy_repositories(sources: list[Path], dest: Path, edits: dict[str, dict[str, Any]]) -> list[Path]:
+    """Whole repositories copied under ``dest``, with ``edits[model]`` applied to each model named there."""
+    copies = []
+    for source in sources:
+        target = dest / source.name
+        shutil.copytree(source, target)
+        for model, changes in edits.items():
+            if (target / model / "config.pbtxt").exists():
+                edit_config(target / model / "config.pbtxt", **changes)
+        copies.append(target)
+    return copies
