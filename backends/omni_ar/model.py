@@ -8,7 +8,6 @@ return their last hidden states.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -19,7 +18,6 @@ import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before 
 import triton_python_backend_utils as pb_utils
 from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
-from triton_omni.errors import RequestCancelledError
 from triton_omni.triton import ar_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
@@ -75,27 +73,17 @@ class TritonPythonModel:
         task at once, wherever it waits (a long prefill included); the engine
         aborts the request and the client gets CANCELLED."""
         request_id = uuid.uuid4().hex
-        self.metrics.in_flight.increment(1)
-        task, loop = asyncio.current_task(), asyncio.get_running_loop()
-        self.responses.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel),
-                             cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key))
-        try:
-            def first_token() -> None:
-                self.metrics.time_to_first_token.observe(time.monotonic() - started)
 
+        def first_token() -> None:
+            self.metrics.time_to_first_token.observe(time.monotonic() - started)
+
+        async with self.responses.serving(sender, f"model '{self.model_name}'", self.metrics, started,
+                                          cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
+                                          on_cancel=lambda: self.runner.abort(request_id)):
             async for response in self.runner.generate(request, request_id, on_first_token=first_token):
                 self.metrics.generated_tokens.increment(sum(response.num_output_tokens))  # new since last response
                 self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                     final=response.final)
-            self.metrics.finished("success", started)
-        except asyncio.CancelledError:
-            await self.runner.abort(request_id)
-            self._fail(sender, RequestCancelledError(), started)
-        except Exception as exc:
-            self._fail(sender, exc, started)
-        finally:
-            self.responses.unwatch(sender)
-            self.metrics.in_flight.increment(-1)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
         self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)

@@ -9,7 +9,6 @@ cancellation cancels its task, which flags its downstream requests cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -19,7 +18,6 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 from triton_omni.aio import EventLoopThread
 from triton_omni.channel import Cancellations, ProgressListener
-from triton_omni.errors import RequestCancelledError
 from triton_omni.scheduler import (
     EmbedsBudget,
     EnhancedPrompt,
@@ -70,10 +68,7 @@ class TritonPythonModel:
         return None
 
     async def _serve(self, request: OmniRequest, sender, started: float) -> None:
-        self.metrics.in_flight.increment(1)
-        task, loop = asyncio.current_task(), asyncio.get_running_loop()
-        self.responses.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel))
-        try:
+        async with self.responses.serving(sender, f"model '{self.model_name}'", self.metrics, started):
             if request.stream:
                 async for event in self.scheduler.run(request):
                     self.responses.send(sender, _event_response(event))
@@ -81,14 +76,6 @@ class TritonPythonModel:
             else:
                 events = [event async for event in self.scheduler.run(request)]
                 self.responses.send(sender, _summary_response(events), final=True)
-            self.metrics.finished("success", started)
-        except asyncio.CancelledError:
-            self._fail(sender, RequestCancelledError(), started)
-        except Exception as exc:
-            self._fail(sender, exc, started)
-        finally:
-            self.responses.unwatch(sender)
-            self.metrics.in_flight.increment(-1)
 
     def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
         self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)

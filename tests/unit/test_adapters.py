@@ -101,3 +101,60 @@ def test_the_response_thread_sends_in_order_ends_final_and_stops_polling_after_i
     assert flags == fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert parse_status(final.error().message()) == ("INVALID_ARG", "invalid `n`: too large, got 9")
     assert sender.polls == polls  # no is_cancelled() after the final response (it crashed tritonserver)
+
+
+class InFlight:
+    def __init__(self):
+        self.value = 0
+
+    def increment(self, delta):
+        self.value += delta
+
+
+class ServingMetrics(FakeMetrics):
+    def __init__(self):
+        super().__init__()
+        self.in_flight = InFlight()
+
+
+def test_serving_ends_every_path_with_one_final_response():
+    import asyncio
+
+    thread = ResponseThread(poll_s=0.001)
+
+    async def serve(body, cancelled_elsewhere=None):
+        sender, metrics, aborted = FakeSender(), ServingMetrics(), []
+
+        async def on_cancel():
+            aborted.append(True)
+
+        async with thread.serving(sender, "model 'ar'", metrics, 0.0, cancelled_elsewhere, on_cancel):
+            await body(sender)
+        await asyncio.get_running_loop().run_in_executor(None, sender.done.wait, 5)
+        return sender, metrics, aborted
+
+    async def succeeds(sender):
+        thread.send(sender, "done", final=True)
+
+    async def fails(sender):
+        raise RuntimeError("engine crashed")
+
+    async def waits_forever(sender):
+        await asyncio.sleep(60)
+
+    async def scenario():
+        ok = await serve(succeeds)
+        failed = await serve(fails)
+        cancelled = await serve(waits_forever, cancelled_elsewhere=lambda: True)  # e.g. the scheduler's flag
+        return ok, failed, cancelled
+
+    (ok, failed, cancelled) = asyncio.run(scenario())
+    thread.stop()
+    assert ok[0].sent == [("done", fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)]
+    assert ok[1].finished_with == ["success"] and ok[1].in_flight.value == 0
+    assert parse_status(failed[0].sent[-1][0].error().message())[0] == "INTERNAL"
+    assert failed[1].finished_with == ["error"]
+    assert parse_status(cancelled[0].sent[-1][0].error().message())[0] == "CANCELLED"
+    assert cancelled[2] == [True] and cancelled[1].finished_with == ["cancelled"]
+    for sender, metrics, _ in (ok, failed, cancelled):
+        assert len(sender.sent) == 1 and metrics.in_flight.value == 0

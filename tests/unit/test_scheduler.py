@@ -9,6 +9,8 @@ import pytest
 from triton_omni.errors import RequestRejectedError, RequestValidationError
 from triton_omni.scheduler import BudgetConfig, EmbedsBudget, OmniRequest, SchedulerLimits
 
+from tests.support.fake_stages import FakeStages
+
 LIMITS = SchedulerLimits(max_images=4)
 
 
@@ -107,3 +109,60 @@ def test_budget_wait_policy_admits_when_memory_is_freed_and_times_out_otherwise(
                     pass
 
     run(scenario())
+
+
+# -- routing, on scripted stages ------------------------------------------------------------
+
+
+def scheduled(stages, **inputs):
+    from triton_omni.scheduler import BudgetConfig, EmbedsBudget, OmniScheduler
+
+    async def collect():
+        scheduler = OmniScheduler(stages, EmbedsBudget(BudgetConfig()))
+        return [event async for event in scheduler.run(OmniRequest.from_inputs(inputs, LIMITS))]
+
+    return asyncio.run(collect())
+
+
+def test_text_route_streams_the_ar_deltas_only():
+    from triton_omni.scheduler import TextDelta
+
+    stages = FakeStages()
+    events = scheduled(stages, text_input="x", modalities=["text"], parameters='{"max_tokens": "3"}')
+    assert [e.text for e in events] == list(stages.words)
+    assert all(isinstance(e, TextDelta) for e in events)
+    assert stages.calls == [("generate", ("x", {"max_tokens": "3"}))]
+
+
+def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_progress():
+    from triton_omni.scheduler import ImageResult, Progress
+
+    stages = FakeStages()
+    events = scheduled(stages, text_input="a fox", modalities=["image"], num_images=2, seed=7,
+                       negative_prompt="blurry")
+    images = sorted((e.index, e.image) for e in events if isinstance(e, ImageResult))
+    assert images == [(0, "image of a fox seed 7"), (1, "image of a fox seed 8")]
+    assert sorted(prompt for stage, prompt in stages.calls if stage == "encode") == ["a fox", "blurry"]
+    progress = [e for e in events if isinstance(e, Progress) and e.stage == "diffusion"]
+    assert sorted((e.image_index, e.step) for e in progress) == [(i, s) for i in (0, 1) for s in (1, 2, 3)]
+    assert not any(stage == "generate" for stage, _ in stages.calls)
+
+
+def test_hybrid_route_runs_both_branches_and_enhance_rewrites_first():
+    from triton_omni.scheduler import EnhancedPrompt, ImageResult, TextDelta
+
+    stages = FakeStages()
+    events = scheduled(stages, text_input="a fox", modalities=["text", "image"], enhance_prompt=True)
+    assert any(isinstance(e, TextDelta) for e in events) and any(isinstance(e, ImageResult) for e in events)
+    rewrite = [e for e in events if isinstance(e, EnhancedPrompt) and e.done]
+    assert rewrite and rewrite[0].text == "once upon a time"
+    assert ("encode", "once upon a time") in stages.calls  # the image uses the rewrite
+
+
+def test_a_failing_stage_fails_the_request_and_cancels_the_other_branch():
+    from triton_omni.errors import StageError
+
+    stages = FakeStages(fail={"diffuse": StageError("diffusion", "INVALID_ARG", "bad height")}, hang={"generate"})
+    with pytest.raises(StageError, match="bad height"):
+        scheduled(stages, text_input="a fox", modalities=["text", "image"])
+    assert stages.cancelled == ["generate"]

@@ -12,14 +12,17 @@ requests it is asked to watch.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import triton_python_backend_utils as pb_utils
 
+from triton_omni.errors import RequestCancelledError
 from triton_omni.triton.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,33 @@ class ResponseThread:
 
     def send(self, sender, response=None, final: bool = False) -> None:
         self._queue.put((sender, response, FINAL if final else 0))
+
+    @contextlib.asynccontextmanager
+    async def serving(self, sender, context: str, metrics, started: float,
+                      cancelled_elsewhere: Callable[[], bool] | None = None,
+                      on_cancel: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[None]:
+        """One decoupled request's life, for the coroutine that serves it.
+
+        The request counts as in flight; a cancellation (the client's, or
+        ``cancelled_elsewhere()``) cancels the serving task at once, wherever
+        it waits; ``on_cancel`` then stops the engine's work. Every path ends
+        with exactly one final response: the body's own on success, CANCELLED,
+        or the error of whatever the body raised."""
+        metrics.in_flight.increment(1)
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        self.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel), cancelled_elsewhere)
+        try:
+            yield
+            metrics.finished("success", started)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                await on_cancel()
+            self.fail(sender, RequestCancelledError(), context, metrics, started)
+        except Exception as exc:
+            self.fail(sender, exc, context, metrics, started)
+        finally:
+            self.unwatch(sender)
+            metrics.in_flight.increment(-1)
 
     def fail(self, sender, exc: BaseException, context: str, metrics, started: float | None = None) -> None:
         """End a request with the error response for ``exc`` (counted in ``metrics``)."""

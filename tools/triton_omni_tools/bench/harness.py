@@ -1,28 +1,10 @@
-"""``omni-triton bench``: each stage and pipeline, run directly through the
-runner library and through Triton, side by side in one run.
-
-For every workload and concurrency c:
-- direct: the runner library in this process; c requests at a time, as one
-  batch (diffusion, encoder) or c concurrent generations (AR). This is the
-  raw engine curve;
-- eager (diffusion on CUDA): the same direct run with the UNet's CUDA graphs
-  off, i.e. plain diffusers;
-- triton: c client processes in a closed loop against a server this command
-  starts, with the same models and configs.
-
-It prints a table (throughput, p50/p99 latency, Triton/direct throughput
-ratio), and writes JSON and a PNG plot. Presets:
-- ``tiny``: the demo models on CPU, a few minutes;
-- ``realistic``: random weights at real sizes on a GPU (an SD1.5-size UNet
-  and VAE at 512x512, 20 steps; a Qwen2.5-0.5B-size AR model). The direct
-  phase runs first and frees its models before the server starts, so the
-  two never share the GPU.
-"""
+"""The bench harness: the direct side (the runner library in this process),
+the Triton side (client processes against a server it starts), and the run
+that measures both and hands the points to the report."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import tempfile
 import time
@@ -34,38 +16,8 @@ from typing import Any
 
 import numpy as np
 
-PROMPT = "a lighthouse on a cliff at dusk, oil painting"
-
-
-@dataclass(frozen=True)
-class Preset:
-    ar_model: str
-    diffusion_model: str
-    size: int
-    steps: int
-    guidance: float
-    max_tokens: int
-    max_batch_size: int  # of diffusion and ar_encoder
-    requests_per_worker: int  # Triton side; the direct side runs the same number of requests
-    # Exact batching pads every diffusion call to max_batch_size (docs/models.md): free at full
-    # concurrency, up to max_batch_size times the work below it. `realistic` measures without it,
-    # as the raw diffusers curve does.
-    exact_batching: bool = True
-    # How long diffusion's batcher waits for a fuller batch. The default repository's 20 ms is
-    # short next to a 2 s batch: 16 closed-loop clients re-sending after a batch then miss it,
-    # and the batches split for good (15 + 1, ...). 100 ms is 5% of such a batch.
-    diffusion_queue_delay_us: int = 20_000
-    workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "text_to_image", "omni")
-    concurrency: tuple[int, ...] = (1, 4, 8, 16)
-
-
-PRESETS = {
-    "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
-                   max_batch_size=8, requests_per_worker=2),
-    "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
-                        max_tokens=32, max_batch_size=16, requests_per_worker=2, exact_batching=False,
-                        diffusion_queue_delay_us=100_000),
-}
+from triton_omni_tools.bench.presets import BATCH_SIZE_METRICS, PRESETS, PROMPT, WORKLOADS, Preset, models_for
+from triton_omni_tools.bench.report import device_name, plot, progress, table
 
 
 @dataclass
@@ -218,7 +170,9 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> 
         [result] = list(stream_infer(url, "omni", omni_inputs(grpcclient, values)))
         check(result, "image")
 
-    return locals()[workload]
+    calls = {"diffusion": diffusion, "ar_encoder": ar_encoder, "ar": ar, "text_to_image": text_to_image,
+             "omni": omni}
+    return calls[workload]
 
 
 def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int,
@@ -257,16 +211,12 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     return point
 
 
-def _batching_model(workload: str) -> str:
-    return "ar_encoder" if workload == "ar_encoder" else "ar" if workload == "ar" else "diffusion"
-
-
 def _server_stats(url: str, workload: str) -> dict[str, float]:
     """Triton's own cumulative statistics of the stage a workload batches on."""
     import tritonclient.grpc as grpcclient
 
     with grpcclient.InferenceServerClient(url) as client:
-        stats = client.get_inference_statistics(_batching_model(workload), as_json=True)["model_stats"][0]
+        stats = client.get_inference_statistics(WORKLOADS[workload].batches_on, as_json=True)["model_stats"][0]
     inference = stats["inference_stats"]
     values = {name: float(inference[name].get("ns", 0)) for name in
               ("queue", "compute_input", "compute_infer", "compute_output")}
@@ -308,8 +258,10 @@ def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
     import re
     import urllib.request
 
-    family, model = ("omni_ar_batch_size", "ar_encoder") if workload == "ar_encoder" else \
-        ("omni_diffusion_batch_size", "diffusion")
+    model = WORKLOADS[workload].batches_on
+    family = BATCH_SIZE_METRICS.get(model)
+    if family is None:  # a decoupled model: no executed batches to count
+        return 0.0, 0.0
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     values = []
     for suffix in ("sum", "count"):
@@ -321,20 +273,6 @@ def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
 def _mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float | None:
     count = after[1] - before[1]
     return (after[0] - before[0]) / count if count else None
-
-
-MODELS = {
-    "diffusion": ["diffusion"],
-    "ar_encoder": ["ar_encoder"],
-    "ar": ["ar"],
-    "text_to_image": ["ar_encoder", "diffusion", "text_to_image"],
-    "omni": ["ar", "ar_encoder", "diffusion", "omni"],
-}
-
-
-def models_for(workloads: tuple[str, ...]) -> list[str]:
-    """Only the models the workloads use are loaded (each holds GPU memory and a process)."""
-    return sorted({model for workload in workloads for model in MODELS[workload]})
 
 
 def bench_repository(preset: Preset, dest: Path) -> list[Path]:
@@ -376,7 +314,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     def record(point: Point) -> None:
         """Keep every point on disk as it comes: a run cut short still leaves its figures."""
         points.append(point)
-        _progress(point)
+        progress(point)
         (out_dir / "points.json").write_text(json.dumps([p.summary() for p in points], indent=2))
 
     print(f"== direct ({device})", flush=True)
@@ -402,104 +340,10 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
 
     rows = table(points)
     (out_dir / "bench.json").write_text(json.dumps(
-        {"preset": asdict(preset), "device": _device_name(), "rows": rows,
+        {"preset": asdict(preset), "device": device_name(), "rows": rows,
          "points": [p.summary() for p in points]}, indent=2))
-    plot(rows, out_dir / "bench.png", f"omni-triton bench --preset {preset_name} ({_device_name()})")
+    plot(rows, out_dir / "bench.png", f"omni-triton bench --preset {preset_name} ({device_name()})")
     print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
     return rows
 
-
-def _progress(point: Point) -> None:
-    s = point.summary()
-    batch = f"  mean batch {s['mean_batch']:.1f}" if s["mean_batch"] else ""
-    if s["server"]:
-        server = s["server"]
-        batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
-    print(f"  {s['workload']:<14} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}/s  "
-          f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
-
-
-def table(points: list[Point]) -> list[dict]:
-    by_key = {(p.workload, p.concurrency, p.side): p.summary() for p in points}
-    rows = []
-    header = (f"{'workload':<14}{'conc':>5}{'direct/s':>10}{'triton/s':>10}{'ratio':>7}"
-              f"{'direct p50':>12}{'triton p50':>12}{'direct p99':>12}{'triton p99':>12}")
-    print("\n" + header + "\n" + "-" * len(header))
-    for (workload, c, side), d in by_key.items():
-        t = by_key.get((workload, c, "triton"))
-        if side != "direct" or t is None:
-            continue
-        row = {"workload": workload, "concurrency": c, "direct_per_s": d["throughput_per_s"],
-               "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
-               "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
-               "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
-        eager = by_key.get((workload, c, "eager"))
-        if eager is not None:
-            row |= {"eager_per_s": eager["throughput_per_s"],
-                    "ratio_to_eager": t["throughput_per_s"] / eager["throughput_per_s"]}
-        rows.append(row)
-        print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
-              f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
-              f"{row['triton_p99_ms']:>12.1f}")
-    eager_rows = [r for r in rows if "eager_per_s" in r]
-    if eager_rows:
-        print("\ndiffusion against the eager (raw diffusers) curve, measured in the same run:")
-        for r in eager_rows:
-            print(f"  c={r['concurrency']:<3} eager {r['eager_per_s']:.2f}/s  direct (CUDA graphs) "
-                  f"{r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
-                  f"triton/eager {r['ratio_to_eager']:.2f}")
-    return rows
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Throughput against concurrency, one panel per workload: direct dashed, Triton solid (PIL only)."""
-    from PIL import Image, ImageDraw
-
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    panel_w, panel_h, margin = 360, 260, 50
-    image = Image.new("RGB", (panel_w * len(workloads), panel_h + 40), "white")
-    draw = ImageDraw.Draw(image)
-    draw.text((10, 8), title, fill="black")
-    for k, workload in enumerate(workloads):
-        data = [r for r in rows if r["workload"] == workload]
-        x0, y0 = k * panel_w + margin, 40 + 20
-        w, h = panel_w - margin - 20, panel_h - 60
-        top = max(max(r["direct_per_s"], r["triton_per_s"], r.get("eager_per_s", 0)) for r in data) * 1.1
-        concurrencies = [r["concurrency"] for r in data]
-
-        def xy(i: int, value: float) -> tuple[float, float]:
-            return (x0 + w * i / max(1, len(data) - 1), y0 + h - h * value / top)  # noqa: B023
-
-        draw.rectangle([x0, y0, x0 + w, y0 + h], outline="gray")
-        draw.text((x0, y0 - 16), f"{workload} (per s)", fill="black")
-        draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
-        for i, c in enumerate(concurrencies):
-            draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")
-        for key, colour, dashed in (("eager_per_s", "#3b6fd4", True), ("direct_per_s", "gray", True),
-                                    ("triton_per_s", "#76b900", False)):
-            if any(key not in r for r in data):
-                continue
-            points = [xy(i, r[key]) for i, r in enumerate(data)]
-            for a, b in itertools.pairwise(points):
-                if dashed:
-                    for t in np.linspace(0, 1, 12)[::2]:
-                        s = min(1, t + 1 / 11)
-                        draw.line([(a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t),
-                                   (a[0] + (b[0] - a[0]) * s, a[1] + (b[1] - a[1]) * s)], fill=colour, width=2)
-                else:
-                    draw.line([a, b], fill=colour, width=3)
-            for p in points:
-                draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
-        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct (blue: eager), green: Triton", fill="gray")
-    image.save(path)
-
-
-def _device_name() -> str:
-    import platform
-
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores"
 

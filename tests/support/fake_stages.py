@@ -1,0 +1,58 @@
+"""Scripted stages for unit tests of the ``omni`` scheduler (the ``Stages``
+protocol without Triton): each call is recorded, text comes in fixed
+deltas, diffusion reports every step, and any stage can be made to fail or
+to hang until cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from triton_omni.scheduler import TextDelta
+
+
+@dataclass
+class FakeEmbeds:
+    prompt: str
+    nbytes: int = 1000
+
+
+@dataclass
+class FakeStages:
+    words: tuple[str, ...] = ("once ", "upon ", "a time")
+    steps: int = 3
+    fail: dict[str, Exception] = field(default_factory=dict)  # stage -> what it raises
+    hang: set[str] = field(default_factory=set)  # stages that wait until cancelled
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    async def _enter(self, stage: str, argument: Any) -> None:
+        self.calls.append((stage, argument))
+        if stage in self.fail:
+            raise self.fail[stage]
+        if stage in self.hang:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.append(stage)
+                raise
+
+    async def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]:
+        await self._enter("generate", (prompt, options))
+        for i, word in enumerate(self.words):
+            await asyncio.sleep(0)
+            yield TextDelta(word, "length" if i == len(self.words) - 1 else None)
+
+    async def encode(self, prompt: str) -> FakeEmbeds:
+        await self._enter("encode", prompt)
+        return FakeEmbeds(prompt)
+
+    async def diffuse(self, embeds: FakeEmbeds, negative: FakeEmbeds | None, options: dict[str, Any],
+                      on_step: Callable[[int, int], None]) -> str:
+        await self._enter("diffuse", (embeds.prompt, negative and negative.prompt, options))
+        for step in range(1, self.steps + 1):
+            await asyncio.sleep(0)
+            on_step(step, self.steps)
+        return f"image of {embeds.prompt} seed {options.get('seed')}"

@@ -1,0 +1,60 @@
+"""The bench's presets and workloads: what is measured, written once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+
+
+@dataclass(frozen=True)
+class Preset:
+    ar_model: str
+    diffusion_model: str
+    size: int
+    steps: int
+    guidance: float
+    max_tokens: int
+    max_batch_size: int  # of diffusion and ar_encoder
+    requests_per_worker: int  # Triton side; the direct side runs the same number of requests
+    # Exact batching pads every diffusion call to max_batch_size (docs/models.md): free at full
+    # concurrency, up to max_batch_size times the work below it. `realistic` measures without it,
+    # as the raw diffusers curve does.
+    exact_batching: bool = True
+    # How long diffusion's batcher waits for a fuller batch. The default repository's 20 ms is
+    # short next to a 2 s batch: 16 closed-loop clients re-sending after a batch then miss it,
+    # and the batches split for good (15 + 1, ...). 100 ms is 5% of such a batch.
+    diffusion_queue_delay_us: int = 20_000
+    workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "text_to_image", "omni")
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)
+
+
+PRESETS = {
+    "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
+                   max_batch_size=8, requests_per_worker=2),
+    "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
+                        max_tokens=32, max_batch_size=16, requests_per_worker=2, exact_batching=False,
+                        diffusion_queue_delay_us=100_000),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    models: tuple[str, ...]  # what the server loads for it
+    batches_on: str  # the model whose batching and statistics the bench reports
+
+
+WORKLOADS = {
+    "diffusion": Workload(("diffusion",), "diffusion"),
+    "ar_encoder": Workload(("ar_encoder",), "ar_encoder"),
+    "ar": Workload(("ar",), "ar"),
+    "text_to_image": Workload(("ar_encoder", "diffusion", "text_to_image"), "diffusion"),
+    "omni": Workload(("ar", "ar_encoder", "diffusion", "omni"), "diffusion"),
+}
+# The executed-batch-size histogram of each batched model.
+BATCH_SIZE_METRICS = {"ar_encoder": "omni_ar_batch_size", "diffusion": "omni_diffusion_batch_size"}
+
+
+def models_for(workloads: tuple[str, ...]) -> list[str]:
+    """Only the models the workloads use are loaded (each holds GPU memory and a process)."""
+    return sorted({model for workload in workloads for model in WORKLOADS[workload].models})

@@ -1,0 +1,104 @@
+"""The bench report: progress lines, the side-by-side table with ratios, the plot."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+
+def progress(point) -> None:
+    s = point.summary()
+    batch = f"  mean batch {s['mean_batch']:.1f}" if s["mean_batch"] else ""
+    if s["server"]:
+        server = s["server"]
+        batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
+    print(f"  {s['workload']:<14} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}/s  "
+          f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
+
+
+def table(points: list) -> list[dict]:
+    by_key = {(p.workload, p.concurrency, p.side): p.summary() for p in points}
+    rows = []
+    header = (f"{'workload':<14}{'conc':>5}{'direct/s':>10}{'triton/s':>10}{'ratio':>7}"
+              f"{'direct p50':>12}{'triton p50':>12}{'direct p99':>12}{'triton p99':>12}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for (workload, c, side), d in by_key.items():
+        t = by_key.get((workload, c, "triton"))
+        if side != "direct" or t is None:
+            continue
+        row = {"workload": workload, "concurrency": c, "direct_per_s": d["throughput_per_s"],
+               "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
+               "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
+               "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
+        eager = by_key.get((workload, c, "eager"))
+        if eager is not None:
+            row |= {"eager_per_s": eager["throughput_per_s"],
+                    "ratio_to_eager": t["throughput_per_s"] / eager["throughput_per_s"]}
+        rows.append(row)
+        print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
+              f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
+              f"{row['triton_p99_ms']:>12.1f}")
+    eager_rows = [r for r in rows if "eager_per_s" in r]
+    if eager_rows:
+        print("\ndiffusion against the eager (raw diffusers) curve, measured in the same run:")
+        for r in eager_rows:
+            print(f"  c={r['concurrency']:<3} eager {r['eager_per_s']:.2f}/s  direct (CUDA graphs) "
+                  f"{r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
+                  f"triton/eager {r['ratio_to_eager']:.2f}")
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Throughput against concurrency, one panel per workload: direct dashed, Triton solid (PIL only)."""
+    from PIL import Image, ImageDraw
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    panel_w, panel_h, margin = 360, 260, 50
+    image = Image.new("RGB", (panel_w * len(workloads), panel_h + 40), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 8), title, fill="black")
+    for k, workload in enumerate(workloads):
+        data = [r for r in rows if r["workload"] == workload]
+        x0, y0 = k * panel_w + margin, 40 + 20
+        w, h = panel_w - margin - 20, panel_h - 60
+        top = max(max(r["direct_per_s"], r["triton_per_s"], r.get("eager_per_s", 0)) for r in data) * 1.1
+        concurrencies = [r["concurrency"] for r in data]
+
+        def xy(i: int, value: float) -> tuple[float, float]:
+            return (x0 + w * i / max(1, len(data) - 1), y0 + h - h * value / top)  # noqa: B023
+
+        draw.rectangle([x0, y0, x0 + w, y0 + h], outline="gray")
+        draw.text((x0, y0 - 16), f"{workload} (per s)", fill="black")
+        draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
+        for i, c in enumerate(concurrencies):
+            draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")
+        for key, colour, dashed in (("eager_per_s", "#3b6fd4", True), ("direct_per_s", "gray", True),
+                                    ("triton_per_s", "#76b900", False)):
+            if any(key not in r for r in data):
+                continue
+            points = [xy(i, r[key]) for i, r in enumerate(data)]
+            for a, b in itertools.pairwise(points):
+                if dashed:
+                    for t in np.linspace(0, 1, 12)[::2]:
+                        s = min(1, t + 1 / 11)
+                        draw.line([(a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t),
+                                   (a[0] + (b[0] - a[0]) * s, a[1] + (b[1] - a[1]) * s)], fill=colour, width=2)
+                else:
+                    draw.line([a, b], fill=colour, width=3)
+            for p in points:
+                draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
+        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct (blue: eager), green: Triton", fill="gray")
+    image.save(path)
+
+
+def device_name() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.machine()}, {__import__('os').cpu_count()} cores"
+
