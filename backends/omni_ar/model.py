@@ -24,8 +24,8 @@ from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics
 from triton_omni.triton.params import channel_ids, client_parameters
 from triton_omni.triton.responses import ResponseThread
-from triton_omni.triton.tensors import numeric_tensor, read_inputs
-from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS
+from triton_omni.triton.tensors import Outputs, read_inputs
+from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, ar_encode_outputs
 
 logger = logging.getLogger("omni_ar")
 
@@ -37,11 +37,13 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_name = args["model_name"]
+        self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
         self.config = ar_io.runner_config(model_config, args)
         self.runner = ArRunner(self.config)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode")
         self.responses = ResponseThread()
+        self.encode_outputs = Outputs(ar_encode_outputs(self.config.embeds_dtype))
         self.cancellations = Cancellations()
 
     def execute(self, requests):
@@ -61,7 +63,7 @@ class TritonPythonModel:
                                                  client_parameters(request))
             self.runner.check(parsed)
         except Exception as exc:
-            self._fail(sender, exc, started)
+            self.responses.fail(sender, exc, self.context, self.metrics, started)
             return
         key, _ = channel_ids(request)
         self.runner.loop.submit(self._generate(parsed, sender, key, started))
@@ -77,7 +79,7 @@ class TritonPythonModel:
         def first_token() -> None:
             self.metrics.time_to_first_token.observe(time.monotonic() - started)
 
-        async with self.responses.serving(sender, f"model '{self.model_name}'", self.metrics, started,
+        async with self.responses.serving(sender, self.context, self.metrics, started,
                                           cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
                                           on_cancel=lambda: self.runner.abort(request_id)):
             async for response in self.runner.generate(request, request_id, on_first_token=first_token):
@@ -85,8 +87,6 @@ class TritonPythonModel:
                 self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                     final=response.final)
 
-    def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
-        self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)
 
     # -- encode (batched) -----------------------------------------------------
 
@@ -104,13 +104,13 @@ class TritonPythonModel:
 
     def _encode_response(self, result, started: float):
         if isinstance(result, Exception):
-            return error_response(result, f"model '{self.model_name}'", self.metrics, started)
+            return error_response(result, self.context, self.metrics, started)
         self.metrics.finished("success", started)
         hidden = result.hidden_states
         mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
         return pb_utils.InferenceResponse(output_tensors=[
-            numeric_tensor("prompt_embeds", hidden, batched=True),
-            numeric_tensor("prompt_embeds_mask", mask, batched=True),
+            self.encode_outputs.tensor("prompt_embeds", hidden, batched=True),
+            self.encode_outputs.tensor("prompt_embeds_mask", mask, batched=True),
         ])
 
     def finalize(self):

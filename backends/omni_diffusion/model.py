@@ -22,10 +22,11 @@ from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import COUNTER, StageMetrics, family
 from triton_omni.triton.params import channel_ids
-from triton_omni.triton.tensors import numeric_tensor, read_inputs
-from triton_omni_protocol import diffusion_inputs
+from triton_omni.triton.tensors import Outputs, read_inputs
+from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 logger = logging.getLogger(__name__)
+OUTPUTS = Outputs(diffusion_outputs())
 
 
 class TritonPythonModel:
@@ -78,7 +79,7 @@ class TritonPythonModel:
         if isinstance(result, Exception):
             return error_response(result, f"model '{self.model_name}'", self.metrics, started)
         self.metrics.finished("success", started)
-        return pb_utils.InferenceResponse(output_tensors=[numeric_tensor("image", result, batched=True)])
+        return pb_utils.InferenceResponse(output_tensors=[OUTPUTS.tensor("image", result, batched=True)])
 
     def finalize(self):
         self.progress.close()

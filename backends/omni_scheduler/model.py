@@ -15,7 +15,6 @@ import time
 import torch
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
 import triton_python_backend_utils as pb_utils
-from torch.utils.dlpack import to_dlpack
 from triton_omni.aio import EventLoopThread
 from triton_omni.channel import Cancellations, ProgressListener
 from triton_omni.scheduler import (
@@ -31,8 +30,10 @@ from triton_omni.triton import omni_io
 from triton_omni.triton.metrics import GAUGE, StageMetrics, family
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
-from triton_omni.triton.tensors import numeric_tensor, read_inputs, string_tensor
-from triton_omni_protocol import OMNI_INPUTS
+from triton_omni.triton.tensors import Outputs, read_inputs
+from triton_omni_protocol import OMNI_INPUTS, OMNI_OUTPUTS
+
+OUTPUTS = Outputs(OMNI_OUTPUTS)
 
 
 class TritonPythonModel:
@@ -42,6 +43,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_name = args["model_name"]
+        self.context = f"model '{self.model_name}'"  # in error messages and logs
         settings = omni_io.settings(json.loads(args["model_config"]))
         self.limits = settings.limits
         self.metrics = StageMetrics("scheduler", self.model_name, args["model_version"])
@@ -62,13 +64,13 @@ class TritonPythonModel:
             try:
                 parsed = OmniRequest.from_inputs(read_inputs(request, OMNI_INPUTS), self.limits)
             except Exception as exc:
-                self._fail(sender, exc)
+                self.responses.fail(sender, exc, self.context, self.metrics)
                 continue
             self.loop.submit(self._serve(parsed, sender, time.monotonic()))
         return None
 
     async def _serve(self, request: OmniRequest, sender, started: float) -> None:
-        async with self.responses.serving(sender, f"model '{self.model_name}'", self.metrics, started):
+        async with self.responses.serving(sender, self.context, self.metrics, started):
             if request.stream:
                 async for event in self.scheduler.run(request):
                     self.responses.send(sender, _event_response(event))
@@ -77,8 +79,6 @@ class TritonPythonModel:
                 events = [event async for event in self.scheduler.run(request)]
                 self.responses.send(sender, _summary_response(events), final=True)
 
-    def _fail(self, sender, exc: Exception, started: float | None = None) -> None:
-        self.responses.fail(sender, exc, f"model '{self.model_name}'", self.metrics, started)
 
     def finalize(self):
         self.progress.close()
@@ -95,15 +95,15 @@ async def _in_loop(make):
 def _event_response(event) -> pb_utils.InferenceResponse:
     outputs = []
     if isinstance(event, TextDelta):
-        outputs.append(string_tensor("text_output", event.text))
+        outputs.append(OUTPUTS.tensor("text_output", event.text))
         if event.finish_reason is not None:
-            outputs.append(string_tensor("finish_reason", event.finish_reason))
+            outputs.append(OUTPUTS.tensor("finish_reason", event.finish_reason))
     elif isinstance(event, EnhancedPrompt):
-        outputs.append(string_tensor("enhanced_prompt" if event.done else "enhanced_prompt_delta", event.text))
+        outputs.append(OUTPUTS.tensor("enhanced_prompt" if event.done else "enhanced_prompt_delta", event.text))
     elif isinstance(event, Progress):
-        outputs += [string_tensor("stage", event.stage), numeric_tensor("step", event.step, torch.int32),
-                    numeric_tensor("total_steps", event.total, torch.int32),
-                    numeric_tensor("image_index", event.image_index, torch.int32)]
+        outputs += [OUTPUTS.tensor("stage", event.stage), OUTPUTS.tensor("step", event.step),
+                    OUTPUTS.tensor("total_steps", event.total),
+                    OUTPUTS.tensor("image_index", event.image_index)]
     elif isinstance(event, ImageResult):
         outputs += _image_outputs(torch.from_dlpack(event.image.to_dlpack()), [event.index])
     return pb_utils.InferenceResponse(output_tensors=outputs)
@@ -116,12 +116,12 @@ def _summary_response(events: list) -> pb_utils.InferenceResponse:
     images = sorted((e for e in events if isinstance(e, ImageResult)), key=lambda e: e.index)
     outputs = []
     if texts:
-        outputs.append(string_tensor("text_output", "".join(e.text for e in texts)))
+        outputs.append(OUTPUTS.tensor("text_output", "".join(e.text for e in texts)))
         finish = next((e.finish_reason for e in reversed(texts) if e.finish_reason), None)
         if finish:
-            outputs.append(string_tensor("finish_reason", finish))
+            outputs.append(OUTPUTS.tensor("finish_reason", finish))
     if enhanced:
-        outputs.append(string_tensor("enhanced_prompt", enhanced[-1].text))
+        outputs.append(OUTPUTS.tensor("enhanced_prompt", enhanced[-1].text))
     if images:
         stacked = torch.cat([torch.from_dlpack(e.image.to_dlpack()) for e in images])
         outputs += _image_outputs(stacked, [e.index for e in images])
@@ -130,6 +130,5 @@ def _summary_response(events: list) -> pb_utils.InferenceResponse:
 
 def _image_outputs(images: torch.Tensor, indices: list[int]) -> list:
     """``image`` [N, H, W, 3] (through DLPack, no copy), its indices and its shape."""
-    return [pb_utils.Tensor.from_dlpack("image", to_dlpack(images.contiguous())),
-            numeric_tensor("image_index", torch.tensor(indices, dtype=torch.int32)),
-            numeric_tensor("image_shape", torch.tensor(list(images.shape), dtype=torch.int32))]
+    return [OUTPUTS.tensor("image", images), OUTPUTS.tensor("image_index", indices),
+            OUTPUTS.tensor("image_shape", list(images.shape))]

@@ -6,7 +6,8 @@ Qwen2 whose shape vLLM's CPU attention backend accepts (head_dim 64).
 
 Model configs refer to these models as ``demo:<name>``; ``resolve_model``
 turns that into a folder under the cache (``$TRITON_OMNI_CACHE``, default
-``<repo>/.cache``). Anything else is passed through as a local path or hub id.
+``~/.cache/triton-omni``; the tools set it to a source checkout's ``.cache``).
+Anything else is passed through as a local path or hub id.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ Once upon a time there was a lighthouse by the sea, and a keeper who sang.
 
 
 def cache_dir() -> Path:
-    default = Path(__file__).resolve().parents[2] / ".cache"
+    default = Path.home() / ".cache" / "triton-omni"
     return Path(os.environ.get("TRITON_OMNI_CACHE", default)).resolve()
 
 

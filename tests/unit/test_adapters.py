@@ -158,3 +158,19 @@ def test_serving_ends_every_path_with_one_final_response():
     assert cancelled[2] == [True] and cancelled[1].finished_with == ["cancelled"]
     for sender, metrics, _ in (ok, failed, cancelled):
         assert len(sender.sent) == 1 and metrics.in_flight.value == 0
+
+
+def test_outputs_are_named_and_typed_by_the_protocol():
+    import torch
+    from triton_omni.triton.tensors import Outputs
+    from triton_omni_protocol import AR_GENERATE_OUTPUTS, OMNI_OUTPUTS
+
+    ar = Outputs(AR_GENERATE_OUTPUTS)
+    assert ar.tensor("num_output_tokens", [3, 4]).as_numpy().dtype.name == "uint32"
+    assert ar.tensor("cumulative_logprob", [-1.5]).as_numpy().dtype.name == "float32"
+    assert ar.tensor("text_output", ["a", "b"]).as_numpy().tolist() == [b"a", b"b"]
+    omni = Outputs(OMNI_OUTPUTS)
+    assert omni.tensor("image", torch.zeros(1, 2, 2, 3, dtype=torch.uint8)).as_numpy().shape == (1, 2, 2, 3)
+    assert omni.tensor("step", 2).as_numpy().dtype.name == "int32"
+    with pytest.raises(KeyError):
+        ar.tensor("not_in_the_contract", "x")

@@ -112,3 +112,33 @@ def test_progress_reaches_the_subscriber_of_its_key_only(tmp_path):
         return got
 
     assert asyncio.run(scenario()) == [(1, 2), (2, 2)]
+
+
+# -- prompt embeddings ------------------------------------------------------------------------
+
+
+def test_prompt_embeds_checks_metadata_before_values():
+    import torch
+    from triton_omni.diffusion.request import DiffusionLimits, check_embeds
+
+    limits = DiffusionLimits(hidden_size=8, max_embeds_tokens=4, max_embeds_bytes=4 * 8 * 4)
+    good = torch.ones(3, 8)
+    assert check_embeds("prompt_embeds", good, limits).shape == (3, 8)
+    assert check_embeds("prompt_embeds", good[None], limits).shape == (3, 8)  # a batch dimension of 1
+    bad = {
+        "dtype": torch.ones(3, 8, dtype=torch.float64),
+        "2-D": torch.ones(2, 3, 8),
+        "hidden size": torch.ones(3, 7),
+        "token count": torch.ones(5, 8),
+        "finite": torch.tensor([[float("nan")] * 8]),
+    }
+    for reason, embeds in bad.items():
+        with pytest.raises(RequestValidationError, match=reason) as info:
+            check_embeds("prompt_embeds", embeds, limits)
+        assert info.value.parameter == "prompt_embeds"
+    with pytest.raises(RequestValidationError, match="token count"):
+        check_embeds("prompt_embeds", torch.ones(0, 8), limits)  # zero tokens: only a negative side may say "none"
+    with pytest.raises(RequestValidationError, match="larger than"):
+        check_embeds("prompt_embeds", torch.ones(4, 8), DiffusionLimits(hidden_size=8, max_embeds_bytes=64))
+    with pytest.raises(RequestValidationError, match="must be a tensor"):
+        check_embeds("prompt_embeds", [[1.0] * 8], limits)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 
-import torch
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS, ar_encode_outputs
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
 from triton_omni.triton.params import instance_device, json_parameter, model_parameters
-from triton_omni.triton.tensors import complete_config, numeric_tensor, string_tensor
+from triton_omni.triton.tensors import Outputs, complete_config
+
+GENERATE_OUTPUTS = Outputs(AR_GENERATE_OUTPUTS)
 
 
 def auto_complete(config):
@@ -53,19 +54,19 @@ def generate_response(response: ArResponse, wanted: ReturnOptions):
     """The tensors of one ``ar`` response: ``text_output`` always, the others
     when their ``return_*`` input asked for them (``finish_reason`` on the
     final response only)."""
-    outputs = [string_tensor("text_output", response.texts)]
+    outputs = [GENERATE_OUTPUTS.tensor("text_output", response.texts)]
     if wanted.finish_reason and response.finish_reasons is not None:
-        outputs.append(string_tensor("finish_reason", response.finish_reasons))
+        outputs.append(GENERATE_OUTPUTS.tensor("finish_reason", response.finish_reasons))
     if wanted.cumulative_logprob:
         values = [math.nan if v is None else v for v in response.cumulative_logprobs]
-        outputs.append(numeric_tensor("cumulative_logprob", torch.tensor(values, dtype=torch.float32)))
+        outputs.append(GENERATE_OUTPUTS.tensor("cumulative_logprob", values))
     if wanted.logprobs:
-        outputs.append(string_tensor("logprobs", [json.dumps(_logprobs_json(lp)) for lp in response.logprobs]))
+        texts = [json.dumps(_logprobs_json(positions)) for positions in response.logprobs]
+        outputs.append(GENERATE_OUTPUTS.tensor("logprobs", texts))
     if wanted.num_input_tokens:
-        outputs.append(numeric_tensor("num_input_tokens", response.num_input_tokens, torch.uint32))
+        outputs.append(GENERATE_OUTPUTS.tensor("num_input_tokens", response.num_input_tokens))
     if wanted.num_output_tokens:
-        outputs.append(numeric_tensor("num_output_tokens", torch.tensor(response.num_output_tokens,
-                                                                        dtype=torch.uint32)))
+        outputs.append(GENERATE_OUTPUTS.tensor("num_output_tokens", response.num_output_tokens))
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 

@@ -82,3 +82,25 @@ def numeric_tensor(name: str, value: torch.Tensor | int | float, dtype: torch.dt
     if batched:
         tensor = tensor.unsqueeze(0)
     return pb_utils.Tensor.from_dlpack(name, to_dlpack(tensor.contiguous()))
+
+
+TORCH_TYPES = {"TYPE_BOOL": torch.bool, "TYPE_UINT8": torch.uint8, "TYPE_INT32": torch.int32,
+               "TYPE_INT64": torch.int64, "TYPE_UINT32": torch.uint32, "TYPE_FP16": torch.float16,
+               "TYPE_FP32": torch.float32, "TYPE_BF16": torch.bfloat16}
+
+
+class Outputs:
+    """The output tensors of one model, named and typed by its table in the
+    protocol: a name outside the table is a ``KeyError``, and every value
+    leaves in its declared type."""
+
+    def __init__(self, specs: list[TensorSpec]):
+        self.specs = {spec.name: spec for spec in specs}
+
+    def tensor(self, name: str, value: Any, batched: bool = False):
+        spec = self.specs[name]
+        if spec.data_type == "TYPE_STRING":
+            return string_tensor(name, value, batched)
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value if isinstance(value, list) else [value])
+        return numeric_tensor(name, value, TORCH_TYPES[spec.data_type], batched)
