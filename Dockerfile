@@ -25,4 +25,4 @@ ENV TRITON_OMNI_CACHE=/opt/triton-omni/.cache
 RUN omni-triton build-demo-models
 
 EXPOSE 8000 8001 8002
-CMD ["omni-triton", "serve", "--server", "system"]
+CMD ["omni-triton", "serve", "--server", "system", "--bind", "0.0.0.0"]

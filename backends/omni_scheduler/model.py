@@ -28,6 +28,7 @@ from triton_omni.scheduler import (
 )
 from triton_omni.triton import omni_io
 from triton_omni.triton.metrics import GAUGE, StageMetrics, family
+from triton_omni.triton.params import client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -62,7 +63,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = OmniRequest.from_inputs(read_inputs(request, OMNI_INPUTS), self.limits)
+                parsed = OmniRequest.from_inputs(read_inputs(request, OMNI_INPUTS), self.limits,
+                                                 client_parameters(request))
             except Exception as exc:
                 self.responses.fail(sender, exc, self.context, self.metrics)
                 continue

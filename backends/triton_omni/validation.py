@@ -43,6 +43,13 @@ def as_int(parameter: str, value: Any) -> int:
     return number
 
 
+def as_int32(parameter: str, value: Any) -> int:
+    """``as_int``, bounded to a signed 32-bit integer (the options that travel as INT32 tensors)."""
+    number = as_int(parameter, value)
+    require(-(2**31) <= number < 2**31, parameter, "must fit in a signed 32-bit integer", value)
+    return number
+
+
 def as_float(parameter: str, value: Any) -> float:
     """A finite number, or a string of one (``"0.1"``); NaN and infinities are rejected."""
     number = _from_string(value, float)

@@ -164,7 +164,8 @@ class OmniClient:
         values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,
                   "stream": stream, **options}
         if parameters:
-            values["parameters"] = json.dumps(parameters)
+            # Triton's HTTP /generate keeps the key `parameters` for request parameters
+            values["options" if self.protocol == "http" else "parameters"] = json.dumps(parameters)
         if self.protocol == "http":
             if stream:
                 raise ValueError("omni over HTTP is non-streaming (Triton's /generate); use gRPC to stream")

@@ -87,6 +87,8 @@ OMNI_INPUTS = [
     TensorSpec("stream", "TYPE_BOOL"),
     TensorSpec("num_images", "TYPE_INT32"),
     TensorSpec("parameters", "TYPE_STRING"),  # JSON: any option below, and the text options
+    # `parameters` under a name Triton's HTTP /generate does not reserve
+    TensorSpec("options", "TYPE_STRING"),
     # text options (as `ar` takes them)
     TensorSpec("max_tokens", "TYPE_INT32"),
     TensorSpec("temperature", "TYPE_FP32"),

@@ -233,3 +233,57 @@ def test_the_cli_streams_text_and_writes_the_image(server, tmp_path, capsys):
     assert Image.open(out).size == (64, 64)
 
 
+
+
+def test_omni_over_http_generate_takes_options_three_ways(http_url):
+    """The `options` input (`parameters` under a name Triton does not reserve), a `parameters`
+    object of request parameters, and top-level keys; unknown keys are refused by name."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(body):
+        request = urllib.request.Request(f"http://{http_url}/v2/models/omni/generate", data=json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)
+
+    base = {"text_input": "once upon a time", "modalities": ["text"], "stream": False}
+    for body in ({**base, "options": json.dumps({"max_tokens": "3", "presence_penalty": 0.5})},
+                 {**base, "parameters": {"max_tokens": 3, "presence_penalty": "0.5"}},
+                 {**base, "max_tokens": 3, "presence_penalty": 0.5}):
+        assert post(body)["finish_reason"] in ("length", "stop")
+    events = list(OmniClient(http_url, "http").generate("once", stream=False, parameters={"max_tokens": "2"}))
+    assert events[-1].finish_reason
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post({**base, "temprature": 0.5})
+    assert info.value.code == 400 and "temprature" in json.loads(info.value.read())["error"]
+
+
+def test_the_cli_draws_one_progress_bar_per_image_in_a_real_terminal(server, tmp_path):
+    """Run in tmux, as a user would; the screen shows one bar per image, not one per step."""
+    import shlex
+    import subprocess
+    import sys
+    import time
+    import uuid
+    from pathlib import Path
+
+    session = f"omni-{uuid.uuid4().hex[:8]}"
+    cli = Path(sys.executable).parent / "omni-triton"
+    command = (f"{cli} generate 'a quiet lake' --modalities text,image --url {server.grpc_url} "
+               f"--out {tmp_path / 'lake.png'} --steps 6 --max-tokens 8 --seed 1; echo CLI-DONE; sleep 60")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40",
+                    f"bash -c {shlex.quote(command)}"], check=True)
+    try:
+        screen = ""
+        deadline = time.monotonic() + 120
+        while "CLI-DONE" not in screen and time.monotonic() < deadline:
+            time.sleep(0.5)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True, check=True).stdout
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+    assert "CLI-DONE" in screen, screen
+    bars = [line for line in screen.splitlines() if "image 0" in line]
+    assert len(bars) == 1, screen
+    assert "6/6" in bars[0], screen

@@ -8,7 +8,16 @@ import os
 import sysconfig
 from pathlib import Path
 
-from triton_omni_tools.launcher import find_server, libpython_dir, server_env
+from triton_omni_tools.launcher import (
+    ADMIN_HEADER,
+    RESTRICTED_APIS,
+    ServerOptions,
+    TritonServer,
+    access_summary,
+    find_server,
+    libpython_dir,
+    server_env,
+)
 
 
 def test_libpython_dir_links_only_libpython():
@@ -28,3 +37,23 @@ def test_stub_library_path_leaves_out_libdir():
     added = [p for p in server_env(find_server("embedded"))["LD_LIBRARY_PATH"].split(os.pathsep) if p not in inherited]
     assert str(libpython_dir()) in added
     assert sysconfig.get_config_var("LIBDIR") not in added
+
+
+def test_restricted_by_default_on_loopback_and_said_at_startup(monkeypatch):
+    monkeypatch.delenv("TRITON_OMNI_ADMIN_KEY", raising=False)
+    options = ServerOptions()
+    server = TritonServer(options)
+    command = server.command(find_server("embedded"), Path("/backends"))
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert f"{flag}=127.0.0.1" in command
+    restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={server.admin_key}"
+    assert f"--http-restricted-api={restricted}" in command
+    assert f"--grpc-restricted-protocol={restricted}" in command
+    assert len(server.admin_key) == 32 and server.admin_key != TritonServer(options).admin_key  # random: closed
+    summary = access_summary(options)
+    assert "bound to 127.0.0.1 (loopback only" in summary and "closed" in summary
+    assert all(api in summary for api in RESTRICTED_APIS)
+
+    monkeypatch.setenv("TRITON_OMNI_ADMIN_KEY", "s3cret")
+    assert TritonServer(ServerOptions(bind="0.0.0.0")).admin_key == "s3cret"
+    assert "loopback" not in access_summary(ServerOptions(bind="0.0.0.0"))

@@ -55,10 +55,28 @@ def test_several_images_get_consecutive_seeds():
     ({"text_input": "x", "parameters": '{"n": 2}'}, "n"),
     ({"text_input": "x", "parameters": '{"logprobs": 1}'}, "logprobs"),
     ({"text_input": "x", "parameters": '{"num_inference_steps": 4294967297.5}'}, "num_inference_steps"),
+    ({"text_input": "x", "parameters": '{"num_inference_steps": 4294967297}'}, "num_inference_steps"),
+    ({"text_input": "x", "parameters": '{"height": 4294967328}'}, "height"),
+    ({"text_input": "x", "parameters": '{"seed": 9223372036854775808}'}, "seed"),
+    ({"text_input": "x", "num_images": 4, "parameters": '{"seed": 9223372036854775806}'}, "seed"),
+    ({"text_input": "x", "parameters": "[" * 100_000 + "]" * 100_000}, "parameters"),
+    ({"text_input": "x", "parameters": "{}", "options": "{}"}, "options"),
+    ({"text_input": "x", "options": '{"frobnicate": 1}'}, "options"),
 ])
 def test_bad_requests_name_the_parameter(inputs, parameter):
     with pytest.raises(RequestValidationError, match=parameter):
         OmniRequest.from_inputs(inputs, LIMITS)
+
+
+def test_options_alias_and_request_parameters():
+    """`options` is `parameters` under a name Triton's HTTP /generate does not reserve; request
+    parameters carry the same keys; unknown keys are errors wherever they come from."""
+    request = OmniRequest.from_inputs({"text_input": "x", "options": '{"max_tokens": 3}'}, LIMITS,
+                                      {"num_inference_steps": "4", "presence_penalty": 0.5})
+    assert request.text_options == {"max_tokens": 3, "presence_penalty": 0.5}
+    assert request.image_options == {"num_inference_steps": 4}
+    with pytest.raises(RequestValidationError, match="request parameters"):
+        OmniRequest.from_inputs({"text_input": "x"}, LIMITS, {"temprature": 1})
 
 
 def run(coro):

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-verbose", type=int, default=0)
     serve.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     serve.add_argument("--load-model", action="append", default=[], help="with explicit mode (repeatable)")
+    serve.add_argument("--bind", default="127.0.0.1",
+                       help="address of the HTTP, gRPC and metrics endpoints (default loopback; 0.0.0.0 for all)")
     serve.add_argument("--server", choices=["auto", "embedded", "system"], default="auto",
                        help="system: /opt/tritonserver (NGC image); embedded: the nvidia-pytriton bundle")
     serve.set_defaults(run=_serve)
@@ -117,7 +119,7 @@ def _serve(args) -> int:
         model_repositories=args.model_repository or list(DEFAULT_REPOSITORIES),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
-        load_models=args.load_model, server=args.server,
+        load_models=args.load_model, server=args.server, bind=args.bind,
     ))
 
 
@@ -175,9 +177,10 @@ def _generate(args) -> int:
                 print(f"\n[enhanced prompt] {event.enhanced_prompt}", file=sys.stderr)
             if event.stage == "diffusion":
                 index = event.image_index[0]
-                bar = bars.setdefault(index, tqdm(total=event.total_steps, desc=f"image {index}", unit="step",
-                                                  file=sys.stderr, leave=True))
-                bar.update(event.step - bar.n)
+                if index not in bars:  # one bar per image (setdefault would build one per step)
+                    bars[index] = tqdm(total=event.total_steps, desc=f"image {index}", unit="step",
+                                       file=sys.stderr, leave=True, position=len(bars))
+                bars[index].update(event.step - bars[index].n)
             if event.image is not None:
                 for index, pixels in zip(event.image_index, event.image, strict=True):
                     written.append(_save_png(pixels, _image_path(args.out, index, options.get("num_images", 1))))

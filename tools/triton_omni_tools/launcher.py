@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,11 @@ class ServerOptions:
     startup_timeout_s: float = 600.0
     log_file: Path | None = None  # server output goes here instead of the console
     extra_args: list[str] = field(default_factory=list)
+    # Loopback unless told otherwise (the Docker image binds 0.0.0.0).
+    bind: str = "127.0.0.1"
+    # The admin APIs answer only requests carrying this key in the ADMIN_HEADER header;
+    # None: $TRITON_OMNI_ADMIN_KEY, else a random key nobody knows (the APIs are closed).
+    admin_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,11 @@ class ServerInstall:
     backends: Path
     lib_dirs: tuple[Path, ...] = ()
     stubs: Path | None = None  # per-Python-version stubs (the pip bundle only)
+
+
+# Triton's APIs that change or expose the server beyond inference: restricted by default.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_HEADER = "omni-admin-key"
 
 
 def free_port() -> int:
@@ -174,6 +185,7 @@ class TritonServer:
         self.options = options
         self.process: subprocess.Popen | None = None
         self._log = None
+        self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
 
     @property
     def http_url(self) -> str:
@@ -199,6 +211,11 @@ class TritonServer:
             f"--log-verbose={opts.log_verbose}",
             f"--model-control-mode={opts.model_control_mode}",
             "--exit-timeout-secs=15",
+            f"--http-address={opts.bind}",
+            f"--grpc-address={opts.bind}",
+            f"--metrics-address={opts.bind}",
+            f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
         ]
         cmd += [f"--load-model={name}" for name in opts.load_models]
         return cmd + opts.extra_args
@@ -272,6 +289,17 @@ def _kill_group(pgid: int) -> None:
         logger.exception("Could not kill process group %d", pgid)
 
 
+def access_summary(options: ServerOptions) -> str:
+    """What the server exposes, and to whom: said at startup."""
+    loopback = " (loopback only; --bind 0.0.0.0 to serve other hosts)" if options.bind.startswith("127.") else ""
+    has_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY")
+    admin = "open with that header, key from $TRITON_OMNI_ADMIN_KEY" if has_key else \
+        "closed: set TRITON_OMNI_ADMIN_KEY to open them with that header"
+    return (f"  bound to {options.bind}{loopback}\n"
+            f"  open: inference, health, metadata, model config, statistics\n"
+            f"  restricted: {', '.join(RESTRICTED_APIS)} (header {ADMIN_HEADER}; {admin})")
+
+
 def serve(options: ServerOptions) -> int:
     """Run until Ctrl-C / SIGTERM, then stop the server and everything it started."""
     from triton_omni.demo_models import build_all
@@ -288,7 +316,7 @@ def serve(options: ServerOptions) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     print(f"triton-omni is ready:\n  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
-          f"  metrics  {server.metrics_url}\nPress Ctrl-C to stop.", flush=True)
+          f"  metrics  {server.metrics_url}\n{access_summary(options)}\nPress Ctrl-C to stop.", flush=True)
     try:
         while not stop_requested and server.process.poll() is None:
             time.sleep(0.5)

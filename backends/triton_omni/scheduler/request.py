@@ -14,16 +14,27 @@ from typing import Any
 
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
-from triton_omni.validation import as_bool, as_float, as_int, as_json_object, as_str, as_str_list, in_range, require
+from triton_omni.validation import (
+    INT64_MAX,
+    as_bool,
+    as_float,
+    as_int,
+    as_int32,
+    as_json_object,
+    as_str,
+    as_str_list,
+    in_range,
+    require,
+)
 
 MODALITIES = ("text", "image")
 # Image options forwarded to the diffusion stage, with their type converters.
-IMAGE_OPTIONS = {
+IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "negative_prompt": as_str,
-    "num_inference_steps": as_int,
+    "num_inference_steps": as_int32,
     "guidance_scale": as_float,
-    "height": as_int,
-    "width": as_int,
+    "height": as_int32,
+    "width": as_int32,
     "seed": as_int,
 }
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
@@ -60,15 +71,22 @@ class OmniRequest:
         return "image" in self.modalities
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits) -> OmniRequest:
-        """From decoded tensors; ``parameters`` (JSON) holds any option, a tensor wins over it."""
-        values = as_json_object("parameters", inputs.get("parameters"))
-        for key in TEXT_OPTIONS_REFUSED.keys() & values.keys():
-            raise RequestValidationError(key, TEXT_OPTIONS_REFUSED[key], values[key])
-        unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - TEXT_OPTIONS)
-        if unknown:
-            raise RequestValidationError("parameters", f"unknown key(s) {unknown}", values, show_value=False)
-        values |= {k: v for k, v in inputs.items() if k != "parameters"}
+    def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits,
+                    request_parameters: dict[str, Any] | None = None) -> OmniRequest:
+        """From decoded tensors and the request's parameters.
+
+        Options come as a JSON object in the ``parameters`` input, or in its
+        alias ``options`` (Triton's HTTP ``/generate`` reserves the key
+        ``parameters`` for request parameters), or as request parameters
+        (gRPC/HTTP ``parameters``, the extra keys of a ``/generate`` body); a
+        tensor wins over the same key. Unknown keys are errors, wherever they come from."""
+        if "parameters" in inputs and "options" in inputs:
+            raise RequestValidationError("options", "is an alias of `parameters`; send one of them", None,
+                                         show_value=False)
+        name = "options" if "options" in inputs else "parameters"
+        values = as_json_object(name, inputs.get(name)) | _checked(request_parameters or {}, "request parameters")
+        _checked(values, name)
+        values |= {k: v for k, v in inputs.items() if k not in ("parameters", "options")}
 
         if "text_input" not in values:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
@@ -84,6 +102,10 @@ class OmniRequest:
         require(len(set(modalities)) == len(modalities), "modalities", "must not repeat", list(modalities))
         num_images = as_int("num_images", values.get("num_images", 1))
         in_range("num_images", num_images, 1, limits.max_images)
+        seed = as_int("seed", values.get("seed", -1))
+        # image i of several gets seed + i: each of those must be a valid seed too
+        require(seed <= INT64_MAX - (num_images - 1), "seed",
+                f"must be at most {INT64_MAX - (num_images - 1)} with num_images={num_images}", seed)
 
         return cls(
             prompt=prompt,
@@ -101,3 +123,12 @@ class OmniRequest:
         if index and options.get("seed", -1) >= 0:
             options["seed"] += index
         return options
+
+
+def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
+    for key in TEXT_OPTIONS_REFUSED.keys() & values.keys():
+        raise RequestValidationError(key, TEXT_OPTIONS_REFUSED[key], values[key])
+    unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - TEXT_OPTIONS)
+    if unknown:
+        raise RequestValidationError(source, f"unknown key(s) {unknown}", values, show_value=False)
+    return values
