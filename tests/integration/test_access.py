@@ -31,5 +31,7 @@ def test_admin_apis_need_the_key_and_inference_does_not(server):
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         with pytest.raises(InferenceServerException):
             client.get_model_repository_index()
-        assert client.get_model_repository_index(headers={ADMIN_HEADER: server.admin_key}) is not None
+        # Triton reads a restricted gRPC protocol's header with this prefix
+        grpc_header = f"triton-grpc-protocol-{ADMIN_HEADER}"
+        assert client.get_model_repository_index(headers={grpc_header: server.admin_key}) is not None
         assert client.is_server_ready()

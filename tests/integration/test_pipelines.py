@@ -235,9 +235,10 @@ def test_the_cli_streams_text_and_writes_the_image(server, tmp_path, capsys):
 
 
 
-def test_omni_over_http_generate_takes_options_three_ways(http_url):
-    """The `options` input (`parameters` under a name Triton does not reserve), a `parameters`
-    object of request parameters, and top-level keys; unknown keys are refused by name."""
+def test_omni_over_http_generate_takes_options_two_ways(http_url):
+    """The `options` input (`parameters` under a name Triton does not reserve) and top-level keys
+    (request parameters); unknown keys are refused by name. A nested `"parameters": {...}` object
+    is refused by Triton itself, since `omni` has an input of that name."""
     import json
     import urllib.error
     import urllib.request
@@ -249,8 +250,7 @@ def test_omni_over_http_generate_takes_options_three_ways(http_url):
 
     base = {"text_input": "once upon a time", "modalities": ["text"], "stream": False}
     for body in ({**base, "options": json.dumps({"max_tokens": "3", "presence_penalty": 0.5})},
-                 {**base, "parameters": {"max_tokens": 3, "presence_penalty": "0.5"}},
-                 {**base, "max_tokens": 3, "presence_penalty": 0.5}):
+                 {**base, "max_tokens": 3, "presence_penalty": "0.5"}):
         assert post(body)["finish_reason"] in ("length", "stop")
     events = list(OmniClient(http_url, "http").generate("once", stream=False, parameters={"max_tokens": "2"}))
     assert events[-1].finish_reason
