@@ -21,7 +21,7 @@ from triton_omni.channel import Cancellations
 from triton_omni.triton import ar_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import StageMetrics
+from triton_omni.triton.metrics import StageMetrics, release_families
 from triton_omni.triton.params import channel_ids, client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -116,4 +116,6 @@ class TritonPythonModel:
     def finalize(self):
         self.runner.close()
         self.responses.stop()
+        self.metrics = None
+        release_families()
 

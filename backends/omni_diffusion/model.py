@@ -20,7 +20,7 @@ from triton_omni.diffusion import DiffusionRunner
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, StageMetrics, family
+from triton_omni.triton.metrics import COUNTER, StageMetrics, family, release_families
 from triton_omni.triton.params import channel_ids
 from triton_omni.triton.tensors import Outputs, read_inputs
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
@@ -83,6 +83,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.progress.close()
+        self.metrics = self.steps = None
+        release_families()
 
 
 class _StepWatch:

@@ -27,7 +27,7 @@ from triton_omni.scheduler import (
     TextDelta,
 )
 from triton_omni.triton import omni_io
-from triton_omni.triton.metrics import GAUGE, StageMetrics, family
+from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families
 from triton_omni.triton.params import client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
@@ -87,6 +87,8 @@ class TritonPythonModel:
         self.stages.close()
         self.loop.stop()
         self.responses.stop()
+        self.metrics = self.scheduler = None  # the scheduler's budget reports to a gauge
+        release_families()
 
 
 async def _in_loop(make):

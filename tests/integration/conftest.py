@@ -46,6 +46,8 @@ def server(tmp_path_factory):
     triton.stop()
     assert_group_gone(pgid)
     shutil.copy(log_file, PROJECT_ROOT / ".cache" / "last-test-server.log")
+    # Every stub shuts down cleanly (metric families destroyed at interpreter exit crashed them).
+    assert "Segfault encountered" not in log_file.read_text(errors="replace"), "a stub crashed at shutdown"
 
 
 @pytest.fixture(autouse=True)

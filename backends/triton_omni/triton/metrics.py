@@ -8,6 +8,7 @@ and kind.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -31,6 +32,17 @@ def family(name: str, description: str, kind: str):
         kind_value = getattr(pb_utils.MetricFamily, kind)
         _families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind_value)
     return _families[name]
+
+
+def release_families() -> None:
+    """Destroy this process's metric families now, from ``finalize``.
+
+    A ``MetricFamily`` destroyed at interpreter exit, after the stub's shared
+    memory is gone, segfaults the Triton 2.51 stub (``Metric::Clear`` ->
+    ``SaveToSharedMemory``, seen at every server shutdown). The caller first
+    drops its own references (its ``StageMetrics``)."""
+    _families.clear()
+    gc.collect()
 
 
 class StageMetrics:
