@@ -44,6 +44,17 @@ def test_ensemble_reports_the_diffusion_stage_error(http_url):
     assert "400" in str(info.value) and "height" in str(info.value)
 
 
+def test_a_too_long_prompt_is_refused_naming_the_user_s_input(http_url):
+    """`ar_encoder` stops at the diffusion model's token limit (max_prompt_tokens), so the
+    ensemble's error names `text_input`, not the internal `prompt_embeds`."""
+    long_prompt = " ".join(f"w{i}" for i in range(700))
+    with pytest.raises(Exception) as info:
+        text_to_image(http_url, "http", long_prompt, num_inference_steps=2)
+    message = str(info.value)
+    assert "400" in message and "text_input" in message and "at most 512" in message, message
+    assert "prompt_embeds" not in message
+
+
 # -- omni scheduler: the four routes ------------------------------------------------------------
 
 

@@ -97,6 +97,8 @@ class ArRunner:
         """Token ids of a prompt, rejecting prompts the model cannot take."""
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         allowed = self.config.max_model_len - 1  # leave room for at least one new token
+        if self.config.mode == "encode" and self.config.limits.max_prompt_tokens is not None:
+            allowed = min(allowed, self.config.limits.max_prompt_tokens)
         if len(ids) > allowed:
             raise RequestValidationError(
                 "text_input", f"prompt has {len(ids)} tokens; this model allows at most {allowed}",

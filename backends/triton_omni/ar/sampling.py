@@ -46,6 +46,9 @@ class ArLimits:
     max_stop_strings: int = 8
     max_n: int = 4  # completions per request (vLLM's `n`)
     max_logprobs: int = 20  # top log probabilities per token (vLLM's own default limit)
+    # Encode mode: most prompt tokens. Set it to the diffusion model's `max_embeds_tokens`,
+    # so a long prompt is refused here, naming `text_input`, not downstream naming `prompt_embeds`.
+    max_prompt_tokens: int | None = None
 
 
 def _logit_bias(name: str, value: Any) -> dict[int, float]:

@@ -36,6 +36,7 @@ def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
         max_prompt_chars=int(params.get("max_prompt_chars", ArLimits.max_prompt_chars)),
         max_n=int(params.get("max_n", ArLimits.max_n)),
         max_logprobs=int(params.get("max_logprobs", ArLimits.max_logprobs)),
+        max_prompt_tokens=int(params["max_prompt_tokens"]) if params.get("max_prompt_tokens") else None,
     )
     return ArRunnerConfig(
         model=params.get("model", "demo:tiny-qwen2"),
