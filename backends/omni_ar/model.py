@@ -22,7 +22,7 @@ from triton_omni.triton import ar_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics, release_families
-from triton_omni.triton.params import channel_ids, client_parameters
+from triton_omni.triton.params import split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
 from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, ar_encode_outputs
@@ -59,13 +59,13 @@ class TritonPythonModel:
         started = time.monotonic()
         sender = request.get_response_sender()
         try:
+            parameters, key, _ = split_parameters(request)
             parsed = GenerateRequest.from_inputs(read_inputs(request, AR_GENERATE_INPUTS), self.config.limits,
-                                                 client_parameters(request))
+                                                 parameters)
             self.runner.check(parsed)
         except Exception as exc:
             self.responses.fail(sender, exc, self.context, self.metrics, started)
             return
-        key, _ = channel_ids(request)
         self.runner.loop.submit(self._generate(parsed, sender, key, started))
 
     async def _generate(self, request: GenerateRequest, sender, key: str | None, started: float) -> None:
@@ -86,7 +86,6 @@ class TritonPythonModel:
                 self.metrics.generated_tokens.increment(sum(response.num_output_tokens))  # new since last response
                 self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                     final=response.final)
-
 
     # -- encode (batched) -----------------------------------------------------
 

@@ -36,6 +36,7 @@ class TritonPythonModel:
 
     def initialize(self, args):
         self.model_name = args["model_name"]
+        self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
         self.config = diffusion_io.runner_config(model_config, args)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
@@ -77,7 +78,7 @@ class TritonPythonModel:
 
     def _response(self, result, started: float):
         if isinstance(result, Exception):
-            return error_response(result, f"model '{self.model_name}'", self.metrics, started)
+            return error_response(result, self.context, self.metrics, started)
         self.metrics.finished("success", started)
         return pb_utils.InferenceResponse(output_tensors=[OUTPUTS.tensor("image", result, batched=True)])
 

@@ -81,7 +81,6 @@ class TritonPythonModel:
                 events = [event async for event in self.scheduler.run(request)]
                 self.responses.send(sender, _summary_response(events), final=True)
 
-
     def finalize(self):
         self.progress.close()
         self.stages.close()

@@ -60,16 +60,12 @@ class OmniEvent:
             value = get(name)
             return None if value is None else "".join(_as_text(v) for v in np.ravel(value))
 
-        def number(name):
-            value = get(name)
-            return None if value is None else int(np.ravel(value)[0])
-
         image, index, shape = get("image"), get("image_index"), get("image_shape")
         if image is not None and shape is not None:  # HTTP JSON sends the image flat
             image = np.reshape(image, [int(n) for n in np.ravel(shape)])
         return cls(text=text("text_output"), finish_reason=text("finish_reason"),
                    enhanced_prompt_delta=text("enhanced_prompt_delta"), enhanced_prompt=text("enhanced_prompt"),
-                   stage=text("stage"), step=number("step"), total_steps=number("total_steps"),
+                   stage=text("stage"), step=_first(get, "step", int), total_steps=_first(get, "total_steps", int),
                    image=None if image is None else np.asarray(image, dtype=np.uint8),
                    image_index=None if index is None else [int(i) for i in np.ravel(index)])
 
@@ -300,19 +296,21 @@ def _http_chunk(event: dict) -> TextChunk:
 
 def _text_chunk(get) -> TextChunk:
     """From ``get(name)``: an output as an array (gRPC) or JSON value (HTTP), None when absent."""
-    def first(name, kind):
-        value = get(name)
-        return None if value is None else kind(np.ravel(value)[0])
-
-    logprobs = first("logprobs", _as_text)
+    logprobs = _first(get, "logprobs", _as_text)
     return TextChunk(
-        text=first("text_output", _as_text) or "",
-        finish_reason=first("finish_reason", _as_text) or None,
-        num_output_tokens=first("num_output_tokens", int),
-        num_input_tokens=first("num_input_tokens", int),
-        cumulative_logprob=first("cumulative_logprob", float),
+        text=_first(get, "text_output", _as_text) or "",
+        finish_reason=_first(get, "finish_reason", _as_text) or None,
+        num_output_tokens=_first(get, "num_output_tokens", int),
+        num_input_tokens=_first(get, "num_input_tokens", int),
+        cumulative_logprob=_first(get, "cumulative_logprob", float),
         logprobs=None if logprobs is None else json.loads(logprobs),
     )
+
+
+def _first(get, name: str, kind):
+    """The first element of output ``name`` as ``kind``, None when the response lacks it."""
+    value = get(name)
+    return None if value is None else kind(np.ravel(value)[0])
 
 
 def _bytes_input(module, name: str, values: list[str]):

@@ -25,12 +25,9 @@ from transformers import AutoTokenizer
 from triton_omni.demo_models import resolve_model
 from triton_omni_client import OmniError
 from triton_omni_client.client import stream_infer
+from triton_omni_protocol import RETURN_FLAGS
 
 from tests.support.server import GENERATE_MODELS
-
-RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
-OUTPUT_OF = {"finish_reason": "finish_reason", "cumulative_logprob": "cumulative_logprob", "logprobs": "logprobs",
-             "num_input_tokens": "num_input_tokens", "num_output_tokens": "num_output_tokens"}
 
 
 def tensor(module, name, values, type_name, dtype):
@@ -143,7 +140,7 @@ def test_every_return_combination_sends_exactly_the_outputs_asked_for(grpc_url, 
         flags = {f"return_{name}": value for name, value in combination.items()}
         got = responses(grpc_url, model, request_inputs(stream=stream, sampling={"max_tokens": 5, "ignore_eos": True},
                                                         **flags))
-        asked = {OUTPUT_OF[name] for name, on in combination.items() if on}
+        asked = {name for name, on in combination.items() if on}  # return_<name> switches output <name>
         for i, outputs in enumerate(got):
             expected = {"text_output"} | (asked if i == len(got) - 1 else asked - {"finish_reason"})
             assert set(outputs) == expected, (combination, i)

@@ -55,9 +55,8 @@ class VllmEngine(ArEngine):
         wanted = options.logprobs if logprobs is None else max(logprobs, options.logprobs or 0)
         if wanted is not None and wanted > self.max_logprobs:
             raise RequestValidationError("logprobs", f"this engine returns at most {self.max_logprobs}", wanted)
+        # Only keys off their defaults: an empty list never reaches vLLM (its "not set" is None).
         kwargs = {key: getattr(options, key) for key in options.changed_keys()} | {"logprobs": wanted}
-        for key in ("stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids"):
-            kwargs[key] = kwargs.get(key) or None  # vLLM's "not set" is None, not empty
         try:
             if options.structured_outputs is not None:
                 kwargs["structured_outputs"] = StructuredOutputsParams(**options.structured_outputs)
@@ -68,12 +67,9 @@ class VllmEngine(ArEngine):
     async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                        logprobs: int | None = None) -> AsyncIterator[Delta]:
         params = self.sampling_params(options, logprobs)
-        tokens_so_far: dict[int, int] = {}
         try:
             async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
                 for completion in output.outputs:  # DELTA + n > 1: one child completion per output
-                    tokens_so_far[completion.index] = tokens_so_far.get(completion.index, 0) + len(
-                        completion.token_ids)
                     yield Delta(
                         text=completion.text,
                         num_tokens=len(completion.token_ids),

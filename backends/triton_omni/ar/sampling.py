@@ -96,8 +96,7 @@ class SamplingOptions:
         ``source`` names where unknown keys came from, for the message."""
         for key in values:
             _check_known(key, source)
-        readers: dict[str, Callable[[str, Any], Any]] = {f.name: f.metadata["read"] for f in fields(cls)}
-        options = cls(**{key: readers[key](key, value) for key, value in values.items()})
+        options = cls(**{key: _READERS[key](key, value) for key, value in values.items()})
         options.normalise()
         options.verify(limits)
         return options
@@ -137,6 +136,8 @@ class SamplingOptions:
         default = SamplingOptions()
         return [key for key in self.names() if getattr(self, key) != getattr(default, key)]
 
+
+_READERS: dict[str, Callable[[str, Any], Any]] = {f.name: f.metadata["read"] for f in fields(SamplingOptions)}
 
 # Keys Triton's vLLM backend or older vLLM releases accept that this server
 # cannot honour, with the reason the client gets.

@@ -42,23 +42,13 @@ def instance_device(args: dict, requested: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def channel_ids(request) -> tuple[str | None, str | None]:
-    """The scheduler's ``(key, progress listener)`` of a request it sent
-    (see ``triton_omni.channel``); ``(None, None)`` for a client's request."""
+def split_parameters(request) -> tuple[dict[str, Any], str | None, str | None]:
+    """A request's parameters, read once: ``(the client's, channel key,
+    progress listener)``. The client's are what a client set (gRPC/HTTP
+    ``parameters``, the keys of an HTTP ``/generate`` body that are not
+    inputs); the channel ids are set by the ``omni`` scheduler on the requests
+    it sends (see ``triton_omni.channel``), else None."""
     from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, valid_id
-
-    try:
-        params = json.loads(request.parameters() or "{}")
-    except (AttributeError, json.JSONDecodeError):
-        return None, None
-    return valid_id(params.get(KEY_PARAMETER)), valid_id(params.get(PROGRESS_PARAMETER))
-
-
-def client_parameters(request) -> dict[str, Any]:
-    """The parameters a client set on a request (gRPC/HTTP ``parameters``,
-    and the keys of an HTTP ``/generate`` body that are not inputs), without
-    the scheduler's channel ids."""
-    from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER
     from triton_omni.errors import RequestValidationError
 
     try:
@@ -66,4 +56,20 @@ def client_parameters(request) -> dict[str, Any]:
     except json.JSONDecodeError:
         raise RequestValidationError("parameters", "request parameters are not valid JSON", None,
                                      show_value=False) from None
-    return {key: value for key, value in params.items() if key not in (KEY_PARAMETER, PROGRESS_PARAMETER)}
+    client = {key: value for key, value in params.items() if key not in (KEY_PARAMETER, PROGRESS_PARAMETER)}
+    return client, valid_id(params.get(KEY_PARAMETER)), valid_id(params.get(PROGRESS_PARAMETER))
+
+
+def channel_ids(request) -> tuple[str | None, str | None]:
+    """The scheduler's ``(key, progress listener)`` of a request it sent; ``(None, None)`` otherwise."""
+    from triton_omni.errors import RequestValidationError
+
+    try:
+        _, key, listener = split_parameters(request)
+    except (AttributeError, RequestValidationError):
+        return None, None
+    return key, listener
+
+
+def client_parameters(request) -> dict[str, Any]:
+    return split_parameters(request)[0]
