@@ -85,9 +85,11 @@ class ArRunner:
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
             return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, cfg.engine_args)
-        from triton_omni.ar.engine_transformers import TransformersEngine
+        from triton_omni.ar.engine_transformers import DEFAULT_MAX_NUM_SEQS, TransformersEngine
 
-        return TransformersEngine(self.model_path, cfg.device, cfg.torch_dtype())
+        # vLLM's name for the bound on sequences decoded together, read by both engines
+        max_num_seqs = int(cfg.engine_args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
+        return TransformersEngine(self.model_path, cfg.device, cfg.torch_dtype(), max_num_seqs)
 
     @property
     def hidden_size(self) -> int:

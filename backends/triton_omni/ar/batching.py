@@ -1,0 +1,309 @@
+"""Continuous batching for the transformers engine.
+
+``StepBatcher`` owns the model on one worker thread and decodes every running
+sequence with one forward pass per step. A new sequence is prefilled alone
+(so its first token is exactly what it would be alone) and then joins the
+running batch: the two KV caches are left-padded to the same length and
+stacked, and the attention mask hides the padding. A sequence leaves when it
+finishes or is cancelled; its row is dropped from the cache and the columns
+that became padding for every row are trimmed.
+
+Each sequence samples with its own options and its own ``torch.Generator``:
+what it draws never depends on what it shares the step with, so a seeded
+request gives the text it gives alone (the batched matmuls can differ from
+the unbatched ones only in the last bits of a logit).
+
+Works with models whose cache is transformers' ``DynamicCache`` of full
+attention layers (Llama, Qwen2, Mistral without a sliding window, ...).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from triton_omni.ar.engine import Delta
+from triton_omni.ar.sampling import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+
+class Sequence:
+    """One request's state: its tokens, its generator, its text so far.
+
+    Owned by the batcher's thread once submitted; ``cancel`` is the only
+    method other threads call."""
+
+    def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
+                 emit: Callable[[Delta | BaseException], None]):
+        self.prompt_ids = prompt_ids
+        self.options = options
+        self.output_ids: list[int] = []
+        self.position = len(prompt_ids)  # of the next token fed to the model
+        # vLLM's rules: EOS ends a sequence unless ignore_eos; stop_token_ids always do;
+        # both are suppressed until min_tokens are out.
+        self.stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_ids)))
+        self.generator: torch.Generator | None = None  # set by the batcher for seeded requests
+        self.text = _TextStream(tokenizer, options, emit)
+        self.emit = emit
+        self.done = False
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def accept(self, token: int) -> None:
+        """Take the sampled token; finish on a stop token, a stop string or max_tokens."""
+        self.output_ids.append(token)
+        stop_token = token in self.stop_ids
+        if self.text.add(self.output_ids, drop_last=stop_token and not self.options.include_stop_str_in_output):
+            self.done = True  # a stop string: the text stream already sent the final delta
+        elif stop_token:
+            self.finish("stop")
+        elif len(self.output_ids) >= self.options.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.done = True
+            self.text.finish(reason)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self.emit(exc)
+
+
+class StepBatcher:
+    """Decodes the running sequences together, one step at a time, on its own thread."""
+
+    def __init__(self, model, device: torch.device, max_num_seqs: int):
+        self.model = model
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.generator = torch.Generator(device=device)  # for unseeded requests
+        self.generator.seed()
+        self._pending: collections.deque[Sequence] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.rows: list[Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cache length]: 0 over left padding
+        self.steps = 0  # decode steps run (for tests and logs)
+        self.max_rows_seen = 0
+        self._thread = threading.Thread(target=self._run, name="omni-ar-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, sequence: Sequence) -> None:
+        if sequence.options.seed is not None:
+            sequence.generator = torch.Generator(device=self.device)
+            sequence.generator.manual_seed(sequence.options.seed)
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the transformers engine is shutting down")
+            self._pending.append(sequence)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    # -- the worker thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._pending or self.rows or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                joining = [self._pending.popleft()
+                           for _ in range(min(len(self._pending), self.max_num_seqs - len(self.rows)))]
+            try:
+                with torch.inference_mode():
+                    for sequence in joining:
+                        self._join(sequence)
+                    self._leave()
+                    if self.rows:
+                        self._step()
+                        self._leave()
+            except BaseException as exc:  # a failed forward pass fails the sequences in it, not the engine
+                logger.exception("transformers engine step failed")
+                for sequence in self.rows + joining:
+                    sequence.fail(exc)
+                self.rows, self._cache, self._mask = [], None, None
+        for sequence in self.rows + list(self._pending):
+            sequence.finish("abort")
+
+    def _join(self, sequence: Sequence) -> None:
+        """Prefill alone, sample the first token, and stack the cache onto the batch's."""
+        if sequence.cancelled:
+            sequence.finish("abort")
+            return
+        cache = DynamicCache()
+        input_ids = torch.tensor([sequence.prompt_ids], device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        mask = torch.ones(1, len(sequence.prompt_ids), dtype=torch.long, device=self.device)
+        self._stack(cache, mask)
+        self.rows.append(sequence)
+        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
+        sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])
+
+    def _step(self) -> None:
+        rows = self.rows
+        input_ids = torch.tensor([[s.output_ids[-1]] for s in rows], device=self.device)
+        position_ids = torch.tensor([[s.position] for s in rows], device=self.device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
+        out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
+                         past_key_values=self._cache, use_cache=True)
+        self.steps += 1
+        for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator)):
+            sequence.position += 1
+            sequence.accept(token)
+
+    def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        if not self.rows:
+            self._cache, self._mask = cache, mask
+            return
+        have, new = self._mask.shape[1], mask.shape[1]
+        if new < have:
+            mask = _left_pad(cache, mask, have - new)
+        elif new > have:
+            self._mask = _left_pad(self._cache, self._mask, new - have)
+        for layer, joining in zip(self._cache.layers, cache.layers):
+            layer.keys = torch.cat([layer.keys, joining.keys])
+            layer.values = torch.cat([layer.values, joining.values])
+        self._mask = torch.cat([self._mask, mask])
+
+    def _leave(self) -> None:
+        """Drop finished and cancelled rows, and the padding no row needs any more."""
+        for sequence in self.rows:
+            if sequence.cancelled:
+                sequence.finish("abort")
+        keep = [i for i, sequence in enumerate(self.rows) if not sequence.done]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self._cache, self._mask = [], None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        first = int(self._mask[index].any(dim=0).nonzero()[0])  # first column some row still needs
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        self._mask = self._mask.index_select(0, index)[:, first:]
+        self.rows = [self.rows[i] for i in keep]
+
+
+def _left_pad(cache: DynamicCache, mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad ``cache`` in place by ``width`` positions; returns the padded mask."""
+    for layer in cache.layers:
+        b, h, _, d = layer.keys.shape
+        layer.keys = torch.cat([layer.keys.new_zeros(b, h, width, d), layer.keys], dim=2)
+        layer.values = torch.cat([layer.values.new_zeros(b, h, width, d), layer.values], dim=2)
+    return torch.cat([mask.new_zeros(mask.shape[0], width), mask], dim=1)
+
+
+# -- sampling --------------------------------------------------------------------------
+
+
+def sample(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> list[int]:
+    """One token per row, each with its row's options (vLLM's order: penalties,
+    min_tokens, then temperature, top-k, top-p, min-p) and its own generator."""
+    logits = logits.float()
+    for i, sequence in enumerate(rows):
+        _penalise(logits[i], sequence)
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(rows) if s.options.temperature > 0]
+    if sampled:
+        picks = _sample_rows(logits[sampled], [rows[i] for i in sampled], shared)
+        tokens[sampled] = picks
+    return tokens.tolist()
+
+
+def _penalise(row: torch.Tensor, sequence: Sequence) -> None:
+    options = sequence.options
+    if options.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(sequence.prompt_ids) | set(sequence.output_ids)), device=row.device)
+        scores = row[seen]
+        row[seen] = torch.where(scores > 0, scores / options.repetition_penalty,
+                                scores * options.repetition_penalty)
+    if len(sequence.output_ids) < options.min_tokens and sequence.stop_ids:
+        row[sequence.stop_ids] = float("-inf")
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([s.options.temperature for s in rows], device=device)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([s.options.top_k or vocab for s in rows], device=device)
+    top_p = torch.tensor([s.options.top_p for s in rows], device=device)
+    min_p = torch.tensor([s.options.min_p for s in rows], device=device)
+    ordered, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = (ranks >= top_k[:, None]) | (probs.cumsum(dim=-1) - probs > top_p[:, None]) \
+        | (probs < min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always stays
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    picks = [torch.multinomial(probs[i], 1, generator=s.generator or shared) for i, s in enumerate(rows)]
+    return order.gather(1, torch.stack(picks)).squeeze(1)
+
+
+# -- text ------------------------------------------------------------------------------
+
+
+class _TextStream:
+    """Turns a sequence's tokens into text deltas.
+
+    Text is decoded from all tokens so far (multi-byte characters split across
+    tokens come out whole). While stop strings are configured, the last
+    ``len(longest stop) - 1`` characters are held back so that a stop string
+    split across tokens is never streamed.
+    """
+
+    def __init__(self, tokenizer, options: SamplingOptions, emit: Callable[[Delta], None]):
+        self.tokenizer = tokenizer
+        self.options = options
+        self.emit = emit
+        self.text = ""
+        self.num_tokens = 0
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.hold_back = max((len(s) for s in options.stop), default=1) - 1
+
+    def add(self, token_ids: list[int], drop_last: bool) -> bool:
+        """Stream what is safe to send; True when a stop string ended the text (final delta sent)."""
+        self.num_tokens = len(token_ids)
+        self.text = self.tokenizer.decode(token_ids[:-1] if drop_last else token_ids,
+                                          skip_special_tokens=self.options.skip_special_tokens)
+        cut, stop = min(((i, s) for s in self.options.stop if (i := self.text.find(s)) >= 0), default=(-1, ""))
+        if cut >= 0:
+            keep = len(stop) if self.options.include_stop_str_in_output else 0
+            self.text = self.text[:cut + keep]
+            self.finish("stop")
+            return True
+        if not self.text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self._send(self.text[: max(self.sent_chars, len(self.text) - self.hold_back)], None)
+        return False
+
+    def finish(self, reason: str) -> None:
+        self._send(self.text, reason)
+
+    def _send(self, text: str, reason: str | None) -> None:
+        delta = text[self.sent_chars:]
+        if delta or reason is not None:
+            self.sent_chars = len(text)
+            new_tokens, self.sent_tokens = self.num_tokens - self.sent_tokens, self.num_tokens
+            self.emit(Delta(delta, new_tokens, reason))

@@ -1,0 +1,130 @@
+"""The transformers engine's continuous batching, on the tiny demo model (no server).
+
+Concurrent requests are decoded together, and each one's text is what it
+would be alone: its own options, its own seeded generator."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from triton_omni.ar.engine_transformers import TransformersEngine
+from triton_omni.ar.sampling import ArLimits, SamplingOptions
+from triton_omni.demo_models import resolve_model
+
+PROMPTS = ["hello world", "a lighthouse on a cliff at dusk, oil painting", "x", "the quick brown fox jumps over"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = TransformersEngine(resolve_model("demo:tiny-qwen2"), "cpu", torch.float32, max_num_seqs=6)
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def options(**values) -> SamplingOptions:
+    return SamplingOptions.from_values(values, ArLimits())
+
+
+async def generate(engine, prompt: str, opts: SamplingOptions, request_id: str, on_delta=None):
+    text, tokens, reason = "", 0, None
+    async for delta in engine.generate(engine.tokenizer(prompt)["input_ids"], opts, request_id):
+        text, tokens, reason = text + delta.text, tokens + delta.num_tokens, delta.finish_reason
+        if on_delta is not None:
+            await on_delta(tokens)
+    return text, tokens, reason
+
+
+def mixed_options(i: int) -> SamplingOptions:
+    """Greedy and sampled rows, different lengths, penalties, top-k/top-p/min-p."""
+    if i % 3 == 0:
+        return options(max_tokens=12 + i, temperature=0.0, repetition_penalty=1.3)
+    return options(max_tokens=20 + i, seed=100 + i, temperature=0.9, top_p=0.9, top_k=40, min_p=0.01,
+                   min_tokens=5)
+
+
+def test_concurrent_requests_each_get_their_own_text_as_if_alone(engine):
+    requests = [(PROMPTS[i % len(PROMPTS)], mixed_options(i)) for i in range(10)]
+
+    async def run():
+        alone = [await generate(engine, p, o, f"alone-{i}") for i, (p, o) in enumerate(requests)]
+        before = engine.batcher.max_rows_seen
+        together = await asyncio.gather(*(generate(engine, p, o, f"together-{i}")
+                                          for i, (p, o) in enumerate(requests)))
+        return alone, together, before
+
+    engine.batcher.max_rows_seen = 0
+    alone, together, alone_rows = asyncio.run(run())
+    assert alone_rows == 1  # one at a time really ran alone
+    assert together == alone
+    assert engine.batcher.max_rows_seen == 6  # decoded together, up to max_num_seqs
+    assert {reason for _, _, reason in together} <= {"length", "stop"}
+
+
+def test_a_request_joins_a_running_batch_mid_flight(engine):
+    first, second = options(max_tokens=40, seed=1, ignore_eos=True), options(max_tokens=10, seed=2, ignore_eos=True)
+
+    async def run():
+        alone = [await generate(engine, PROMPTS[0], first, "a"), await generate(engine, PROMPTS[1], second, "b")]
+        started = asyncio.get_running_loop().create_future()
+
+        async def start_second(tokens):
+            if tokens >= 15 and not started.done():
+                started.set_result(asyncio.ensure_future(generate(engine, PROMPTS[1], second, "b2")))
+
+        long = await generate(engine, PROMPTS[0], first, "a2", on_delta=start_second)
+        return alone, [long, await started.result()]
+
+    alone, mid_flight = asyncio.run(run())
+    assert mid_flight == alone
+
+
+def test_cancelling_one_request_leaves_the_others_running(engine):
+    async def run():
+        async def cancel_after_a_few(tokens):
+            if tokens >= 3:
+                await engine.abort("victim")
+
+        victim = asyncio.ensure_future(generate(engine, PROMPTS[2], options(max_tokens=200, ignore_eos=True),
+                                                "victim", on_delta=cancel_after_a_few))
+        others = [generate(engine, PROMPTS[i], options(max_tokens=30, ignore_eos=True, seed=i), f"other-{i}")
+                  for i in range(3)]
+        results = await asyncio.gather(victim, *others)
+        return results
+
+    victim, *others = asyncio.run(run())
+    assert victim[2] == "abort" and victim[1] < 200
+    assert [(tokens, reason) for _, tokens, reason in others] == [(30, "length")] * 3
+
+
+def first_greedy_token(engine, prompt: str) -> int:
+    with torch.inference_mode():
+        ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]])
+        return int(engine.model(ids).logits[0, -1].argmax())
+
+
+def test_stop_strings_and_stop_tokens_end_one_row_only(engine):
+    greedy = {"max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+    stop_token = first_greedy_token(engine, PROMPTS[1])
+
+    async def run():
+        free = await generate(engine, PROMPTS[1], options(**greedy), "free")
+        stop_text = free[0][5:8]
+        results = await asyncio.gather(generate(engine, PROMPTS[1], options(**greedy, stop=[stop_text]), "cut"),
+                                       generate(engine, PROMPTS[1], options(**greedy, stop_token_ids=[stop_token]),
+                                                "by-token"),
+                                       generate(engine, PROMPTS[1], options(**greedy), "free2"))
+        return free, stop_text, results
+
+    free, stop_text, (cut, by_token, free_again) = asyncio.run(run())
+    assert cut[2] == "stop" and free[0].startswith(cut[0]) and stop_text not in cut[0]
+    assert (by_token[1], by_token[2]) == (1, "stop")
+    assert free_again == free
+
+
+def test_min_tokens_holds_off_the_stop_token(engine):
+    stop_token = first_greedy_token(engine, PROMPTS[0])
+    opts = options(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=6)
+    text, tokens, reason = asyncio.run(generate(engine, PROMPTS[0], opts, "m"))
+    assert tokens >= 6
