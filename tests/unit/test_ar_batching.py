@@ -126,5 +126,5 @@ def test_stop_strings_and_stop_tokens_end_one_row_only(engine):
 def test_min_tokens_holds_off_the_stop_token(engine):
     stop_token = first_greedy_token(engine, PROMPTS[0])
     opts = options(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=6)
-    text, tokens, reason = asyncio.run(generate(engine, PROMPTS[0], opts, "m"))
+    _, tokens, _ = asyncio.run(generate(engine, PROMPTS[0], opts, "m"))
     assert tokens >= 6

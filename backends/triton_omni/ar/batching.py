@@ -168,7 +168,7 @@ class StepBatcher:
         out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
                          past_key_values=self._cache, use_cache=True)
         self.steps += 1
-        for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator)):
+        for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator), strict=True):
             sequence.position += 1
             sequence.accept(token)
 
@@ -181,7 +181,7 @@ class StepBatcher:
             mask = _left_pad(cache, mask, have - new)
         elif new > have:
             self._mask = _left_pad(self._cache, self._mask, new - have)
-        for layer, joining in zip(self._cache.layers, cache.layers):
+        for layer, joining in zip(self._cache.layers, cache.layers, strict=True):
             layer.keys = torch.cat([layer.keys, joining.keys])
             layer.values = torch.cat([layer.values, joining.values])
         self._mask = torch.cat([self._mask, mask])
