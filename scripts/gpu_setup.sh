@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Set up .gpuvenv on the offline GPU machine (docs/gpu.md): a venv over the
 # host's CUDA torch, with the carried wheels and the Triton 2.51 bundle.
-# Idempotent: a second call (e.g. carrying .offline2) only adds wheels.
-#   .offline   shared/gpu/pack-offline.sh .offline   (bundle, diffusers, tritonclient, numpy 1.26.4)
+# Idempotent: run it once per carried folder; each call adds what it finds.
+# The folders come from scripts/pack_offline.sh (docs/gpu.md):
+#   .offline   the Triton 2.51 bundle, diffusers, tritonclient, numpy 1.26.4
 #   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1)
+#   .vllm1-3   vLLM 0.24.0's wheel tree, stripped, in three parts (kept in the venv until all are there)
+#   .vllm4     the wheels vLLM needs that the host lacks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 host=/opt/torch/.venv/bin/python
@@ -16,7 +19,7 @@ if [ ! -x "$venv/bin/python" ]; then
   printf '%s\n' "$PWD/protocol" "$PWD/backends" "$PWD/clients" "$PWD/tools" "$PWD" > "$site/omni.pth"
 fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for dir in .offline .offline2; do
+for dir in .offline .offline2 .vllm4; do
   if compgen -G "$dir/*.whl" > /dev/null; then
     "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$dir"/*.whl
   fi
@@ -26,4 +29,15 @@ if [ -f .offline/tritonserver.tar.xz ] && [ ! -d "$site/pytriton/tritonserver" ]
   tar xJf .offline/tritonserver.tar.xz -C "$site/pytriton"
   mv "$site/pytriton/libs" "$site/nvidia_pytriton.libs"
 fi
+parts=$venv/vllm-parts
+mkdir -p "$parts"
+for i in 1 2 3; do
+  if compgen -G ".vllm$i/part0*" > /dev/null; then cp .vllm$i/part0* "$parts/"; fi
+done
+if [ ! -d "$site/vllm" ] && [ -f "$parts/part00" ] && [ -f "$parts/part01" ] && [ -f "$parts/part02" ]; then
+  cat "$parts"/part00 "$parts"/part01 "$parts"/part02 | tar xJf - -C "$site"
+  rm -rf "$parts"
+fi
+if [ -d "$site/vllm" ]; then echo "vLLM: $(ls -d "$site"/vllm-*.dist-info | xargs -n1 basename)"
+else echo "vLLM: not yet ($(ls "$parts" | tr '\n' ' ')of part00 part01 part02)"; fi
 echo "gpu venv ready: $venv"

@@ -18,6 +18,7 @@ import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before 
 import triton_python_backend_utils as pb_utils
 from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
+from triton_omni.gpu_memory import check_share
 from triton_omni.triton import ar_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
@@ -40,6 +41,8 @@ class TritonPythonModel:
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
         self.config = ar_io.runner_config(model_config, args)
+        if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
+            check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         self.runner = ArRunner(self.config)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode")
         self.responses = ResponseThread()

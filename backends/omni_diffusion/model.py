@@ -17,6 +17,7 @@ import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before 
 import triton_python_backend_utils as pb_utils
 from triton_omni.channel import Cancellations, ProgressSender
 from triton_omni.diffusion import DiffusionRunner
+from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
@@ -39,6 +40,8 @@ class TritonPythonModel:
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
         self.config = diffusion_io.runner_config(model_config, args)
+        if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
+            check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
         self.input_specs = diffusion_inputs(embeds_dtype)
         self.runner = DiffusionRunner(self.config)

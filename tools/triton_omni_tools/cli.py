@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="each stage and pipeline, direct vs through Triton, side by side")
     bench.add_argument("--preset", choices=["tiny", "realistic"], default="tiny",
                        help="tiny: demo models on CPU; realistic: real-size random weights on a GPU")
-    bench.add_argument("--concurrency", help="comma-separated, default 1,4,8,16")
-    bench.add_argument("--workloads", help="comma-separated among diffusion,ar_encoder,ar,text_to_image,omni")
+    bench.add_argument("--concurrency", help="comma-separated, for every workload; default: the preset's "
+                       "(1,4,8,16; the AR stages 1,8,32,64)")
+    bench.add_argument("--workloads",
+                       help="comma-separated among diffusion,ar_encoder,ar,ar_transformers,text_to_image,omni")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from triton_omni_tools import memory_plan
+
 logger = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -161,6 +163,17 @@ def build_backend_dir(install: ServerInstall, dest: Path | None = None) -> Path:
     return dest
 
 
+def gpu_count() -> int:
+    """GPUs nvidia-smi sees (0 without one); no CUDA context is created."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 def server_env(install: ServerInstall) -> dict[str, str]:
     env = dict(os.environ)
     # The stub takes its sys.path from the first python3 on PATH (PYTHONPATH
@@ -175,6 +188,23 @@ def server_env(install: ServerInstall) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for key, value in vllm_gpu_env().items():
+        env.setdefault(key, value)
+    return env
+
+
+def vllm_gpu_env() -> dict[str, str]:
+    """What vLLM needs on a GPU host, for the server's stubs and for any
+    process that drives vLLM itself (the bench's direct side, tests/gpu).
+
+    Its engine core is spawned, never forked from a process that already ran
+    torch (a forked core hung in its first tensor operation); and without
+    FlashInfer installed, vLLM's own sampler instead of FlashInfer's."""
+    if not gpu_count():
+        return {}
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if importlib.util.find_spec("flashinfer") is None:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return env
 
 
@@ -220,7 +250,20 @@ class TritonServer:
         cmd += [f"--load-model={name}" for name in opts.load_models]
         return cmd + opts.extra_args
 
+    def check_memory_plan(self) -> None:
+        """Refuse to start when the models' GPU shares do not fit (memory_plan.py)."""
+        gpus = gpu_count()
+        if gpus == 0:
+            return
+        opts = self.options
+        shares = memory_plan.plan(opts.model_repositories,
+                                  opts.load_models if opts.model_control_mode == "explicit" else None, gpus)
+        memory_plan.check(shares)
+        if shares:
+            logger.info("%s", memory_plan.describe(shares))
+
     def start(self) -> TritonServer:
+        self.check_memory_plan()
         install = find_server(self.options.server)
         backend_dir = build_backend_dir(install)
         cmd = self.command(install, backend_dir)

@@ -63,7 +63,7 @@ class TransformersEngine(ArEngine):
         self.batcher.submit(sequence)
         try:
             while True:
-                item = await queue.get()
+                item = _coalesce(await queue.get(), queue)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -103,3 +103,19 @@ class TransformersEngine(ArEngine):
     async def shutdown(self) -> None:
         self.batcher.stop()
         self._encoder.shutdown(wait=True)
+
+
+def _coalesce(first: Delta | BaseException, queue: asyncio.Queue) -> Delta | BaseException:
+    """``first`` merged with the deltas already waiting behind it.
+
+    When the consumer falls behind (a busy server sending one response per
+    token to many streams), it catches up with one response instead of many,
+    as vLLM's DELTA outputs do."""
+    merged = first
+    while isinstance(merged, Delta) and merged.finish_reason is None and not queue.empty():
+        following = queue.get_nowait()
+        if isinstance(following, BaseException):
+            return following
+        merged = Delta(merged.text + following.text, merged.num_tokens + following.num_tokens,
+                       following.finish_reason)
+    return merged

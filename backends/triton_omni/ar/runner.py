@@ -23,6 +23,7 @@ from triton_omni.ar.sampling import ArLimits
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
+from triton_omni.gpu_memory import cap_torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class ArRunnerConfig:
     embeds_dtype: str = "float32"  # dtype of ar_encoder's prompt_embeds output
     limits: ArLimits = field(default_factory=ArLimits)
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine args
+    # This model's share of its GPU (gpu_memory.py); None: the engine's default (vLLM: 0.9).
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -84,8 +87,12 @@ class ArRunner:
             from triton_omni.ar.engine_vllm import VllmEngine
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
-            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, cfg.engine_args)
+            share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args)
         from triton_omni.ar.engine_transformers import DEFAULT_MAX_NUM_SEQS, TransformersEngine
+
+        if cfg.gpu_memory_utilization is not None:
+            cap_torch(cfg.gpu_memory_utilization, cfg.device)
 
         # vLLM's name for the bound on sequences decoded together, read by both engines
         max_num_seqs = int(cfg.engine_args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))

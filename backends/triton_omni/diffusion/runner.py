@@ -30,6 +30,7 @@ from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
+from triton_omni.gpu_memory import cap_torch
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class DiffusionRunnerConfig:
     cuda_graphs: bool = True
     limits: dict[str, Any] = field(default_factory=dict)  # DiffusionLimits overrides
     defaults: dict[str, Any] = field(default_factory=dict)  # default steps/size/guidance
+    # This model's share of its GPU: the torch allocator is capped at it (gpu_memory.py).
+    gpu_memory_utilization: float | None = None
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -75,6 +78,8 @@ class DiffusionRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         path = resolve_model(config.model)
+        if config.gpu_memory_utilization is not None:
+            cap_torch(config.gpu_memory_utilization, config.device)
         self.pipeline = DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device)
         self.pipeline.set_progress_bar_config(disable=True)
         denoiser = getattr(self.pipeline, "unet", None) or self.pipeline.transformer

@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS, ar_encode_outputs
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
-from triton_omni.triton.params import instance_device, json_parameter, model_parameters
+from triton_omni.triton.params import gpu_share, instance_device, json_parameter, model_parameters
 from triton_omni.triton.tensors import Outputs, complete_config
 
 GENERATE_OUTPUTS = Outputs(AR_GENERATE_OUTPUTS)
@@ -48,6 +48,7 @@ def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
         embeds_dtype=params.get("embeds_dtype", "float32"),
         limits=limits,
         engine_args=json_parameter(params, "engine_args"),
+        gpu_memory_utilization=gpu_share(params),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 from triton_omni.diffusion import DiffusionRunnerConfig
-from triton_omni.triton.params import instance_device, json_parameter, model_parameters
+from triton_omni.triton.params import gpu_share, instance_device, json_parameter, model_parameters
 from triton_omni.triton.tensors import complete_config
 
 
@@ -29,4 +29,5 @@ def runner_config(model_config: dict, args: dict) -> DiffusionRunnerConfig:
         cuda_graphs=params.get("cuda_graphs", "true").lower() == "true",
         limits=json_parameter(params, "limits"),
         defaults=json_parameter(params, "defaults"),
+        gpu_memory_utilization=gpu_share(params),
     )

@@ -23,6 +23,18 @@ def json_parameter(params: dict[str, str], key: str) -> dict[str, Any]:
     return value
 
 
+def gpu_share(params: dict[str, str]) -> float | None:
+    """The ``gpu_memory_utilization`` parameter (the model's share of its GPU), if set."""
+    raw = params.get("gpu_memory_utilization", "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"model parameter 'gpu_memory_utilization' must be a number in (0, 1], got {raw!r}") \
+            from None
+
+
 def instance_device(args: dict, requested: str = "auto") -> str:
     """The torch device of this model instance.
 

@@ -5,7 +5,9 @@ that measures both and hands the points to the report."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 import tempfile
 import time
 import uuid
@@ -16,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from triton_omni_tools.bench.presets import BATCH_SIZE_METRICS, PRESETS, PROMPT, WORKLOADS, Preset, models_for
+from triton_omni_tools.bench.presets import (
+    BATCH_SIZE_METRICS,
+    GENERATION_WORKLOADS,
+    PRESETS,
+    PROMPT,
+    WORKLOADS,
+    Preset,
+    models_for,
+)
 from triton_omni_tools.bench.report import device_name, plot, progress, table
 
 
@@ -30,17 +40,49 @@ class Point:
     latencies_s: list[float] = field(repr=False)
     mean_batch: float | None = None  # Triton side: mean executed batch size of the batching stage
     server: dict[str, float] | None = None  # Triton side: its own statistics of that stage
+    streams: list[Stream] | None = None  # text generation: each request's token timeline
 
     @property
     def throughput(self) -> float:
+        """Output tokens/s for text generation, requests/s otherwise."""
+        if self.streams is not None:
+            return sum(s.tokens for s in self.streams) / self.seconds
         return self.requests / self.seconds
 
     def summary(self) -> dict[str, Any]:
         lat = np.array(self.latencies_s)
-        return {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
-                "requests": self.requests, "throughput_per_s": self.throughput,
-                "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                "mean_batch": self.mean_batch, "server": self.server}
+        summary = {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
+                   "requests": self.requests, "throughput_per_s": self.throughput,
+                   "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                   "mean_batch": self.mean_batch, "server": self.server}
+        if self.streams is not None:
+            ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
+            itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
+            summary |= {"unit": "tokens", "ttft_p50_ms": float(np.percentile(ttft, 50)),
+                        "ttft_p99_ms": float(np.percentile(ttft, 99)), "itl_p50_ms": float(np.percentile(itl, 50)),
+                        "itl_p99_ms": float(np.percentile(itl, 99))}
+        return summary
+
+
+@dataclass
+class Stream:
+    """One streamed generation: time to first token, the inter-token gaps, tokens."""
+
+    ttft_s: float
+    itl_s: list[float]
+    tokens: int
+    latency_s: float
+
+    @classmethod
+    def from_marks(cls, start: float, marks: list[tuple[float, int]]) -> Stream:
+        """``marks``: (arrival time, new tokens) of each response. A response
+        carrying k tokens after a gap g counts as k gaps of g / k (vLLM's own
+        benchmark does the same)."""
+        marks = [m for m in marks if m[1] > 0] or marks
+        itl = []
+        for (before, _), (at, tokens) in itertools.pairwise(marks):
+            itl += [(at - before) / tokens] * tokens
+        return cls(marks[0][0] - start, itl, sum(n for _, n in marks), marks[-1][0] - start)
 
 
 # -- direct: the runner library in this process ---------------------------------
@@ -53,16 +95,19 @@ class Direct:
 
         self.preset = preset
         needs = set(preset.workloads)
-        self.generator = ArRunner(ArRunnerConfig(preset.ar_model, "generate", device=device)) \
-            if "ar" in needs else None
-        # every workload but `ar` needs embeddings (diffusion takes one precomputed prompt's)
+        engines = {"ar": "auto", "ar_transformers": "transformers"}
+        self.generators = {workload: ArRunner(ArRunnerConfig(preset.ar_model, "generate", engine=engines[workload],
+                                                             device=device))
+                           for workload in GENERATION_WORKLOADS if workload in needs}
+        # every other workload needs embeddings (diffusion takes one precomputed prompt's)
         self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device)) \
-            if needs - {"ar"} else None
+            if needs - set(GENERATION_WORKLOADS) else None
         diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
                                                  batch_size=preset.max_batch_size,
                                                  exact_batching=preset.exact_batching,
                                                  limits={"max_size": max(1024, preset.size)})
-        self.diffusion = DiffusionRunner(diffusion_config) if needs - {"ar", "ar_encoder"} else None
+        self.diffusion = DiffusionRunner(diffusion_config) if needs - {*GENERATION_WORKLOADS, "ar_encoder"} \
+            else None
         self.embeds = self._encode(1)[0] if self.encoder else None
 
     def _encode(self, n: int) -> list:
@@ -78,32 +123,53 @@ class Direct:
                     for i, e in enumerate(embeds)]
         self.diffusion.run(requests)
 
-    def _generate(self, n: int) -> None:
+    def stream_call(self, workload: str):
+        """A coroutine function streaming one generation request: the raw vLLM
+        ``AsyncLLM`` (token ids in, DELTA outputs) for vLLM, the engine through
+        the runner for transformers."""
+        runner = self.generators[workload]
+        if runner.engine_name == "vllm":
+            return self._raw_vllm_stream(runner)
         from triton_omni.ar import GenerateRequest
 
-        request = GenerateRequest.from_inputs({"text_input": PROMPT, "sampling_parameters": json.dumps(
-            {"max_tokens": self.preset.max_tokens, "ignore_eos": True})}, self.generator.config.limits)
+        request = GenerateRequest.from_inputs({"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps(
+            {"max_tokens": self.preset.max_tokens, "ignore_eos": True})}, runner.config.limits)
 
-        async def one():
-            async for _ in self.generator.generate(request, uuid.uuid4().hex):
-                pass
+        async def one() -> Stream:
+            start, marks = time.perf_counter(), []
+            async for response in runner.generate(request, uuid.uuid4().hex):
+                marks.append((time.perf_counter(), sum(response.num_output_tokens)))
+            return Stream.from_marks(start, marks)
 
-        async def all_of_them():
-            await asyncio.gather(*(one() for _ in range(n)))
+        return one
 
-        self.generator.loop.run(all_of_them())
+    def _raw_vllm_stream(self, runner):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = runner.engine.engine  # the AsyncLLM itself
+        prompt_ids = runner.tokenize(PROMPT)
+        params = SamplingParams(max_tokens=self.preset.max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+
+        async def one() -> Stream:
+            start, marks = time.perf_counter(), []
+            async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, uuid.uuid4().hex):
+                marks.append((time.perf_counter(), len(output.outputs[0].token_ids)))
+            return Stream.from_marks(start, marks)
+
+        return one
 
     def call(self, workload: str) -> Callable[[int], None]:
         return {
             "diffusion": lambda c: self._diffuse([self.embeds] * c),
             "ar_encoder": lambda c: self._encode(c),
-            "ar": self._generate,
             "text_to_image": lambda c: self._diffuse(self._encode(c)),
             "omni": lambda c: self._diffuse(self._encode(c)),
         }[workload]
 
     def close(self) -> None:
-        for runner in (self.generator, self.encoder):
+        for runner in (*self.generators.values(), self.encoder):
             if runner is not None:
                 runner.close()
         self.diffusion = None
@@ -123,6 +189,25 @@ def measure_direct(direct: Direct, workload: str, concurrency: int, requests: in
         call(concurrency)
         latencies += [time.perf_counter() - t0] * concurrency
     return Point(workload, concurrency, side, rounds * concurrency, time.perf_counter() - start, latencies)
+
+
+def measure_direct_generation(direct: Direct, workload: str, concurrency: int, per_worker: int) -> Point:
+    """``concurrency`` closed-loop clients in the engine's own event loop, each
+    streaming ``per_worker`` requests one after another (after a warm-up round)."""
+    one = direct.stream_call(workload)
+
+    async def clients(rounds: int) -> list[Stream]:
+        async def client() -> list[Stream]:
+            return [await one() for _ in range(rounds)]
+
+        return [s for streams in await asyncio.gather(*(client() for _ in range(concurrency))) for s in streams]
+
+    loop = direct.generators[workload].loop
+    loop.run(clients(1))
+    start = time.perf_counter()
+    streams = loop.run(clients(per_worker), timeout=3600)
+    return Point(workload, concurrency, "direct", len(streams), time.perf_counter() - start,
+                 [s.latency_s for s in streams], streams=streams)
 
 
 def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
@@ -156,11 +241,6 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> 
     def ar_encoder():
         check(client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT)), "prompt_embeds")
 
-    def ar():
-        values = {"text_input": PROMPT, "sampling_parameters": json.dumps(
-            {"max_tokens": preset.max_tokens, "ignore_eos": True})}
-        list(stream_infer(url, "ar", omni_inputs(grpcclient, values)))
-
     def text_to_image():
         inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **image_options)
         check(client.infer("text_to_image", inputs), "image")
@@ -170,9 +250,39 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> 
         [result] = list(stream_infer(url, "omni", omni_inputs(grpcclient, values)))
         check(result, "image")
 
-    calls = {"diffusion": diffusion, "ar_encoder": ar_encoder, "ar": ar, "text_to_image": text_to_image,
-             "omni": omni}
+    if workload in GENERATION_WORKLOADS:
+        return _generation_call(client, workload, preset)
+    calls = {"diffusion": diffusion, "ar_encoder": ar_encoder, "text_to_image": text_to_image, "omni": omni}
     return calls[workload]
+
+
+def _generation_call(client, model: str, preset: Preset) -> Callable[[], Stream]:
+    """Streams one request over this client's one gRPC stream, opened once
+    (as a serving client keeps its channel), and times every response."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from triton_omni_client.client import omni_inputs
+
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+    inputs = omni_inputs(grpcclient, {
+        "text_input": PROMPT, "stream": True, "return_num_output_tokens": True,
+        "sampling_parameters": json.dumps({"max_tokens": preset.max_tokens, "ignore_eos": True})})
+
+    def call() -> Stream:
+        start, marks = time.perf_counter(), []
+        client.async_stream_infer(model, inputs)
+        while True:
+            at, result, error = responses.get(timeout=600)
+            if error is not None:
+                raise error
+            tokens = result.as_numpy("num_output_tokens")
+            marks.append((at, 0 if tokens is None else int(tokens.sum())))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return Stream.from_marks(start, marks)
+
+    return call
 
 
 def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int,
@@ -200,12 +310,13 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     outcomes = [results.get() for _ in workers]
     for worker in workers:
         worker.join()
-    errors = [error for _, _, error in outcomes if error]
+    errors = [error for *_, error in outcomes if error]
     if errors:
         raise RuntimeError(f"{len(errors)} {workload} client(s) failed; first: {errors[0]}")
-    latencies = [latency for lat, _, _ in outcomes for latency in lat]
-    point = Point(workload, concurrency, "triton", len(latencies), max(end for _, end, _ in outcomes) - start,
-                  latencies)
+    latencies = [latency for lat, *_ in outcomes for latency in lat]
+    streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
+    point = Point(workload, concurrency, "triton", len(latencies), max(end for *_, end, _ in outcomes) - start,
+                  latencies, streams=streams if workload in GENERATION_WORKLOADS else None)
     point.mean_batch = _mean_batch(batches_before, _batch_counts(metrics_url, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
     return point
@@ -233,7 +344,7 @@ def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> None:
-    latencies, error = [], None
+    latencies, streams, error = [], [], None
     call = triton_call(workload, url, preset, embeds)
     ready.put(True)
     warm.wait()
@@ -245,12 +356,14 @@ def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> 
     for _ in range(preset.requests_per_worker):
         t0 = time.time()
         try:
-            call()
+            stream = call()
         except Exception as exc:  # sent back to the parent, which raises it
             error = f"{type(exc).__name__}: {exc}"
             break
         latencies.append(time.time() - t0)
-    results.put((latencies, time.time(), error))
+        if stream is not None:
+            streams.append(stream)
+    results.put((latencies, streams, time.time(), error))
 
 
 def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
@@ -278,19 +391,23 @@ def _mean_batch(before: tuple[float, float], after: tuple[float, float]) -> floa
 def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     """Copies of the default repositories with the preset's models and batch size."""
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
-    from triton_omni_tools.repository import copy_repositories
+    from triton_omni_tools.repository import copy_model, copy_repositories
 
     ar = {"model": preset.ar_model}
-    return copy_repositories(DEFAULT_REPOSITORIES, dest, {
+    variants = dest / "variants"
+    variants.mkdir(parents=True)
+    copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
+               parameters=ar | {"engine": "transformers", "gpu_memory_utilization": "0.15"})
+    return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
         "ar": {"parameters": ar},
-        "ar_encoder": {"parameters": ar, "max_batch_size": preset.max_batch_size},
+        "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
                            "exact_batching": str(preset.exact_batching).lower()},
             "max_batch_size": preset.max_batch_size,
             "max_queue_delay_us": preset.diffusion_queue_delay_us,
         },
-    })
+    })]
 
 
 # -- the run -------------------------------------------------------------------------
@@ -301,11 +418,15 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     import torch
     from triton_omni.demo_models import resolve_model
 
-    from triton_omni_tools.launcher import ServerOptions, TritonServer
+    from triton_omni_tools.launcher import ServerOptions, TritonServer, vllm_gpu_env
 
+    for key, value in vllm_gpu_env().items():  # the direct side runs vLLM in this process
+        os.environ.setdefault(key, value)
     preset = PRESETS[preset_name]
-    preset = Preset(**(asdict(preset) | {k: v for k, v in (("concurrency", concurrency), ("workloads", workloads))
-                                          if v}))
+    overrides = {"workloads": workloads} if workloads else {}
+    if concurrency:  # one list for every workload
+        overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
+    preset = Preset(**(asdict(preset) | overrides))
     resolve_model(preset.ar_model), resolve_model(preset.diffusion_model)  # build demo models before timing
     device = "cuda" if torch.cuda.is_available() else "cpu"
     points: list[Point] = []
@@ -321,7 +442,10 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     direct = Direct(preset, device)
     embeds = direct.embeds.float().cpu().numpy() if direct.embeds is not None else None
     for workload in preset.workloads:
-        for c in preset.concurrency:
+        for c in preset.concurrency_for(workload):
+            if workload in GENERATION_WORKLOADS:
+                record(measure_direct_generation(direct, workload, c, preset.requests_per_worker))
+                continue
             record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
             if workload == "diffusion" and direct.diffusion.graphs is not None:
                 record(measure_eager(direct, c, c * preset.requests_per_worker))
@@ -335,7 +459,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
                                 model_control_mode="explicit", load_models=models_for(preset.workloads))
         with TritonServer(options) as server:
             for workload in preset.workloads:
-                for c in preset.concurrency:
+                for c in preset.concurrency_for(workload):
                     record(measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url))
 
     rows = table(points)

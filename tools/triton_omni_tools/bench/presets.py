@@ -25,15 +25,25 @@ class Preset:
     # short next to a 2 s batch: 16 closed-loop clients re-sending after a batch then miss it,
     # and the batches split for good (15 + 1, ...). 100 ms is 5% of such a batch.
     diffusion_queue_delay_us: int = 20_000
-    workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "text_to_image", "omni")
+    workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "ar_transformers", "text_to_image", "omni")
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
+    # The AR stages (text generation, prompt encoding) are measured where LLM serving is: up to 64 at once.
+    ar_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    encoder_max_batch_size: int = 64  # ar_encoder's, so that direct and Triton batch alike at every concurrency
 
+    def concurrency_for(self, workload: str) -> tuple[int, ...]:
+        return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
+
+
+# Text generation, each through its engine: vLLM (`ar`) and the transformers fallback.
+GENERATION_WORKLOADS = ("ar", "ar_transformers")
+AR_WORKLOADS = (*GENERATION_WORKLOADS, "ar_encoder")
 
 PRESETS = {
     "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
-                   max_batch_size=8, requests_per_worker=2),
+                   max_batch_size=8, requests_per_worker=2, ar_concurrency=(1, 4, 16), encoder_max_batch_size=16),
     "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
-                        max_tokens=32, max_batch_size=16, requests_per_worker=2, exact_batching=False,
+                        max_tokens=128, max_batch_size=16, requests_per_worker=2, exact_batching=False,
                         diffusion_queue_delay_us=100_000),
 }
 
@@ -48,6 +58,7 @@ WORKLOADS = {
     "diffusion": Workload(("diffusion",), "diffusion"),
     "ar_encoder": Workload(("ar_encoder",), "ar_encoder"),
     "ar": Workload(("ar",), "ar"),
+    "ar_transformers": Workload(("ar_transformers",), "ar_transformers"),
     "text_to_image": Workload(("ar_encoder", "diffusion", "text_to_image"), "diffusion"),
     "omni": Workload(("ar", "ar_encoder", "diffusion", "omni"), "diffusion"),
 }

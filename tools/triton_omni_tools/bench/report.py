@@ -14,7 +14,10 @@ def progress(point) -> None:
     if s["server"]:
         server = s["server"]
         batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
-    print(f"  {s['workload']:<14} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}/s  "
+    if s.get("unit") == "tokens":
+        batch = f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms  ITL p50 {s['itl_p50_ms']:.2f} ms" + batch
+    unit = "tok/s" if s.get("unit") == "tokens" else "/s"
+    print(f"  {s['workload']:<15} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}{unit}  "
           f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
 
 
@@ -32,6 +35,10 @@ def table(points: list) -> list[dict]:
                "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
                "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
                "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
+        if d.get("unit") == "tokens":
+            row |= {"unit": "tokens"} | {f"{side}_{key}": summary[key]
+                                         for side, summary in (("direct", d), ("triton", t))
+                                         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
         eager = by_key.get((workload, c, "eager"))
         if eager is not None:
             row |= {"eager_per_s": eager["throughput_per_s"],
@@ -40,6 +47,7 @@ def table(points: list) -> list[dict]:
         print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
               f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
               f"{row['triton_p99_ms']:>12.1f}")
+    generation_table(rows)
     eager_rows = [r for r in rows if "eager_per_s" in r]
     if eager_rows:
         print("\ndiffusion against the eager (raw diffusers) curve, measured in the same run:")
@@ -48,6 +56,27 @@ def table(points: list) -> list[dict]:
                   f"{r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
                   f"triton/eager {r['ratio_to_eager']:.2f}")
     return rows
+
+
+def generation_table(rows: list[dict]) -> None:
+    """Text generation in output tokens/s, time to first token and inter-token latency, and how
+    each engine's Triton throughput scales with concurrency."""
+    rows = [r for r in rows if r.get("unit") == "tokens"]
+    if not rows:
+        return
+    header = (f"{'workload':<16}{'conc':>5}{'direct tok/s':>13}{'triton tok/s':>13}{'ratio':>7}"
+              f"{'TTFT p50 d/t ms':>18}{'TTFT p99 d/t ms':>18}{'ITL p50 d/t ms':>17}{'ITL p99 d/t ms':>17}")
+    print("\ntext generation (tokens/s; TTFT and ITL direct/triton)\n" + header + "\n" + "-" * len(header))
+    for r in rows:
+        pairs = [f"{r[f'direct_{k}']:.1f}/{r[f'triton_{k}']:.1f}" for k in ("ttft_p50_ms", "ttft_p99_ms")]
+        pairs += [f"{r[f'direct_{k}']:.2f}/{r[f'triton_{k}']:.2f}" for k in ("itl_p50_ms", "itl_p99_ms")]
+        print(f"{r['workload']:<16}{r['concurrency']:>5}{r['direct_per_s']:>13.1f}{r['triton_per_s']:>13.1f}"
+              f"{r['ratio']:>7.2f}{pairs[0]:>18}{pairs[1]:>18}{pairs[2]:>17}{pairs[3]:>17}")
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        curve = sorted((r["concurrency"], r["triton_per_s"]) for r in rows if r["workload"] == workload)
+        if len(curve) > 1 and curve[0][0] == 1:
+            print(f"{workload} through Triton, tokens/s against concurrency 1: "
+                  + ", ".join(f"c{c} {v / curve[0][1]:.1f}x" for c, v in curve[1:]))
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -70,7 +99,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             return (x0 + w * i / max(1, len(data) - 1), y0 + h - h * value / top)  # noqa: B023
 
         draw.rectangle([x0, y0, x0 + w, y0 + h], outline="gray")
-        draw.text((x0, y0 - 16), f"{workload} (per s)", fill="black")
+        unit = "tokens/s" if data[0].get("unit") == "tokens" else "per s"
+        draw.text((x0, y0 - 16), f"{workload} ({unit})", fill="black")
         draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
         for i, c in enumerate(concurrencies):
             draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")

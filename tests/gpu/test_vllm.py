@@ -1,0 +1,93 @@
+"""The AR stage on vLLM on a GPU: streaming, cancellation reaching vLLM's
+``abort``, and ``ar_encoder``'s embeddings equal to the transformers
+engine's for the same weights. GPU only (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs a CUDA device and vLLM", allow_module_level=True)
+
+from triton_omni.ar import ArRunner, ArRunnerConfig, EncodeRequest, GenerateRequest
+from triton_omni.demo_models import build_all
+
+MODEL = "demo:tiny-qwen2"
+
+
+@pytest.fixture(scope="module")
+def generator():
+    build_all()
+    runner = ArRunner(ArRunnerConfig(MODEL, "generate", engine="vllm", device="cuda", gpu_memory_utilization=0.1))
+    yield runner
+    runner.close()
+
+
+def request(max_tokens: int, stream: bool = True) -> GenerateRequest:
+    return GenerateRequest.from_inputs({"text_input": "a lighthouse", "stream": stream, "sampling_parameters":
+                                        json.dumps({"max_tokens": max_tokens, "ignore_eos": True})},
+                                       ArRunnerConfig(MODEL).limits)
+
+
+def test_streams_every_token(generator):
+    async def run():
+        return [r async for r in generator.generate(request(64), "stream-1")]
+
+    responses = generator.loop.run(run())
+    assert len(responses) > 1
+    assert sum(sum(r.num_output_tokens) for r in responses) == 64
+    assert responses[-1].final and responses[-1].finish_reasons == ["length"]
+
+
+def test_cancellation_reaches_vllm_abort(generator):
+    llm = generator.engine.engine  # the AsyncLLM
+    aborted = []
+    real_abort = llm.abort
+
+    async def spy(request_id, *args, **kwargs):
+        aborted.append(request_id)
+        return await real_abort(request_id, *args, **kwargs)
+
+    llm.abort = spy
+    try:
+        async def run():
+            async def consume():
+                async for _ in generator.generate(request(100_000 // 100), "victim"):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.2)  # under way
+            task.cancel()  # what the Triton adapter does on a client's cancellation
+            await generator.abort("victim")
+            await asyncio.sleep(0.5)
+            return llm.output_processor.has_unfinished_requests()
+
+        unfinished = generator.loop.run(run())
+    finally:
+        llm.abort = real_abort
+    assert "victim" in aborted
+    assert not unfinished
+
+
+def test_encoder_embeddings_match_the_transformers_engine():
+    build_all()
+    prompts = ["a lighthouse on a cliff at dusk", "x", "the quick brown fox jumps over the lazy dog"]
+    embeddings = {}
+    for engine in ("vllm", "transformers"):
+        runner = ArRunner(ArRunnerConfig(MODEL, "encode", engine=engine, device="cuda", dtype="bfloat16",
+                                         gpu_memory_utilization=0.1))
+        try:
+            results = runner.loop.run(runner.encode([EncodeRequest(p) for p in prompts]))
+            embeddings[engine] = [r.hidden_states.float().cpu() for r in results]
+        finally:
+            runner.close()
+    for ours, reference in zip(embeddings["vllm"], embeddings["transformers"], strict=True):
+        assert ours.shape == reference.shape
+        cosine = torch.nn.functional.cosine_similarity(ours, reference, dim=-1)
+        assert cosine.min() > 0.99, cosine
+        assert (ours - reference).abs().max() <= 0.05 * reference.abs().max()
