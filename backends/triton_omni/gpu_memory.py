@@ -88,4 +88,5 @@ def cap_torch(share: float, device: str) -> None:
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
+        index = torch.device(device).index
+        torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device() if index is None else index)
