@@ -87,6 +87,19 @@ class Stream:
 
 # -- direct: the runner library in this process ---------------------------------
 
+TRANSFORMERS_SHARE = "0.15"  # ar_transformers' share of the GPU (the bench adds that model)
+
+
+def gpu_share(model: str) -> float:
+    """A model's gpu_memory_utilization in the default repository (the bench's own for ar_transformers)."""
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.repository import load_config
+
+    if model == "ar_transformers":
+        return float(TRANSFORMERS_SHARE)
+    return float(load_config(DEFAULT_REPOSITORIES[0] / model / "config.pbtxt")
+                 .parameters["gpu_memory_utilization"].string_value)
+
 
 class Direct:
     def __init__(self, preset: Preset, device: str):
@@ -96,16 +109,19 @@ class Direct:
         self.preset = preset
         needs = set(preset.workloads)
         engines = {"ar": "auto", "ar_transformers": "transformers"}
+        # The same GPU memory plan as the server's: every runner here lives at once.
         self.generators = {workload: ArRunner(ArRunnerConfig(preset.ar_model, "generate", engine=engines[workload],
-                                                             device=device))
+                                                             device=device, gpu_memory_utilization=gpu_share(workload)))
                            for workload in GENERATION_WORKLOADS if workload in needs}
         # every other workload needs embeddings (diffusion takes one precomputed prompt's)
-        self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device)) \
+        self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device,
+                                               gpu_memory_utilization=gpu_share("ar_encoder"))) \
             if needs - set(GENERATION_WORKLOADS) else None
         diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
                                                  batch_size=preset.max_batch_size,
                                                  exact_batching=preset.exact_batching,
-                                                 limits={"max_size": max(1024, preset.size)})
+                                                 limits={"max_size": max(1024, preset.size)},
+                                                 gpu_memory_utilization=gpu_share("diffusion"))
         self.diffusion = DiffusionRunner(diffusion_config) if needs - {*GENERATION_WORKLOADS, "ar_encoder"} \
             else None
         self.embeds = self._encode(1)[0] if self.encoder else None
@@ -397,7 +413,7 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
-               parameters=ar | {"engine": "transformers", "gpu_memory_utilization": "0.15"})
+               parameters=ar | {"engine": "transformers", "gpu_memory_utilization": TRANSFORMERS_SHARE})
     return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
         "ar": {"parameters": ar},
         "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size},
