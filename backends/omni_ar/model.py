@@ -16,7 +16,7 @@ import uuid
 import torch
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch/vLLM read files
 import triton_python_backend_utils as pb_utils
-from triton_omni.ar import ArRunner, EncodeRequest, GenerateRequest
+from triton_omni.ar import ArResponse, ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
 from triton_omni.gpu_memory import check_share
 from triton_omni.triton import ar_io
@@ -87,8 +87,13 @@ class TritonPythonModel:
                                           on_cancel=lambda: self.runner.abort(request_id)):
             async for response in self.runner.generate(request, request_id, on_first_token=first_token):
                 self.metrics.generated_tokens.increment(sum(response.num_output_tokens))  # new since last response
-                self.responses.send(sender, ar_io.generate_response(response, request.outputs),
-                                    final=response.final)
+                if request.stream:  # under load, responses still queued merge (responses.py)
+                    self.responses.send_streamed(
+                        sender, response, response.final, merge=ArResponse.then,
+                        build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted))
+                else:
+                    self.responses.send(sender, ar_io.generate_response(response, request.outputs),
+                                        final=response.final)
 
     # -- encode (batched) -----------------------------------------------------
 

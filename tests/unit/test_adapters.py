@@ -103,6 +103,33 @@ def test_the_response_thread_sends_in_order_ends_final_and_stops_polling_after_i
     assert sender.polls == polls  # no is_cancelled() after the final response (it crashed tritonserver)
 
 
+def test_streamed_responses_still_queued_merge_into_one():
+    """A busy response thread sends one merged response for what queued behind a send."""
+    from triton_omni.ar import ArResponse
+
+    def chunk(text: str, final: bool = False) -> ArResponse:
+        return ArResponse([text], [1], 3, [None], [None], ["length"] if final else None, final)
+
+    release = threading.Event()
+
+    class SlowSender(FakeSender):
+        def send(self, response, flags=0):
+            release.wait(5)  # the IPC of the first send takes a while
+            super().send(response, flags)
+
+    thread = ResponseThread(poll_s=0.001)
+    sender = SlowSender()
+    for i, text in enumerate(["a", "b", "c", "d"]):
+        thread.send_streamed(sender, chunk(text, final=i == 3), final=i == 3, merge=ArResponse.then,
+                             build=lambda r: (r.texts, r.num_output_tokens, r.finish_reasons))
+        threading.Event().wait(0.02)  # the first one is being sent by now
+    release.set()
+    assert sender.done.wait(5)
+    thread.stop()
+    final = fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert sender.sent == [((["a"], [1], None), 0), ((["bcd"], [3], ["length"]), final)]
+
+
 class InFlight:
     def __init__(self):
         self.value = 0

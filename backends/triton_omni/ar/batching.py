@@ -267,8 +267,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Gener
 class _TextStream:
     """Turns a sequence's tokens into text deltas.
 
-    Text is decoded from all tokens so far (multi-byte characters split across
-    tokens come out whole). While stop strings are configured, the last
+    Every token makes a delta, with the text it completes: multi-byte
+    characters split across tokens come out whole, so a token may complete
+    none yet (its delta then has empty text). While stop strings are configured, the last
     ``len(longest stop) - 1`` characters are held back so that a stop string
     split across tokens is never streamed.
     """
@@ -294,7 +295,9 @@ class _TextStream:
             self.text = self.text[:cut + keep]
             self.finish("stop")
             return True
-        if not self.text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+        if self.text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self._send(self.text[: self.sent_chars], None)
+        else:
             self._send(self.text[: max(self.sent_chars, len(self.text) - self.hold_back)], None)
         return False
 
@@ -303,7 +306,8 @@ class _TextStream:
 
     def _send(self, text: str, reason: str | None) -> None:
         delta = text[self.sent_chars:]
-        if delta or reason is not None:
+        # Every new token is reported, with the text it completes (maybe none yet), as vLLM does.
+        if delta or reason is not None or self.num_tokens > self.sent_tokens:
             self.sent_chars = len(text)
             new_tokens, self.sent_tokens = self.num_tokens - self.sent_tokens, self.num_tokens
             self.emit(Delta(delta, new_tokens, reason))

@@ -31,6 +31,20 @@ class ArResponse:
     finish_reasons: list[str] | None = None  # set on the final response only
     final: bool = False
 
+    def then(self, later: ArResponse) -> ArResponse:
+        """This streamed response and the next one as one: what a client
+        would have read from the two, when the server is too busy to send both."""
+        return ArResponse(
+            texts=[a + b for a, b in zip(self.texts, later.texts, strict=True)],
+            num_output_tokens=[a + b for a, b in zip(self.num_output_tokens, later.num_output_tokens, strict=True)],
+            num_input_tokens=later.num_input_tokens,
+            cumulative_logprobs=later.cumulative_logprobs,
+            logprobs=[None if a is None and b is None else (a or []) + (b or [])
+                      for a, b in zip(self.logprobs, later.logprobs, strict=True)],
+            finish_reasons=later.finish_reasons,
+            final=later.final,
+        )
+
 
 @dataclass
 class _Completion:

@@ -8,6 +8,14 @@ they deadlocked a Triton 2.51 stub here: the event loop sat in
 only enqueues, and this thread sends every response (the Triton vLLM
 backend's design). Between sends, it polls the cancellation of the
 requests it is asked to watch.
+
+Streamed responses coalesce (``send_streamed``): while a request's last
+response still waits in the queue, the next one merges into it. Each send
+is an IPC round trip, so one thread sends a bounded number per second; under
+load (many streams, a token every few milliseconds each) a stream then gets
+fewer, larger responses instead of a growing backlog, as vLLM's own DELTA
+outputs do for a slow reader. At low load nothing waits and every token is
+its own response.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from triton_omni.triton.errors import error_response
 
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_STREAMED = -1  # queue marker: a coalescing entry of send_streamed
 POLL_S = 0.05
 
 
@@ -34,6 +43,7 @@ class ResponseThread:
     def __init__(self, poll_s: float = POLL_S):
         self._queue: queue.Queue = queue.Queue()
         self._watched: dict[int, tuple[object, Callable[[], None], Callable[[], bool] | None]] = {}
+        self._unsent: dict[int, list] = {}  # sender id -> [item, final, build], queued but not yet sent
         self._lock = threading.Lock()
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._drain, name="omni-responses", daemon=True)
@@ -41,6 +51,19 @@ class ResponseThread:
 
     def send(self, sender, response=None, final: bool = False) -> None:
         self._queue.put((sender, response, FINAL if final else 0))
+
+    def send_streamed(self, sender, item, final: bool, merge: Callable, build: Callable) -> None:
+        """Queue ``build(item)`` for ``sender``, or merge ``item`` into the one
+        still waiting for it (``merge(waiting, item)``); tensors are built
+        once, on this thread, just before the send."""
+        with self._lock:
+            waiting = self._unsent.get(id(sender))
+            if waiting is not None:
+                waiting[0] = merge(waiting[0], item)
+                waiting[1] = waiting[1] or final
+                return
+            self._unsent[id(sender)] = entry = [item, final, build]
+        self._queue.put((sender, entry, _STREAMED))
 
     @contextlib.asynccontextmanager
     async def serving(self, sender, context: str, metrics, started: float,
@@ -101,6 +124,14 @@ class ResponseThread:
                 next_poll = time.monotonic() + self._poll_s
 
     def _send(self, sender, response, flags) -> None:
+        if flags == _STREAMED:
+            with self._lock:
+                item, final, build = self._unsent.pop(id(sender))
+            try:
+                response, flags = build(item), FINAL if final else 0
+            except Exception as exc:  # a response that cannot be built ends the request with its error
+                logger.exception("Could not build a response")
+                response, flags = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL
         if flags & FINAL:
             # Never poll a request after its final response: the server frees its
             # response factory, and is_cancelled() on it crashes tritonserver (seen).
