@@ -369,7 +369,8 @@ def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> 
     call()
     ready.put(True)
     go.wait()
-    for _ in range(preset.requests_per_worker):
+    rounds = preset.generation_requests_per_worker if workload in GENERATION_WORKLOADS else preset.requests_per_worker
+    for _ in range(rounds):
         t0 = time.time()
         try:
             stream = call()
@@ -460,7 +461,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     for workload in preset.workloads:
         for c in preset.concurrency_for(workload):
             if workload in GENERATION_WORKLOADS:
-                record(measure_direct_generation(direct, workload, c, preset.requests_per_worker))
+                record(measure_direct_generation(direct, workload, c, preset.generation_requests_per_worker))
                 continue
             record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
             if workload == "diffusion" and direct.diffusion.graphs is not None:

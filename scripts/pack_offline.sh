@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Pack what an offline GPU host (CPython 3.12, x86-64, CUDA torch installed) needs
+# to serve triton-omni, in folders small enough to copy one at a time (docs/gpu.md).
+# Run it on a machine with a package registry; scripts/gpu_setup.sh installs each
+# folder on the GPU host.
+#
+#   scripts/pack_offline.sh            all of it
+#   scripts/pack_offline.sh --no-vllm  without vLLM (ar and ar_encoder then run on transformers)
+#
+#   .offline   the Triton 2.51 server, Python backend and 3.12 stub from the nvidia-pytriton
+#              wheel (trimmed), and the diffusers, tritonclient, numpy 1.26.4 wheels (~52 MB)
+#   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1) (~40 MB)
+#   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
+#              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
+#              for other Pythons, as tar.xz in three ~45 MB parts
+#   .vllm4     the wheels vLLM imports that such a host lacks (~18 MB)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+with_vllm=1
+[ "${1:-}" = "--no-vllm" ] && with_vllm=0
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+platforms=(--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64
+           --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64
+           --platform manylinux_2_35_x86_64 --platform linux_x86_64)
+wheels() {  # wheels DEST SPEC...: cp312 binary wheels, no dependencies
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d "$1" "${@:2}"
+}
+
+mkdir -p .offline .offline2
+wheels "$tmp" nvidia-pytriton==0.7.0
+( cd "$tmp" && unzip -q nvidia_pytriton-*.whl 'pytriton/tritonserver/*' 'nvidia_pytriton.libs/*' \
+  && mkdir bundle && mv pytriton/tritonserver bundle/tritonserver && mv nvidia_pytriton.libs bundle/libs \
+  && rm -f bundle/libs/libpython3-*.so* \
+  && find bundle/tritonserver/python_backend_stubs -mindepth 1 -maxdepth 1 ! -name 3.12 -exec rm -rf {} + \
+  && tar cJf tritonserver.tar.xz -C bundle tritonserver libs )
+mv "$tmp/tritonserver.tar.xz" .offline/
+wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4
+wheels .offline2 scipy==1.14.1
+
+if [ "$with_vllm" = 1 ]; then
+  wheels "$tmp" vllm==0.24.0
+  mkdir "$tmp/tree" && (cd "$tmp/tree" && unzip -q ../vllm-0.24.0-*.whl)
+  ( cd "$tmp/tree/vllm"
+    rm -f vllm_flash_attn/_vllm_fa2_C.abi3.so vllm-rs
+    rm -rf third_party/fmha_sm100 third_party/deep_gemm/include entrypoints/serve/instrumentator/static
+    find . -name "_C.cpython-3*" ! -name "_C.cpython-312*" -delete )
+  (cd "$tmp/tree" && tar cf - . | xz -T0 -6 > "$tmp/vllm.tar.xz")
+  split -n 3 -d "$tmp/vllm.tar.xz" "$tmp/part"
+  for i in 0 1 2; do mkdir -p ".vllm$((i + 1))" && mv "$tmp/part0$i" ".vllm$((i + 1))/"; done
+  mkdir -p .vllm4
+  # What AsyncLLM's import and an engine start need beyond a torch host's packages
+  # (llguidance 1.7 is not on PyPI; 1.6.1 imports).
+  wheels .vllm4 annotated-types apache-tvm-ffi blake3 cachetools cbor2 "fastapi<0.137" ijson jiter llguidance \
+    msgspec openai openai-harmony opentelemetry-api partial-json-parser pybase64 pydantic pydantic-core pyzmq \
+    setproctitle sniffio starlette typing-inspection xgrammar httpx2 httpcore2 truststore
+fi
+du -sh .offline .offline2 .vllm[1-4] 2>/dev/null || true
