@@ -28,7 +28,7 @@ class Preset:
     workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "ar_transformers", "text_to_image", "omni")
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     # The AR stages (text generation, prompt encoding) are measured where LLM serving is: up to 64 at once.
-    ar_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    ar_concurrency: tuple[int, ...] = (1, 8, 16, 32, 64)
     encoder_max_batch_size: int = 64  # ar_encoder's, so that direct and Triton batch alike at every concurrency
     # Streams per client for text generation: enough tokens that one hiccup does not make the figure.
     generation_requests_per_worker: int = 4
