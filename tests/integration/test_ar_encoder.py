@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import numpy as np
@@ -60,14 +61,20 @@ def test_dynamic_batching_merges_concurrent_requests(http_url, model):
         return stats["inference_count"], stats["execution_count"]
 
     inferences_before, executions_before = counts()
-    with httpclient.InferenceServerClient(http_url, concurrency=32) as client:
-        pending = []
-        for prompt in PROMPTS * 8:
+    # 32 clients, connected and with their request built, released at once: with no
+    # batching window (the default), requests merge when they queue behind a running batch.
+    release = threading.Barrier(32)
+
+    def one(i: int) -> int:
+        with httpclient.InferenceServerClient(http_url) as client:
             t = httpclient.InferInput("text_input", [1, 1], "BYTES")
-            t.set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
-            pending.append(client.async_infer(model, [t]))
-        for request in pending:
-            assert request.get_result().as_numpy("prompt_embeds").size > 0
+            t.set_data_from_numpy(np.array([[PROMPTS[i % len(PROMPTS)].encode()]], dtype=np.object_))
+            client.is_server_live()
+            release.wait(timeout=60)
+            return client.infer(model, [t]).as_numpy("prompt_embeds").size
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert all(size > 0 for size in pool.map(one, range(32)))
     # Triton counts a request in its statistics after sending the response: wait for the last one.
     deadline = time.monotonic() + 10
     while (inferences := counts()[0]) - inferences_before < 32 and time.monotonic() < deadline:
