@@ -12,6 +12,7 @@ down (server, stubs and engine processes) so nothing is left behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -163,8 +164,9 @@ def build_backend_dir(install: ServerInstall, dest: Path | None = None) -> Path:
     return dest
 
 
+@functools.cache
 def gpu_count() -> int:
-    """GPUs nvidia-smi sees (0 without one); no CUDA context is created."""
+    """GPUs nvidia-smi sees (0 without one); no CUDA context is created. Asked once per process."""
     if shutil.which("nvidia-smi") is None:
         return 0
     try:

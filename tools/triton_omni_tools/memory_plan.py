@@ -37,14 +37,19 @@ class Share:
         return self.instances * self.share
 
 
+def configured_share(config) -> float | None:
+    """A model config's ``gpu_memory_utilization`` parameter, if set."""
+    raw = config.parameters["gpu_memory_utilization"].string_value.strip() \
+        if "gpu_memory_utilization" in config.parameters else ""
+    return float(raw) if raw else None
+
+
 def model_shares(config_path: Path, num_gpus: int) -> list[Share]:
     """The shares one model's config asks for, per GPU."""
     config = load_config(config_path)
-    raw = config.parameters["gpu_memory_utilization"].string_value.strip() \
-        if "gpu_memory_utilization" in config.parameters else ""
-    if not raw:
+    share = configured_share(config)
+    if share is None:
         return []
-    share = float(raw)
     name = config.name or config_path.parent.name
     groups = config.instance_group or [None]
     per_gpu: dict[int, int] = defaultdict(int)
@@ -75,13 +80,17 @@ def plan(repositories: list[Path], models: list[str] | None, num_gpus: int) -> l
     return shares
 
 
-def check(shares: list[Share]) -> None:
-    """Raise ``MemoryPlanError`` naming the models and numbers of each GPU whose plan does not fit."""
+def _by_gpu(shares: list[Share]) -> list[tuple[int, list[Share]]]:
     by_gpu: dict[int, list[Share]] = defaultdict(list)
     for share in shares:
         by_gpu[share.gpu].append(share)
+    return sorted(by_gpu.items())
+
+
+def check(shares: list[Share]) -> None:
+    """Raise ``MemoryPlanError`` naming the models and numbers of each GPU whose plan does not fit."""
     problems = []
-    for gpu, items in sorted(by_gpu.items()):
+    for gpu, items in _by_gpu(shares):
         total = sum(s.total for s in items)
         if total > MAX_TOTAL_SHARE + 1e-9:
             parts = " + ".join(f"{s.model} {s.share:g}" + (f" x {s.instances}" if s.instances > 1 else "")
@@ -96,8 +105,5 @@ def check(shares: list[Share]) -> None:
 
 def describe(shares: list[Share]) -> str:
     """One line per GPU, for the launcher's start-up message."""
-    by_gpu: dict[int, list[Share]] = defaultdict(list)
-    for share in shares:
-        by_gpu[share.gpu].append(share)
     return "\n".join(f"GPU {gpu} memory plan: " + ", ".join(f"{s.model} {s.total:g}" for s in items)
-                     + f" (total {sum(s.total for s in items):.2f})" for gpu, items in sorted(by_gpu.items()))
+                     + f" (total {sum(s.total for s in items):.2f})" for gpu, items in _by_gpu(shares))

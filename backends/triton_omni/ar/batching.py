@@ -98,8 +98,7 @@ class StepBatcher:
         self.rows: list[Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cache length]: 0 over left padding
-        self.steps = 0  # decode steps run (for tests and logs)
-        self.max_rows_seen = 0
+        self.max_rows_seen = 0  # the most rows decoded together (tests read it)
         self._thread = threading.Thread(target=self._run, name="omni-ar-batcher", daemon=True)
         self._thread.start()
 
@@ -167,7 +166,6 @@ class StepBatcher:
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
         out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
                          past_key_values=self._cache, use_cache=True)
-        self.steps += 1
         for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator), strict=True):
             sequence.position += 1
             sequence.accept(token)

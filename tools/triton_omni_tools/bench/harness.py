@@ -90,15 +90,15 @@ class Stream:
 TRANSFORMERS_SHARE = "0.15"  # ar_transformers' share of the GPU (the bench adds that model)
 
 
-def gpu_share(model: str) -> float:
+def gpu_share(model: str) -> float | None:
     """A model's gpu_memory_utilization in the default repository (the bench's own for ar_transformers)."""
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.memory_plan import configured_share
     from triton_omni_tools.repository import load_config
 
     if model == "ar_transformers":
         return float(TRANSFORMERS_SHARE)
-    return float(load_config(DEFAULT_REPOSITORIES[0] / model / "config.pbtxt")
-                 .parameters["gpu_memory_utilization"].string_value)
+    return configured_share(load_config(DEFAULT_REPOSITORIES[0] / model / "config.pbtxt"))
 
 
 class Direct:
