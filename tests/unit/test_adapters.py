@@ -4,6 +4,7 @@ mapping, the response thread's final-response and failure paths."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError, StageError
@@ -128,6 +129,41 @@ def test_streamed_responses_still_queued_merge_into_one():
     thread.stop()
     final = fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert sender.sent == [((["a"], [1], None), 0), ((["bcd"], [3], ["length"]), final)]
+
+
+def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn():
+    """Each is_cancelled() is an IPC round trip: a round stops at its time
+    budget, and the next one goes on where it stopped, so a cancelled request
+    late in the list is still found."""
+    from triton_omni.triton import responses
+
+    class SlowPoll(FakeSender):
+        def __init__(self, cancelled=False):
+            super().__init__()
+            self.cancelled = cancelled
+
+        def is_cancelled(self):
+            threading.Event().wait(0.004)  # a round trip to a busy server
+            self.polls += 1
+            return self.cancelled
+
+    thread = ResponseThread(poll_s=10.0)  # rounds driven by hand below
+    thread.stop()
+    thread._poll_s = 0.05  # budget: POLL_SHARE of 50 ms, two or three polls of 4 ms
+    senders = [SlowPoll() for _ in range(19)] + [SlowPoll(cancelled=True)]
+    noticed = threading.Event()
+    for sender in senders:
+        thread.watch(sender, on_cancel=noticed.set if sender.cancelled else lambda: None)
+    started = time.monotonic()
+    thread._poll_cancellations()
+    assert time.monotonic() - started < 0.05 * responses.POLL_SHARE + 0.02
+    assert 1 <= sum(s.polls for s in senders) < len(senders)
+    for _ in range(len(senders)):
+        if noticed.is_set():
+            break
+        thread._poll_cancellations()
+    assert noticed.is_set()
+    assert all(s.polls >= 1 for s in senders)
 
 
 class InFlight:

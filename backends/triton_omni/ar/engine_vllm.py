@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -97,7 +98,7 @@ class VllmEngine(ArEngine):
         from vllm import PoolingParams
 
         params = PoolingParams(task="token_embed", use_activation=False)
-        request_id = f"encode-{id(prompt_ids)}-{index}"
+        request_id = f"encode-{uuid.uuid4().hex}-{index}"  # unique across concurrent batches
         result = None
         async for output in self.engine.encode({"prompt_token_ids": prompt_ids}, params, request_id):
             result = output.outputs.data

@@ -7,7 +7,9 @@ they deadlocked a Triton 2.51 stub here: the event loop sat in
 ``is_cancelled`` while another stub waited in ``send``. So the engine loop
 only enqueues, and this thread sends every response (the Triton vLLM
 backend's design). Between sends, it polls the cancellation of the
-requests it is asked to watch.
+requests it is asked to watch: a share of its time at most (``POLL_SHARE``),
+round-robin, since every poll is an IPC round trip too and 64 streams polled
+every 50 ms would leave little time for their responses.
 
 Streamed responses coalesce (``send_streamed``): while a request's last
 response still waits in the queue, the next one merges into it. Each send
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _STREAMED = -1  # queue marker: a coalescing entry of send_streamed
 POLL_S = 0.05
+POLL_SHARE = 0.2  # of each poll interval, at most, spent asking the server about cancellations
 
 
 class ResponseThread:
@@ -46,6 +49,7 @@ class ResponseThread:
         self._unsent: dict[int, list] = {}  # sender id -> [item, final, build], queued but not yet sent
         self._lock = threading.Lock()
         self._poll_s = poll_s
+        self._poll_from = 0  # where the next round of cancellation polls starts
         self._thread = threading.Thread(target=self._drain, name="omni-responses", daemon=True)
         self._thread.start()
 
@@ -143,9 +147,19 @@ class ResponseThread:
             logger.exception("Could not send a response (flags=%s)", flags)
 
     def _poll_cancellations(self) -> None:
+        """Poll the watched requests in turn, for at most ``POLL_SHARE`` of a
+        poll interval; the next round goes on where this one stopped."""
         with self._lock:
             watched = list(self._watched.items())
-        for key, (sender, on_cancel, cancelled_elsewhere) in watched:
+        if not watched:
+            return
+        start = self._poll_from % len(watched)
+        deadline = time.monotonic() + self._poll_s * POLL_SHARE
+        polled = 0
+        for key, (sender, on_cancel, cancelled_elsewhere) in watched[start:] + watched[:start]:
+            if polled and time.monotonic() >= deadline:
+                break
+            polled += 1
             try:
                 if not (sender.is_cancelled() or (cancelled_elsewhere is not None and cancelled_elsewhere())):
                     continue
@@ -155,6 +169,7 @@ class ResponseThread:
             with self._lock:
                 self._watched.pop(key, None)
             on_cancel()
+        self._poll_from = start + polled
 
     def stop(self) -> None:
         self._queue.put(None)

@@ -2,11 +2,14 @@
 runner library and through Triton, side by side in one run.
 
 For every workload and concurrency c:
-- direct: the runner library in this process; c requests at a time, as one
-  batch (diffusion, encoder) or c concurrent generations (AR). This is the
-  raw engine curve;
+- direct: the runner library in this process; c requests at a time as one
+  batch (diffusion, whose runner takes batches), or c closed-loop clients
+  on the engine's event loop (the AR stages: the engines batch whatever is
+  in flight, the raw vLLM ``AsyncLLM`` on vLLM). This is the raw engine curve;
 - eager (diffusion on CUDA): the same direct run with the UNet's CUDA graphs
   off, i.e. plain diffusers;
+- batch (``ar_encoder``): c prompts in one engine call, the best batch the
+  engine can get, for reference;
 - triton: c client processes in a closed loop against a server this command
   starts, with the same models and configs.
 

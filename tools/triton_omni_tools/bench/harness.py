@@ -20,6 +20,7 @@ import numpy as np
 
 from triton_omni_tools.bench.presets import (
     BATCH_SIZE_METRICS,
+    AR_WORKLOADS,
     GENERATION_WORKLOADS,
     PRESETS,
     PROMPT,
@@ -139,6 +140,35 @@ class Direct:
                     for i, e in enumerate(embeds)]
         self.diffusion.run(requests)
 
+    def closed_loop_call(self, workload: str):
+        """(a coroutine function making one request, the event loop it runs on)."""
+        if workload == "ar_encoder":
+            return self._encode_call(), self.encoder.loop
+        return self.stream_call(workload), self.generators[workload].loop
+
+    def _encode_call(self):
+        """One prompt encoded: the raw vLLM ``AsyncLLM`` (token ids in, the
+        pooling parameters ``ar_encoder`` uses), or the runner's engine call
+        for transformers. Returns the latency in seconds."""
+        runner = self.encoder
+        prompt_ids = runner.tokenize(PROMPT)
+        raw = runner.engine.engine if runner.engine_name == "vllm" else None
+        if raw is not None:
+            from vllm import PoolingParams
+
+            params = PoolingParams(task="token_embed", use_activation=False)
+
+        async def one() -> float:
+            start = time.perf_counter()
+            if raw is None:
+                await runner.engine.encode([prompt_ids])
+            else:
+                async for _ in raw.encode({"prompt_token_ids": prompt_ids}, params, uuid.uuid4().hex):
+                    pass
+            return time.perf_counter() - start
+
+        return one
+
     def stream_call(self, workload: str):
         """A coroutine function streaming one generation request: the raw vLLM
         ``AsyncLLM`` (token ids in, DELTA outputs) for vLLM, the engine through
@@ -207,23 +237,27 @@ def measure_direct(direct: Direct, workload: str, concurrency: int, requests: in
     return Point(workload, concurrency, side, rounds * concurrency, time.perf_counter() - start, latencies)
 
 
-def measure_direct_generation(direct: Direct, workload: str, concurrency: int, per_worker: int) -> Point:
+def measure_direct_closed_loop(direct: Direct, workload: str, concurrency: int, per_worker: int) -> Point:
     """``concurrency`` closed-loop clients in the engine's own event loop, each
-    streaming ``per_worker`` requests one after another (after a warm-up round)."""
-    one = direct.stream_call(workload)
+    sending ``per_worker`` requests one after another (after a warm-up round),
+    as the Triton side's clients do: the AR engines batch whatever is in
+    flight, so the direct figure is the same engine under the same load."""
+    one, loop = direct.closed_loop_call(workload)
 
-    async def clients(rounds: int) -> list[Stream]:
-        async def client() -> list[Stream]:
+    async def clients(rounds: int) -> list[Stream | float]:
+        async def client() -> list[Stream | float]:
             return [await one() for _ in range(rounds)]
 
         return [s for streams in await asyncio.gather(*(client() for _ in range(concurrency))) for s in streams]
 
-    loop = direct.generators[workload].loop
     loop.run(clients(1))
     start = time.perf_counter()
-    streams = loop.run(clients(per_worker), timeout=3600)
-    return Point(workload, concurrency, "direct", len(streams), time.perf_counter() - start,
-                 [s.latency_s for s in streams], streams=streams)
+    results = loop.run(clients(per_worker), timeout=3600)
+    seconds = time.perf_counter() - start
+    if workload not in GENERATION_WORKLOADS:  # latencies
+        return Point(workload, concurrency, "direct", len(results), seconds, results)
+    return Point(workload, concurrency, "direct", len(results), seconds, [s.latency_s for s in results],
+                 streams=results)
 
 
 def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
@@ -369,8 +403,7 @@ def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> 
     call()
     ready.put(True)
     go.wait()
-    rounds = preset.generation_requests_per_worker if workload in GENERATION_WORKLOADS else preset.requests_per_worker
-    for _ in range(rounds):
+    for _ in range(preset.rounds_for(workload)):
         t0 = time.time()
         try:
             stream = call()
@@ -460,8 +493,10 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     embeds = direct.embeds.float().cpu().numpy() if direct.embeds is not None else None
     for workload in preset.workloads:
         for c in preset.concurrency_for(workload):
-            if workload in GENERATION_WORKLOADS:
-                record(measure_direct_generation(direct, workload, c, preset.generation_requests_per_worker))
+            if workload in AR_WORKLOADS:  # closed-loop clients in the engine's own event loop
+                record(measure_direct_closed_loop(direct, workload, c, preset.rounds_for(workload)))
+                if workload == "ar_encoder":
+                    record(measure_direct(direct, workload, c, c * preset.rounds_for(workload), side="batch"))
                 continue
             record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
             if workload == "diffusion" and direct.diffusion.graphs is not None:

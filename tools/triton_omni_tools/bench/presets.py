@@ -30,11 +30,17 @@ class Preset:
     # The AR stages (text generation, prompt encoding) are measured where LLM serving is: up to 64 at once.
     ar_concurrency: tuple[int, ...] = (1, 8, 16, 32, 64)
     encoder_max_batch_size: int = 64  # ar_encoder's, so that direct and Triton batch alike at every concurrency
-    # Streams per client for text generation: enough tokens that one hiccup does not make the figure.
-    generation_requests_per_worker: int = 4
+    # Closed-loop requests per client of the AR workloads, on both sides: enough work that one
+    # hiccup does not make the figure (four 128-token streams at concurrency 1, 0.8 s, moved by
+    # a third between runs on the H200).
+    ar_rounds: tuple[tuple[str, int], ...] = (("ar", 12), ("ar_transformers", 4), ("ar_encoder", 32))
 
     def concurrency_for(self, workload: str) -> tuple[int, ...]:
         return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
+
+    def rounds_for(self, workload: str) -> int:
+        """Requests each client sends one after another."""
+        return dict(self.ar_rounds).get(workload, self.requests_per_worker)
 
 
 # Text generation, each through its engine: vLLM (`ar`) and the transformers fallback.
@@ -44,7 +50,7 @@ AR_WORKLOADS = (*GENERATION_WORKLOADS, "ar_encoder")
 PRESETS = {
     "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
                    max_batch_size=8, requests_per_worker=2, ar_concurrency=(1, 4, 16), encoder_max_batch_size=16,
-                   generation_requests_per_worker=8),
+                   ar_rounds=(("ar", 8), ("ar_transformers", 8), ("ar_encoder", 8))),
     "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
                         max_tokens=128, max_batch_size=16, requests_per_worker=2, exact_batching=False,
                         diffusion_queue_delay_us=100_000),

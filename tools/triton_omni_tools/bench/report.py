@@ -21,6 +21,13 @@ def progress(point) -> None:
           f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
 
 
+# Reference curves measured beside direct in the same run, each a way of calling the same engine.
+REFERENCES = {
+    "eager": "diffusion with the UNet's CUDA graphs off: plain eager diffusers",
+    "batch": "ar_encoder as one engine call of c prompts at once, the best batch the engine can get",
+}
+
+
 def table(points: list) -> list[dict]:
     by_key = {(p.workload, p.concurrency, p.side): p.summary() for p in points}
     rows = []
@@ -39,22 +46,23 @@ def table(points: list) -> list[dict]:
             row |= {"unit": "tokens"} | {f"{side}_{key}": summary[key]
                                          for side, summary in (("direct", d), ("triton", t))
                                          for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
-        eager = by_key.get((workload, c, "eager"))
-        if eager is not None:
-            row |= {"eager_per_s": eager["throughput_per_s"],
-                    "ratio_to_eager": t["throughput_per_s"] / eager["throughput_per_s"]}
+        for reference in REFERENCES:
+            if (measured := by_key.get((workload, c, reference))) is not None:
+                row |= {f"{reference}_per_s": measured["throughput_per_s"],
+                        f"ratio_to_{reference}": t["throughput_per_s"] / measured["throughput_per_s"]}
         rows.append(row)
         print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
               f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
               f"{row['triton_p99_ms']:>12.1f}")
     generation_table(rows)
-    eager_rows = [r for r in rows if "eager_per_s" in r]
-    if eager_rows:
-        print("\ndiffusion against the eager (raw diffusers) curve, measured in the same run:")
-        for r in eager_rows:
-            print(f"  c={r['concurrency']:<3} eager {r['eager_per_s']:.2f}/s  direct (CUDA graphs) "
-                  f"{r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
-                  f"triton/eager {r['ratio_to_eager']:.2f}")
+    for reference, meaning in REFERENCES.items():
+        measured = [r for r in rows if f"{reference}_per_s" in r]
+        if measured:
+            print(f"\nagainst '{reference}' ({meaning}), measured in the same run:")
+        for r in measured:
+            print(f"  {r['workload']:<12} c={r['concurrency']:<3} {reference} {r[f'{reference}_per_s']:.2f}/s  "
+                  f"direct {r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
+                  f"triton/{reference} {r[f'ratio_to_{reference}']:.2f}")
     return rows
 
 
@@ -92,7 +100,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         data = [r for r in rows if r["workload"] == workload]
         x0, y0 = k * panel_w + margin, 40 + 20
         w, h = panel_w - margin - 20, panel_h - 60
-        top = max(max(r["direct_per_s"], r["triton_per_s"], r.get("eager_per_s", 0)) for r in data) * 1.1
+        top = max(max(r["direct_per_s"], r["triton_per_s"], *(r.get(f"{ref}_per_s", 0) for ref in REFERENCES))
+                  for r in data) * 1.1
         concurrencies = [r["concurrency"] for r in data]
 
         def xy(i: int, value: float) -> tuple[float, float]:
@@ -104,8 +113,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         draw.text((x0 - 45, y0), f"{top:.1f}", fill="gray")
         for i, c in enumerate(concurrencies):
             draw.text((xy(i, 0)[0] - 4, y0 + h + 4), str(c), fill="gray")
-        for key, colour, dashed in (("eager_per_s", "#3b6fd4", True), ("direct_per_s", "gray", True),
-                                    ("triton_per_s", "#76b900", False)):
+        for key, colour, dashed in (("eager_per_s", "#3b6fd4", True), ("batch_per_s", "#3b6fd4", True),
+                                    ("direct_per_s", "gray", True), ("triton_per_s", "#76b900", False)):
             if any(key not in r for r in data):
                 continue
             points = [xy(i, r[key]) for i, r in enumerate(data)]
@@ -119,7 +128,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                     draw.line([a, b], fill=colour, width=3)
             for p in points:
                 draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
-        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct (blue: eager), green: Triton", fill="gray")
+        draw.text((x0 + 4, y0 + h + 18), "concurrency; dashed: direct (blue: eager/batch), green: Triton", fill="gray")
     image.save(path)
 
 
