@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from triton_omni_tools.bench.presets import (
-    BATCH_SIZE_METRICS,
     AR_WORKLOADS,
+    BATCH_SIZE_METRICS,
     GENERATION_WORKLOADS,
     PRESETS,
     PROMPT,
