@@ -337,16 +337,21 @@ def _generation_call(client, model: str, preset: Preset) -> Callable[[], Stream]
 
 def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int,
                    metrics_url: str) -> Point:
-    """``concurrency`` client *processes* in a closed loop: threads in one
-    process would serialise on the GIL (decoding images, building requests)
-    and make the load generator the bottleneck, not the server."""
+    """``concurrency`` closed-loop clients, each with its own connection, in
+    client *processes*: one per client for the image workloads (threads in one
+    process would serialise on the GIL decoding images and make the load
+    generator the bottleneck), at most ``preset.client_processes`` for the AR
+    stages, whose responses are small but many (64 processes of gRPC threads
+    took CPU time from vLLM's engine loop on a 16-core host)."""
     import multiprocessing
 
+    processes = min(concurrency, preset.client_processes) if workload in AR_WORKLOADS else concurrency
+    clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     context = multiprocessing.get_context("spawn")
     ready, results, warm, go = context.Queue(), context.Queue(), context.Event(), context.Event()
     workers = [context.Process(target=_client_process,
-                               args=(url, preset, embeds, workload, ready, warm, go, results))
-               for _ in range(concurrency)]
+                               args=(url, preset, embeds, workload, n, ready, warm, go, results))
+               for n in clients]
     for worker in workers:
         worker.start()
     for _ in workers:  # connected: warm up together
@@ -362,7 +367,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
         worker.join()
     errors = [error for *_, error in outcomes if error]
     if errors:
-        raise RuntimeError(f"{len(errors)} {workload} client(s) failed; first: {errors[0]}")
+        raise RuntimeError(f"{len(errors)} {workload} client process(es) failed; first: {errors[0]}")
     latencies = [latency for lat, *_ in outcomes for latency in lat]
     streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
     point = Point(workload, concurrency, "triton", len(latencies), max(end for *_, end, _ in outcomes) - start,
@@ -393,27 +398,48 @@ def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             for name in ("queue", "compute_input", "compute_infer", "compute_output")}
 
 
-def _client_process(url, preset, embeds, workload, ready, warm, go, results) -> None:
-    latencies, streams, error = [], [], None
-    call = triton_call(workload, url, preset, embeds)
+def _client_process(url, preset, embeds, workload, clients, ready, warm, go, results) -> None:
+    """``clients`` closed-loop clients, a thread and a connection each."""
+    calls = [triton_call(workload, url, preset, embeds) for _ in range(clients)]
     ready.put(True)
     warm.wait()
     # Warm-up, all clients at once: the server meets the measured batch size (its
     # kernel selection and CUDA graph capture) before the clock starts.
-    call()
+    _, _, error = _closed_loop(calls, 1)
     ready.put(True)
     go.wait()
-    for _ in range(preset.rounds_for(workload)):
-        t0 = time.time()
-        try:
-            stream = call()
-        except Exception as exc:  # sent back to the parent, which raises it
-            error = f"{type(exc).__name__}: {exc}"
-            break
-        latencies.append(time.time() - t0)
-        if stream is not None:
-            streams.append(stream)
+    if error is None:
+        latencies, streams, error = _closed_loop(calls, preset.rounds_for(workload))
+    else:
+        latencies, streams = [], []
     results.put((latencies, streams, time.time(), error))
+
+
+def _closed_loop(calls: list[Callable], rounds: int) -> tuple[list[float], list[Stream], str | None]:
+    """Each call made ``rounds`` times one after another, all calls at once
+    (a thread each): (latencies, streams, the first error)."""
+    import concurrent.futures
+
+    def client(call) -> tuple[list[float], list[Stream]]:
+        latencies, streams = [], []
+        for _ in range(rounds):
+            t0 = time.time()
+            stream = call()
+            latencies.append(time.time() - t0)
+            if stream is not None:
+                streams.append(stream)
+        return latencies, streams
+
+    latencies, streams = [], []
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        for future in [pool.submit(client, call) for call in calls]:
+            try:
+                done = future.result()
+            except Exception as exc:  # sent back to the parent, which raises it
+                return latencies, streams, f"{type(exc).__name__}: {exc}"
+            latencies += done[0]
+            streams += done[1]
+    return latencies, streams, None
 
 
 def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
