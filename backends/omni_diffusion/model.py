@@ -1,9 +1,17 @@
 """Python-based Triton backend ``omni_diffusion``: the diffusion stage.
 
 A thin adapter: each request's tensors become a typed ``DiffusionRequest``
-(validated alone: a bad request fails alone), the runner runs the valid ones
-with exact batching, images leave through DLPack. Cancellation is polled
-between denoising steps.
+(validated alone: a bad request fails alone), the runner runs the valid ones,
+images leave through DLPack. Cancellation is polled between denoising steps.
+
+Two modes (model parameter ``batching``):
+- ``request``: ``execute`` runs Triton's batch from its first step to its
+  last and returns the responses;
+- ``step``: ``execute`` hands each request to the runner's step engine and
+  returns at once; a request joins the running batch at the next step and its
+  image goes back through its response sender when its own steps are done.
+  The model stays non-decoupled (one response per request), so plain HTTP
+  ``/infer`` callers and the ensembles see the same contract.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, StageMetrics, family, release_families
+from triton_omni.triton.metrics import COUNTER, DeferredCounter, StageMetrics, family, release_families
 from triton_omni.triton.params import channel_ids
+from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
@@ -44,15 +53,23 @@ class TritonPythonModel:
             check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
         self.input_specs = diffusion_inputs(embeds_dtype)
-        self.runner = DiffusionRunner(self.config)
         self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True)
+        # step batching: the batch size is the requests of each denoising step
+        self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n))
         self.steps = family("omni_diffusion_steps_total", "Denoising steps run, per request",
                             COUNTER).Metric(labels=self.metrics.labels)
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
         self.poll_s = float(diffusion_io.model_parameters(model_config).get("cancel_poll_s", "0.02"))
+        if self.runner.steps is not None:
+            self.responses = ResponseThread(poll_s=self.poll_s)
+            self.step_count = DeferredCounter(self.steps)
 
     def execute(self, requests):
+        if self.runner.steps is not None:
+            for request in requests:
+                self._submit(request)
+            return None
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))
         results = run_batch(requests, parse=lambda request: self.runner.parse(read_inputs(request, self.input_specs)),
@@ -79,6 +96,43 @@ class TritonPythonModel:
         finally:
             self.metrics.in_flight.increment(-len(requests))
 
+    # -- step batching ------------------------------------------------------------
+
+    def _submit(self, request) -> None:
+        """One request into the step engine; its response leaves when its image is done."""
+        started = time.monotonic()
+        sender = request.get_response_sender()
+        try:
+            parsed = self.runner.parse(read_inputs(request, self.input_specs))
+        except Exception as exc:
+            self.responses.fail(sender, exc, self.context, self.metrics, started)
+            return
+        key, listener = channel_ids(request)
+        cancelled = threading.Event()  # set by the response thread, read by the engine between steps
+        self.responses.watch(sender, cancelled.set, lambda: self.cancellations.is_cancelled(key))
+
+        def on_step(step: int, total: int) -> None:
+            self.step_count.add(1)
+            self.progress.send(listener, key, step, total)
+
+        def done(image) -> None:
+            self.metrics.in_flight.increment(-1)
+            self.step_count.flush()
+            try:
+                response = self._response(image.result(), started)
+            except Exception as exc:
+                response = error_response(exc, self.context, self.metrics, started)
+            self.responses.send(sender, response, final=True)
+
+        self.metrics.in_flight.increment(1)
+        try:
+            future = self.runner.submit(parsed, on_step, cancelled.is_set)
+        except Exception as exc:  # prepared inputs refused (too long a prompt), or the engine full
+            self.metrics.in_flight.increment(-1)
+            self.responses.fail(sender, exc, self.context, self.metrics, started)
+            return
+        future.add_done_callback(done)
+
     def _response(self, result, started: float):
         if isinstance(result, Exception):
             return error_response(result, self.context, self.metrics, started)
@@ -86,6 +140,9 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[OUTPUTS.tensor("image", result, batched=True)])
 
     def finalize(self):
+        self.runner.close()
+        if self.runner.steps is not None:
+            self.responses.stop()
         self.progress.close()
         self.metrics = self.steps = None
         release_families()

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(1,4,8,16; the AR stages 1,8,32,64)")
     bench.add_argument("--workloads",
                        help="comma-separated among diffusion,ar_encoder,ar,ar_transformers,text_to_image,omni")
+    bench.add_argument("--diffusion-batching", choices=["step", "request"],
+                       help="the Triton side's diffusion batching; default: step (the repository's)")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -218,7 +220,7 @@ def _bench(args) -> int:
         return tuple(kind(v) for v in value.split(",")) if value else None
 
     run(args.preset, parts(args.concurrency, int), parts(args.workloads),
-        args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset)
+        args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset, diffusion_batching=args.diffusion_batching)
     return 0
 
 

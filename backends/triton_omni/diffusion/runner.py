@@ -11,6 +11,10 @@ Exact batching, as a recipe:
    choice and the low bits), so a request's image depends only on its own
    inputs and seed. ``exact_batching=False`` skips the padding: faster for
    small batches, but images may differ in the last bit with the batch size.
+
+``batching="step"`` replaces whole-batch calls with the step engine
+(``steps.py``): requests join and leave the running batch at every
+denoising step; ``submit`` hands it one request at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +33,7 @@ import torch
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
+from triton_omni.diffusion.steps import StepEngine, StepJob
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.gpu_memory import cap_torch
@@ -52,6 +58,15 @@ class DiffusionRunnerConfig:
     defaults: dict[str, Any] = field(default_factory=dict)  # default steps/size/guidance
     # This model's share of its GPU: the torch allocator is capped at it (gpu_memory.py).
     gpu_memory_utilization: float | None = None
+    # "request": whole batches, start to end; "step": requests join and leave at every step (steps.py)
+    batching: str = "request"
+    # step batching: UNet rows in flight at most (a request with guidance takes two); 0: 2 x batch_size
+    max_rows: int = 0
+    on_full: str = "wait"  # step batching beyond max_rows: "wait" (FIFO) or "reject"
+
+    def __post_init__(self):
+        if self.batching not in ("request", "step"):
+            raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -71,7 +86,8 @@ class _Job:
 
 
 class DiffusionRunner:
-    def __init__(self, config: DiffusionRunnerConfig):
+    def __init__(self, config: DiffusionRunnerConfig, on_batch: Callable[[int], None] | None = None):
+        """``on_batch``: step batching calls it with each step's request count."""
         from diffusers import DiffusionPipeline
 
         self.config = config
@@ -88,8 +104,41 @@ class DiffusionRunner:
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
             self.graphs = GraphedDenoiser(self.pipeline.unet)
-        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d, CUDA graphs %s", path,
-                    type(self.pipeline).__name__, self.device, self.dtype, hidden, "on" if self.graphs else "off")
+        self.steps = self._step_engine(on_batch) if config.batching == "step" else None
+        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d, CUDA graphs %s, %s batching", path,
+                    type(self.pipeline).__name__, self.device, self.dtype, hidden, "on" if self.graphs else "off",
+                    config.batching)
+
+    def _step_engine(self, on_batch) -> StepEngine:
+        if getattr(self.pipeline, "unet", None) is None or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
+            raise ValueError(f"step batching needs a UNet pipeline of the Stable Diffusion family; "
+                             f"{type(self.pipeline).__name__} is not one (use batching 'request')")
+        c = self.config
+        return StepEngine(self.pipeline, self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
+                          exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch)
+
+    def submit(self, request: DiffusionRequest, on_step: Callable[[int, int], None] | None = None,
+               is_cancelled: Callable[[], bool] | None = None) -> Future:
+        """Step batching: one request into the running batch. The future
+        resolves to its image ``[H, W, 3]`` uint8 (or its error)."""
+        job = self._prepare(0, request)
+        step_job = StepJob(job.cond, job.uncond, request.guidance_scale if request.uses_guidance else 1.0,
+                           request.num_inference_steps, request.height, request.width,
+                           self._generator(request.seed), on_step, is_cancelled)
+        pixels: Future = Future()
+
+        def done(image: Future) -> None:
+            try:
+                pixels.set_result(_to_pixels(image.result()[None])[0])
+            except Exception as exc:
+                pixels.set_exception(exc)
+
+        self.steps.submit(step_job).add_done_callback(done)
+        return pixels
+
+    def close(self) -> None:
+        if self.steps is not None:
+            self.steps.stop()
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         return DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
@@ -97,6 +146,8 @@ class DiffusionRunner:
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:
         """Images ``[H, W, 3]`` uint8, or the exception of each failed request, in order."""
+        if self.steps is not None:
+            return self._run_steps(requests, on_step, is_cancelled)
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
         groups: dict[tuple, list[_Job]] = defaultdict(list)
         for i, request in enumerate(requests):
@@ -116,6 +167,23 @@ class DiffusionRunner:
                     for job in chunk:
                         results[job.index] = exc
         return results  # type: ignore[return-value]
+
+    def _run_steps(self, requests, on_step, is_cancelled) -> list[torch.Tensor | Exception]:
+        futures: list[Future | Exception] = []
+        for i, request in enumerate(requests):
+            try:
+                futures.append(self.submit(request, None if on_step is None else
+                                           lambda step, total, i=i: on_step(i, step, total),
+                                           None if is_cancelled is None else lambda i=i: is_cancelled(i)))
+            except Exception as exc:
+                futures.append(exc)
+        results = []
+        for future in futures:
+            try:
+                results.append(future if isinstance(future, Exception) else future.result())
+            except Exception as exc:
+                results.append(exc)
+        return results
 
     # -- steps of the recipe ------------------------------------------------------
 
@@ -162,7 +230,7 @@ class DiffusionRunner:
         # Images are final outputs that leave the server over the network: one
         # device-to-host copy per batch here is cheaper than a CUDA tensor per
         # response, which the Python backend hands over through CUDA IPC.
-        pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+        pixels = _to_pixels(images)
         logger.debug("chunk of %d: pipeline call %.1f ms, then waiting for the images %.1f ms", len(jobs),
                      (queued - started) * 1e3, (time.perf_counter() - queued) * 1e3)
         cancelled = is_cancelled or (lambda i: False)
@@ -184,6 +252,11 @@ class DiffusionRunner:
 
     def _generator(self, seed: int | None) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def _to_pixels(images: torch.Tensor) -> torch.Tensor:
+    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU."""
+    return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
 
 
 def _same_length(cond: torch.Tensor, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

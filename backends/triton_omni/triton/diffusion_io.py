@@ -30,4 +30,7 @@ def runner_config(model_config: dict, args: dict) -> DiffusionRunnerConfig:
         limits=json_parameter(params, "limits"),
         defaults=json_parameter(params, "defaults"),
         gpu_memory_utilization=gpu_share(params),
+        batching=params.get("batching", "request"),
+        max_rows=int(params.get("max_rows", "0")),
+        on_full=params.get("on_full", "wait"),
     )

@@ -479,9 +479,10 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
         "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
-                           "exact_batching": str(preset.exact_batching).lower()},
+                           "exact_batching": str(preset.exact_batching).lower(),
+                           "batching": preset.diffusion_batching},
             "max_batch_size": preset.max_batch_size,
-            "max_queue_delay_us": preset.diffusion_queue_delay_us,
+            "max_queue_delay_us": preset.diffusion_queue_delay_us if preset.diffusion_batching == "request" else 0,
         },
     })]
 
@@ -490,7 +491,7 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
-        out_dir: Path) -> list[dict]:
+        out_dir: Path, diffusion_batching: str | None = None) -> list[dict]:
     import torch
     from triton_omni.demo_models import resolve_model
 
@@ -500,6 +501,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         os.environ.setdefault(key, value)
     preset = PRESETS[preset_name]
     overrides = {"workloads": workloads} if workloads else {}
+    if diffusion_batching:
+        overrides["diffusion_batching"] = diffusion_batching
     if concurrency:  # one list for every workload
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))

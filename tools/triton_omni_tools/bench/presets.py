@@ -17,13 +17,15 @@ class Preset:
     max_tokens: int
     max_batch_size: int  # of diffusion and ar_encoder
     requests_per_worker: int  # Triton side; the direct side runs the same number of requests
-    # Exact batching pads every diffusion call to max_batch_size (docs/models.md): free at full
-    # concurrency, up to max_batch_size times the work below it. `realistic` measures without it,
-    # as the raw diffusers curve does.
-    exact_batching: bool = True
-    # How long diffusion's batcher waits for a fuller batch. The default repository's 20 ms is
-    # short next to a 2 s batch: 16 closed-loop clients re-sending after a batch then miss it,
-    # and the batches split for good (15 + 1, ...). 100 ms is 5% of such a batch.
+    # Exact batching pads every diffusion call to a fixed size (docs/models.md): free at full
+    # concurrency, up to max_batch_size times the work below it. Measured without it, as the raw
+    # diffusers curve is.
+    exact_batching: bool = False
+    # The Triton side's diffusion batching: "step" (the default repository's) or "request".
+    diffusion_batching: str = "step"
+    # Request batching only: how long diffusion's batcher waits for a fuller batch. 20 ms is short
+    # next to a 2 s batch: 16 closed-loop clients re-sending after a batch then miss it, and the
+    # batches split for good (15 + 1, ...). 100 ms is 5% of such a batch. Step batching: none.
     diffusion_queue_delay_us: int = 20_000
     workloads: tuple[str, ...] = ("diffusion", "ar_encoder", "ar", "ar_transformers", "text_to_image", "omni")
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
@@ -54,8 +56,7 @@ PRESETS = {
                    max_batch_size=8, requests_per_worker=2, ar_concurrency=(1, 4, 16), encoder_max_batch_size=16,
                    ar_rounds=(("ar", 8), ("ar_transformers", 8), ("ar_encoder", 32))),
     "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
-                        max_tokens=128, max_batch_size=16, requests_per_worker=2, exact_batching=False,
-                        diffusion_queue_delay_us=100_000),
+                        max_tokens=128, max_batch_size=16, requests_per_worker=2, diffusion_queue_delay_us=100_000),
 }
 
 

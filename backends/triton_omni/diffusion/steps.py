@@ -1,0 +1,250 @@
+"""Step-level (continuous) batching of a UNet pipeline's denoising loop.
+
+Request-level batching runs a batch from its first step to its last; a
+request that arrives meanwhile waits for all of it. Here the unit of work is
+one denoising step: a request joins the running batch at the next step
+boundary and leaves when its own steps are done, so at low load a request
+starts at once and at high load the UNet still sees full batches.
+
+Each request keeps what makes its image its own:
+- its latents, drawn from its own seeded generator;
+- its own copy of the scheduler (timesteps, step index, solver history), so
+  no state leaks between requests; steps counts may differ within a batch,
+  since the UNet takes one timestep per row;
+- its classifier-free-guidance rows, kept together (uncond, cond), and its
+  own guidance scale;
+- its VAE decode, alone (batch 1), when its last step is done.
+
+Requests that cannot share a forward pass (latent size, token count) form
+groups; the engine steps one group at a time, round-robin, so no group
+starves. Rows in flight are bounded (``max_rows``); beyond it, admission
+waits (FIFO) or rejects, as configured. A cancelled request leaves at the
+next step.
+
+Determinism: a row's output depends on the batch size the UNet ran at only
+through kernel choice (the low bits). ``exact=True`` pads every step to
+``max_rows``, so a request's image is bit-identical alone or in company;
+otherwise the step is padded to the next of ``buckets`` (one CUDA graph per
+bucket) and images agree within the tolerance the tests state.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from triton_omni.errors import RequestCancelledError, RequestRejectedError
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(eq=False)
+class StepJob:
+    """One request in the engine: inputs prepared by the runner, state owned here."""
+
+    cond: torch.Tensor  # [T, H]
+    uncond: torch.Tensor | None  # [T, H] with guidance
+    guidance_scale: float
+    steps: int
+    height: int
+    width: int
+    generator: torch.Generator
+    on_step: Callable[[int, int], None] | None = None  # (step done, total)
+    cancelled: Callable[[], bool] | None = None
+    future: Future = field(default_factory=Future)
+    # set when admitted
+    scheduler: Any = None
+    timesteps: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    step_kwargs: dict = field(default_factory=dict)
+    done: int = 0
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.uncond is None else 2
+
+    def group(self) -> tuple:
+        """What rows must share to run in one forward pass."""
+        return self.height, self.width, self.cond.shape[0]
+
+
+class StepEngine:
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype, max_rows: int = 16,
+                 exact: bool = False, on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
+                 on_batch: Callable[[int], None] | None = None):
+        """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric)."""
+        if on_full not in ("wait", "reject"):
+            raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
+        self.pipeline, self.device, self.dtype = pipeline, device, dtype
+        self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
+        self.on_batch = on_batch
+        self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
+        self._waiting: deque[StepJob] = deque()
+        self._running: dict[tuple, list[StepJob]] = {}
+        self._turn = itertools.count()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.max_rows_seen = 0  # the most rows one step ran (tests, metrics)
+        self._thread = threading.Thread(target=self._loop, name="omni-diffusion-steps", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side -----------------------------------------------------
+
+    def submit(self, job: StepJob) -> Future:
+        """The job's future resolves to its image ``[3, H, W]`` in [0, 1] (on the device)."""
+        if job.rows > self.max_rows:
+            raise RequestRejectedError(f"a request needs {job.rows} rows; this engine runs at most {self.max_rows}",
+                                       "rows")
+        with self._wake:
+            if self.on_full == "reject" and self._rows_in_flight() + job.rows > self.max_rows:
+                raise RequestRejectedError(f"the diffusion engine is full ({self.max_rows} rows in flight)", "rows")
+            self._waiting.append(job)
+            self._wake.notify()
+        return job.future
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    def _rows_in_flight(self) -> int:
+        return sum(job.rows for jobs in self._running.values() for job in jobs) + \
+            (sum(job.rows for job in self._waiting) if self.on_full == "reject" else 0)
+
+    # -- the engine thread -----------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                admitted = self._admit()
+            for job in admitted:
+                self._start(job)
+            group = self._next_group()
+            if group is not None:
+                self._step(group)
+        for job in [*self._waiting, *(j for jobs in self._running.values() for j in jobs)]:
+            job.future.set_exception(RequestCancelledError())
+
+    def _admit(self) -> list[StepJob]:
+        """Waiting jobs in arrival order, while their rows fit (called with the lock held)."""
+        free = self.max_rows - sum(job.rows for jobs in self._running.values() for job in jobs)
+        admitted = []
+        while self._waiting and self._waiting[0].rows <= free:
+            job = self._waiting.popleft()
+            free -= job.rows
+            admitted.append(job)
+        return admitted
+
+    def _start(self, job: StepJob) -> None:
+        """The job's own scheduler, timesteps and initial noise; it joins its group."""
+        try:
+            scheduler = copy.deepcopy(self.pipeline.scheduler)
+            scheduler.set_timesteps(job.steps, device=self.device)
+            job.scheduler, job.timesteps = scheduler, scheduler.timesteps
+            factor = self.pipeline.vae_scale_factor
+            shape = (1, self.pipeline.unet.config.in_channels, job.height // factor, job.width // factor)
+            noise = torch.randn(shape, generator=job.generator, device=self.device, dtype=self.dtype)
+            job.latents = noise * scheduler.init_noise_sigma
+            job.step_kwargs = self.pipeline.prepare_extra_step_kwargs(job.generator, 0.0)
+        except Exception as exc:
+            job.future.set_exception(exc)
+            return
+        self._running.setdefault(job.group(), []).append(job)
+
+    def _next_group(self) -> list[StepJob] | None:
+        """Groups take turns, one step each."""
+        keys = [key for key, jobs in self._running.items() if jobs]
+        if not keys:
+            return None
+        return self._running[keys[next(self._turn) % len(keys)]]
+
+    def _step(self, jobs: list[StepJob]) -> None:
+        live = [job for job in jobs if not self._drop_if_cancelled(job)]
+        jobs[:] = live
+        if not live:
+            return
+        try:
+            with torch.inference_mode():
+                noise = self._denoise(live)
+                for job, pred in zip(live, noise, strict=True):
+                    t = job.timesteps[job.done]
+                    job.latents = job.scheduler.step(pred, t, job.latents, **job.step_kwargs,
+                                                     return_dict=False)[0]
+                    job.done += 1
+        except Exception as exc:
+            logger.exception("A denoising step of %d requests failed", len(live))
+            for job in live:
+                job.future.set_exception(exc)
+            jobs.clear()
+            return
+        if self.on_batch is not None:
+            self.on_batch(len(live))
+        for job in live:
+            if job.on_step is not None:
+                job.on_step(job.done, job.steps)
+        for job in [job for job in live if job.done == job.steps]:
+            jobs.remove(job)
+            self._finish(job)
+        self._running = {key: group for key, group in self._running.items() if group}
+
+    def _denoise(self, jobs: list[StepJob]) -> list[torch.Tensor]:
+        """One UNet forward for every row of ``jobs``: each job's guided noise prediction."""
+        samples, timesteps, embeds = [], [], []
+        for job in jobs:
+            t = job.timesteps[job.done]
+            x = job.scheduler.scale_model_input(job.latents, t)
+            rows = [job.uncond, job.cond] if job.uncond is not None else [job.cond]
+            samples += [x] * len(rows)
+            timesteps += [t] * len(rows)
+            embeds += rows
+        n = len(samples)
+        size = self.max_rows if self.exact else next(b for b in self.buckets if b >= n)
+        pad = size - n  # padding rows repeat the last real row; their output is dropped
+        self.max_rows_seen = max(self.max_rows_seen, n)
+        sample = torch.cat(samples + [samples[-1]] * pad)
+        timestep = torch.stack(timesteps + [timesteps[-1]] * pad)
+        hidden = torch.stack(embeds + [embeds[-1]] * pad)
+        out = self.pipeline.unet(sample, timestep, encoder_hidden_states=hidden, return_dict=False)[0][:n]
+        preds, row = [], 0
+        for job in jobs:
+            if job.uncond is None:
+                preds.append(out[row : row + 1])
+                row += 1
+            else:
+                uncond, cond = out[row : row + 1], out[row + 1 : row + 2]
+                preds.append(uncond + job.guidance_scale * (cond - uncond))
+                row += 2
+        return preds
+
+    def _drop_if_cancelled(self, job: StepJob) -> bool:
+        if job.cancelled is not None and job.cancelled():
+            job.future.set_exception(RequestCancelledError())
+            return True
+        return False
+
+    def _finish(self, job: StepJob) -> None:
+        """Decode alone (batch 1): the image depends on this job's latents only."""
+        try:
+            with torch.inference_mode():
+                vae = self.pipeline.vae
+                image = vae.decode(job.latents / vae.config.scaling_factor, return_dict=False)[0]
+                image = (image / 2 + 0.5).clamp(0, 1)[0]
+            job.future.set_result(image)
+        except Exception as exc:
+            job.future.set_exception(exc)

@@ -1,0 +1,153 @@
+"""Step batching of the diffusion runner, on the tiny demo pipeline (CPU, no server).
+
+Tolerance: a request's image run in company differs from the same request
+run alone by at most 1/255 per pixel channel (the UNet ran at another batch
+size: other kernels, other low bits); with ``exact_batching`` it is
+identical.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.errors import RequestCancelledError, RequestRejectedError
+
+TOLERANCE = 1  # per uint8 channel
+
+
+def runner(**config) -> DiffusionRunner:
+    return DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", batching="step", **config))
+
+
+@pytest.fixture(scope="module")
+def steps():
+    r = runner(batch_size=4)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Request batching, unpadded: each request alone is the reference image."""
+    return DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", exact_batching=False))
+
+
+def request(r: DiffusionRunner, seed: int, steps: int = 6, size: int = 32, guidance: float = 5.0,
+            prompt: str = "a red fox"):
+    return r.parse({"prompt": prompt, "seed": seed, "num_inference_steps": steps, "guidance_scale": guidance,
+                    "height": size, "width": size})
+
+
+MIXED = [dict(seed=1), dict(seed=2, steps=3, guidance=1.0), dict(seed=3, steps=8, prompt="a lighthouse at dusk"),
+         dict(seed=4, size=64), dict(seed=5, guidance=9.0, prompt="x")]
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, message: str = "") -> None:
+    difference = (a.int() - b.int()).abs().max().item()
+    assert difference <= TOLERANCE, f"{message}: max pixel difference {difference}"
+
+
+def test_together_equals_alone_for_mixed_requests(steps, reference):
+    """Different steps counts, guidance on and off, sizes (separate groups) and prompts, all at once."""
+    alone = [reference.run([request(reference, **m)])[0] for m in MIXED]
+    together = steps.run([request(steps, **m) for m in MIXED])
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert a.shape == b.shape
+        assert_close(a, b, f"request {i}")
+    assert steps.steps.max_rows_seen >= 5  # the 32x32 requests shared steps (rows: 2 + 1 + 2 + 2)
+    assert not torch.equal(together[0], together[4])
+
+
+def test_a_request_joins_mid_flight_and_leaves_when_done(steps, reference):
+    first_steps = threading.Event()
+    seen_rows = []
+
+    def on_step(done: int, total: int) -> None:
+        seen_rows.append(steps.steps.max_rows_seen)
+        if done == 2:
+            first_steps.set()
+
+    long = steps.submit(request(steps, 10, steps=12), on_step=on_step)
+    assert first_steps.wait(60)
+    short = steps.submit(request(steps, 11, steps=3))  # joins at the next step, leaves after 3
+    assert_close(short.result(60), reference.run([request(reference, 11, steps=3)])[0], "joined")
+    assert not long.done(), "the short request finished first: it joined the running batch"
+    assert_close(long.result(60), reference.run([request(reference, 10, steps=12)])[0], "running")
+
+
+def test_cancel_drops_one_request_at_the_next_step(steps, reference):
+    cancel = threading.Event()
+    progress = []
+
+    def on_step(done: int, total: int) -> None:
+        progress.append(done)
+        if done == 2:
+            cancel.set()
+
+    futures = [steps.submit(request(steps, 20 + i, steps=8), on_step=on_step if i == 1 else None,
+                            is_cancelled=cancel.is_set if i == 1 else None) for i in range(3)]
+    with pytest.raises(RequestCancelledError):
+        futures[1].result(60)
+    assert max(progress) <= 3  # one step may be in flight when the flag is set
+    for i in (0, 2):
+        assert_close(futures[i].result(60), reference.run([request(reference, 20 + i, steps=8)])[0], f"request {i}")
+
+
+def test_rows_in_flight_are_bounded_and_admission_waits(reference):
+    small = runner(max_rows=2)  # one guided request at a time
+    try:
+        images = small.run([request(small, 30 + i, steps=3) for i in range(3)])
+        assert small.steps.max_rows_seen == 2
+        for i, image in enumerate(images):
+            assert_close(image, reference.run([request(reference, 30 + i, steps=3)])[0], f"request {i}")
+    finally:
+        small.close()
+
+
+def test_a_full_engine_rejects_when_configured():
+    strict = runner(max_rows=2, on_full="reject")
+    try:
+        first = strict.submit(request(strict, 40, steps=6))
+        with pytest.raises(RequestRejectedError):
+            strict.submit(request(strict, 41, steps=6))
+        first.result(60)
+    finally:
+        strict.close()
+
+
+def test_exact_batching_is_bit_identical_alone_and_in_company():
+    exact = runner(batch_size=2, exact_batching=True)  # every step padded to 4 rows
+    try:
+        alone = [exact.run([request(exact, 50 + i, steps=4)])[0] for i in range(3)]
+        together = exact.run([request(exact, 50 + i, steps=4) for i in range(3)])
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        exact.close()
+
+
+def test_scheduler_state_stays_per_request(reference):
+    """A multistep solver keeps a history of model outputs: shared between
+    requests, each would step with the others' history and change its image."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    multistep = runner()
+    try:
+        for r in (multistep, reference):
+            r.pipeline.scheduler = DPMSolverMultistepScheduler.from_config(r.pipeline.scheduler.config)
+        try:
+            alone = [reference.run([request(reference, 60 + i, steps=5 + i)])[0] for i in range(3)]
+        finally:
+            from diffusers import DDIMScheduler
+
+            reference.pipeline.scheduler = DDIMScheduler.from_config(reference.pipeline.scheduler.config)
+        together = multistep.run([request(multistep, 60 + i, steps=5 + i) for i in range(3)])
+        for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+            assert_close(a, b, f"request {i}")
+        assert len({np.asarray(t).tobytes() for t in together}) == 3
+    finally:
+        multistep.close()
