@@ -158,8 +158,9 @@ def test_mixed_concurrent_traffic_all_succeeds_with_correct_outputs(server):
         text = "".join(e.text or "" for e in stream)
         assert (image is not None) == (kind != "text"), kind
         assert bool(text) == (kind in ("text", "hybrid")), kind
-        if kind in ("image", "hybrid"):  # exact batching: the same image as alone
-            np.testing.assert_array_equal(image, by_hand(server.http_url, prompt, seed=seed, num_inference_steps=2))
+        if kind in ("image", "hybrid"):  # step batching: the image alone, within 1/255 per channel
+            alone = by_hand(server.http_url, prompt, seed=seed, num_inference_steps=2)
+            assert np.abs(image.astype(np.int16) - alone.astype(np.int16)).max() <= 1
 
 
 # -- failures, cancellation, admission -------------------------------------------------
