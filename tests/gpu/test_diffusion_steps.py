@@ -1,0 +1,65 @@
+"""Step batching on the GPU: the UNet's CUDA graphs per batch-size bucket
+replay what eager computes, and a request's image in company stays within
+the stated tolerance of the same request alone (1/255 per pixel channel;
+bit-identical with exact batching). GPU only (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from triton_omni.demo_models import build_all
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+TOLERANCE = 1
+
+
+def runner(**config) -> DiffusionRunner:
+    build_all()
+    return DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", device="cuda", batching="step", **config))
+
+
+@pytest.fixture(scope="module")
+def steps():
+    r = runner(batch_size=4)  # buckets of 1, 2, 4 and 8 rows
+    yield r
+    r.close()
+
+
+def requests(r: DiffusionRunner, n: int, guidance: float = 5.0) -> list:
+    return [r.parse({"prompt": f"a red fox, take {i}", "seed": i, "num_inference_steps": 4 + i,
+                     "guidance_scale": guidance, "height": 64, "width": 64}) for i in range(n)]
+
+
+def test_bucket_graphs_replay_what_eager_computes(steps):
+    for n in (1, 3):  # 2 rows (bucket 2), then 6 rows (bucket 8, two padding rows)
+        steps.graphs.enabled = True
+        graphed = steps.run(requests(steps, n))
+        steps.graphs.enabled = False
+        eager = steps.run(requests(steps, n))
+        for g, e in zip(graphed, eager, strict=True):
+            assert torch.equal(g, e), f"max pixel difference {(g.int() - e.int()).abs().max()}"
+    steps.graphs.enabled = True
+    assert steps.graphs.captured >= 2  # a graph per bucket met, not per row count
+
+
+def test_company_changes_an_image_within_the_tolerance(steps):
+    alone = [steps.run([r])[0] for r in requests(steps, 4)]
+    together = steps.run(requests(steps, 4))
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        difference = (a.int() - b.int()).abs().max().item()
+        assert difference <= TOLERANCE, f"request {i}: max pixel difference {difference}"
+
+
+def test_exact_batching_is_bit_identical_on_the_gpu():
+    exact = runner(batch_size=2, exact_batching=True)
+    try:
+        alone = [exact.run([r])[0] for r in requests(exact, 2)]
+        together = exact.run(requests(exact, 2))
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        exact.close()
