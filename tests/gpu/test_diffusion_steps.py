@@ -43,7 +43,9 @@ def test_bucket_graphs_replay_what_eager_computes(steps):
         for g, e in zip(graphed, eager, strict=True):
             assert torch.equal(g, e), f"max pixel difference {(g.int() - e.int()).abs().max()}"
     steps.graphs.enabled = True
-    assert steps.graphs.captured >= 2  # a graph per bucket met, not per row count
+    # a graph per bucket met, never per row count (6 rows ran as 8)
+    shapes = [*steps.graphs._graphs, *steps.graphs._warmed]
+    assert shapes and {key[0][0][0] for key in shapes} <= {1, 2, 4, 8}
 
 
 def test_company_changes_an_image_within_the_tolerance(steps):
