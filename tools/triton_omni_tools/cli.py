@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -171,19 +172,26 @@ def _generate(args) -> int:
     options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     bars: dict[int, tqdm] = {}
     written = []
+    # A bar as wide as the terminal wraps to a new line at every redraw in some terminals (tmux).
+    width = min(100, shutil.get_terminal_size().columns - 1)
+    text_open = False  # streamed text without its newline yet: a bar must not start on that line
     try:
         for event in OmniClient(args.url).generate(args.prompt, modalities=modalities,
                                                    enhance_prompt=args.enhance_prompt, model=args.model,
                                                    parameters=dict(args.param) or None, **options):
             if event.text:
                 print(event.text, end="", flush=True)
+                text_open = True
             if event.enhanced_prompt is not None:
                 print(f"\n[enhanced prompt] {event.enhanced_prompt}", file=sys.stderr)
             if event.stage == "diffusion":
                 index = event.image_index[0]
                 if index not in bars:  # one bar per image (setdefault would build one per step)
+                    if text_open:
+                        print(flush=True)
+                        text_open = False
                     bars[index] = tqdm(total=event.total_steps, desc=f"image {index}", unit="step",
-                                       file=sys.stderr, leave=True, position=len(bars))
+                                       file=sys.stderr, leave=True, position=len(bars), ncols=width)
                 bars[index].update(event.step - bars[index].n)
             if event.image is not None:
                 for index, pixels in zip(event.image_index, event.image, strict=True):
@@ -194,7 +202,7 @@ def _generate(args) -> int:
     finally:
         for bar in bars.values():
             bar.close()
-    if "text" in modalities:
+    if text_open:
         print()
     for path in written:
         print(f"wrote {path}")
