@@ -93,6 +93,7 @@ class StepEngine:
         self._waiting: deque[StepJob] = deque()
         self._running: dict[tuple, list[StepJob]] = {}
         self._turn = itertools.count()
+        self._held = 0  # rows of the jobs submitted and not yet done, waiting or running (under _wake)
         self._wake = threading.Condition()
         self._stopped = False
         self.max_rows_seen = 0  # the most rows one step ran (tests, metrics)
@@ -107,21 +108,24 @@ class StepEngine:
             raise RequestRejectedError(f"a request needs {job.rows} rows; this engine runs at most {self.max_rows}",
                                        "rows")
         with self._wake:
-            if self.on_full == "reject" and self._rows_in_flight() + job.rows > self.max_rows:
+            if self.on_full == "reject" and self._held + job.rows > self.max_rows:
                 raise RequestRejectedError(f"the diffusion engine is full ({self.max_rows} rows in flight)", "rows")
+            self._held += job.rows
             self._waiting.append(job)
             self._wake.notify()
+        job.future.add_done_callback(lambda _: self._release(job.rows))
         return job.future
+
+    def _release(self, rows: int) -> None:
+        with self._wake:
+            self._held -= rows
+
 
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=60)
-
-    def _rows_in_flight(self) -> int:
-        return sum(job.rows for jobs in self._running.values() for job in jobs) + \
-            (sum(job.rows for job in self._waiting) if self.on_full == "reject" else 0)
 
     # -- the engine thread -----------------------------------------------------
 
@@ -143,7 +147,7 @@ class StepEngine:
 
     def _admit(self) -> list[StepJob]:
         """Waiting jobs in arrival order, while their rows fit (called with the lock held)."""
-        free = self.max_rows - sum(job.rows for jobs in self._running.values() for job in jobs)
+        free = self.max_rows - (self._held - sum(job.rows for job in self._waiting))  # minus the running rows
         admitted = []
         while self._waiting and self._waiting[0].rows <= free:
             job = self._waiting.popleft()
