@@ -5,7 +5,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.triton-omni-installed
 
-.PHONY: install serve test test-unit lint demo-models clean bench-pipelines loadtest perf
+.PHONY: install serve test test-unit lint demo-models clean bench-pipelines bench-single-image loadtest perf
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ lint: install
 # calling the stages directly (docs/pipelines.md).
 bench-pipelines: install
 	$(BIN)/python benchmarks/pipeline_overhead.py --json .cache/pipeline-overhead.json
+
+# One generate-image at the demo defaults through Triton against the runner
+# called directly, unpadded (docs/benchmarks.md).
+bench-single-image: install
+	$(BIN)/python benchmarks/single_image.py --requests 10 --json .cache/single-image.json
 
 # Locust, headless, both users against the embedded server; CSVs in .cache/loadtest/.
 loadtest: install

@@ -96,7 +96,10 @@ class DiffusionRunner:
         path = resolve_model(config.model)
         if config.gpu_memory_utilization is not None:
             cap_torch(config.gpu_memory_utilization, config.device)
-        self.pipeline = DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device)
+        # step batching: the engine's thread runs every torch operation, the load included (steps.py)
+        self.steps = self._step_engine(on_batch) if config.batching == "step" else None
+        self.pipeline = self._on_torch_thread(
+            lambda: DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device))
         self.pipeline.set_progress_bar_config(disable=True)
         denoiser = getattr(self.pipeline, "unet", None) or self.pipeline.transformer
         hidden = getattr(denoiser.config, "cross_attention_dim", None) or denoiser.config.joint_attention_dim
@@ -104,25 +107,35 @@ class DiffusionRunner:
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
             self.graphs = GraphedDenoiser(self.pipeline.unet)
-        self.steps = self._step_engine(on_batch) if config.batching == "step" else None
+        if self.steps is not None:
+            if not hasattr(self.pipeline, "unet") or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
+                self.steps.stop()
+                raise ValueError(f"step batching needs a UNet pipeline of the Stable Diffusion family; "
+                                 f"{type(self.pipeline).__name__} is not one (use batching 'request')")
+            self.steps.pipeline = self.pipeline
         logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d, CUDA graphs %s, %s batching", path,
                     type(self.pipeline).__name__, self.device, self.dtype, hidden, "on" if self.graphs else "off",
                     config.batching)
 
     def _step_engine(self, on_batch) -> StepEngine:
-        if getattr(self.pipeline, "unet", None) is None or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
-            raise ValueError(f"step batching needs a UNet pipeline of the Stable Diffusion family; "
-                             f"{type(self.pipeline).__name__} is not one (use batching 'request')")
         c = self.config
-        return StepEngine(self.pipeline, self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
+        return StepEngine(None, self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch)
+
+    def _on_torch_thread(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the thread that runs this runner's torch work: the step engine's, else the caller's."""
+        return fn() if self.steps is None else self.steps.call(fn).result()
 
     def submit(self, request: DiffusionRequest, on_step: Callable[[int, int], None] | None = None,
                is_cancelled: Callable[[], bool] | None = None) -> Future:
         """Step batching: one request into the running batch. The future
         resolves to its image ``[H, W, 3]`` uint8 (or its error)."""
-        job = self._prepare(0, request)
-        step_job = StepJob(job.cond, job.uncond, request.guidance_scale if request.uses_guidance else 1.0,
+        def prepare() -> tuple[torch.Tensor, torch.Tensor | None]:  # on the engine's thread, at admission
+            job = self._prepare(0, request)
+            return job.cond, job.uncond
+
+        step_job = StepJob(prepare, 2 if request.uses_guidance else 1,
+                           request.guidance_scale if request.uses_guidance else 1.0,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled)
         pixels: Future = Future()
