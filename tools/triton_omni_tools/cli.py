@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated among diffusion,ar_encoder,ar,ar_transformers,text_to_image,omni")
     bench.add_argument("--diffusion-batching", choices=["step", "request"],
                        help="the Triton side's diffusion batching; default: step (the repository's)")
+    bench.add_argument("--open-loop", action="store_true",
+                       help="diffusion under Poisson arrivals instead: step against request batching, and "
+                       "mixed traffic (writes open-loop.json)")
+    bench.add_argument("--loads", default="0.5,0.8",
+                       help="open loop: arrival rates as fractions of request batching's peak")
+    bench.add_argument("--requests", type=int, default=200, help="open loop: requests per point")
+    bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -227,8 +234,15 @@ def _bench(args) -> int:
     def parts(value: str | None, kind=str):
         return tuple(kind(v) for v in value.split(",")) if value else None
 
-    run(args.preset, parts(args.concurrency, int), parts(args.workloads),
-        args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset, diffusion_batching=args.diffusion_batching)
+    out = args.out or PROJECT_ROOT / ".cache" / "bench" / args.preset
+    if args.open_loop:
+        from triton_omni_tools.bench import PRESETS, openloop
+
+        openloop.run(PRESETS[args.preset], args.preset, out, parts(args.loads, float), args.requests,
+                     mixed=not args.no_mixed)
+        return 0
+    run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
+        diffusion_batching=args.diffusion_batching)
     return 0
 
 

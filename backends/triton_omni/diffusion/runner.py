@@ -33,7 +33,7 @@ import torch
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
-from triton_omni.diffusion.steps import StepEngine, StepJob
+from triton_omni.diffusion.steps import StepEngine, StepJob, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.gpu_memory import cap_torch
@@ -106,7 +106,8 @@ class DiffusionRunner:
         self.limits = DiffusionLimits(hidden_size=int(hidden), **config.limits)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
-            self.graphs = GraphedDenoiser(self.pipeline.unet)
+            # step batching: a graph per (bucket, size, token count) in use
+            self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16)
         if self.steps is not None:
             if not hasattr(self.pipeline, "unet") or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
                 self.steps.stop()
@@ -138,16 +139,7 @@ class DiffusionRunner:
                            request.guidance_scale if request.uses_guidance else 1.0,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled)
-        pixels: Future = Future()
-
-        def done(image: Future) -> None:
-            try:
-                pixels.set_result(_to_pixels(image.result()[None])[0])
-            except Exception as exc:
-                pixels.set_exception(exc)
-
-        self.steps.submit(step_job).add_done_callback(done)
-        return pixels
+        return self.steps.submit(step_job)
 
     def close(self) -> None:
         if self.steps is not None:
@@ -243,7 +235,7 @@ class DiffusionRunner:
         # Images are final outputs that leave the server over the network: one
         # device-to-host copy per batch here is cheaper than a CUDA tensor per
         # response, which the Python backend hands over through CUDA IPC.
-        pixels = _to_pixels(images)
+        pixels = to_pixels(images)
         logger.debug("chunk of %d: pipeline call %.1f ms, then waiting for the images %.1f ms", len(jobs),
                      (queued - started) * 1e3, (time.perf_counter() - queued) * 1e3)
         cancelled = is_cancelled or (lambda i: False)
@@ -265,11 +257,6 @@ class DiffusionRunner:
 
     def _generator(self, seed: int | None) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(secrets.randbits(63) if seed is None else seed)
-
-
-def _to_pixels(images: torch.Tensor) -> torch.Tensor:
-    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU."""
-    return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
 
 
 def _same_length(cond: torch.Tensor, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

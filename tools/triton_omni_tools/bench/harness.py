@@ -345,6 +345,8 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     took CPU time from vLLM's engine loop on a 16-core host)."""
     import multiprocessing
 
+    if workload not in AR_WORKLOADS and preset.diffusion_batching == "step":
+        warm_step_counts(url, preset, embeds, workload, concurrency)
     processes = min(concurrency, preset.client_processes) if workload in AR_WORKLOADS else concurrency
     clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     context = multiprocessing.get_context("spawn")
@@ -375,6 +377,17 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     point.mean_batch = _mean_batch(batches_before, _batch_counts(metrics_url, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
     return point
+
+
+def warm_step_counts(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int) -> None:
+    """Step batching meets every request count from 1 to ``concurrency`` as
+    closed-loop clients drift apart, and captures a CUDA graph for each new
+    padded row count; each is met here first (k requests at once, for every
+    k), as the direct side's warm-up meets its one batch size."""
+    for k in range(1, concurrency + 1):
+        _, _, error = _closed_loop([triton_call(workload, url, preset, embeds) for _ in range(k)], 1)
+        if error:
+            raise RuntimeError(f"{workload} warm-up: {error}")
 
 
 def _server_stats(url: str, workload: str) -> dict[str, float]:

@@ -38,6 +38,9 @@ class Preset:
     ar_rounds: tuple[tuple[str, int], ...] = (("ar", 12), ("ar_transformers", 4), ("ar_encoder", 32))
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
+    # The open loop's mixed traffic: every steps count at every size, interleaved.
+    mixed_steps: tuple[int, ...] = (10, 20, 50)
+    mixed_sizes: tuple[int, ...] = (512, 384)
 
     def concurrency_for(self, workload: str) -> tuple[int, ...]:
         return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
@@ -54,7 +57,7 @@ AR_WORKLOADS = (*GENERATION_WORKLOADS, "ar_encoder")
 PRESETS = {
     "tiny": Preset("demo:tiny-qwen2", "demo:tiny-sd", size=32, steps=2, guidance=1.0, max_tokens=16,
                    max_batch_size=8, requests_per_worker=2, ar_concurrency=(1, 4, 16), encoder_max_batch_size=16,
-                   ar_rounds=(("ar", 8), ("ar_transformers", 8), ("ar_encoder", 32))),
+                   ar_rounds=(("ar", 8), ("ar_transformers", 8), ("ar_encoder", 32)), mixed_sizes=(32, 64)),
     "realistic": Preset("demo:realistic-qwen2", "demo:realistic-sd", size=512, steps=20, guidance=7.5,
                         max_tokens=128, max_batch_size=16, requests_per_worker=2, diffusion_queue_delay_us=100_000),
 }

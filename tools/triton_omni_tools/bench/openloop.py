@@ -1,0 +1,274 @@
+"""``omni-triton bench --open-loop``: diffusion under open traffic, step
+batching against request batching, side by side on one server.
+
+A closed loop measures throughput; users meet latency under traffic that
+does not wait for them. Here requests arrive as a Poisson process (seeded,
+the same arrival times for both modes) and every one is sent at its time,
+whatever is still in flight:
+
+1. the peak: the request-batching model's closed-loop throughput at
+   concurrency ``max_batch_size`` (its best batch);
+2. for each load (50 % and 80 % of that peak): ``requests`` arrivals at that
+   rate to each mode; p50/p99 latency and the throughput reached;
+3. mixed traffic (step mode): steps 10/20/50 at two sizes, interleaved; each
+   class's latency at 50 % of the mix's own peak against the same class
+   alone.
+
+The server loads two copies of the preset's diffusion model: ``diffusion``
+(step batching) and ``diffusion_request`` (request batching, with the
+preset's batching window), measured one at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from triton_omni_tools.bench.presets import PROMPT, Preset
+
+MODES = {"request": "diffusion_request", "step": "diffusion"}
+
+
+@dataclass(frozen=True)
+class ImageClass:
+    steps: int
+    size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.steps} steps {self.size}px"
+
+
+def poisson_arrivals(rate_per_s: float, count: int, seed: int) -> np.ndarray:
+    """Send times (s from the start) of ``count`` Poisson arrivals."""
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate_per_s, count))
+
+
+class ImageSender:
+    """One gRPC connection; each request sent without waiting for the others (``async_infer``)."""
+
+    def __init__(self, url: str, preset: Preset):
+        import tritonclient.grpc as grpcclient
+
+        self.grpcclient = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self.preset = preset
+
+    def send(self, model: str, image: ImageClass, seed: int, done) -> None:
+        """``done(latency_s, error)`` runs on a gRPC thread when the image is back."""
+        from triton_omni_client.client import batched_inputs
+
+        inputs = batched_inputs(self.grpcclient, prompt=PROMPT, seed=seed, num_inference_steps=image.steps,
+                                guidance_scale=self.preset.guidance, height=image.size, width=image.size)
+        start = time.perf_counter()
+
+        def callback(result, error) -> None:
+            ok = error is None and result.as_numpy("image") is not None
+            done(time.perf_counter() - start, None if ok else str(error or "no image in the response"))
+
+        self.client.async_infer(model, inputs, callback)
+
+    def one(self, model: str, image: ImageClass, seed: int = 0) -> float:
+        """Send one request and wait for it: its latency."""
+        finished, out = threading.Event(), {}
+
+        def done(latency: float, error: str | None) -> None:
+            out.update(latency=latency, error=error)
+            finished.set()
+
+        self.send(model, image, seed, done)
+        finished.wait(600)
+        if out.get("error") or "latency" not in out:
+            raise RuntimeError(f"{model}: {out.get('error', 'no answer in 600 s')}")
+        return out["latency"]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_schedule(sender: ImageSender, model: str, arrivals: np.ndarray, classes: list[ImageClass]) -> dict:
+    """Each request sent at its arrival time; returns latencies (per class too) and the rate reached."""
+    latencies: list[tuple[ImageClass, float]] = []
+    errors: list[str] = []
+    lock, all_done = threading.Lock(), threading.Event()
+
+    def done(image: ImageClass, latency: float, error: str | None) -> None:
+        with lock:
+            (errors.append(error) if error else latencies.append((image, latency)))
+            if len(latencies) + len(errors) == len(arrivals):
+                all_done.set()
+
+    start = time.perf_counter()
+    for i, (at, image) in enumerate(zip(arrivals, classes, strict=True)):
+        if (wait := start + at - time.perf_counter()) > 0:
+            time.sleep(wait)
+        sender.send(model, image, i, lambda latency, error, image=image: done(image, latency, error))
+    if not all_done.wait(1800):
+        raise RuntimeError(f"{model}: {len(arrivals) - len(latencies) - len(errors)} requests unanswered after 30 min")
+    seconds = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{model}: {len(errors)} of {len(arrivals)} requests failed; first: {errors[0]}")
+    values = np.array([latency for _, latency in latencies])
+    by_class = {}
+    for image in dict.fromkeys(classes):
+        mine = np.array([latency for c, latency in latencies if c == image])
+        by_class[image.name] = {"p50_ms": _ms(mine, 50), "p99_ms": _ms(mine, 99), "requests": len(mine)}
+    return {"requests": len(values), "per_s": len(values) / seconds, "p50_ms": _ms(values, 50),
+            "p99_ms": _ms(values, 99), "by_class": by_class}
+
+
+def closed_loop_peak(url: str, preset: Preset, model: str, classes: list[ImageClass], concurrency: int,
+                     rounds: int) -> float:
+    """Requests/s of ``concurrency`` clients each sending ``rounds`` requests back to back (after a warm-up)."""
+    senders = [ImageSender(url, preset) for _ in range(concurrency)]
+    cycle = itertools.cycle(classes)
+    plans = [[next(cycle) for _ in range(rounds)] for _ in senders]
+
+    def client(sender: ImageSender, plan: list[ImageClass]) -> None:
+        for k, image in enumerate(plan):
+            sender.one(model, image, k)
+
+    def all_clients(plan_of) -> float:
+        threads = [threading.Thread(target=client, args=(s, plan_of(i))) for i, s in enumerate(senders)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
+
+    all_clients(lambda i: plans[i][:1])  # warm-up: every batch size and class met once
+    seconds = all_clients(lambda i: plans[i])
+    for sender in senders:
+        sender.close()
+    return concurrency * rounds / seconds
+
+
+def warm_up(url: str, preset: Preset, model: str, classes: list[ImageClass], up_to: int) -> None:
+    """k requests of each class at once, for every k up to ``up_to``: every batch size (and, with
+    step batching, padded row count and its CUDA graph) is met before anything is timed."""
+    for image in classes:
+        for k in range(1, up_to + 1):
+            senders = [ImageSender(url, preset) for _ in range(k)]
+            threads = [threading.Thread(target=sender.one, args=(model, image)) for sender in senders]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            for sender in senders:
+                sender.close()
+
+
+def solo_latency(sender: ImageSender, model: str, image: ImageClass, repeats: int = 3) -> float:
+    sender.one(model, image)  # warm-up
+    return float(np.median([sender.one(model, image, k) for k in range(repeats)]) * 1e3)
+
+
+def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, mixed: bool) -> dict:
+    standard = ImageClass(preset.steps, preset.size)
+    sender = ImageSender(url, preset)
+    report: dict = {"loads": {}, "mixed": None}
+    for model in MODES.values():
+        warm_up(url, preset, model, [standard], preset.max_batch_size)
+    peak = closed_loop_peak(url, preset, MODES["request"], [standard], preset.max_batch_size, rounds=3)
+    report["peak_per_s"] = peak
+    print(f"  request-batching peak (closed loop, concurrency {preset.max_batch_size}): {peak:.2f}/s", flush=True)
+    for k, load in enumerate(loads):
+        arrivals = poisson_arrivals(load * peak, requests, seed=k)
+        report["loads"][load] = {}
+        for mode, model in MODES.items():
+            result = run_schedule(sender, model, arrivals, [standard] * requests)
+            report["loads"][load][mode] = result
+            print(f"  load {load:.0%} ({load * peak:.2f}/s offered) {mode:<8} {result['per_s']:6.2f}/s  "
+                  f"p50 {result['p50_ms']:8.1f} ms  p99 {result['p99_ms']:8.1f} ms", flush=True)
+    if mixed:
+        report["mixed"] = measure_mixed(url, preset, sender, requests)
+    sender.close()
+    return report
+
+
+def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, load: float = 0.5) -> dict:
+    """The preset's steps counts (10/20/50) at its two sizes, interleaved at ``load`` of the mix's own
+    closed-loop peak, in each mode; each class's p50 against its latency alone in that mode."""
+    classes = [ImageClass(steps, size) for steps in preset.mixed_steps for size in preset.mixed_sizes]
+    rng = np.random.default_rng(7)
+    order = [classes[i] for i in rng.integers(0, len(classes), requests)]
+    out = {}
+    for mode, model in MODES.items():
+        warm_up(url, preset, model, classes, preset.max_batch_size // 2)
+        solo = {image.name: solo_latency(sender, model, image) for image in classes}
+        peak = closed_loop_peak(url, preset, model, classes, preset.max_batch_size, rounds=3)
+        result = run_schedule(sender, model, poisson_arrivals(load * peak, requests, seed=11), order)
+        for name, stats in result["by_class"].items():
+            stats |= {"solo_ms": solo[name], "p50_over_solo": stats["p50_ms"] / solo[name]}
+        worst = max(stats["p50_over_solo"] for stats in result["by_class"].values())
+        out[mode] = result | {"peak_per_s": peak, "load": load, "worst_p50_over_solo": worst}
+        print(f"  mixed {mode:<8} at {load:.0%} of its peak ({peak:.2f}/s): worst class p50/solo {worst:.2f}",
+              flush=True)
+    return out
+
+
+def table(report: dict) -> None:
+    print("\nopen loop (Poisson arrivals): request batching against step batching")
+    header = (f"{'load':>6}{'offered/s':>11}{'req p50':>10}{'step p50':>10}{'p50 x':>7}"
+              f"{'req p99':>10}{'step p99':>10}{'p99 x':>7}{'req/s':>8}{'step/s':>8}")
+    print(header + "\n" + "-" * len(header))
+    for load, modes in report["loads"].items():
+        r, s = modes["request"], modes["step"]
+        print(f"{float(load):>6.0%}{float(load) * report['peak_per_s']:>11.2f}{r['p50_ms']:>10.0f}"
+              f"{s['p50_ms']:>10.0f}{r['p50_ms'] / s['p50_ms']:>7.2f}{r['p99_ms']:>10.0f}{s['p99_ms']:>10.0f}"
+              f"{r['p99_ms'] / s['p99_ms']:>7.2f}{r['per_s']:>8.2f}{s['per_s']:>8.2f}")
+    if report["mixed"]:
+        print("\nmixed traffic at 50 % of each mode's own peak: p50 of each class against it alone (ms)")
+        for mode, result in report["mixed"].items():
+            print(f"  {mode}: " + ", ".join(f"{name} {c['p50_ms']:.0f}/{c['solo_ms']:.0f}={c['p50_over_solo']:.2f}"
+                                           for name, c in result["by_class"].items()))
+
+
+def repository(preset: Preset, dest: Path) -> list[Path]:
+    """The bench repository (step batching) plus ``diffusion_request``, a request-batching copy."""
+    from dataclasses import replace
+
+    from triton_omni_tools.bench.harness import bench_repository
+    from triton_omni_tools.repository import copy_model
+
+    repositories = bench_repository(replace(preset, diffusion_batching="step"), dest)
+    variants, models = repositories[0], repositories[1]
+    copy_model(models, "diffusion", variants, MODES["request"], parameters={"batching": "request"},
+               max_queue_delay_us=preset.diffusion_queue_delay_us)
+    return repositories
+
+
+def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...] = (0.5, 0.8),
+        requests: int = 200, mixed: bool = True) -> dict:
+    from triton_omni.demo_models import resolve_model
+
+    from triton_omni_tools.bench.report import device_name
+    from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+    resolve_model(preset.diffusion_model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"== open loop, {requests} requests per point ({device_name()})", flush=True)
+    with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
+        options = ServerOptions(model_repositories=repository(preset, Path(tmp)), http_port=free_port(),
+                                grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
+                                model_control_mode="explicit", load_models=list(MODES.values()))
+        with TritonServer(options) as server:
+            report = measure(server.grpc_url, preset, loads, requests, mixed)
+    table(report)
+    report |= {"preset": preset_name, "device": device_name(), "requests": requests}
+    path = out_dir / "open-loop.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {path}")
+    return report
+
+
+def _ms(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q) * 1e3) if len(values) else float("nan")
