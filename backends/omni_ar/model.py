@@ -57,8 +57,9 @@ class TritonPythonModel:
         if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
             check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         self.runner = ArRunner(self.config)
-        self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode")
-        self.responses = ResponseThread()
+        self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
+        self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode",
+                                    submit=self.responses.call)
         self.encode_outputs = Outputs(ar_encode_outputs(self.config.embeds_dtype))
         self.cancellations = Cancellations()
 

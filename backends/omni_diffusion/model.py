@@ -29,7 +29,7 @@ from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, DeferredCounter, StageMetrics, family, release_families
+from triton_omni.triton.metrics import COUNTER, DeferredCounter, StageMetrics, family, release_families, routed
 from triton_omni.triton.params import channel_ids
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -53,16 +53,20 @@ class TritonPythonModel:
             check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
         self.input_specs = diffusion_inputs(embeds_dtype)
-        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True)
+        self.poll_s = float(diffusion_io.model_parameters(model_config).get("cancel_poll_s", "0.02"))
+        # step batching answers from a response thread, which then sends every metric update too
+        # (metrics.Routed); request batching answers from execute, whose thread sends them
+        stepping = self.config.batching == "step"
+        self.responses = ResponseThread(poll_s=self.poll_s) if stepping else None
+        submit = self.responses.call if stepping else None
+        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True, submit=submit)
         # step batching: the batch size is the requests of each denoising step
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n))
-        self.steps = family("omni_diffusion_steps_total", "Denoising steps run, per request",
-                            COUNTER).Metric(labels=self.metrics.labels)
+        self.steps = routed(family("omni_diffusion_steps_total", "Denoising steps run, per request",
+                                   COUNTER).Metric(labels=self.metrics.labels), submit)
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
-        self.poll_s = float(diffusion_io.model_parameters(model_config).get("cancel_poll_s", "0.02"))
-        if self.runner.steps is not None:
-            self.responses = ResponseThread(poll_s=self.poll_s)
+        if stepping:
             self.step_count = DeferredCounter(self.steps)
 
     def execute(self, requests):
@@ -141,7 +145,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner.close()
-        if self.runner.steps is not None:
+        if self.responses is not None:
             self.responses.stop()
         self.progress.close()
         self.metrics = self.steps = None

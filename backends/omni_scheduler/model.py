@@ -27,7 +27,7 @@ from triton_omni.scheduler import (
     TextDelta,
 )
 from triton_omni.triton import omni_io
-from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families
+from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families, routed
 from triton_omni.triton.params import client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
@@ -47,17 +47,17 @@ class TritonPythonModel:
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         settings = omni_io.settings(json.loads(args["model_config"]))
         self.limits = settings.limits
-        self.metrics = StageMetrics("scheduler", self.model_name, args["model_version"])
+        self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
+        self.metrics = StageMetrics("scheduler", self.model_name, args["model_version"], submit=self.responses.call)
         labels = self.metrics.labels
-        embeds_gauge = family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not yet "
-                              "diffused", GAUGE).Metric(labels=labels)
+        embeds_gauge = routed(family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not "
+                                     "yet diffused", GAUGE).Metric(labels=labels), self.responses.call)
         self.loop = EventLoopThread("omni-scheduler")
         self.progress = self.loop.run(ProgressListener().start())
         self.stages = TritonStages(settings.ar_model, settings.encoder_model, settings.diffusion_model,
                                    self.progress, Cancellations())
         budget = self.loop.run(_in_loop(lambda: EmbedsBudget(settings.budget, embeds_gauge.set)))
         self.scheduler = OmniScheduler(self.stages, budget, settings.enhance)
-        self.responses = ResponseThread()
 
     def execute(self, requests):
         for request in requests:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from PIL import Image
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_client.client import batched_inputs
 
-from tests.support.server import metric_value
+from tests.support.server import metric_value, require_alive
 
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32}
 
@@ -123,6 +124,38 @@ def test_step_batching_shares_steps(server):
     steps, requests_stepped = count_after - count_before, sum_after - sum_before
     assert requests_stepped == 4 * 8  # every step of every request, once
     assert steps < 4 * 8, "no step ran two requests at once"
+
+
+def test_step_batching_survives_a_burst_of_requests(server):
+    """Hundreds of requests sent without waiting (the open-loop bench's
+    traffic): every one answered, the server up, the metrics counting all.
+    Regression: with metric updates made from the step engine's thread
+    beside the response thread's sends, tritonserver 2.51 crashed after a
+    few hundred such requests (metrics.Routed)."""
+    def succeeded():
+        return metric_value(server, "omni_diffusion_requests_total", model="diffusion", outcome="success")
+
+    before, total = succeeded(), 600
+    done, errors = threading.Semaphore(0), []
+
+    def callback(result, error):
+        if error is not None or result.as_numpy("image") is None:
+            errors.append(error)
+        done.release()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = batched_inputs(grpcclient, prompt="a red fox", seed=1, num_inference_steps=1, height=32, width=32,
+                            guidance_scale=1.0)
+    for i in range(total):
+        client.async_infer("diffusion", inputs, callback)
+        if i % 50 == 49:
+            time.sleep(0.5)  # about 100 requests/s: a queue, never the whole burst at once
+    for _ in range(total):
+        assert done.acquire(timeout=120), "a request was never answered"
+    client.close()
+    assert not errors, f"{len(errors)} failed; first: {errors[0]}"
+    require_alive(server)
+    assert succeeded() - before == total
 
 
 def _bad(**values):

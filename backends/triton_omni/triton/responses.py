@@ -38,6 +38,7 @@ from triton_omni.triton.errors import error_response
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _STREAMED = -1  # queue marker: a coalescing entry of send_streamed
+_CALL = -2  # queue marker: a function to run on this thread (call)
 POLL_S = 0.05
 POLL_SHARE = 0.2  # of each poll interval, at most, spent asking the server about cancellations
 
@@ -55,6 +56,11 @@ class ResponseThread:
 
     def send(self, sender, response=None, final: bool = False) -> None:
         self._queue.put((sender, response, FINAL if final else 0))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this thread, in order with the responses: how the
+        other IPC to the server (metric updates) leaves the stub too."""
+        self._queue.put((fn, None, _CALL))
 
     def send_streamed(self, sender, item, final: bool, merge: Callable, build: Callable) -> None:
         """Queue ``build(item)`` for ``sender``, or merge ``item`` into the one
@@ -128,6 +134,12 @@ class ResponseThread:
                 next_poll = time.monotonic() + self._poll_s
 
     def _send(self, sender, response, flags) -> None:
+        if flags == _CALL:
+            try:
+                sender()
+            except Exception:
+                logger.exception("A call on the response thread failed")
+            return
         if flags == _STREAMED:
             with self._lock:
                 item, final, build = self._unsent.pop(id(sender))
