@@ -35,7 +35,7 @@ from triton_omni.gpu_memory import check_share
 from triton_omni.triton import ar_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import StageMetrics, release_families
+from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
 from triton_omni.triton.params import split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -58,6 +58,7 @@ class TritonPythonModel:
             check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
         self.runner = ArRunner(self.config)
         self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
+        self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode",
                                     submit=self.responses.call)
         self.encode_outputs = Outputs(ar_encode_outputs(self.config.embeds_dtype))
@@ -165,6 +166,6 @@ class TritonPythonModel:
     def finalize(self):
         self.runner.close()
         self.responses.stop()
-        self.metrics = None
+        self.metrics = self.restarts = None
         release_families()
 

@@ -29,7 +29,15 @@ from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, DeferredCounter, StageMetrics, family, release_families, routed
+from triton_omni.triton.metrics import (
+    COUNTER,
+    DeferredCounter,
+    StageMetrics,
+    family,
+    release_families,
+    report_restarts,
+    routed,
+)
 from triton_omni.triton.params import channel_ids
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -59,6 +67,7 @@ class TritonPythonModel:
         stepping = self.config.batching == "step"
         self.responses = ResponseThread(poll_s=self.poll_s) if stepping else None
         submit = self.responses.call if stepping else None
+        self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True, submit=submit)
         # step batching: the batch size is the requests of each denoising step
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n))
@@ -148,7 +157,7 @@ class TritonPythonModel:
         if self.responses is not None:
             self.responses.stop()
         self.progress.close()
-        self.metrics = self.steps = None
+        self.metrics = self.steps = self.restarts = None
         release_families()
 
 

@@ -27,7 +27,7 @@ from triton_omni.scheduler import (
     TextDelta,
 )
 from triton_omni.triton import omni_io
-from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families, routed
+from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families, report_restarts, routed
 from triton_omni.triton.params import client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
@@ -48,6 +48,7 @@ class TritonPythonModel:
         settings = omni_io.settings(json.loads(args["model_config"]))
         self.limits = settings.limits
         self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
+        self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("scheduler", self.model_name, args["model_version"], submit=self.responses.call)
         labels = self.metrics.labels
         embeds_gauge = routed(family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not "
@@ -86,7 +87,7 @@ class TritonPythonModel:
         self.stages.close()
         self.loop.stop()
         self.responses.stop()
-        self.metrics = self.scheduler = None  # the scheduler's budget reports to a gauge
+        self.metrics = self.scheduler = self.restarts = None  # the scheduler's budget reports to a gauge
         release_families()
 
 

@@ -45,6 +45,11 @@ def run_dir() -> Path:
     return path
 
 
+def restarts_file(run: Path, model: str) -> Path:
+    """Where the launcher's supervisor counts a model's restarts (the model reports it as a metric)."""
+    return run / "restarts" / model
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 

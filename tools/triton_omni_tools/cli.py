@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="address of the HTTP, gRPC and metrics endpoints (default loopback; 0.0.0.0 for all)")
     serve.add_argument("--server", choices=["auto", "embedded", "system"], default="auto",
                        help="system: /opt/tritonserver (NGC image); embedded: the nvidia-pytriton bundle")
+    serve.add_argument("--no-supervise", action="store_true",
+                       help="do not restart a model whose stub died (docs/operations.md)")
     serve.set_defaults(run=_serve)
 
     build = commands.add_parser("build-demo-models", help="build the tiny demo models into the cache")
@@ -131,7 +133,7 @@ def _serve(args) -> int:
         model_repositories=args.model_repository or list(DEFAULT_REPOSITORIES),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
-        load_models=args.load_model, server=args.server, bind=args.bind,
+        load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
     ))
 
 

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from triton_omni_tools import memory_plan
+from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ class ServerOptions:
     # The admin APIs answer only requests carrying this key in the ADMIN_HEADER header;
     # None: $TRITON_OMNI_ADMIN_KEY, else a random key nobody knows (the APIs are closed).
     admin_key: str | None = None
+    # Watch the Python backend stubs and bring back a model whose stub died (supervisor.py).
+    # Needs model control: with mode "none" the server runs in "explicit" mode, every model loaded.
+    supervise: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,10 @@ class TritonServer:
     def __init__(self, options: ServerOptions):
         self.options = options
         self.process: subprocess.Popen | None = None
+        self.supervisor: Supervisor | None = None
         self._log = None
+        # This server's own folder: progress sockets, restart counts (TRITON_OMNI_RUN_DIR in its stubs)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="triton-omni-run-"))
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
 
     @property
@@ -231,8 +239,18 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://localhost:{self.options.metrics_port}/metrics"
 
+    @property
+    def control(self) -> tuple[str, list[str]]:
+        """(model control mode, models loaded at start): the supervisor reloads models through the
+        repository API, so it turns mode "none" into "explicit" with every model loaded."""
+        opts = self.options
+        if opts.supervise and opts.model_control_mode == "none":
+            return "explicit", ["*"]
+        return opts.model_control_mode, opts.load_models
+
     def command(self, install: ServerInstall, backend_dir: Path) -> list[str]:
         opts = self.options
+        mode, load_models = self.control
         cmd = [str(install.binary)]
         cmd += [f"--model-repository={repo}" for repo in opts.model_repositories]
         cmd += [
@@ -241,7 +259,7 @@ class TritonServer:
             f"--grpc-port={opts.grpc_port}",
             f"--metrics-port={opts.metrics_port}",
             f"--log-verbose={opts.log_verbose}",
-            f"--model-control-mode={opts.model_control_mode}",
+            f"--model-control-mode={mode}",
             "--exit-timeout-secs=15",
             f"--http-address={opts.bind}",
             f"--grpc-address={opts.bind}",
@@ -249,7 +267,7 @@ class TritonServer:
             f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
         ]
-        cmd += [f"--load-model={name}" for name in opts.load_models]
+        cmd += [f"--load-model={name}" for name in load_models]
         return cmd + opts.extra_args
 
     def check_memory_plan(self) -> None:
@@ -257,9 +275,9 @@ class TritonServer:
         gpus = gpu_count()
         if gpus == 0:
             return
-        opts = self.options
-        shares = memory_plan.plan(opts.model_repositories,
-                                  opts.load_models if opts.model_control_mode == "explicit" else None, gpus)
+        mode, load_models = self.control
+        shares = memory_plan.plan(self.options.model_repositories,
+                                  load_models if mode == "explicit" and "*" not in load_models else None, gpus)
         memory_plan.check(shares)
         if shares:
             logger.info("%s", memory_plan.describe(shares))
@@ -275,13 +293,17 @@ class TritonServer:
             self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
             output = self._log = open(self.options.log_file, "wb")  # noqa: SIM115 - closed in stop()
         # Own process group: stop() can then reach the stubs and their engine processes.
-        self.process = subprocess.Popen(cmd, env=server_env(install), stdout=output, stderr=subprocess.STDOUT
+        env = server_env(install) | {"TRITON_OMNI_RUN_DIR": str(self.run_dir)}
+        self.process = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT
                                         if output else None, start_new_session=True)
         try:
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
+        if self.options.supervise:
+            api = RepositoryApi(self.http_url, ADMIN_HEADER, self.admin_key)
+            self.supervisor = Supervisor(self.process.pid, api, self.run_dir).start()
         return self
 
     def wait_ready(self) -> None:
@@ -303,6 +325,8 @@ class TritonServer:
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (Triton's graceful shutdown), then SIGKILL for whatever of the
         process group is left: stubs and vLLM engine processes included."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.process is None:
             return None
         pgid = self.process.pid
@@ -316,6 +340,7 @@ class TritonServer:
         self.process.wait()
         if self._log:
             self._log.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> TritonServer:
@@ -340,7 +365,8 @@ def access_summary(options: ServerOptions) -> str:
     has_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY")
     admin = "open with that header, key from $TRITON_OMNI_ADMIN_KEY" if has_key else \
         "closed: set TRITON_OMNI_ADMIN_KEY to open them with that header"
-    return (f"  bound to {options.bind}{loopback}\n"
+    supervised = "\n  supervised: a model whose stub dies is unloaded and loaded again" if options.supervise else ""
+    return (f"  bound to {options.bind}{loopback}{supervised}\n"
             f"  open: inference, health, metadata, model config, statistics\n"
             f"  restricted: {', '.join(RESTRICTED_APIS)} (header {ADMIN_HEADER}; {admin})")
 

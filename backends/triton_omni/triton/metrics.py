@@ -105,6 +105,22 @@ def routed(metric, submit: Submit | None):
     return metric if submit is None else Routed(metric, submit)
 
 
+def report_restarts(model: str):
+    """``omni_stage_restarts_total{model}``: how many times the launcher's
+    supervisor brought this model back after its stub died, reported as the
+    model loads (the count lives in a file of the server's run dir). Keep
+    the returned metric referenced: the series lives as long as it does."""
+    from triton_omni.channel import restarts_file, run_dir
+
+    path = restarts_file(run_dir(), model)
+    count = int(path.read_text()) if path.exists() else 0
+    metric = family("omni_stage_restarts_total", "Times the supervisor restarted a model whose stub died",
+                    COUNTER).Metric(labels={"model": model})
+    if count:
+        metric.increment(count)
+    return metric
+
+
 class StageMetrics:
     """Per stage: requests by outcome and in flight, request duration, requests
     rejected by reason; (AR) generated tokens and time to first token;
