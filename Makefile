@@ -5,7 +5,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.triton-omni-installed
 
-.PHONY: install serve test test-unit lint demo-models clean bench-pipelines bench-single-image loadtest perf
+.PHONY: install serve test test-unit test-reliability lint demo-models clean bench-pipelines bench-single-image loadtest perf
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ test: install
 
 test-unit: install
 	$(BIN)/pytest tests/unit
+
+# The reliability suite in full: every Python model's stub killed under load,
+# every bad input on both protocols (make test runs a short version).
+test-reliability: install
+	TRITON_OMNI_RELIABILITY=long $(BIN)/pytest tests/reliability -s
 
 lint: install
 	$(BIN)/ruff check .

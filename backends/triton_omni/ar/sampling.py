@@ -104,7 +104,7 @@ class SamplingOptions:
     def normalise(self) -> None:
         if self.seed is not None and self.seed < 0:
             self.seed = None  # -1 (any negative) means "no seed", as in vLLM
-        if self.top_k < 0:
+        if self.top_k == -1:
             self.top_k = 0  # -1 means "disabled", as in vLLM
 
     def verify(self, limits: ArLimits) -> None:
@@ -117,6 +117,7 @@ class SamplingOptions:
         in_range("n", self.n, 1, limits.max_n)
         in_range("temperature", self.temperature, 0.0, 100.0)
         require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k >= 0, "top_k", "must be -1 or 0 (disabled), or at least 1", self.top_k)
         in_range("min_p", self.min_p, 0.0, 1.0)
         in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
