@@ -17,6 +17,7 @@ Settings come from environment variables (defaults in brackets):
   OMNI_PROMPTS       a file with one prompt per line [built-in prompts]
   OMNI_STEPS         diffusion steps per image [4]
   OMNI_MAX_TOKENS    tokens per text request [16]
+  OMNI_TIMEOUT_S     a request's deadline, in seconds [none]
 
     make loadtest                        # starts the embedded server, CSVs in .cache/loadtest/
     .venv/bin/locust -f loadtest/locustfile.py --host http://localhost:8000   # web UI
@@ -43,6 +44,7 @@ GRPC_URL = os.environ.get("OMNI_GRPC_URL", "localhost:8001")
 WEIGHTS = [int(w) for w in os.environ.get("OMNI_WEIGHTS", "3,1,2").split(",")]
 STEPS = int(os.environ.get("OMNI_STEPS", "4"))
 MAX_TOKENS = int(os.environ.get("OMNI_MAX_TOKENS", "16"))
+TIMEOUT_S = float(os.environ["OMNI_TIMEOUT_S"]) if os.environ.get("OMNI_TIMEOUT_S") else None
 PROMPTS = (Path(os.environ["OMNI_PROMPTS"]).read_text().split("\n") if os.environ.get("OMNI_PROMPTS") else [
     "a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen, studio light",
     "a sailing boat on a calm sea", "an old library with tall windows", "a city street in the rain",
@@ -72,6 +74,7 @@ def omni_request(i: int) -> dict:
 
 class HttpOmniUser(FastHttpUser):
     wait_time = between(0.05, 0.2)
+    network_timeout = TIMEOUT_S or 60.0
 
     @task(WEIGHTS[0])
     def ar(self):
@@ -130,7 +133,7 @@ class GrpcOmniUser(User):
         values = {"text_input": random.choice(PROMPTS), "max_tokens": MAX_TOKENS}
 
         def call():
-            results = list(stream_infer(GRPC_URL, "ar", omni_inputs(grpcclient, values)))
+            results = list(stream_infer(GRPC_URL, "ar", omni_inputs(grpcclient, values), timeout_s=TIMEOUT_S))
             return sum(len(r.as_numpy("text_output")[0]) for r in results)
 
         self._timed("grpc ar", call)
@@ -140,7 +143,7 @@ class GrpcOmniUser(User):
         def call():
             inputs = batched_inputs(grpcclient, text_input=random.choice(PROMPTS), negative_prompt="",
                                     num_inference_steps=STEPS)
-            return self.client.infer("text_to_image", inputs).as_numpy("image").nbytes
+            return self.client.infer("text_to_image", inputs, client_timeout=TIMEOUT_S).as_numpy("image").nbytes
 
         self._timed("grpc text_to_image", call)
 
@@ -149,7 +152,7 @@ class GrpcOmniUser(User):
         values = omni_request(random.randrange(1 << 30)) | {"stream": True}
 
         def call():
-            results = list(stream_infer(GRPC_URL, "omni", omni_inputs(grpcclient, values)))
+            results = list(stream_infer(GRPC_URL, "omni", omni_inputs(grpcclient, values), timeout_s=TIMEOUT_S))
             images = [r.as_numpy("image") for r in results if r.as_numpy("image") is not None]
             if not images:
                 raise RuntimeError("omni returned no image")

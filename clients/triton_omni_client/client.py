@@ -259,11 +259,14 @@ def _as_text(value: Any) -> str:
 
 
 def stream_infer(url: str, model: str, inputs, request_id: str = "",
-                 parameters: dict[str, Any] | None = None) -> Iterator:
+                 parameters: dict[str, Any] | None = None, timeout_s: float | None = None) -> Iterator:
     """One request over a gRPC stream; yields results until the final one.
 
     Leaving early (closing the generator, Ctrl-C) cancels the request on the
     server; a stream that ended on its own is closed without a cancel.
+    ``timeout_s``: the longest wait for the next response; past it the
+    request is cancelled and ``TimeoutError`` raised (a server that lost the
+    request, e.g. with a stub that died, never answers it).
     """
     import tritonclient.grpc as grpcclient
 
@@ -275,7 +278,10 @@ def stream_infer(url: str, model: str, inputs, request_id: str = "",
             client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True,
                                       parameters=parameters)
             while not ended:
-                result, error = results.get()
+                try:
+                    result, error = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(f"no response from '{model}' in {timeout_s} s") from None
                 if error is not None:
                     ended = True
                     raise _as_omni_error(error)

@@ -8,14 +8,11 @@ bad-input corpus on both protocols, and the Locust soak.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from triton_omni.demo_models import build_all
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
-
-LONG = os.environ.get("TRITON_OMNI_RELIABILITY") == "long"
 
 
 @pytest.fixture(scope="session")

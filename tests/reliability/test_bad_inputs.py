@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 
-from tests.reliability.conftest import LONG
+from tests.support.server import LONG_RELIABILITY as LONG
 
 IMAGE = {"prompt": "a red fox", "num_inference_steps": 1, "height": 32, "width": 32, "guidance_scale": 1.0}
 T2I = {"text_input": "a red fox", "negative_prompt": "", "num_inference_steps": 1, "height": 32, "width": 32,

@@ -13,11 +13,10 @@ import urllib.request
 
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_omni_client import OmniClient
-from triton_omni_client.client import batched_inputs
+from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 from triton_omni_tools.supervisor import server_stubs
 
-from tests.reliability.conftest import LONG
+from tests.support.server import LONG_RELIABILITY as LONG
 from tests.support.server import metric_value
 
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0}
@@ -42,11 +41,13 @@ def ar_encoder(url: str) -> None:
 
 
 def ar(url: str) -> None:
-    assert list(OmniClient(url).generate_text("a red fox", sampling_parameters={"max_tokens": 4}))
+    values = {"text_input": "a red fox", "max_tokens": 4}
+    assert list(stream_infer(url, "ar", omni_inputs(grpcclient, values), timeout_s=DEADLINE_S))
 
 
 def omni(url: str) -> None:
-    assert list(OmniClient(url).generate("a red fox", modalities=["text"], max_tokens=4))
+    values = {"text_input": "a red fox", "modalities": ["text"], "max_tokens": 4}
+    assert list(stream_infer(url, "omni", omni_inputs(grpcclient, values), timeout_s=DEADLINE_S))
 
 
 CALLS = {"diffusion": diffusion, "ar_encoder": ar_encoder, "ar": ar, "omni": omni}

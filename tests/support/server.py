@@ -3,6 +3,7 @@ serve, process-group checks, metric reads, the server-alive guard."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -80,3 +81,7 @@ def text_to_image(url: str, protocol: str, prompt: str, negative: str = "", **op
     inputs = batched_inputs(module, text_input=prompt, negative_prompt=negative, **options)
     with module.InferenceServerClient(url) as client:
         return client.infer("text_to_image", inputs).as_numpy("image")[0]
+
+
+# `make test-reliability` sets it: the reliability suite in full (tests/reliability/conftest.py).
+LONG_RELIABILITY = os.environ.get("TRITON_OMNI_RELIABILITY") == "long"
