@@ -124,7 +124,8 @@ class GrpcOmniUser(User):
         try:
             length = call()
         except Exception as exc:  # reported to Locust as a failure, not raised
-            error = exc
+            # with its message: Locust records repr(), which is empty for tritonclient's exceptions
+            error = RuntimeError(f"{type(exc).__name__}: {exc}")
         events.request.fire(request_type="grpc", name=name, response_time=(time.perf_counter() - start) * 1e3,
                             response_length=length, exception=error, context={})
 

@@ -41,7 +41,8 @@ def memory_mb(server) -> tuple[float, float]:
                     rss += int(line.split()[1]) / 1024
         except OSError:
             pass
-    shm = sum(f.stat().st_size for f in Path("/dev/shm").iterdir() if f.is_file()) / 2**20
+    # allocated, not apparent, size: the stubs' regions are sparse files of 1 GB and more
+    shm = sum(f.stat().st_blocks * 512 for f in Path("/dev/shm").iterdir() if f.is_file()) / 2**20
     return rss, shm
 
 

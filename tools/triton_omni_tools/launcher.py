@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from triton_omni_tools import memory_plan
-from triton_omni_tools.supervisor import RepositoryApi, Supervisor
+from triton_omni_tools.supervisor import RepositoryApi, Supervisor, remove_regions, server_stubs
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +330,7 @@ class TritonServer:
         if self.process is None:
             return None
         pgid = self.process.pid
+        stubs = server_stubs(pgid)  # their shared memory is removed below if a kill left it behind
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -338,6 +339,7 @@ class TritonServer:
                 logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
         _kill_group(pgid)
         self.process.wait()
+        remove_regions(stubs)
         if self._log:
             self._log.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -54,6 +54,7 @@ class Stub:
     model: str
     instance: str
     state: str  # /proc/<pid>/stat: R, S, D (alive), Z (zombie), T/t (stopped)
+    region: str  # its shared-memory region in /dev/shm, which nobody removes when the stub is killed
 
     @property
     def alive(self) -> bool:
@@ -79,8 +80,15 @@ def server_stubs(server_pid: int) -> list[Stub]:
         if int(ppid) != server_pid:
             continue
         model = Path(args[1].decode()).parent.parent.name
-        stubs.append(Stub(int(entry.name), model, args[8].decode(), state))
+        stubs.append(Stub(int(entry.name), model, args[8].decode(), state, args[2].decode()))
     return stubs
+
+
+def remove_regions(stubs: list[Stub]) -> None:
+    """The shared memory of stubs that are gone (Triton removes a region only when its stub exits cleanly)."""
+    for stub in stubs:
+        with contextlib.suppress(OSError):
+            Path("/dev/shm", stub.region).unlink()
 
 
 class RepositoryApi:
@@ -167,6 +175,7 @@ class Supervisor:
                 continue
             logger.warning("model '%s' is serving again, %.1f s after its stub was found dead", model,
                            time.monotonic() - started)
+            remove_regions(stubs)
             return
         logger.error("model '%s': giving up after %d load attempts; it stays unloaded", model, self.max_attempts)
 
