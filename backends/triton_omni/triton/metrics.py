@@ -116,8 +116,10 @@ def report_restarts(model: str):
     count = int(path.read_text()) if path.exists() else 0
     metric = family("omni_stage_restarts_total", "Times the supervisor restarted a model whose stub died",
                     COUNTER).Metric(labels={"model": model})
-    if count:
-        metric.increment(count)
+    # A killed stub never released its series, and the server hands the same one to the new stub
+    # (same family, same labels): it may already hold part of the count.
+    if count > metric.value():
+        metric.increment(count - metric.value())
     return metric
 
 
