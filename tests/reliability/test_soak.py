@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from triton_omni_tools.supervisor import server_stubs
 
 from loadtest.run import run_locust
@@ -64,6 +65,7 @@ def ready(server, model: str) -> bool:
         return False
 
 
+@pytest.mark.timeout(RUN_S + 300)  # past the suite's 600 s default: warm-up, the run, the restart
 def test_soak_with_a_stub_killed_midway(supervised, tmp_path):
     warm = locust(supervised, tmp_path / "warm", 15)
     assert warm["failed"] == 0, warm["failures"][:3]
