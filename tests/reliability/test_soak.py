@@ -12,14 +12,13 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from triton_omni_tools.supervisor import server_stubs
 
 from loadtest.run import run_locust
-from tests.support.server import LONG_RELIABILITY
+from tests.support.server import LONG_RELIABILITY, model_ready
 
 RUN_S = 600 if LONG_RELIABILITY else 60
 # Four users with short think times keep the 2-core test machine busy. The load is
@@ -57,13 +56,6 @@ def locust(server, prefix: Path, run_s: int) -> dict:
             "failed": int(rows["Aggregated"]["Failure Count"]), "failures": failures}
 
 
-def ready(server, model: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
 
 @pytest.mark.timeout(RUN_S + 300)  # past the suite's 600 s default: warm-up, the run, the restart
 def test_soak_with_a_stub_killed_midway(supervised, tmp_path):
@@ -81,9 +73,9 @@ def test_soak_with_a_stub_killed_midway(supervised, tmp_path):
     soak = locust(supervised, tmp_path / "soak", RUN_S)
     killer.join()
     deadline = time.monotonic() + 60
-    while not ready(supervised, "diffusion") and time.monotonic() < deadline:
+    while not model_ready(supervised, "diffusion") and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ready(supervised, "diffusion"), "diffusion not serving again"
+    assert model_ready(supervised, "diffusion"), "diffusion not serving again"
     assert supervised.process.poll() is None, "tritonserver died"
     rss_after, shm_after = memory_mb(supervised)
     messages = [f"{f['Name']}: {f['Error']}" for f in soak["failures"]]

@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -17,7 +16,7 @@ from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 from triton_omni_tools.supervisor import server_stubs
 
 from tests.support.server import LONG_RELIABILITY as LONG
-from tests.support.server import metric_value
+from tests.support.server import metric_value, model_ready
 
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0}
 
@@ -55,13 +54,6 @@ CALLS = {"diffusion": diffusion, "ar_encoder": ar_encoder, "ar": ar, "omni": omn
 BYSTANDER = {"diffusion": "ar_encoder", "ar_encoder": "diffusion", "ar": "diffusion", "omni": "ar_encoder"}
 KILLED = list(CALLS) if LONG else ["diffusion"]
 
-
-def ready(server, model: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
 
 
 class Load:
@@ -104,10 +96,10 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
         time.sleep(1)
         os.kill(stub.pid, signal.SIGKILL)
         killed = time.monotonic()
-        while ready(supervised, model) and time.monotonic() - killed < 10:
+        while model_ready(supervised, model) and time.monotonic() - killed < 10:
             time.sleep(0.1)
         noticed = time.monotonic() - killed
-        while not ready(supervised, model) and time.monotonic() - killed < 120:
+        while not model_ready(supervised, model) and time.monotonic() - killed < 120:
             time.sleep(0.2)
         back = time.monotonic() - killed
         time.sleep(1)

@@ -85,3 +85,12 @@ def text_to_image(url: str, protocol: str, prompt: str, negative: str = "", **op
 
 # `make test-reliability` sets it: the reliability suite in full (tests/reliability/conftest.py).
 LONG_RELIABILITY = os.environ.get("TRITON_OMNI_RELIABILITY") == "long"
+
+
+def model_ready(server: TritonServer, model: str) -> bool:
+    """What a readiness probe reads: ``/v2/models/<model>/ready`` answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:  # URLError (a 400 included), refused, timed out
+        return False

@@ -148,11 +148,12 @@ class Supervisor:
         alive = {stub.model for stub in stubs if stub.alive}
         dead = {stub.model for stub in stubs if not stub.alive}
         dead |= {model for model in self.api.ready_models() & self.python_models if model not in alive}
-        for model in sorted(dead):
+        found = sorted(dead)
+        for model in found:
             if self._stop.is_set():
                 break
             self.restart(model, [stub for stub in stubs if stub.model == model])
-        return sorted(dead)
+        return found
 
     def restart(self, model: str, stubs: list[Stub]) -> None:
         started = time.monotonic()

@@ -120,7 +120,7 @@ class DiffusionRunner:
 
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config
-        return StepEngine(None, self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
+        return StepEngine(self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch)
 
     def _on_torch_thread(self, fn: Callable[[], Any]) -> Any:

@@ -93,15 +93,14 @@ class StepJob:
 
 
 class StepEngine:
-    def __init__(self, pipeline: Any, device: torch.device, dtype: torch.dtype, max_rows: int = 16,
-                 exact: bool = False, on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
+                 on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
                  on_batch: Callable[[int], None] | None = None):
-        """``pipeline``: the diffusers pipeline, or None until ``call`` has loaded
-        it on the engine's thread. ``on_batch(n)``: after each step, the number
-        of requests it ran (the batch-size metric)."""
+        """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
-        self.pipeline, self.device, self.dtype = pipeline, device, dtype
+        self.device, self.dtype = device, dtype
+        self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
         self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
         self.on_batch = on_batch
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)

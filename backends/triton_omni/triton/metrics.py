@@ -118,8 +118,9 @@ def report_restarts(model: str):
                     COUNTER).Metric(labels={"model": model})
     # A killed stub never released its series, and the server hands the same one to the new stub
     # (same family, same labels): it may already hold part of the count.
-    if count > metric.value():
-        metric.increment(count - metric.value())
+    missing = count - metric.value()
+    if missing > 0:
+        metric.increment(missing)
     return metric
 
 

@@ -124,6 +124,17 @@ def run_schedule(sender: ImageSender, model: str, arrivals: np.ndarray, classes:
             "p99_ms": _ms(values, 99), "by_class": by_class}
 
 
+def _at_once(senders: list[ImageSender], work) -> float:
+    """``work(i, sender)`` on a thread per sender, all started together: the seconds until all are done."""
+    threads = [threading.Thread(target=work, args=(i, sender)) for i, sender in enumerate(senders)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def closed_loop_peak(url: str, preset: Preset, model: str, classes: list[ImageClass], concurrency: int,
                      rounds: int) -> float:
     """Requests/s of ``concurrency`` clients each sending ``rounds`` requests back to back (after a warm-up)."""
@@ -131,21 +142,12 @@ def closed_loop_peak(url: str, preset: Preset, model: str, classes: list[ImageCl
     cycle = itertools.cycle(classes)
     plans = [[next(cycle) for _ in range(rounds)] for _ in senders]
 
-    def client(sender: ImageSender, plan: list[ImageClass]) -> None:
+    def client(plan: list[ImageClass], sender: ImageSender) -> None:
         for k, image in enumerate(plan):
             sender.one(model, image, k)
 
-    def all_clients(plan_of) -> float:
-        threads = [threading.Thread(target=client, args=(s, plan_of(i))) for i, s in enumerate(senders)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return time.perf_counter() - start
-
-    all_clients(lambda i: plans[i][:1])  # warm-up: every batch size and class met once
-    seconds = all_clients(lambda i: plans[i])
+    _at_once(senders, lambda i, sender: client(plans[i][:1], sender))  # warm-up: every batch size and class met
+    seconds = _at_once(senders, lambda i, sender: client(plans[i], sender))
     for sender in senders:
         sender.close()
     return concurrency * rounds / seconds
@@ -154,16 +156,12 @@ def closed_loop_peak(url: str, preset: Preset, model: str, classes: list[ImageCl
 def warm_up(url: str, preset: Preset, model: str, classes: list[ImageClass], up_to: int) -> None:
     """k requests of each class at once, for every k up to ``up_to``: every batch size (and, with
     step batching, padded row count and its CUDA graph) is met before anything is timed."""
+    senders = [ImageSender(url, preset) for _ in range(up_to)]
     for image in classes:
         for k in range(1, up_to + 1):
-            senders = [ImageSender(url, preset) for _ in range(k)]
-            threads = [threading.Thread(target=sender.one, args=(model, image)) for sender in senders]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for sender in senders:
-                sender.close()
+            _at_once(senders[:k], lambda i, sender, image=image: sender.one(model, image))
+    for sender in senders:
+        sender.close()
 
 
 def solo_latency(sender: ImageSender, model: str, image: ImageClass, repeats: int = 3) -> float:
