@@ -53,14 +53,15 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
-        self.config = ar_io.runner_config(model_config, args)
+        self.config, self.placement = ar_io.runner_config(model_config, args)
         if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
-            check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
+            check_share(self.model_name, self.config.gpu_memory_utilization, self.placement.gpus)
         self.runner = ArRunner(self.config)
         self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
         self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode",
-                                    submit=self.responses.call)
+                                    submit=self.responses.call,
+                                    device=self.placement.label)
         self.encode_outputs = Outputs(ar_encode_outputs(self.config.embeds_dtype))
         self.cancellations = Cancellations()
 

@@ -56,9 +56,9 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
-        self.config = diffusion_io.runner_config(model_config, args)
+        self.config, self.placement = diffusion_io.runner_config(model_config, args)
         if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
-            check_share(self.model_name, self.config.gpu_memory_utilization, self.config.device)
+            check_share(self.model_name, self.config.gpu_memory_utilization, self.placement.gpus)
         embeds_dtype = diffusion_io.model_parameters(model_config).get("embeds_dtype", "float32")
         self.input_specs = diffusion_inputs(embeds_dtype)
         self.poll_s = float(diffusion_io.model_parameters(model_config).get("cancel_poll_s", "0.02"))
@@ -68,7 +68,8 @@ class TritonPythonModel:
         self.responses = ResponseThread(poll_s=self.poll_s) if stepping else None
         submit = self.responses.call if stepping else None
         self.restarts = report_restarts(self.model_name)
-        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True, submit=submit)
+        self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True, submit=submit,
+                                    device=self.placement.label)
         # step batching: the batch size is the requests of each denoising step
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n))
         self.steps = routed(family("omni_diffusion_steps_total", "Denoising steps run, per request",

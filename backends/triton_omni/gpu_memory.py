@@ -42,11 +42,17 @@ class GpuMemory:
 
 def physical_index(device: str) -> int:
     """``cuda:N`` (N among the visible devices) to nvidia-smi's numbering."""
-    ordinal = int(device.split(":")[1]) if ":" in device else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if ids and all(v.isdigit() for v in ids) and ordinal < len(ids):
-        return int(ids[ordinal])
+    return visible_to_physical(int(device.split(":")[1]) if ":" in device else 0)
+
+
+def visible_to_physical(ordinal: int) -> int:
+    """A GPU ordinal among this process's visible GPUs, in nvidia-smi's numbering."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and all(v.isdigit() for v in visible):
+        if ordinal >= len(visible):
+            raise MemoryPlanError(f"GPU {ordinal} is not among the {len(visible)} visible ones "
+                                  f"(CUDA_VISIBLE_DEVICES={','.join(visible)})")
+        return int(visible[ordinal])
     return ordinal
 
 
@@ -64,23 +70,24 @@ def query(index: int) -> GpuMemory | None:
     return GpuMemory(index, total_mib * 1024**2, free_mib * 1024**2)
 
 
-def check_share(model: str, share: float, device: str) -> None:
-    """Raise ``MemoryPlanError`` when ``share`` of ``device`` is not free now."""
+def check_share(model: str, share: float, gpus: tuple[int, ...]) -> None:
+    """Raise ``MemoryPlanError`` when ``share`` of each of ``gpus`` (physical
+    indexes; none on the CPU) is not free now."""
     if not 0.0 < share <= 1.0:
         raise MemoryPlanError(f"model '{model}': gpu_memory_utilization must be in (0, 1], got {share}")
-    if not device.startswith("cuda"):
-        return
-    gpu = query(physical_index(device))
-    if gpu is None:
-        return
-    wanted = share * gpu.total
-    if gpu.free < wanted:
-        raise MemoryPlanError(
-            f"model '{model}': the memory plan does not fit GPU {gpu.index}: gpu_memory_utilization {share:g} "
-            f"asks for {wanted / GIB:.1f} GiB of its {gpu.total / GIB:.1f} GiB, but only {gpu.free / GIB:.1f} GiB "
-            f"is free ({(gpu.total - gpu.free) / GIB:.1f} GiB is held by the models loaded before it and other "
-            f"processes). Lower this model's gpu_memory_utilization parameter, or the others' on GPU {gpu.index}; "
-            f"their sum must stay below 1 (docs/operations.md, 'GPU memory plan').")
+    for index in gpus:
+        gpu = query(index)
+        if gpu is None:
+            continue
+        wanted = share * gpu.total
+        if gpu.free < wanted:
+            raise MemoryPlanError(
+                f"model '{model}': the memory plan does not fit GPU {gpu.index}: gpu_memory_utilization {share:g} "
+                f"asks for {wanted / GIB:.1f} GiB of its {gpu.total / GIB:.1f} GiB, but only "
+                f"{gpu.free / GIB:.1f} GiB is free ({(gpu.total - gpu.free) / GIB:.1f} GiB is held by the models "
+                f"loaded before it and other processes). Lower this model's gpu_memory_utilization parameter, or "
+                f"the others' on GPU {gpu.index}; their sum must stay below 1 (docs/operations.md, "
+                f"'GPU memory plan').")
 
 
 def cap_torch(share: float, device: str) -> None:

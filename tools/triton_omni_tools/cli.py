@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="address of the HTTP, gRPC and metrics endpoints (default loopback; 0.0.0.0 for all)")
     serve.add_argument("--server", choices=["auto", "embedded", "system"], default="auto",
                        help="system: /opt/tritonserver (NGC image); embedded: the nvidia-pytriton bundle")
+    serve.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN]",
+                       help="which GPUs a stage uses (repeatable): diffusion=0,1 (an instance on each), "
+                            "diffusion=allx2, ar=tp:0,1 (one vLLM engine, tensor parallel); docs/gpu.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
     serve.set_defaults(run=_serve)
@@ -98,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    from triton_omni_tools.memory_plan import MemoryPlanError
+    from triton_omni_tools.placement import PlacementError
+
+    try:
+        return args.run(args)
+    except (PlacementError, MemoryPlanError) as exc:  # a configuration the server cannot serve, said plainly
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _add_image_options(parser) -> None:
@@ -134,6 +144,7 @@ def _serve(args) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
+        placement=args.place,
     ))
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from triton_omni_tools import memory_plan
+from triton_omni_tools import memory_plan, placement
 from triton_omni_tools.supervisor import RepositoryApi, Supervisor, remove_regions, server_stubs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class ServerOptions:
     # Watch the Python backend stubs and bring back a model whose stub died (supervisor.py).
     # Needs model control: with mode "none" the server runs in "explicit" mode, every model loaded.
     supervise: bool = False
+    # Which GPUs each stage uses, ``STAGE=GPUS[xN]`` or ``STAGE=tp:GPUS`` (placement.py): the
+    # server then loads a copy of the repositories with those instance groups.
+    placement: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,13 @@ class TritonServer:
         # This server's own folder: progress sockets, restart counts (TRITON_OMNI_RUN_DIR in its stubs)
         self.run_dir = Path(tempfile.mkdtemp(prefix="triton-omni-run-"))
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
+        # What the server loads: the options' repositories, or their copies with the placement applied.
+        try:
+            self.repositories = placement.place_repositories(options.model_repositories, options.placement,
+                                                             gpu_count(), self.run_dir / "repositories")
+        except Exception:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
 
     @property
     def http_url(self) -> str:
@@ -252,7 +262,7 @@ class TritonServer:
         opts = self.options
         mode, load_models = self.control
         cmd = [str(install.binary)]
-        cmd += [f"--model-repository={repo}" for repo in opts.model_repositories]
+        cmd += [f"--model-repository={repo}" for repo in self.repositories]
         cmd += [
             f"--backend-directory={backend_dir}",
             f"--http-port={opts.http_port}",
@@ -276,7 +286,7 @@ class TritonServer:
         if gpus == 0:
             return
         mode, load_models = self.control
-        shares = memory_plan.plan(self.options.model_repositories,
+        shares = memory_plan.plan(self.repositories,
                                   load_models if mode == "explicit" and "*" not in load_models else None, gpus)
         memory_plan.check(shares)
         if shares:
@@ -377,9 +387,10 @@ def serve(options: ServerOptions) -> int:
     """Run until Ctrl-C / SIGTERM, then stop the server and everything it started."""
     from triton_omni.demo_models import build_all
 
+    server = TritonServer(options)  # a placement it cannot serve fails here, before any work
     build_all()
     # Until the server is ready, Ctrl-C raises KeyboardInterrupt and start() cleans up.
-    server = TritonServer(options).start()
+    server.start()
     stop_requested = False
 
     def request_stop(signum, frame):

@@ -4,7 +4,8 @@ Each model's ``gpu_memory_utilization`` parameter is its share of a GPU
 (``triton_omni.gpu_memory``). Where its instances run follows Triton's
 ``instance_group``: ``KIND_GPU`` (and ``KIND_AUTO``) instances on their
 ``gpus`` (all GPUs when unset), ``count`` of them on each; ``KIND_MODEL`` (how the vLLM models are
-placed, as in Triton's vLLM backend) on GPU 0. The plan fits when, on every
+placed, as in Triton's vLLM backend) on the GPUs of its ``gpus`` model parameter (an engine over
+several, tensor parallel, takes its share of each), else GPU 0. The plan fits when, on every
 GPU, the shares of the models loaded there add up to at most
 ``MAX_TOTAL_SHARE``: the rest is for the CUDA contexts of the stubs and the
 engine processes, which no share counts.
@@ -44,6 +45,12 @@ def configured_share(config) -> float | None:
     return float(raw) if raw else None
 
 
+def model_gpus(config) -> list[int]:
+    """The GPUs of a ``KIND_MODEL`` instance: its ``gpus`` parameter, else GPU 0."""
+    raw = config.parameters["gpus"].string_value.strip() if "gpus" in config.parameters else ""
+    return [int(g) for g in raw.split(",")] if raw else [0]
+
+
 def model_shares(config_path: Path, num_gpus: int) -> list[Share]:
     """The shares one model's config asks for, per GPU."""
     config = load_config(config_path)
@@ -60,7 +67,8 @@ def model_shares(config_path: Path, num_gpus: int) -> list[Share]:
             for gpu in (list(group.gpus) or range(num_gpus)):
                 per_gpu[gpu] += count
         elif kind == "KIND_MODEL":
-            per_gpu[0] += 1
+            for gpu in model_gpus(config):
+                per_gpu[gpu] += 1
     return [Share(name, gpu, n, share) for gpu, n in sorted(per_gpu.items())]
 
 

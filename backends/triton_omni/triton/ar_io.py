@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS, ar_encode_outputs
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
-from triton_omni.triton.params import gpu_share, instance_device, json_parameter, model_parameters
+from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import Outputs, complete_config
 
 GENERATE_OUTPUTS = Outputs(AR_GENERATE_OUTPUTS)
@@ -29,7 +29,11 @@ def auto_complete(config):
     return config
 
 
-def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
+def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Placement]:
+    """The runner's config and where this instance runs. A vLLM engine spans
+    the instance's GPUs, tensor parallel over them unless ``engine_args``
+    says otherwise (Triton's vLLM backend: ``KIND_MODEL``, the size an
+    engine argument)."""
     params = model_parameters(model_config)
     limits = ArLimits(
         max_tokens=int(params.get("max_tokens_limit", ArLimits.max_tokens)),
@@ -38,18 +42,24 @@ def runner_config(model_config: dict, args: dict) -> ArRunnerConfig:
         max_logprobs=int(params.get("max_logprobs", ArLimits.max_logprobs)),
         max_prompt_tokens=int(params["max_prompt_tokens"]) if params.get("max_prompt_tokens") else None,
     )
-    return ArRunnerConfig(
+    engine = ArRunnerConfig(model="", engine=params.get("engine", "auto")).resolved_engine()  # type: ignore[arg-type]
+    placement = place_instance(args, params, spans_gpus=engine == "vllm")
+    engine_args = json_parameter(params, "engine_args")
+    if engine == "vllm" and len(placement.gpus) > 1:
+        engine_args.setdefault("tensor_parallel_size", len(placement.gpus))
+    config = ArRunnerConfig(
         model=params.get("model", "demo:tiny-qwen2"),
         mode=params.get("mode", "generate"),  # type: ignore[arg-type]
-        engine=params.get("engine", "auto"),  # type: ignore[arg-type]
-        device=instance_device(args, params.get("device", "auto")),
+        engine=engine,  # type: ignore[arg-type]
+        device=placement.device,
         dtype=params.get("dtype", "auto"),
         max_model_len=int(params.get("max_model_len", 1024)),
         embeds_dtype=params.get("embeds_dtype", "float32"),
         limits=limits,
-        engine_args=json_parameter(params, "engine_args"),
+        engine_args=engine_args,
         gpu_memory_utilization=gpu_share(params),
     )
+    return config, placement
 
 
 def generate_response(response: ArResponse, wanted: ReturnOptions):

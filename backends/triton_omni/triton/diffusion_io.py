@@ -5,7 +5,7 @@ from __future__ import annotations
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 from triton_omni.diffusion import DiffusionRunnerConfig
-from triton_omni.triton.params import gpu_share, instance_device, json_parameter, model_parameters
+from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import complete_config
 
 
@@ -18,11 +18,13 @@ def auto_complete(config):
     return config
 
 
-def runner_config(model_config: dict, args: dict) -> DiffusionRunnerConfig:
+def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig, Placement]:
+    """The runner's config and where this instance runs."""
     params = model_parameters(model_config)
+    placement = place_instance(args, params)
     return DiffusionRunnerConfig(
         model=params.get("model", "demo:tiny-sd"),
-        device=instance_device(args, params.get("device", "auto")),
+        device=placement.device,
         dtype=params.get("dtype", "auto"),
         batch_size=int(model_config.get("max_batch_size") or 8),
         exact_batching=params.get("exact_batching", "true").lower() == "true",
@@ -33,4 +35,4 @@ def runner_config(model_config: dict, args: dict) -> DiffusionRunnerConfig:
         batching=params.get("batching", "request"),
         max_rows=int(params.get("max_rows", "0")),
         on_full=params.get("on_full", "wait"),
-    )
+    ), placement

@@ -1,9 +1,12 @@
 """Custom Prometheus metrics through ``pb_utils.MetricFamily``.
 
 Every metric is labelled ``{model, version}`` so that several models built on
-one backend (``ar``, ``ar_encoder``) stay apart. Families are registered once
-per process by name; Triton shares a family between models of the same name
-and kind.
+one backend (``ar``, ``ar_encoder``) stay apart, and the stages' also
+``{device}`` (``cpu``, ``gpu0``, ``gpu0+gpu1`` for an engine over two GPUs,
+numbered as ``nvidia-smi`` does), so that a dashboard shows the load of each
+GPU. Instances on one device share their series. Families are registered
+once per process by name; Triton shares a family between models of the same
+name and kind.
 """
 
 from __future__ import annotations
@@ -128,10 +131,12 @@ class StageMetrics:
     """Per stage: requests by outcome and in flight, request duration, requests
     rejected by reason; (AR) generated tokens and time to first token;
     (batched stages) executed batch size. ``submit``: the thread that sends
-    every update (``Routed``); None: the caller's."""
+    every update (``Routed``); None: the caller's. ``device``: the instance's
+    (``Placement.label``), a label of every series."""
 
-    def __init__(self, stage: str, model: str, version: str, batched: bool = False, submit: Submit | None = None):
-        self.labels = {"model": model, "version": str(version)}
+    def __init__(self, stage: str, model: str, version: str, batched: bool = False, submit: Submit | None = None,
+                 device: str | None = None):
+        self.labels = {"model": model, "version": str(version)} | ({"device": device} if device else {})
         self.stage = stage
         self._submit = submit
         self.in_flight = routed(family(f"omni_{stage}_requests_in_flight", f"Requests the {stage} stage is working on",

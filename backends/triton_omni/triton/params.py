@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from typing import Any
+
+from triton_omni.gpu_memory import visible_to_physical
 
 
 def model_parameters(model_config: dict) -> dict[str, str]:
@@ -35,23 +39,71 @@ def gpu_share(params: dict[str, str]) -> float | None:
             from None
 
 
-def instance_device(args: dict, requested: str = "auto") -> str:
-    """The torch device of this model instance.
+@dataclass(frozen=True)
+class Placement:
+    """Where one model instance runs: its torch device and the GPUs it uses
+    (physical indexes, as ``nvidia-smi`` and Triton's ``nv_gpu_*`` metrics
+    number them; empty on the CPU)."""
 
-    KIND_GPU instances run on the GPU Triton assigned them; KIND_CPU on the
-    CPU; KIND_MODEL (and the ``device`` parameter's ``auto``) use the first
-    GPU when there is one.
+    device: str
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The ``device`` label of the stage metrics: ``cpu``, ``gpu1``, ``gpu0+gpu1``."""
+        return "+".join(f"gpu{g}" for g in self.gpus) or "cpu"
+
+
+def place_instance(args: dict, params: dict[str, str], spans_gpus: bool = False) -> Placement:
+    """Where this model instance runs (docs/gpu.md, "Several GPUs").
+
+    - ``KIND_GPU``: the GPU Triton assigned it; ``KIND_CPU``: the CPU;
+    - ``KIND_MODEL``: the GPUs of the ``gpus`` model parameter (``"0,1"``),
+      else the first GPU when there is one (or the ``device`` parameter).
+
+    ``spans_gpus``: the engine places itself over every GPU it can see, as
+    vLLM does (tensor parallel over ``cuda:0..n-1``). This process then sees
+    only its own GPUs (``CUDA_VISIBLE_DEVICES``, set before CUDA starts
+    here or in the engine's processes), and the device is ``cuda``. A torch
+    runner keeps every GPU visible and runs on ``cuda:N``: a tensor it hands
+    to Triton through DLPack names its device by that number, which the
+    server must read the same way.
     """
     kind = args.get("model_instance_kind", "CPU")
-    if kind == "GPU":
-        return f"cuda:{args.get('model_instance_device_id', 0)}"
     if kind == "CPU":
-        return "cpu"
-    if requested != "auto":
-        return requested
-    import torch
+        return Placement("cpu")
+    if kind == "GPU":
+        ordinals = [int(args.get("model_instance_device_id", 0))]
+    elif params.get("gpus", "").strip():
+        ordinals = parse_gpus(params["gpus"])
+    else:
+        requested = params.get("device", "auto")
+        if requested == "auto":
+            import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+            requested = "cuda" if torch.cuda.is_available() else "cpu"
+        if not requested.startswith("cuda"):
+            return Placement(requested)
+        ordinals = [int(requested.split(":")[1]) if ":" in requested else 0]
+    physical = tuple(visible_to_physical(o) for o in ordinals)
+    if spans_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in physical)
+        return Placement("cuda", physical)
+    if len(ordinals) > 1:
+        raise ValueError(f"model parameter 'gpus' lists {len(ordinals)} GPUs ({params['gpus']!r}), but this engine "
+                         "runs on one: use a KIND_GPU instance_group with those gpus for one instance on each")
+    return Placement(f"cuda:{ordinals[0]}", physical)
+
+
+def parse_gpus(raw: str) -> list[int]:
+    """``"0,1"`` to ``[0, 1]``, refusing anything else by name."""
+    try:
+        gpus = [int(part) for part in raw.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise ValueError(f"model parameter 'gpus' must list distinct GPU indexes, e.g. \"0,1\"; got {raw!r}")
+    return gpus
 
 
 def split_parameters(request) -> tuple[dict[str, Any], str | None, str | None]:

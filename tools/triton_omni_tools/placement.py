@@ -1,0 +1,119 @@
+"""Placement: which GPUs each stage uses, written as Triton configuration.
+
+One spec per stage, ``STAGE=GPUS[xN]`` (``omni-triton serve --place``, the
+bench's ``--gpus``):
+
+- ``diffusion=0,1``: one instance on each of GPUs 0 and 1 (``KIND_GPU`` with
+  ``gpus: [0, 1]``); ``diffusion=0,1x2``: two on each; ``diffusion=all``:
+  one on every GPU;
+- ``ar=tp:0,1``: one engine over GPUs 0 and 1 (``KIND_MODEL`` with the
+  ``gpus`` model parameter; vLLM runs tensor parallel over them, as
+  Triton's vLLM backend does with ``tensor_parallel_size``). Only the AR
+  stages (backend ``omni_ar``) take ``tp:``;
+- ``ar=0,1``: for the AR stages too, one engine per GPU (replicas, each its
+  own KV cache).
+
+A spec becomes edits of the copied repository's configs
+(``repository.copy_repositories``), so what is served is plain Triton
+configuration an operator can read back from ``/v2/models/NAME/config``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AR_STAGES = ("ar", "ar_encoder", "ar_transformers")
+_SPEC = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)=(?P<tp>tp:)?(?P<gpus>all|\d+(?:,\d+)*)(?:x(?P<count>\d+))?$")
+
+
+class PlacementError(ValueError):
+    """A placement spec that cannot be served; the message names it."""
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    stage: str
+    gpus: tuple[int, ...]
+    per_gpu: int = 1  # instances on each GPU (replicas)
+    tensor_parallel: bool = False  # one engine over all of ``gpus``
+
+    def edits(self) -> dict[str, Any]:
+        """The config changes that serve this placement."""
+        if self.tensor_parallel:
+            return {"instance_group": [{"kind": "KIND_MODEL", "count": 1}],
+                    "parameters": {"gpus": ",".join(str(g) for g in self.gpus)}}
+        return {"instance_group": [{"kind": "KIND_GPU", "count": self.per_gpu, "gpus": list(self.gpus)}],
+                "parameters": {"gpus": ""}}
+
+    def __str__(self) -> str:
+        gpus = ",".join(str(g) for g in self.gpus)
+        return f"{self.stage}=tp:{gpus}" if self.tensor_parallel else \
+            f"{self.stage}={gpus}" + (f"x{self.per_gpu}" if self.per_gpu > 1 else "")
+
+
+def parse(spec: str, num_gpus: int | None) -> StagePlacement:
+    """One ``STAGE=GPUS[xN]`` spec; ``num_gpus`` (None: unknown) bounds the GPU indexes."""
+    found = _SPEC.match(spec.strip())
+    if not found:
+        raise PlacementError(f"placement {spec!r}: expected STAGE=GPUS[xN] (diffusion=0,1 or diffusion=allx2) "
+                             "or STAGE=tp:GPUS for one AR engine over several GPUs (ar=tp:0,1)")
+    stage, tp = found["stage"], bool(found["tp"])
+    if found["gpus"] == "all":
+        if not num_gpus:
+            raise PlacementError(f"placement {spec!r}: 'all' needs a GPU, and none was found")
+        gpus = tuple(range(num_gpus))
+    else:
+        gpus = tuple(int(g) for g in found["gpus"].split(","))
+    count = int(found["count"] or 1)
+    if len(set(gpus)) != len(gpus):
+        raise PlacementError(f"placement {spec!r}: a GPU is listed twice")
+    if num_gpus is not None and max(gpus) >= num_gpus:
+        have = f"{num_gpus}: 0..{num_gpus - 1}" if num_gpus else "none"
+        raise PlacementError(f"placement {spec!r}: GPU {max(gpus)} does not exist (GPUs on this machine: {have})")
+    if count < 1:
+        raise PlacementError(f"placement {spec!r}: the instance count must be at least 1")
+    if tp and stage not in AR_STAGES:
+        raise PlacementError(f"placement {spec!r}: 'tp:' (one engine over several GPUs) is for the AR stages "
+                             f"({', '.join(AR_STAGES)}); {stage} runs one instance per GPU: {stage}="
+                             + ",".join(str(g) for g in gpus))
+    if tp and found["count"]:
+        raise PlacementError(f"placement {spec!r}: one engine spans the GPUs; it takes no instance count")
+    return StagePlacement(stage, gpus, count, tp)
+
+
+def parse_all(specs: list[str], num_gpus: int | None, models: set[str] | None = None) -> list[StagePlacement]:
+    """Every spec, each stage at most once and (``models``: those served) known."""
+    placements = [parse(spec, num_gpus) for spec in specs]
+    seen: set[str] = set()
+    for placement in placements:
+        if placement.stage in seen:
+            raise PlacementError(f"placement: {placement.stage} is placed twice")
+        seen.add(placement.stage)
+        if models is not None and placement.stage not in models:
+            raise PlacementError(f"placement {placement}: no model {placement.stage!r} is served "
+                                 f"(models: {', '.join(sorted(models))})")
+    return placements
+
+
+def edits(placements: list[StagePlacement]) -> dict[str, dict[str, Any]]:
+    """``repository.copy_repositories``'s edits for these placements."""
+    return {p.stage: p.edits() for p in placements}
+
+
+def spread(num_gpus: int, stages: tuple[str, ...] = ("diffusion",)) -> list[str]:
+    """The usual layout over ``num_gpus``: one replica of each of ``stages`` per GPU."""
+    return [f"{stage}=" + ",".join(str(g) for g in range(num_gpus)) for stage in stages]
+
+
+def place_repositories(repositories: list[Path], specs: list[str], num_gpus: int | None, dest: Path) -> list[Path]:
+    """Copies of ``repositories`` under ``dest`` with ``specs`` applied; the
+    repositories themselves when there is no spec."""
+    if not specs:
+        return list(repositories)
+    from triton_omni_tools.repository import copy_repositories
+
+    models = {path.parent.name for repository in repositories for path in Path(repository).glob("*/config.pbtxt")}
+    return copy_repositories(list(repositories), dest, edits(parse_all(specs, num_gpus, models)))
