@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="open loop: arrival rates as fractions of request batching's peak")
     bench.add_argument("--requests", type=int, default=200, help="open loop: requests per point")
     bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
+    bench.add_argument("--gpus", help="comma-separated GPU counts, e.g. 1,2: diffusion one instance per GPU, ar "
+                                       "tensor parallel, each against one GPU in the same run (docs/gpu.md)")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -253,6 +255,15 @@ def _bench(args) -> int:
 
         openloop.run(PRESETS[args.preset], args.preset, out, parts(args.loads, float), args.requests,
                      mixed=not args.no_mixed)
+        return 0
+    if args.gpus:
+        from dataclasses import replace
+
+        from triton_omni_tools.bench import PRESETS, scaling
+
+        preset = PRESETS[args.preset]
+        preset = replace(preset, workloads=parts(args.workloads) or preset.workloads)
+        scaling.run(preset, args.preset, parts(args.gpus, int), out, parts(args.concurrency, int))
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
         diffusion_batching=args.diffusion_batching)

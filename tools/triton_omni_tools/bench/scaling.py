@@ -1,0 +1,123 @@
+"""``omni-triton bench --gpus 1,2``: the same workloads on 1 GPU and on N,
+side by side in one run.
+
+For each GPU count n, a server places its stages (placement.py):
+- image workloads (``diffusion``, ``text_to_image``, ``omni``): one
+  ``diffusion`` instance on each of GPUs 0..n-1, ``ar_encoder`` (and ``ar``)
+  on GPU 0, as the defaults have them;
+- ``ar``: one vLLM engine tensor parallel over GPUs 0..n-1 (``ar=tp:...``).
+
+Every point is the Triton side's closed loop (``measure_triton``), so n GPUs
+and one GPU are measured the same way; the table prints throughput and p50
+against the one-GPU figure of the same concurrency. On a machine without a
+GPU, ``--gpus 1`` runs the defaults (the CPU instances), which checks the
+harness and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from triton_omni_tools.bench.harness import bench_repository, measure_triton
+from triton_omni_tools.bench.presets import PROMPT, Preset, models_for
+from triton_omni_tools.bench.report import device_name, progress
+
+IMAGE_WORKLOADS = ("diffusion", "text_to_image", "omni")
+# The concurrencies the targets name: the one-GPU peak (16) and twice it (32); ar where LLM serving is.
+IMAGE_CONCURRENCY = (16, 32)
+AR_CONCURRENCY = (64,)
+
+
+def servers(n: int, workloads: tuple[str, ...], have_gpus: bool) -> list[tuple[list[str], tuple[str, ...]]]:
+    """The servers of one GPU count: (placement, the workloads measured on it); ``[]``: the defaults."""
+    gpus = ",".join(str(g) for g in range(n))
+    plan = []
+    images = tuple(w for w in workloads if w in IMAGE_WORKLOADS)
+    if images:
+        plan.append(([f"diffusion={gpus}"] if have_gpus else [], images))
+    if "ar" in workloads:
+        plan.append(([f"ar=tp:{gpus}"] if have_gpus and n > 1 else [], ("ar",)))
+    return plan
+
+
+def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: Path,
+        concurrency: tuple[int, ...] | None = None) -> list[dict]:
+    from triton_omni.demo_models import resolve_model
+
+    from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port, gpu_count
+
+    workloads = tuple(w for w in preset.workloads if w in (*IMAGE_WORKLOADS, "ar"))
+    if not workloads:
+        raise SystemExit(f"--gpus measures {', '.join((*IMAGE_WORKLOADS, 'ar'))}; got {preset.workloads}")
+    available = gpu_count()
+    if max(gpu_counts) > max(available, 1):
+        raise SystemExit(f"--gpus {max(gpu_counts)}: this machine has {available} GPU(s)")
+    resolve_model(preset.ar_model), resolve_model(preset.diffusion_model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points: list[dict] = []
+    print(f"== GPU scaling {gpu_counts} ({device_name()})", flush=True)
+    for n in gpu_counts:
+        for placement, served in servers(n, workloads, available > 0):
+            print(f"-- {n} GPU(s): {' '.join(placement) or 'default placement'}", flush=True)
+            with tempfile.TemporaryDirectory(prefix="omni-bench-gpus-") as tmp:
+                options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(),
+                                        grpc_port=free_port(), metrics_port=free_port(),
+                                        log_file=out_dir / f"server-{n}gpu.log", model_control_mode="explicit",
+                                        load_models=models_for(served), placement=placement)
+                with TritonServer(options) as server:
+                    embeds = _embeds(server.grpc_url) if "diffusion" in served else None
+                    for workload in served:
+                        for c in concurrency or (AR_CONCURRENCY if workload == "ar" else IMAGE_CONCURRENCY):
+                            point = measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url)
+                            progress(point)
+                            points.append(point.summary() | {"gpus": n, "placement": placement})
+                            (out_dir / "points.json").write_text(json.dumps(points, indent=2))
+    rows = table(points)
+    (out_dir / "gpus.json").write_text(json.dumps({"preset": asdict(preset), "preset_name": preset_name,
+                                                   "device": device_name(), "gpu_counts": gpu_counts,
+                                                   "rows": rows, "points": points}, indent=2))
+    print(f"wrote {out_dir / 'gpus.json'}")
+    return rows
+
+
+def _embeds(url: str) -> np.ndarray:
+    """The bench prompt's embeddings, from the server's own ``ar_encoder`` (what ``diffusion`` is sent)."""
+    import tritonclient.grpc as grpcclient
+    from triton_omni_client.client import batched_inputs
+
+    with grpcclient.InferenceServerClient(url) as client:
+        result = client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT))
+    return result.as_numpy("prompt_embeds")[0]
+
+
+def table(points: list[dict]) -> list[dict]:
+    """Each point against the one-GPU point of its workload and concurrency."""
+    base = {(p["workload"], p["concurrency"]): p for p in points if p["gpus"] == min(q["gpus"] for q in points)}
+    rows = []
+    header = f"{'workload':<14}{'gpus':>5}{'conc':>6}{'per s':>11}{'x 1 GPU':>9}{'p50 ms':>10}{'p50 x 1 GPU':>13}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for p in points:
+        one = base.get((p["workload"], p["concurrency"]))
+        row = {"workload": p["workload"], "gpus": p["gpus"], "concurrency": p["concurrency"],
+               "placement": p["placement"], "per_s": p["throughput_per_s"], "p50_ms": p["p50_ms"],
+               "p99_ms": p["p99_ms"], "unit": p.get("unit", "requests")}
+        if one is not None:
+            row |= {"scaling": p["throughput_per_s"] / one["throughput_per_s"],
+                    "p50_ratio": p["p50_ms"] / one["p50_ms"]}
+        rows.append(row)
+        nan = float("nan")
+        print(f"{row['workload']:<14}{row['gpus']:>5}{row['concurrency']:>6}{row['per_s']:>11.2f}"
+              f"{row.get('scaling', nan):>9.2f}{row['p50_ms']:>10.1f}{row.get('p50_ratio', nan):>13.2f}")
+    for row in rows:  # the targets' own comparison: N GPUs at c against one GPU at c/2 (its peak)
+        half = next((r for r in rows if r["workload"] == row["workload"] and r["gpus"] == 1
+                     and r["concurrency"] * row["gpus"] == row["concurrency"]), None)
+        if half is not None and row["gpus"] > 1:
+            row["p50_vs_one_gpu_at_c_per_gpu"] = row["p50_ms"] / half["p50_ms"]
+            print(f"{row['workload']}: {row['gpus']} GPUs at c={row['concurrency']} p50 {row['p50_ms']:.0f} ms "
+                  f"= {row['p50_vs_one_gpu_at_c_per_gpu']:.2f} x one GPU's at c={half['concurrency']}")
+    return rows
