@@ -67,8 +67,9 @@ def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: 
             with tempfile.TemporaryDirectory(prefix="omni-bench-gpus-") as tmp:
                 options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(),
                                         grpc_port=free_port(), metrics_port=free_port(),
-                                        log_file=out_dir / f"server-{n}gpu.log", model_control_mode="explicit",
-                                        load_models=models_for(served), placement=placement)
+                                        log_file=out_dir / f"server-{n}gpu-{served[0]}.log",
+                                        model_control_mode="explicit", load_models=models_for(served),
+                                        placement=placement)
                 with TritonServer(options) as server:
                     embeds = _embeds(server.grpc_url) if "diffusion" in served else None
                     for workload in served:
