@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,15 @@ from triton_omni.demo_models import build_all
 from triton_omni_client import OmniClient
 from triton_omni_tools.repository import copy_model
 
-from tests.support.server import metric_value
-
 IMAGE = {"num_inference_steps": 10, "height": 256, "width": 256, "guidance_scale": 5.0}
+
+
+def metric_value(server: TritonServer, name: str, **labels: str) -> float:
+    """Sum of a metric's samples with these labels (tests/support needs tritonclient's HTTP client,
+    which the GPU host's venv lacks)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
 def serve(repositories: list[Path], log: Path, **options) -> TritonServer:
