@@ -153,10 +153,17 @@ class ResponseThread:
             # response factory, and is_cancelled() on it crashes tritonserver (seen).
             # Only this thread polls, so dropping the watch here closes the race.
             self.unwatch(sender)
+        # The sender drops the outputs the request did not ask for (an ensemble step's unmapped
+        # ones: ar_encoder's prompt_embeds_mask in text_to_image) after releasing the GIL, and
+        # a tensor whose last owner that was frees its Python buffer without it: tritonserver
+        # 2.51's stub crashed so (SIGSEGV in ~PbTensor, under PruneOutputTensors). Holding the
+        # tensors here makes this thread, with the GIL, their last owner.
+        held = response.output_tensors() if response is not None else None
         try:
             sender.send(response, flags=flags)
         except Exception:
             logger.exception("Could not send a response (flags=%s)", flags)
+        del held
 
     def _poll_cancellations(self) -> None:
         """Poll the watched requests in turn, for at most ``POLL_SHARE`` of a
