@@ -158,7 +158,7 @@ class ResponseThread:
         # a tensor whose last owner that was frees its Python buffer without it: tritonserver
         # 2.51's stub crashed so (SIGSEGV in ~PbTensor, under PruneOutputTensors). Holding the
         # tensors here makes this thread, with the GIL, their last owner.
-        held = response.output_tensors() if response is not None else None
+        held = response.output_tensors() if isinstance(response, pb_utils.InferenceResponse) else None
         try:
             sender.send(response, flags=flags)
         except Exception:
