@@ -51,7 +51,7 @@ class InferenceResponse:
         self._error = error
 
     def output_tensors(self) -> list[Tensor]:
-        return self._outputs
+        return list(self._outputs)  # a new list, sharing the tensors (the stub's shares ownership so)
 
     def has_error(self) -> bool:
         return self._error is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError, StageError
 from triton_omni_protocol import parse_status
@@ -102,6 +103,34 @@ def test_the_response_thread_sends_in_order_ends_final_and_stops_polling_after_i
     assert flags == fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert parse_status(final.error().message()) == ("INVALID_ARG", "invalid `n`: too large, got 9")
     assert sender.polls == polls  # no is_cancelled() after the final response (it crashed tritonserver)
+
+
+def test_the_response_thread_owns_the_tensors_while_the_sender_prunes_them():
+    """The stub's sender drops the outputs nobody asked for after releasing
+    the GIL; if that dropped their last owner, their Python buffers would be
+    freed without the GIL (tritonserver 2.51's stub crashed so). The response
+    thread holds them until the send returns."""
+    import gc
+    import weakref
+
+    alive_during_send = []
+
+    class PruningSender(FakeSender):
+        def send(self, response, flags=0):
+            pruned = weakref.ref(response._outputs[1])
+            response._outputs.pop(1)  # what PruneOutputTensors does to an unrequested output
+            gc.collect()
+            alive_during_send.append(pruned() is not None)
+            super().send(response, flags)
+
+    thread = ResponseThread(poll_s=0.001)
+    sender = PruningSender()
+    tensors = [fake_pb_utils.Tensor(name, np.zeros(2, np.float32)) for name in ("prompt_embeds", "mask")]
+    thread.send(sender, fake_pb_utils.InferenceResponse(output_tensors=tensors), final=True)
+    del tensors
+    assert sender.done.wait(5)
+    thread.stop()
+    assert alive_during_send == [True]
 
 
 def test_streamed_responses_still_queued_merge_into_one():
