@@ -57,3 +57,5 @@ def test_restricted_by_default_on_loopback_and_said_at_startup(monkeypatch):
     monkeypatch.setenv("TRITON_OMNI_ADMIN_KEY", "s3cret")
     assert TritonServer(ServerOptions(bind="0.0.0.0")).admin_key == "s3cret"
     assert "loopback" not in access_summary(ServerOptions(bind="0.0.0.0"))
+    assert "placement: diffusion=0,1 ar=tp:0,1" in access_summary(ServerOptions(placement=["diffusion=0,1",
+                                                                                          "ar=tp:0,1"]))

@@ -378,7 +378,8 @@ def access_summary(options: ServerOptions) -> str:
     admin = "open with that header, key from $TRITON_OMNI_ADMIN_KEY" if has_key else \
         "closed: set TRITON_OMNI_ADMIN_KEY to open them with that header"
     supervised = "\n  supervised: a model whose stub dies is unloaded and loaded again" if options.supervise else ""
-    return (f"  bound to {options.bind}{loopback}{supervised}\n"
+    placed = f"\n  placement: {' '.join(options.placement)}" if options.placement else ""
+    return (f"  bound to {options.bind}{loopback}{supervised}{placed}\n"
             f"  open: inference, health, metadata, model config, statistics\n"
             f"  restricted: {', '.join(RESTRICTED_APIS)} (header {ADMIN_HEADER}; {admin})")
 
