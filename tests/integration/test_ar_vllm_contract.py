@@ -144,8 +144,8 @@ def test_every_return_combination_sends_exactly_the_outputs_asked_for(grpc_url, 
         for i, outputs in enumerate(got):
             expected = {"text_output"} | (asked if i == len(got) - 1 else asked - {"finish_reason"})
             assert set(outputs) == expected, (combination, i)
-        if stream:
-            assert len(got) >= 2, combination
+        # (Streaming itself: test_ar_generate. Here five quick tokens may merge into one response
+        # while the response thread is busy, by design: responses.py; seen on a loaded CI machine.)
         if combination.get("num_output_tokens"):
             assert sum(int(o["num_output_tokens"][0]) for o in got) == 5  # per response, as the vLLM backend
         if combination.get("finish_reason"):
