@@ -45,6 +45,17 @@ def physical_index(device: str) -> int:
     return visible_to_physical(int(device.split(":")[1]) if ":" in device else 0)
 
 
+def parse_gpus(raw: str) -> list[int]:
+    """The ``gpus`` model parameter, ``"0,1"``, as ``[0, 1]``; anything else refused by name."""
+    try:
+        gpus = [int(part) for part in raw.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise ValueError(f"model parameter 'gpus' must list distinct GPU indexes, e.g. \"0,1\"; got {raw!r}")
+    return gpus
+
+
 def visible_to_physical(ordinal: int) -> int:
     """A GPU ordinal among this process's visible GPUs, in nvidia-smi's numbering."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]

@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_omni.gpu_memory import parse_gpus
+
 from triton_omni_tools.repository import load_config
 
 MAX_TOTAL_SHARE = 0.95
@@ -48,7 +50,7 @@ def configured_share(config) -> float | None:
 def model_gpus(config) -> list[int]:
     """The GPUs of a ``KIND_MODEL`` instance: its ``gpus`` parameter, else GPU 0."""
     raw = config.parameters["gpus"].string_value.strip() if "gpus" in config.parameters else ""
-    return [int(g) for g in raw.split(",")] if raw else [0]
+    return parse_gpus(raw) if raw else [0]
 
 
 def model_shares(config_path: Path, num_gpus: int) -> list[Share]:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from triton_omni.gpu_memory import visible_to_physical
+from triton_omni.gpu_memory import parse_gpus, visible_to_physical
 
 
 def model_parameters(model_config: dict) -> dict[str, str]:
@@ -93,17 +93,6 @@ def place_instance(args: dict, params: dict[str, str], spans_gpus: bool = False)
         raise ValueError(f"model parameter 'gpus' lists {len(ordinals)} GPUs ({params['gpus']!r}), but this engine "
                          "runs on one: use a KIND_GPU instance_group with those gpus for one instance on each")
     return Placement(f"cuda:{ordinals[0]}", physical)
-
-
-def parse_gpus(raw: str) -> list[int]:
-    """``"0,1"`` to ``[0, 1]``, refusing anything else by name."""
-    try:
-        gpus = [int(part) for part in raw.split(",")]
-    except ValueError:
-        gpus = []
-    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
-        raise ValueError(f"model parameter 'gpus' must list distinct GPU indexes, e.g. \"0,1\"; got {raw!r}")
-    return gpus
 
 
 def split_parameters(request) -> tuple[dict[str, Any], str | None, str | None]:
