@@ -27,6 +27,7 @@ from triton_omni.channel import Cancellations, ProgressSender
 from triton_omni.diffusion import DiffusionRunner
 from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
+from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import (
@@ -70,19 +71,26 @@ class TritonPythonModel:
         self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("diffusion", self.model_name, args["model_version"], batched=True, submit=submit,
                                     device=self.placement.label)
-        # step batching: the batch size is the requests of each denoising step
-        self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n))
         self.steps = routed(family("omni_diffusion_steps_total", "Denoising steps run, per request",
                                    COUNTER).Metric(labels=self.metrics.labels), submit)
+        captures = routed(family("omni_diffusion_graph_captures_total", "CUDA graphs of the denoiser captured",
+                                 COUNTER).Metric(labels=self.metrics.labels), submit)
+        # step batching: the batch size is the requests of each denoising step
+        self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n),
+                                      on_capture=lambda: captures.increment(1))
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
+        self.loads = None
         if stepping:
             self.step_count = DeferredCounter(self.steps)
+            # execute returns at once: spread requests over the model's instances by their load
+            self.loads = InstanceLoads(self.model_name, args["model_instance_name"])
 
     def execute(self, requests):
         if self.runner.steps is not None:
             for request in requests:
                 self._submit(request)
+            self.loads.hold()  # a sibling instance less loaded than this one takes the next requests
             return None
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))
@@ -130,6 +138,7 @@ class TritonPythonModel:
             self.progress.send(listener, key, step, total)
 
         def done(image) -> None:
+            self.loads.add(-1)
             self.metrics.in_flight.increment(-1)
             self.step_count.flush()
             try:
@@ -139,9 +148,11 @@ class TritonPythonModel:
             self.responses.send(sender, response, final=True)
 
         self.metrics.in_flight.increment(1)
+        self.loads.add(1)
         try:
             future = self.runner.submit(parsed, on_step, cancelled.is_set)
         except Exception as exc:  # prepared inputs refused (too long a prompt), or the engine full
+            self.loads.add(-1)
             self.metrics.in_flight.increment(-1)
             self.responses.fail(sender, exc, self.context, self.metrics, started)
             return
@@ -157,6 +168,8 @@ class TritonPythonModel:
         self.runner.close()
         if self.responses is not None:
             self.responses.stop()
+        if self.loads is not None:
+            self.loads.close()
         self.progress.close()
         self.metrics = self.steps = self.restarts = None
         release_families()

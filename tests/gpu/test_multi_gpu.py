@@ -63,6 +63,10 @@ def test_instances_on_both_gpus_serve(spread):
              for gpu in ("gpu0", "gpu1")}
     assert steps["gpu0"] > 0 and steps["gpu1"] > 0, steps
     assert steps["gpu0"] + steps["gpu1"] == 16 * IMAGE["num_inference_steps"]
+    # each instance keeps its own graph cache, on its own GPU
+    captures = {gpu: metric_value(spread, "omni_diffusion_graph_captures_total", model="diffusion", device=gpu)
+                for gpu in ("gpu0", "gpu1")}
+    assert captures["gpu0"] > 0 and captures["gpu1"] > 0, captures
 
 
 def test_an_image_is_the_same_on_either_gpu(spread):

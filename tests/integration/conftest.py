@@ -4,7 +4,8 @@ It serves the default repositories (``model_repository/`` with engine
 ``auto`` = vLLM here, and ``ensemble/``) plus a repository of variants:
 ``*_transformers`` copies of the AR configs, so both engines pass the same
 behaviour tests, ``diffusion_exact``, the diffusion stage with request
-batching padded to a fixed size (the default is step batching), and
+batching padded to a fixed size (the default is step batching),
+``diffusion_pair``, two instances of the default ``diffusion``, and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
 one prompt's embeddings. Helpers live in
 ``tests/support/server.py``.
@@ -34,7 +35,10 @@ def server(tmp_path_factory):
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_transformers",
                parameters={"engine": "transformers"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_exact",
-               parameters={"batching": "request", "exact_batching": "true"}, max_queue_delay_us=20_000)
+               parameters={"batching": "request", "exact_batching": "true"}, max_queue_delay_us=20_000,
+               preferred_batch_size=[])
+    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair",
+               instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "omni", variants, "omni_small_budget",
                parameters={"max_embeds_bytes_in_flight": "1000", "admission_policy": "reject"})
     log_file = Path(os.environ.get("TRITON_OMNI_TEST_LOG", tmp_path_factory.mktemp("logs") / "tritonserver.log"))

@@ -69,7 +69,8 @@ MIXED = [
 ]
 
 
-TOLERANCE = {"diffusion": 1, "diffusion_exact": 0}  # max difference per uint8 channel
+# max difference per uint8 channel; diffusion_pair: two step-batching instances sharing the requests
+TOLERANCE = {"diffusion": 1, "diffusion_exact": 0, "diffusion_pair": 1}
 
 
 def _generate(client, request, model: str = "diffusion"):
@@ -124,6 +125,27 @@ def test_step_batching_shares_steps(server):
     steps, requests_stepped = count_after - count_before, sum_after - sum_before
     assert requests_stepped == 4 * 8  # every step of every request, once
     assert steps < 4 * 8, "no step ran two requests at once"
+
+
+def test_two_step_batching_instances_share_a_burst_evenly(server):
+    """Eight requests at once to two instances whose execute returns at once:
+    each instance takes four (triton/balance.py), so no denoising step ever
+    ran more than four requests. Triton alone gave one instance seven."""
+    def histogram():
+        at_most_four = sum(metric_value(server, "omni_diffusion_batch_size_bucket", model="diffusion_pair", le=le)
+                           for le in ("4", "4.0"))  # however the server writes the bound
+        return (at_most_four,
+                metric_value(server, "omni_diffusion_batch_size_count", model="diffusion_pair"))
+
+    before = histogram()
+    long = FAST | {"num_inference_steps": 8}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        images = list(pool.map(lambda seed: OmniClient(server.grpc_url).generate_image(
+            "a red fox", seed=seed, model="diffusion_pair", **long), range(8)))
+    assert len(images) == 8
+    after = histogram()
+    steps, at_most_four = after[1] - before[1], after[0] - before[0]
+    assert steps > 0 and at_most_four == steps, f"{steps - at_most_four} of {steps} steps ran more than 4 requests"
 
 
 def test_step_batching_survives_a_burst_of_requests(server):

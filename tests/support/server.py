@@ -14,25 +14,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from triton_omni_client.client import batched_inputs
-from triton_omni_tools.launcher import PROJECT_ROOT, TritonServer
+from triton_omni_tools.launcher import PROJECT_ROOT, TritonServer, process_group
 
 GENERATE_MODELS = ["ar", "ar_transformers"]
 ENCODE_MODELS = ["ar_encoder", "ar_encoder_transformers"]
-
-
-def process_group(pgid: int) -> list[int]:
-    """Live processes of a process group (server, stubs, engine processes)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                pids.append(int(entry.name))
-    return pids
 
 
 def assert_group_gone(pgid: int, timeout_s: float = 10.0) -> None:

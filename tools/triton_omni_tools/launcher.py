@@ -349,6 +349,7 @@ class TritonServer:
                 logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
         _kill_group(pgid)
         self.process.wait()
+        _wait_group_gone(pgid)
         remove_regions(stubs)
         if self._log:
             self._log.close()
@@ -369,6 +370,30 @@ def _kill_group(pgid: int) -> None:
         pass  # the group is already gone: nothing left behind
     except PermissionError:
         logger.exception("Could not kill process group %d", pgid)
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live processes of a process group (server, stubs, engine processes); zombies are gone."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # exited meanwhile
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL is delivered at once but a process with gigabytes mapped (a vLLM
+    engine) takes a moment to exit: stop() returns once nothing is left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := process_group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        logger.warning("processes %s of the server's group still exit after %.0f s", left, timeout_s)
 
 
 def access_summary(options: ServerOptions) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,12 @@ class GraphedDenoiser:
     the batch size varies with the load.
     """
 
-    def __init__(self, module: torch.nn.Module, max_graphs: int = 16):
+    def __init__(self, module: torch.nn.Module, max_graphs: int = 16,
+                 on_capture: Callable[[], None] | None = None):
+        """``on_capture()``: after each capture (the graph-captures metric: a
+        capture in steady state means the warm-up missed a shape)."""
         self._eager = module.forward
+        self._on_capture = on_capture
         self._max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()
         self._warmed: OrderedDict[tuple, None] = OrderedDict()  # shapes run once, not yet captured
@@ -114,6 +119,8 @@ class GraphedDenoiser:
             logger.exception("CUDA graph capture failed for %s; this shape runs eagerly", _describe(static))
             return _EAGER
         logger.info("Captured a CUDA graph of the denoiser for %s", _describe(static))
+        if self._on_capture is not None:
+            self._on_capture()
         return _Graph(graph, *static, output)
 
 

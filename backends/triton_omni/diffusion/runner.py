@@ -86,8 +86,10 @@ class _Job:
 
 
 class DiffusionRunner:
-    def __init__(self, config: DiffusionRunnerConfig, on_batch: Callable[[int], None] | None = None):
-        """``on_batch``: step batching calls it with each step's request count."""
+    def __init__(self, config: DiffusionRunnerConfig, on_batch: Callable[[int], None] | None = None,
+                 on_capture: Callable[[], None] | None = None):
+        """``on_batch``: step batching calls it with each step's request count;
+        ``on_capture``: called after each CUDA graph capture."""
         from diffusers import DiffusionPipeline
 
         self.config = config
@@ -107,7 +109,8 @@ class DiffusionRunner:
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
             # step batching: a graph per (bucket, size, token count) in use
-            self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16)
+            self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
+                                          on_capture=on_capture)
         if self.steps is not None:
             if not hasattr(self.pipeline, "unet") or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
                 self.steps.stop()

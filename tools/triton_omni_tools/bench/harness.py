@@ -42,6 +42,7 @@ class Point:
     mean_batch: float | None = None  # Triton side: mean executed batch size of the batching stage
     server: dict[str, float] | None = None  # Triton side: its own statistics of that stage
     streams: list[Stream] | None = None  # text generation: each request's token timeline
+    counters: dict[str, float] | None = None  # Triton side, image workloads: diffusion's counters in the window
 
     @property
     def throughput(self) -> float:
@@ -55,7 +56,7 @@ class Point:
         summary = {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
                    "requests": self.requests, "throughput_per_s": self.throughput,
                    "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                   "mean_batch": self.mean_batch, "server": self.server}
+                   "mean_batch": self.mean_batch, "server": self.server, "counters": self.counters}
         if self.streams is not None:
             ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
             itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
@@ -362,6 +363,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     for _ in workers:  # warmed up
         ready.get()
     batches_before, stats_before = _batch_counts(metrics_url, workload), _server_stats(url, workload)
+    diffusion_before = _diffusion_counters(metrics_url) if workload not in AR_WORKLOADS else None
     start = time.time()
     go.set()
     outcomes = [results.get() for _ in workers]
@@ -376,24 +378,48 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
                   latencies, streams=streams if workload in GENERATION_WORKLOADS else None)
     point.mean_batch = _mean_batch(batches_before, _batch_counts(metrics_url, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
+    if diffusion_before is not None:
+        after = _diffusion_counters(metrics_url)
+        point.counters = {key: after[key] - diffusion_before.get(key, 0.0) for key in after}
     return point
+
+
+def _diffusion_counters(metrics_url: str) -> dict[str, float]:
+    """``diffusion``'s steps per device (does every GPU carry its share?) and CUDA graph
+    captures (any in a timed window means the warm-up missed a shape)."""
+    text = _metrics_text(metrics_url)
+    steps = metric_by_device(text, "omni_diffusion_steps_total", "diffusion")
+    captures = metric_by_device(text, "omni_diffusion_graph_captures_total", "diffusion")
+    return {f"steps_{device}": value for device, value in steps.items()} | {"graph_captures": sum(captures.values())}
 
 
 def warm_step_counts(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int) -> None:
     """Step batching meets every request count from 1 to ``concurrency`` as
-    closed-loop clients drift apart, and captures a CUDA graph for each new
-    padded row count; each is met here first (k requests at once, for every
-    k), as the direct side's warm-up meets its one batch size."""
-    for k in range(_warmed.get(url, 0) + 1, concurrency + 1):
-        _, _, error = _closed_loop([triton_call(workload, url, preset, embeds) for _ in range(k)], 1)
+    closed-loop clients drift apart, and each instance captures a CUDA graph
+    for each new padded row count; each is met here first, as the direct
+    side's warm-up meets its one batch size. Requests spread over the
+    instances by their load (triton/balance.py), so n instances meet every
+    count k from k x n requests at once, one more for the drift."""
+    instances = instance_count(url, "diffusion")
+    for k in range(_warmed.get(url, 0) + 1, -(-concurrency // instances) + 2):
+        _, _, error = _closed_loop([triton_call(workload, url, preset, embeds) for _ in range(k * instances)], 1)
         if error:
             raise RuntimeError(f"{workload} warm-up: {error}")
         _warmed[url] = k
 
 
-# The request counts each server's diffusion has met (its graphs stay captured): the image
-# workloads all end in the same `diffusion` model, so one warm-up per server is enough.
+# The request counts per instance each server's diffusion has met (its graphs stay captured): the
+# image workloads all end in the same `diffusion` model, so one warm-up per server is enough.
 _warmed: dict[str, int] = {}
+
+
+def instance_count(url: str, model: str) -> int:
+    """The instances Triton runs of ``model``: each group's count, on each of its GPUs."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        groups = client.get_model_config(model, as_json=True)["config"].get("instance_group", [])
+    return max(1, sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups))
 
 
 def _server_stats(url: str, workload: str) -> dict[str, float]:
@@ -462,20 +488,34 @@ def _closed_loop(calls: list[Callable], rounds: int) -> tuple[list[float], list[
 
 
 def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
-    """(sum, count) of the executed batch-size histogram of the stage a workload batches on."""
-    import re
-    import urllib.request
-
+    """(sum, count) of the executed batch-size histogram of the stage a workload batches on,
+    over all its instances (one series per device)."""
     model = WORKLOADS[workload].batches_on
     family = BATCH_SIZE_METRICS.get(model)
     if family is None:  # a decoupled model: no executed batches to count
         return 0.0, 0.0
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    values = []
-    for suffix in ("sum", "count"):
-        found = re.search(rf'^{family}_{suffix}{{[^}}]*model="{model}"[^}}]*}} (\S+)$', text, flags=re.M)
-        values.append(float(found.group(1)) if found else 0.0)
-    return values[0], values[1]
+    text = _metrics_text(metrics_url)
+    return (sum(metric_by_device(text, f"{family}_sum", model).values()),
+            sum(metric_by_device(text, f"{family}_count", model).values()))
+
+
+def _metrics_text(metrics_url: str) -> str:
+    import urllib.request
+
+    return urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+
+
+def metric_by_device(text: str, name: str, model: str) -> dict[str, float]:
+    """A metric's value per ``device`` label for one model (``""``: a series without the label)."""
+    import re
+
+    values: dict[str, float] = {}
+    for labels, value in re.findall(rf'^{name}{{([^}}]*)}} (\S+)$', text, flags=re.M):
+        if f'model="{model}"' in labels:
+            device = re.search(r'device="([^"]*)"', labels)
+            key = device.group(1) if device else ""
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
 
 
 def _mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -502,6 +542,8 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
                            "batching": preset.diffusion_batching},
             "max_batch_size": preset.max_batch_size,
             "max_queue_delay_us": preset.diffusion_queue_delay_us if preset.diffusion_batching == "request" else 0,
+            # step batching: one request per execute, spread over instances by load (model_repository's config)
+            "preferred_batch_size": [] if preset.diffusion_batching == "request" else [1],
         },
     })]
 

@@ -14,11 +14,21 @@ def progress(point) -> None:
     if s["server"]:
         server = s["server"]
         batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
+    if s.get("counters"):
+        batch += _counters(s["counters"])
     if s.get("unit") == "tokens":
         batch = f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms  ITL p50 {s['itl_p50_ms']:.2f} ms" + batch
     unit = "tok/s" if s.get("unit") == "tokens" else "/s"
     print(f"  {s['workload']:<15} c={s['concurrency']:<3} {s['side']:<7} {s['throughput_per_s']:8.2f}{unit}  "
           f"p50 {s['p50_ms']:8.1f} ms  p99 {s['p99_ms']:8.1f} ms{batch}", flush=True)
+
+
+def _counters(counters: dict[str, float]) -> str:
+    """Each device's share of diffusion's steps, and the CUDA graph captures, in a timed window."""
+    steps = {k.removeprefix("steps_"): v for k, v in counters.items() if k.startswith("steps_")}
+    total = sum(steps.values())
+    shares = " ".join(f"{device or '?'} {v / total:.0%}" for device, v in sorted(steps.items())) if total else ""
+    return f"  [steps {shares}; graph captures {counters.get('graph_captures', 0):.0f}]"
 
 
 # Reference curves measured beside direct in the same run, each a way of calling the same engine.

@@ -1,0 +1,134 @@
+"""Join the shortest queue: spreading requests over a model's instances
+when ``execute`` returns at once.
+
+Why: under step batching ``execute`` hands its requests to the engine and
+returns, so every instance looks idle to Triton, which gives the next batch
+to whichever instance thread asks first. Measured with two CPU instances of
+``diffusion``: a burst of 8 requests went 7 to one instance and 1 to the
+other (with Triton's dynamic batcher, as one batch of 7 and one of 1). Two
+GPUs serving that way run one nearly empty while the other queues.
+
+How: each instance publishes its load (requests in its engine) in a small
+file, one per instance, in a folder under ``/dev/shm`` that the model's
+instances on this server share. After handing its requests over, an
+instance that carries more than the least loaded live sibling keeps
+``execute`` until that is no longer so, so that Triton gives the next
+requests to a sibling: loads then differ by at most one (``slack``). With
+two CPU instances and the same bursts of 8 as above: 4/4, three times. The least loaded instance never
+waits, so some instance always takes work, and a wait is bounded
+(``max_hold_s``) in case a sibling hangs. No siblings, no wait: a single
+instance pays one directory listing per ``execute``.
+
+The load is a request count: requests of one model cost alike to first
+order (same sizes and steps under a bench; a mix evens out over many).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import threading
+import time
+from pathlib import Path
+
+_RECORD = struct.Struct("<qq")  # (pid, load)
+
+
+class InstanceLoads:
+    def __init__(self, model: str, instance: str, server_pid: int | None = None, root: Path = Path("/dev/shm"),
+                 slack: int = 0, max_hold_s: float = 2.0, poll_s: float = 0.005):
+        """``instance``: this instance's name (unique among the model's);
+        ``server_pid``: the tritonserver the instances share (the stub's parent)."""
+        server_pid = os.getppid() if server_pid is None else server_pid
+        _remove_stale(root, server_pid)
+        self.folder = root / f"triton-omni-load-{server_pid}-{model}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.name = instance
+        self.slack, self.max_hold_s, self.poll_s = slack, max_hold_s, poll_s
+        self._fd = os.open(self.folder / instance, os.O_RDWR | os.O_CREAT, 0o600)
+        self._load = 0
+        self._changed = threading.Condition()
+        self._publish()
+
+    @property
+    def load(self) -> int:
+        return self._load
+
+    def add(self, n: int) -> None:
+        """This instance took (n > 0) or finished (n < 0) requests."""
+        with self._changed:
+            self._load += n
+            self._publish()
+            self._changed.notify_all()
+
+    def siblings(self) -> list[int]:
+        """The loads of the model's other live instances (a dead one's file is removed)."""
+        loads = []
+        for entry in os.scandir(self.folder):
+            if entry.name == self.name:
+                continue
+            record = _read(entry.path)
+            if record is None:
+                continue
+            pid, load = record
+            if _alive(pid):
+                loads.append(load)
+            else:  # a killed stub leaves its file; a restarted instance writes a new pid
+                _unlink(entry.path)
+        return loads
+
+    def hold(self) -> float:
+        """Waits while this instance carries more than its least loaded sibling
+        (plus ``slack``), at most ``max_hold_s``; returns the seconds waited."""
+        start = time.monotonic()
+        while True:
+            others = self.siblings()
+            if not others or self._load <= min(others) + self.slack:
+                return time.monotonic() - start if others else 0.0
+            waited = time.monotonic() - start
+            if waited >= self.max_hold_s:
+                return waited
+            with self._changed:  # woken when this instance finishes a request; siblings are polled
+                self._changed.wait(min(self.poll_s, self.max_hold_s - waited))
+
+    def close(self) -> None:
+        os.close(self._fd)
+        _unlink(self.folder / self.name)
+        with contextlib.suppress(OSError):  # the last instance out removes the folder
+            self.folder.rmdir()
+
+    def _publish(self) -> None:
+        os.pwrite(self._fd, _RECORD.pack(os.getpid(), self._load), 0)
+
+
+def _read(path: str) -> tuple[int, int] | None:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(_RECORD.size)
+    except OSError:  # removed meanwhile
+        return None
+    return _RECORD.unpack(data) if len(data) == _RECORD.size else None
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie (a killed stub stays one until the server reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _unlink(path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _remove_stale(root: Path, server_pid: int) -> None:
+    """Folders of servers that are gone (killed before their stubs cleaned up)."""
+    for folder in root.glob("triton-omni-load-*"):
+        pid = folder.name.removeprefix("triton-omni-load-").split("-", 1)[0]
+        if pid.isdigit() and int(pid) != server_pid and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,75 @@
+"""Join-the-shortest-queue over a model's instances (triton/balance.py): an
+instance more loaded than its least loaded sibling holds ``execute``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+from triton_omni.triton.balance import InstanceLoads
+
+
+def loads(tmp_path, name: str, **options) -> InstanceLoads:
+    return InstanceLoads("diffusion", name, server_pid=1, root=tmp_path, **options)
+
+
+def test_a_single_instance_never_holds(tmp_path):
+    alone = loads(tmp_path, "diffusion_0_0")
+    alone.add(5)
+    assert alone.siblings() == []
+    assert alone.hold() == 0
+
+
+def test_the_more_loaded_instance_holds_until_it_finishes_a_request(tmp_path):
+    busy, idle = loads(tmp_path, "diffusion_0_0", max_hold_s=10), loads(tmp_path, "diffusion_0_1")
+    busy.add(2)
+    idle.add(1)
+    assert busy.siblings() == [1] and idle.siblings() == [2]
+    assert idle.hold() < 0.1  # the least loaded instance takes work at once
+    threading.Timer(0.2, busy.add, (-1,)).start()  # as loaded as its sibling: free again
+    assert 0.15 < busy.hold() < 5
+
+
+def test_the_more_loaded_instance_holds_until_a_sibling_takes_work(tmp_path):
+    busy, idle = loads(tmp_path, "diffusion_0_0", max_hold_s=10), loads(tmp_path, "diffusion_0_1")
+    busy.add(1)
+    threading.Timer(0.2, idle.add, (1,)).start()  # Triton gave the sibling the next request
+    assert 0.15 < busy.hold() < 5
+
+
+def test_a_hold_is_bounded(tmp_path):
+    busy = loads(tmp_path, "diffusion_0_0", max_hold_s=0.2)
+    loads(tmp_path, "diffusion_0_1")  # a sibling that never takes anything (hung)
+    busy.add(4)
+    assert 0.2 <= busy.hold() < 2
+
+
+def test_a_dead_siblings_load_is_ignored_and_its_file_removed(tmp_path):
+    busy = loads(tmp_path, "diffusion_0_0")
+    busy.add(4)
+    # a sibling in another process, which then dies (as a killed stub does)
+    code = ("from pathlib import Path; from triton_omni.triton.balance import InstanceLoads; "
+            f"InstanceLoads('diffusion', 'diffusion_0_1', server_pid=1, root=Path({str(tmp_path)!r}))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert (busy.folder / "diffusion_0_1").exists()
+    assert busy.siblings() == []
+    assert not (busy.folder / "diffusion_0_1").exists()
+    assert busy.hold() == 0
+
+
+def test_the_last_instance_out_removes_the_folder(tmp_path):
+    first, second = loads(tmp_path, "diffusion_0_0"), loads(tmp_path, "diffusion_0_1")
+    first.close()
+    assert second.folder.exists() and second.siblings() == []
+    second.close()
+    assert not second.folder.exists()
+
+
+def test_folders_of_servers_that_are_gone_are_removed(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"triton-omni-load-{gone.pid}-diffusion"
+    stale.mkdir()
+    loads(tmp_path, "diffusion_0_0")
+    assert not stale.exists()
