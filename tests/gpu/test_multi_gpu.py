@@ -63,10 +63,8 @@ def test_instances_on_both_gpus_serve(spread):
              for gpu in ("gpu0", "gpu1")}
     assert steps["gpu0"] > 0 and steps["gpu1"] > 0, steps
     assert steps["gpu0"] + steps["gpu1"] == 16 * IMAGE["num_inference_steps"]
-    # each instance keeps its own graph cache, on its own GPU
-    captures = {gpu: metric_value(spread, "omni_diffusion_graph_captures_total", model="diffusion", device=gpu)
-                for gpu in ("gpu0", "gpu1")}
-    assert captures["gpu0"] > 0 and captures["gpu1"] > 0, captures
+    # spread by load (triton/balance.py): 8 and 8, give or take the requests that finished early
+    assert abs(steps["gpu0"] - steps["gpu1"]) <= 4 * IMAGE["num_inference_steps"], steps
 
 
 def test_an_image_is_the_same_on_either_gpu(spread):
@@ -77,6 +75,11 @@ def test_an_image_is_the_same_on_either_gpu(spread):
         difference = np.abs(on[0].astype(int) - on[1].astype(int)).max()
         assert difference <= 1, f"seed {seed}: images differ by {difference} between the GPUs"
     assert metric_value(spread, "omni_diffusion_steps_total", model="diffusion_gpu1", device="gpu1") > 0
+    # each instance keeps its own graph cache on its own GPU: one request at a time holds its
+    # shape for 10 steps, so each pinned model captured a graph
+    for gpu in (0, 1):
+        assert metric_value(spread, "omni_diffusion_graph_captures_total", model=f"diffusion_gpu{gpu}",
+                            device=f"gpu{gpu}") > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")

@@ -45,9 +45,10 @@ class InstanceLoads:
         _remove_stale(root, server_pid)
         self.folder = root / f"triton-omni-load-{server_pid}-{model}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.name = instance
+        # Triton names a group's instances alike on every GPU (diffusion_0_0 on GPU 0 and on GPU 1)
+        self.name = f"{instance}.{os.getpid()}"
         self.slack, self.max_hold_s, self.poll_s = slack, max_hold_s, poll_s
-        self._fd = os.open(self.folder / instance, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o600)
         self._load = 0
         self._changed = threading.Condition()
         self._publish()

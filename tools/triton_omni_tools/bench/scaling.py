@@ -73,7 +73,7 @@ def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: 
                 options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(),
                                         grpc_port=free_port(), metrics_port=free_port(),
                                         log_file=out_dir / f"server-{n}gpu-{served[0]}.log",
-                                        model_control_mode="explicit", load_models=models_for(served),
+                                        model_control_mode="explicit", load_models=_models(served),
                                         placement=placement)
                 with TritonServer(options) as server:
                     embeds = _embeds(server.grpc_url) if "diffusion" in served else None
@@ -89,6 +89,11 @@ def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: 
                                                    "rows": rows, "points": points}, indent=2))
     print(f"wrote {out_dir / 'gpus.json'}")
     return rows
+
+
+def _models(served: tuple[str, ...]) -> list[str]:
+    """What a server loads: its workloads' models, and ``ar_encoder`` for ``diffusion``'s embeddings."""
+    return sorted({*models_for(served), *(["ar_encoder"] if "diffusion" in served else [])})
 
 
 def _embeds(url: str) -> np.ndarray:
