@@ -87,8 +87,47 @@ def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: 
     (out_dir / "gpus.json").write_text(json.dumps({"preset": asdict(preset), "preset_name": preset_name,
                                                    "device": device_name(), "gpu_counts": gpu_counts,
                                                    "rows": rows, "points": points}, indent=2))
-    print(f"wrote {out_dir / 'gpus.json'}")
+    plot(rows, out_dir / "gpus.png", f"GPU scaling, {preset_name} preset, {device_name()}")
+    print(f"wrote {out_dir / 'gpus.json'} and gpus.png")
     return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Throughput per (workload, concurrency), a bar per GPU count, each
+    panel scaled to its own largest bar (PIL only, as report.plot)."""
+    from PIL import Image, ImageDraw
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    counts = sorted({r["gpus"] for r in rows})
+    colours = ["#9a9a9a", "#76b900", "#3b6fd4", "#d4843b"]
+    names = ["grey", "green", "blue", "orange"]
+    panel_w, panel_h, margin = 300, 260, 40
+    image = Image.new("RGB", (panel_w * len(workloads), panel_h + 60), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 8), title + "   " + ", ".join(f"{names[i % 4]}: {n} GPU(s)" for i, n in enumerate(counts)),
+              fill="black")
+    for k, workload in enumerate(workloads):
+        data = [r for r in rows if r["workload"] == workload]
+        x0, y0, w, h = k * panel_w + margin, 50, panel_w - margin - 20, panel_h - 60
+        top = max(r["per_s"] for r in data) * 1.15
+        unit = "tokens/s" if data[0].get("unit") == "tokens" else "per s"
+        draw.text((x0, y0 - 16), f"{workload} ({unit})", fill="black")
+        draw.rectangle([x0, y0, x0 + w, y0 + h], outline="gray")
+        concurrencies = sorted({r["concurrency"] for r in data})
+        slot = w / len(concurrencies)
+        bar = slot * 0.8 / len(counts)
+        for i, c in enumerate(concurrencies):
+            draw.text((x0 + slot * i + slot / 2 - 12, y0 + h + 4), f"c={c}", fill="gray")
+            for j, n in enumerate(counts):
+                row = next((r for r in data if r["concurrency"] == c and r["gpus"] == n), None)
+                if row is None:
+                    continue
+                left = x0 + slot * i + slot * 0.1 + bar * j
+                height = h * row["per_s"] / top
+                draw.rectangle([left, y0 + h - height, left + bar - 2, y0 + h], fill=colours[j % 4])
+                label = f"{row['per_s']:.0f}" if row["per_s"] >= 100 else f"{row['per_s']:.1f}"
+                draw.text((left, y0 + h - height - 12), label, fill="black")
+    image.save(path)
 
 
 def _models(served: tuple[str, ...]) -> list[str]:
