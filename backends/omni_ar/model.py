@@ -33,6 +33,7 @@ from triton_omni.ar import ArResponse, ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
 from triton_omni.gpu_memory import check_share
 from triton_omni.triton import ar_io
+from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
@@ -64,15 +65,21 @@ class TritonPythonModel:
                                     device=self.placement.label)
         self.encode_outputs = Outputs(ar_encode_outputs(self.config.embeds_dtype))
         self.cancellations = Cancellations()
+        # generation (decoupled) and encoding on vLLM return from execute at once: spread requests
+        # over the model's instances (one engine per GPU, --place ar=0,1) by their load
+        returns_at_once = self.config.mode == "generate" or self.runner.engine_name == "vllm"
+        self.loads = InstanceLoads(self.model_name, args["model_instance_name"]) if returns_at_once else None
 
     def execute(self, requests):
         if self.config.mode == "encode":
             if self.runner.engine_name == "vllm":
                 self._start_encoding(requests)
+                self.loads.hold()  # a less loaded sibling instance takes the next requests
                 return None
             return self._encode_batch(requests)
         for request in requests:
             self._start_generation(request)
+        self.loads.hold()
         return None
 
     # -- generate (decoupled) -------------------------------------------------
@@ -88,6 +95,7 @@ class TritonPythonModel:
         except Exception as exc:
             self.responses.fail(sender, exc, self.context, self.metrics, started)
             return
+        self.loads.add(1)
         self.runner.loop.submit(self._generate(parsed, sender, key, started))
 
     async def _generate(self, request: GenerateRequest, sender, key: str | None, started: float) -> None:
@@ -117,6 +125,7 @@ class TritonPythonModel:
                         self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                             final=response.final)
         finally:
+            self.loads.add(-1)
             self.metrics.generated_tokens.flush()  # the count is exact once a request ends
 
     # -- encode ---------------------------------------------------------------
@@ -132,6 +141,7 @@ class TritonPythonModel:
             except Exception as exc:
                 self.responses.fail(sender, exc, self.context, self.metrics, started)
                 continue
+            self.loads.add(1)
             self.runner.loop.submit(self._encode_one(parsed, sender, started))
 
     async def _encode_one(self, request: EncodeRequest, sender, started: float) -> None:
@@ -140,6 +150,8 @@ class TritonPythonModel:
             self.responses.send(sender, self._encode_response(result, started), final=True)
         except Exception as exc:
             self.responses.fail(sender, exc, self.context, self.metrics, started)
+        finally:
+            self.loads.add(-1)
 
     def _encode_batch(self, requests):
         """One response per request, in order; a bad request fails alone."""
@@ -167,6 +179,8 @@ class TritonPythonModel:
     def finalize(self):
         self.runner.close()
         self.responses.stop()
+        if self.loads is not None:
+            self.loads.close()
         self.metrics = self.restarts = None
         release_families()
 
