@@ -66,6 +66,11 @@ class TritonPythonModel:
         # step batching answers from a response thread, which then sends every metric update too
         # (metrics.Routed); request batching answers from execute, whose thread sends them
         stepping = self.config.batching == "step"
+        # decoupled (model_transaction_policy): a progress response per step, then the image
+        self.streams_progress = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
+        if self.streams_progress and not stepping:
+            raise ValueError(f"{self.context}: a decoupled diffusion model streams each step's progress, "
+                             f"which needs the parameter batching 'step' (got {self.config.batching!r})")
         self.responses = ResponseThread(poll_s=self.poll_s) if stepping else None
         submit = self.responses.call if stepping else None
         self.restarts = report_restarts(self.model_name)
@@ -136,6 +141,9 @@ class TritonPythonModel:
         def on_step(step: int, total: int) -> None:
             self.step_count.add(1)
             self.progress.send(listener, key, step, total)
+            if self.streams_progress:  # a slow reader gets the latest step, not every one
+                self.responses.send_streamed(sender, (step, total), final=False, merge=lambda _, latest: latest,
+                                             build=_progress_response)
 
         def done(image) -> None:
             self.loads.add(-1)
@@ -173,6 +181,12 @@ class TritonPythonModel:
         self.progress.close()
         self.metrics = self.steps = self.restarts = None
         release_families()
+
+
+def _progress_response(progress: tuple[int, int]):
+    step, total = progress
+    return pb_utils.InferenceResponse(output_tensors=[OUTPUTS.tensor("step", step, batched=True),
+                                                      OUTPUTS.tensor("total_steps", total, batched=True)])
 
 
 class _StepWatch:

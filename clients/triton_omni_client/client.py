@@ -12,7 +12,7 @@ import queue
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -212,6 +212,22 @@ class OmniClient:
             except Exception as exc:
                 raise _as_omni_error(exc) from None
             return result.as_numpy("image")[0]
+
+    def stream_image(self, prompt: str | None = None, *, model: str = "diffusion_stream",
+                     on_progress: Callable[[int, int], None] | None = None, **options: Any) -> np.ndarray:
+        """An image from a decoupled diffusion model, over a gRPC stream:
+        ``on_progress(step, total_steps)`` as each denoising step ends (a
+        slow reader gets the latest step), then the image ``[H, W, 3]``.
+        ``options``: as ``generate_image``."""
+        import tritonclient.grpc as grpcclient
+
+        for result in stream_infer(self.url, model, batched_inputs(grpcclient, prompt=prompt, **options)):
+            image = result.as_numpy("image")
+            if image is not None:
+                return image[0]
+            if on_progress is not None:
+                on_progress(int(result.as_numpy("step")[0, 0]), int(result.as_numpy("total_steps")[0, 0]))
+        raise OmniError("INTERNAL", f"'{model}' ended its stream without an image")
 
 
 def batched_inputs(client_module, **values: Any) -> list:

@@ -76,7 +76,13 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
 
 
 def diffusion_outputs() -> list[TensorSpec]:
-    return [TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3))]
+    return [
+        TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3)),
+        # Sent only by a decoupled diffusion model (docs/models.md, "Progress"): one response per
+        # denoising step, before the image's.
+        TensorSpec("step", "TYPE_INT32"),
+        TensorSpec("total_steps", "TYPE_INT32"),
+    ]
 
 
 # -- omni (decoupled BLS scheduler)

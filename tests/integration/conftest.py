@@ -5,7 +5,8 @@ It serves the default repositories (``model_repository/`` with engine
 ``*_transformers`` copies of the AR configs, so both engines pass the same
 behaviour tests, ``diffusion_exact``, the diffusion stage with request
 batching padded to a fixed size (the default is step batching),
-``diffusion_pair``, two instances of the default ``diffusion``, and
+``diffusion_pair``, two instances of the default ``diffusion``,
+``diffusion_stream``, the default ``diffusion`` decoupled (per-step progress), and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
 one prompt's embeddings. Helpers live in
 ``tests/support/server.py``.
@@ -37,6 +38,7 @@ def server(tmp_path_factory):
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_exact",
                parameters={"batching": "request", "exact_batching": "true"}, max_queue_delay_us=20_000,
                preferred_batch_size=[])
+    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_stream", decoupled=True)
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair",
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "omni", variants, "omni_small_budget",

@@ -254,3 +254,22 @@ def test_grpc_cancel_stops_within_one_step(server):
     while metric_value(server, "omni_diffusion_requests_total", model="diffusion", outcome="cancelled") < 1:
         assert time.monotonic() < deadline, "the cancelled request was never counted as cancelled"
         time.sleep(0.2)
+
+
+def test_a_decoupled_diffusion_streams_each_step_then_the_image(server):
+    """``diffusion_stream`` (the default config with ``decoupled: true``):
+    over a gRPC stream, progress responses (``step``, ``total_steps``) in
+    order, then the image, the same as the non-streaming model's."""
+    options = FAST | {"num_inference_steps": 6, "seed": 3}
+    steps = []
+    client = OmniClient(server.grpc_url)
+    image = client.stream_image("a red fox", on_progress=lambda step, total: steps.append((step, total)), **options)
+    assert steps and steps == sorted(steps) and steps[-1] == (6, 6)
+    assert all(total == 6 for _, total in steps)
+    assert_same_image(image, client.generate_image("a red fox", **options), "diffusion", "streamed vs not")
+
+
+def test_a_decoupled_diffusion_refuses_bad_input_by_name(server):
+    with pytest.raises(OmniError, match="num_inference_steps") as error:
+        OmniClient(server.grpc_url).stream_image("a red fox", num_inference_steps=0)
+    assert error.value.status == "INVALID_ARG"

@@ -28,7 +28,7 @@ def load_config(path: Path) -> model_config_pb2.ModelConfig:
 def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = None,
                 max_batch_size: int | None = None, max_queue_delay_us: int | None = None,
                 preferred_batch_size: list[int] | None = None,
-                instance_group: list[dict[str, Any]] | None = None) -> None:
+                instance_group: list[dict[str, Any]] | None = None, decoupled: bool | None = None) -> None:
     """Change ``path`` in place.
 
     ``parameters``: a string sets the model parameter; a dict is merged into
@@ -47,6 +47,8 @@ def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = No
         config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
     if preferred_batch_size is not None:
         config.dynamic_batching.preferred_batch_size[:] = preferred_batch_size
+    if decoupled is not None:
+        config.model_transaction_policy.decoupled = decoupled
     if instance_group is not None:
         del config.instance_group[:]
         for group in instance_group:
