@@ -56,6 +56,17 @@ def test_cli_writes_a_png(grpc_url, tmp_path):
         assert image.format == "PNG" and image.size == (48, 32)
 
 
+def test_cli_streams_progress_from_a_decoupled_diffusion(grpc_url, tmp_path):
+    out = tmp_path / "fox.png"
+    cli = Path(sys.executable).parent / "omni-triton"
+    done = subprocess.run([str(cli), "generate-image", "a red fox", "--out", str(out), "--url", grpc_url, "--stream",
+                           "--steps", "4", "--seed", "3", "--height", "32", "--width", "32"],
+                          check=True, capture_output=True, text=True)
+    assert "4/4" in done.stderr, done.stderr  # the bar reached the last step
+    with Image.open(out) as image:
+        assert image.size == (32, 32)
+
+
 # Eight mixed requests: text and embeddings, different seeds, guidance on and off, two sizes.
 MIXED = [
     {"prompt": "a red fox", "seed": 1},

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--out", type=Path, required=True, help="PNG file to write")
     image.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     image.add_argument("--url")
-    image.add_argument("--model", default="diffusion")
+    image.add_argument("--model", help="default diffusion (diffusion_stream with --stream)")
+    image.add_argument("--stream", action="store_true",
+                       help="a progress bar fed by a decoupled diffusion model's steps (gRPC; docs/models.md)")
     _add_image_options(image)
     image.set_defaults(run=_generate_image)
 
@@ -305,15 +307,42 @@ def _generate_image(args) -> int:
 
     options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")
                if getattr(args, k) is not None}
+    client = OmniClient(args.url, protocol=args.protocol)
     try:
-        pixels = OmniClient(args.url, protocol=args.protocol).generate_image(
-            args.prompt, negative_prompt=args.negative_prompt, model=args.model, **options)
+        if args.stream:
+            pixels = _stream_image(client, args, options)
+        else:
+            pixels = client.generate_image(args.prompt, negative_prompt=args.negative_prompt,
+                                           model=args.model or "diffusion", **options)
     except OmniError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     Image.fromarray(pixels).save(args.out, format="PNG")
     print(f"wrote {args.out} ({pixels.shape[1]}x{pixels.shape[0]})")
     return 0
+
+
+def _stream_image(client, args, options: dict):
+    """One image from a decoupled diffusion model, with one progress bar fed by its steps."""
+    from tqdm import tqdm
+
+    if args.protocol != "grpc":
+        raise SystemExit("error: --stream needs --protocol grpc (Triton's HTTP /infer refuses decoupled models)")
+    bar = None
+
+    def on_progress(step: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:  # one bar, drawn once (its width kept off the terminal's edge: tmux wraps it)
+            bar = tqdm(total=total, desc="image", unit="step", file=sys.stderr, leave=True,
+                       ncols=min(100, shutil.get_terminal_size().columns - 1))
+        bar.update(step - bar.n)
+
+    try:
+        return client.stream_image(args.prompt, model=args.model or "diffusion_stream", on_progress=on_progress,
+                                   negative_prompt=args.negative_prompt, **options)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 if __name__ == "__main__":
