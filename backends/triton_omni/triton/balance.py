@@ -14,9 +14,9 @@ instances on this server share. After handing its requests over, an
 instance that carries more than the least loaded live sibling keeps
 ``execute`` until that is no longer so, so that Triton gives the next
 requests to a sibling: loads then differ by at most one (``slack``). With
-two CPU instances and the same bursts of 8 as above: 4/4, three times. The least loaded instance never
-waits, so some instance always takes work, and a wait is bounded
-(``max_hold_s``) in case a sibling hangs. No siblings, no wait: a single
+two CPU instances and the same bursts of 8 as above: 4/4, three times. The
+least loaded instance never waits, so some instance always takes work, and
+a wait is bounded (``max_hold_s``) in case a sibling hangs. No siblings, no wait: a single
 instance pays one directory listing per ``execute``.
 
 The load is a request count: requests of one model cost alike to first

@@ -362,8 +362,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     warm.set()
     for _ in workers:  # warmed up
         ready.get()
-    batches_before, stats_before = _batch_counts(metrics_url, workload), _server_stats(url, workload)
-    diffusion_before = _diffusion_counters(metrics_url) if workload not in AR_WORKLOADS else None
+    metrics_before, stats_before = _metrics_text(metrics_url), _server_stats(url, workload)
     start = time.time()
     go.set()
     outcomes = [results.get() for _ in workers]
@@ -376,18 +375,18 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
     point = Point(workload, concurrency, "triton", len(latencies), max(end for *_, end, _ in outcomes) - start,
                   latencies, streams=streams if workload in GENERATION_WORKLOADS else None)
-    point.mean_batch = _mean_batch(batches_before, _batch_counts(metrics_url, workload))
+    metrics_after = _metrics_text(metrics_url)
+    point.mean_batch = _mean_batch(_batch_counts(metrics_before, workload), _batch_counts(metrics_after, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
-    if diffusion_before is not None:
-        after = _diffusion_counters(metrics_url)
-        point.counters = {key: after[key] - diffusion_before.get(key, 0.0) for key in after}
+    if workload not in AR_WORKLOADS:
+        before, after = _diffusion_counters(metrics_before), _diffusion_counters(metrics_after)
+        point.counters = {key: after[key] - before.get(key, 0.0) for key in after}
     return point
 
 
-def _diffusion_counters(metrics_url: str) -> dict[str, float]:
+def _diffusion_counters(text: str) -> dict[str, float]:
     """``diffusion``'s steps per device (does every GPU carry its share?) and CUDA graph
-    captures (any in a timed window means the warm-up missed a shape)."""
-    text = _metrics_text(metrics_url)
+    captures (any in a timed window means the warm-up missed a shape), from /metrics' text."""
     steps = metric_by_device(text, "omni_diffusion_steps_total", "diffusion")
     captures = metric_by_device(text, "omni_diffusion_graph_captures_total", "diffusion")
     return {f"steps_{device}": value for device, value in steps.items()} | {"graph_captures": sum(captures.values())}
@@ -487,14 +486,13 @@ def _closed_loop(calls: list[Callable], rounds: int) -> tuple[list[float], list[
     return latencies, streams, None
 
 
-def _batch_counts(metrics_url: str, workload: str) -> tuple[float, float]:
+def _batch_counts(text: str, workload: str) -> tuple[float, float]:
     """(sum, count) of the executed batch-size histogram of the stage a workload batches on,
-    over all its instances (one series per device)."""
+    over all its instances (one series per device), from /metrics' text."""
     model = WORKLOADS[workload].batches_on
     family = BATCH_SIZE_METRICS.get(model)
     if family is None:  # a decoupled model: no executed batches to count
         return 0.0, 0.0
-    text = _metrics_text(metrics_url)
     return (sum(metric_by_device(text, f"{family}_sum", model).values()),
             sum(metric_by_device(text, f"{family}_count", model).values()))
 
