@@ -95,7 +95,8 @@ class TritonPythonModel:
         if self.runner.steps is not None:
             for request in requests:
                 self._submit(request)
-            self.loads.hold()  # a sibling instance less loaded than this one takes the next requests
+            # a less loaded sibling takes the next requests; when this engine is full, Triton's queue keeps them
+            self.loads.hold(full=lambda: not self.runner.steps.has_room())
             return None
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))

@@ -5,7 +5,8 @@ It serves the default repositories (``model_repository/`` with engine
 ``*_transformers`` copies of the AR configs, so both engines pass the same
 behaviour tests, ``diffusion_exact``, the diffusion stage with request
 batching padded to a fixed size (the default is step batching),
-``diffusion_pair``, two instances of the default ``diffusion``,
+``diffusion_pair``, two instances of the default ``diffusion``
+(``diffusion_pair_small``: with room for two guided requests each),
 ``diffusion_stream``, the default ``diffusion`` decoupled (per-step progress), and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
 one prompt's embeddings. Helpers live in
@@ -40,6 +41,8 @@ def server(tmp_path_factory):
                preferred_batch_size=[])
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_stream", decoupled=True)
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair",
+               instance_group=[{"kind": "KIND_CPU", "count": 2}])
+    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair_small", parameters={"max_rows": "4"},
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "omni", variants, "omni_small_budget",
                parameters={"max_embeds_bytes_in_flight": "1000", "admission_policy": "reject"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -35,3 +36,8 @@ def test_admin_apis_need_the_key_and_inference_does_not(server):
         grpc_header = f"triton-grpc-protocol-{ADMIN_HEADER}"
         assert client.get_model_repository_index(headers={grpc_header: server.admin_key}) is not None
         assert client.is_server_ready()
+
+
+def test_the_stubs_shared_memory_carries_this_servers_own_prefix(server):
+    """So that a second server on the machine (a bench beside the tests) cannot collide with it."""
+    assert any(entry.name.startswith(server.shm_prefix) for entry in Path("/dev/shm").iterdir())

@@ -159,6 +159,41 @@ def test_two_step_batching_instances_share_a_burst_evenly(server):
     assert steps > 0 and at_most_four == steps, f"{steps - at_most_four} of {steps} steps ran more than 4 requests"
 
 
+def test_a_full_instance_leaves_the_next_request_to_a_sibling_with_room(grpc_url):
+    """Two instances with room for two requests each. Three long requests
+    and a short one fill both; the short one finishes, and from then on
+    every short request must go to the instance with room, never wait in
+    the full one's engine behind a long image: a full instance keeps
+    ``execute`` (triton/balance.py). Without that, Triton gave about every
+    other short request to the full instance."""
+    client = grpcclient.InferenceServerClient(grpc_url)
+    finished: list[tuple[float, object]] = []
+    done = threading.Semaphore(0)
+
+    def callback(result, error):
+        finished.append((time.monotonic(), error))
+        done.release()
+
+    def send(steps: int, seed: int):
+        inputs = batched_inputs(grpcclient, prompt="a red fox", seed=seed, num_inference_steps=steps)
+        client.async_infer("diffusion_pair_small", inputs, callback)
+
+    for seed in range(3):
+        send(100, seed)  # the demo default size: seconds each on a CPU
+    send(1, 3)
+    assert done.acquire(timeout=120) and finished[0][1] is None  # the short one
+    shorts = OmniClient(grpc_url)
+    for seed in range(4, 10):
+        shorts.generate_image("a red fox", seed=seed, model="diffusion_pair_small", num_inference_steps=1)
+    last_short = time.monotonic()
+    for _ in range(3):
+        assert done.acquire(timeout=300), "a long request was never answered"
+    client.close()
+    assert all(error is None for _, error in finished)
+    longs = [at for at, _ in finished[1:]]
+    assert min(longs) > last_short, "a short request waited behind a long one in a full instance"
+
+
 def test_step_batching_survives_a_burst_of_requests(server):
     """Hundreds of requests sent without waiting (the open-loop bench's
     traffic): every one answered, the server up, the metrics counting all.

@@ -119,6 +119,19 @@ def test_a_full_engine_rejects_when_configured():
         strict.close()
 
 
+def test_has_room_says_whether_a_request_would_start_or_wait():
+    small = runner(max_rows=4)  # two guided requests
+    try:
+        assert small.steps.has_room()
+        first = small.submit(request(small, 50, steps=6))
+        assert small.steps.has_room() and not small.steps.has_room(rows=3)
+        second = small.submit(request(small, 51, steps=6))
+        assert not small.steps.has_room(rows=1)
+        first.result(60), second.result(60)
+    finally:
+        small.close()
+
+
 def test_exact_batching_is_bit_identical_alone_and_in_company():
     exact = runner(batch_size=2, exact_batching=True)  # every step padded to 4 rows
     try:

@@ -45,6 +45,26 @@ def test_a_hold_is_bounded(tmp_path):
     assert 0.2 <= busy.hold() < 2
 
 
+def test_a_full_instance_holds_until_it_has_room_even_when_least_loaded(tmp_path):
+    full, busier = loads(tmp_path, "diffusion_0_0"), loads(tmp_path, "diffusion_0_1")
+    full.add(2)
+    busier.add(3)
+    room = threading.Event()
+    threading.Timer(0.2, room.set).start()  # one of its requests finished
+    assert 0.15 < full.hold(full=lambda: not room.is_set()) < 5
+
+
+def test_a_full_hold_is_bounded(tmp_path):
+    full = loads(tmp_path, "diffusion_0_0", max_full_hold_s=0.2)
+    loads(tmp_path, "diffusion_0_1").add(9)
+    assert 0.2 <= full.hold(full=lambda: True) < 2
+
+
+def test_a_full_instance_alone_never_holds(tmp_path):
+    """With one instance its engine's own queue is the only queue: nothing to gain."""
+    assert loads(tmp_path, "diffusion_0_0").hold(full=lambda: True) == 0
+
+
 def test_a_dead_siblings_load_is_ignored_and_its_file_removed(tmp_path):
     busy = loads(tmp_path, "diffusion_0_0")
     busy.add(4)

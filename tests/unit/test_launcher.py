@@ -59,3 +59,15 @@ def test_restricted_by_default_on_loopback_and_said_at_startup(monkeypatch):
     assert "loopback" not in access_summary(ServerOptions(bind="0.0.0.0"))
     assert "placement: diffusion=0,1 ar=tp:0,1" in access_summary(ServerOptions(placement=["diffusion=0,1",
                                                                                           "ar=tp:0,1"]))
+
+
+def test_each_server_names_its_own_shared_memory():
+    """Two servers on one machine with the Python backend's default region
+    names crash or hang; the bench starts servers beside the test suite's."""
+    first, second = TritonServer(ServerOptions()), TritonServer(ServerOptions())
+    prefixes = []
+    for server in (first, second):
+        command = server.command(find_server("embedded"), Path("/backends"))
+        [flag] = [arg for arg in command if arg.startswith("--backend-config=python,shm-region-prefix-name=")]
+        prefixes.append(flag.rsplit("=", 1)[1])
+    assert prefixes[0] != prefixes[1] and all(p.startswith("triton_omni_") for p in prefixes)

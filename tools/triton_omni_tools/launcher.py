@@ -250,6 +250,13 @@ class TritonServer:
         return f"http://localhost:{self.options.metrics_port}/metrics"
 
     @property
+    def shm_prefix(self) -> str:
+        """This server's names for the Python backend's shared memory in /dev/shm. Two servers on
+        one machine with Triton's default names crash or hang (Triton's python_backend README);
+        here a bench server started beside the test suite's aborted during startup."""
+        return "triton_omni_" + self.run_dir.name.removeprefix("triton-omni-run-") + "_"
+
+    @property
     def control(self) -> tuple[str, list[str]]:
         """(model control mode, models loaded at start): the supervisor reloads models through the
         repository API, so it turns mode "none" into "explicit" with every model loaded."""
@@ -276,6 +283,7 @@ class TritonServer:
             f"--metrics-address={opts.bind}",
             f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         cmd += [f"--load-model={name}" for name in load_models]
         return cmd + opts.extra_args

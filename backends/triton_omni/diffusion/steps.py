@@ -131,6 +131,12 @@ class StepEngine:
         job.future.add_done_callback(lambda _: self._release(job.rows))
         return job.future
 
+    def has_room(self, rows: int = 2) -> bool:
+        """Whether a request of ``rows`` submitted now would start at the next step
+        rather than wait (two rows: a request with guidance)."""
+        with self._wake:
+            return self._held + rows <= self.max_rows
+
     def _release(self, rows: int) -> None:
         with self._wake:
             self._held -= rows

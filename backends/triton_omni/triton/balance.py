@@ -16,8 +16,18 @@ instance that carries more than the least loaded live sibling keeps
 requests to a sibling: loads then differ by at most one (``slack``). With
 two CPU instances and the same bursts of 8 as above: 4/4, three times. The
 least loaded instance never waits, so some instance always takes work, and
-a wait is bounded (``max_hold_s``) in case a sibling hangs. No siblings, no wait: a single
-instance pays one directory listing per ``execute``.
+a wait is bounded (``max_hold_s``) in case a sibling hangs. No siblings, no
+wait: a single instance pays one directory listing per ``execute``.
+
+A full instance (its engine would queue the next request: ``full``) keeps
+``execute`` too, even when it is the least loaded, until a request of its
+own finishes: the next request then waits in Triton's queue, where
+whichever instance frees a place first takes it, rather than in one engine
+behind a whole image while a sibling has room. Why: the choice above is
+made when ``execute`` returns, and an idle instance thread cannot take it
+back. On two H200s at concurrency 32 (16 per GPU, 16 per engine) a GPU now
+and then got a 17th request just before the other finished one, and that
+request waited a whole image (p99 3.4 s against a p50 of 2.3 s).
 
 The load is a request count: requests of one model cost alike to first
 order (same sizes and steps under a bench; a mix evens out over many).
@@ -31,6 +41,7 @@ import shutil
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _RECORD = struct.Struct("<qq")  # (pid, load)
@@ -38,7 +49,7 @@ _RECORD = struct.Struct("<qq")  # (pid, load)
 
 class InstanceLoads:
     def __init__(self, model: str, instance: str, server_pid: int | None = None, root: Path = Path("/dev/shm"),
-                 slack: int = 0, max_hold_s: float = 2.0, poll_s: float = 0.005):
+                 slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = 30.0, poll_s: float = 0.005):
         """``instance``: this instance's name (unique among the model's);
         ``server_pid``: the tritonserver the instances share (the stub's parent)."""
         server_pid = os.getppid() if server_pid is None else server_pid
@@ -47,7 +58,7 @@ class InstanceLoads:
         self.folder.mkdir(parents=True, exist_ok=True)
         # Triton names a group's instances alike on every GPU (diffusion_0_0 on GPU 0 and on GPU 1)
         self.name = f"{instance}.{os.getpid()}"
-        self.slack, self.max_hold_s, self.poll_s = slack, max_hold_s, poll_s
+        self.slack, self.max_hold_s, self.max_full_hold_s, self.poll_s = slack, max_hold_s, max_full_hold_s, poll_s
         self._fd = os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o600)
         self._load = 0
         self._changed = threading.Condition()
@@ -80,19 +91,24 @@ class InstanceLoads:
                 _unlink(entry.path)
         return loads
 
-    def hold(self) -> float:
+    def hold(self, full: Callable[[], bool] = lambda: False) -> float:
         """Waits while this instance carries more than its least loaded sibling
-        (plus ``slack``), at most ``max_hold_s``; returns the seconds waited."""
+        (plus ``slack``), at most ``max_hold_s``; and, if it has siblings, while
+        it is ``full`` (a request taken now would wait in its engine), at most
+        ``max_full_hold_s``. Returns the seconds waited."""
         start = time.monotonic()
         while True:
             others = self.siblings()
-            if not others or self._load <= min(others) + self.slack:
-                return time.monotonic() - start if others else 0.0
+            if not others:
+                return 0.0
             waited = time.monotonic() - start
-            if waited >= self.max_hold_s:
+            if full():
+                if waited >= self.max_full_hold_s:
+                    return waited
+            elif self._load <= min(others) + self.slack or waited >= self.max_hold_s:
                 return waited
             with self._changed:  # woken when this instance finishes a request; siblings are polled
-                self._changed.wait(min(self.poll_s, self.max_hold_s - waited))
+                self._changed.wait(self.poll_s)
 
     def close(self) -> None:
         os.close(self._fd)
