@@ -52,3 +52,16 @@ def test_cancelling_a_request_still_drops_it(runner):
     results = runner.run(requests, is_cancelled=lambda i: i == 1)
     assert isinstance(results[0], torch.Tensor)
     assert type(results[1]).__name__ == "RequestCancelledError"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_runner_on_the_second_gpu_captures_from_a_thread_on_the_first():
+    """The stub's threads start with GPU 0 current; a runner on cuda:1 must still capture and replay there."""
+    torch.cuda.set_device(0)
+    second = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", device="cuda:1", batch_size=4,
+                                                   exact_batching=False))
+    graphed = _images(second, True, 2)
+    assert second.graphs.captured == 1
+    eager = _images(second, False, 2)
+    for g, e in zip(graphed, eager, strict=True):
+        assert torch.equal(g, e), f"max pixel difference {(g.int() - e.int()).abs().max()}"

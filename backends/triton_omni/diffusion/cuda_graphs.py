@@ -84,7 +84,12 @@ class GraphedDenoiser:
             return self._eager(sample, timestep, encoder_hidden_states, *args, return_dict=return_dict, **kwargs)
         if not torch.is_tensor(timestep):
             timestep = torch.tensor(timestep, device=sample.device)
-        inputs = (sample, timestep, encoder_hidden_states)
+        # Streams and captures belong to the thread's current device, GPU 0 unless set: a
+        # runner on cuda:1 without this captured no graph at all (two H200s, graph-captures metric).
+        with torch.cuda.device(sample.device):
+            return self._graphed((sample, timestep, encoder_hidden_states))
+
+    def _graphed(self, inputs: tuple[torch.Tensor, ...]):
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
         if key not in self._graphs:
             if key not in self._warmed:

@@ -158,6 +158,8 @@ class StepEngine:
     # -- the engine thread -----------------------------------------------------
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # this thread's kernels, streams and graphs go to the engine's GPU
+            torch.cuda.set_device(self.device)
         while True:
             with self._wake:
                 while not self._stopped and not self._waiting and not self._running and not self._calls:
