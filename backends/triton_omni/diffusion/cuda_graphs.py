@@ -71,6 +71,7 @@ class GraphedDenoiser:
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()
         self._warmed: OrderedDict[tuple, None] = OrderedDict()  # shapes run once, not yet captured
         self._pool = torch.cuda.graph_pool_handle()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # capture streams, one per GPU
         self.enabled = True  # off: every call eager (the benchmark's raw-diffusers reference)
         module.forward = self.forward
 
@@ -118,7 +119,13 @@ class GraphedDenoiser:
         try:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the stub's other threads may touch CUDA while this one captures
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # its own capture stream: torch.cuda.graph's default one is made once per process, on
+            # whichever GPU captured first, and a capture on another GPU then fails
+            device = static[0].device
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._streams[device],
+                                  capture_error_mode="thread_local"):
                 output = self._eager(*static, return_dict=False)[0]
         except Exception:
             logger.exception("CUDA graph capture failed for %s; this shape runs eagerly", _describe(static))
