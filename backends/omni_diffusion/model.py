@@ -95,8 +95,10 @@ class TritonPythonModel:
         if self.runner.steps is not None:
             for request in requests:
                 self._submit(request)
-            # a less loaded sibling takes the next requests; when this engine is full, Triton's queue keeps them
-            self.loads.hold(full=lambda: not self.runner.steps.has_room())
+            # a less loaded sibling takes the next requests; when this engine is full, Triton's queue keeps
+            # them (unless it should reject when full: then it takes them, and refuses)
+            engine = self.runner.steps
+            self.loads.hold(full=lambda: engine.on_full == "wait" and not engine.has_room())
             return None
         started = time.monotonic()
         self.metrics.batch_size.observe(len(requests))
