@@ -50,6 +50,14 @@ def restarts_file(run: Path, model: str) -> Path:
     return run / "restarts" / model
 
 
+def restart_count(model: str) -> int:
+    """How many times the supervisor has restarted ``model`` on this server (0 without one)."""
+    try:
+        return int(restarts_file(run_dir(), model).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 import tritonclient.grpc as grpcclient
+from triton_omni_client import OmniClient, OmniError
 from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 from triton_omni_tools.supervisor import server_stubs
 
@@ -114,3 +115,41 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
     assert metric_value(supervised, "omni_stage_restarts_total", model=model) == restarts_before + 1
     with urllib.request.urlopen(f"http://{supervised.http_url}/v2/health/ready", timeout=5) as response:
         assert response.status == 200
+
+
+def test_an_omni_image_waiting_on_a_dying_diffusion_fails_fast(supervised):
+    """``omni`` waits on ``diffusion`` through BLS. When diffusion's stub dies,
+    Triton 2.51 never answers that sub-request; ``omni`` watches the
+    supervisor's restart count and fails it with UNAVAILABLE within seconds,
+    where the client used to wait for its own deadline (triton/stages.py)."""
+    url = supervised.grpc_url
+    wait_until_ready(supervised, "diffusion")
+    [stub, *_] = [s for s in server_stubs(supervised.process.pid) if s.model == "diffusion"]
+    diffusing, outcome = threading.Event(), []
+
+    def request() -> None:
+        try:
+            for event in OmniClient(url).generate("a red fox", modalities=["image"], num_inference_steps=100):
+                if event.stage == "diffusion":
+                    diffusing.set()
+            outcome.append("image")
+        except OmniError as exc:
+            outcome.append(exc.status)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    assert diffusing.wait(60), "the request never reached diffusion"
+    os.kill(stub.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(DEADLINE_S)
+    answered = time.monotonic() - killed
+    assert not thread.is_alive(), "the omni request hung"
+    assert outcome == ["UNAVAILABLE"] and answered < 10, (outcome, answered)
+    wait_until_ready(supervised, "diffusion")  # back, for the tests after this one
+
+
+def wait_until_ready(server, model: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not model_ready(server, model):
+        assert time.monotonic() < deadline, f"{model} not ready after {timeout_s} s"
+        time.sleep(0.2)

@@ -127,6 +127,10 @@ class Supervisor:
         self._thread = threading.Thread(target=self._loop, name="omni-supervisor", daemon=True)
 
     def start(self) -> Supervisor:
+        """Call once the server is ready: every loaded model's stubs are seen now, so that a stub
+        that dies before the first round is still known as one (a stub killed a second after
+        startup used to go unnoticed: its model stayed READY and failed every request)."""
+        self.python_models |= {stub.model for stub in server_stubs(self.server_pid)}
         self._thread.start()
         return self
 

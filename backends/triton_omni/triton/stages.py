@@ -8,6 +8,13 @@ requests in flight (asyncio's default executor has only cpu_count + 4
 threads, which would cap concurrent sub-requests far below the batch sizes).
 Embeddings and images stay Triton tensors from one stage to the next (through
 DLPack: no copy, and on the GPU when the stages are).
+
+A stage whose stub dies never answers the sub-requests it held (Triton 2.51
+forgets them with the stub). While a call waits, it watches the stage's
+restart count, which the launcher's supervisor raises as soon as it finds
+the stub dead: the call then fails with UNAVAILABLE within a second or so,
+instead of the client waiting for its own deadline. (The thread blocked in
+that ``exec`` stays blocked: one of the pool's threads per lost request.)
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ import torch
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import STATUS_NAMES, diffusion_inputs, parse_status
 
-from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, Cancellations, ProgressListener, new_id
+from triton_omni.channel import (
+    KEY_PARAMETER,
+    PROGRESS_PARAMETER,
+    Cancellations,
+    ProgressListener,
+    new_id,
+    restart_count,
+)
 from triton_omni.errors import StageError
 from triton_omni.scheduler import TextDelta
 
@@ -44,8 +58,10 @@ class TritonEmbeds:
 
 class TritonStages:
     def __init__(self, ar_model: str, encoder_model: str, diffusion_model: str,
-                 progress: ProgressListener, cancellations: Cancellations, max_threads: int = 256):
+                 progress: ProgressListener, cancellations: Cancellations, max_threads: int = 256,
+                 restart_poll_s: float = 0.5):
         self.models = {"ar": ar_model, "encoder": encoder_model, "diffusion": diffusion_model}
+        self.restart_poll_s = restart_poll_s
         self.progress = progress
         self.cancellations = cancellations
         self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="omni-bls")
@@ -60,8 +76,9 @@ class TritonStages:
             requested_output_names=["text_output", "finish_reason"],
             parameters={KEY_PARAMETER: key},
         )
-        responses = iter(await self._exec(key, lambda: request.exec(decoupled=True)))
-        while (response := await self._exec(key, lambda: next(responses, None))) is not None:
+        model = self.models["ar"]
+        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True)))
+        while (response := await self._exec(key, model, lambda: next(responses, None))) is not None:
             _raise_if_error(self.models["ar"], response)
             text = pb_utils.get_output_tensor_by_name(response, "text_output")
             if text is None:
@@ -77,7 +94,7 @@ class TritonStages:
             model_name=self.models["encoder"], inputs=[_text("text_input", prompt, batched=True)],
             requested_output_names=["prompt_embeds"], parameters={KEY_PARAMETER: key},
         )
-        response = await self._exec(key, request.exec)
+        response = await self._exec(key, self.models["encoder"], request.exec)
         _raise_if_error(self.models["encoder"], response)
         return TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds"))
 
@@ -97,19 +114,25 @@ class TritonStages:
         )
         self.progress.subscribe(key, on_step)
         try:
-            response = await self._exec(key, request.exec)
+            response = await self._exec(key, self.models["diffusion"], request.exec)
         finally:
             self.progress.unsubscribe(key)
         _raise_if_error(self.models["diffusion"], response)
         return pb_utils.get_output_tensor_by_name(response, "image")
 
-    async def _exec(self, key: str, call: Callable[[], Any]) -> Any:
-        """Run a blocking BLS call. If the caller is cancelled meanwhile, the
-        downstream request is flagged cancelled; the flag is removed once
-        the call has returned."""
+    async def _exec(self, key: str, model: str, call: Callable[[], Any]) -> Any:
+        """Run a blocking BLS call to ``model``. If the caller is cancelled
+        meanwhile, the downstream request is flagged cancelled; the flag is
+        removed once the call has returned. If ``model`` is restarted
+        meanwhile, the call fails with UNAVAILABLE (its answer will never come)."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, call)
+        restarts = restart_count(model)
         try:
-            return await asyncio.shield(future)
+            while not (await asyncio.wait({future}, timeout=self.restart_poll_s))[0]:
+                if restart_count(model) != restarts:
+                    raise StageError(model, "UNAVAILABLE", "its stub died while serving this request; the "
+                                     "supervisor is restarting it: retry shortly")
+            return future.result()
         except asyncio.CancelledError:
             self.cancellations.cancel(key)
             future.add_done_callback(lambda f: (f.exception(), self.cancellations.forget(key)))
