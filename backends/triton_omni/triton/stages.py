@@ -77,8 +77,9 @@ class TritonStages:
             parameters={KEY_PARAMETER: key},
         )
         model = self.models["ar"]
-        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True)))
-        while (response := await self._exec(key, model, lambda: next(responses, None))) is not None:
+        restarts = restart_count(model)  # read once per stream, not once per token
+        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
+        while (response := await self._exec(key, model, lambda: next(responses, None), restarts)) is not None:
             _raise_if_error(self.models["ar"], response)
             text = pb_utils.get_output_tensor_by_name(response, "text_output")
             if text is None:
@@ -120,13 +121,14 @@ class TritonStages:
         _raise_if_error(self.models["diffusion"], response)
         return pb_utils.get_output_tensor_by_name(response, "image")
 
-    async def _exec(self, key: str, model: str, call: Callable[[], Any]) -> Any:
+    async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None) -> Any:
         """Run a blocking BLS call to ``model``. If the caller is cancelled
         meanwhile, the downstream request is flagged cancelled; the flag is
-        removed once the call has returned. If ``model`` is restarted
-        meanwhile, the call fails with UNAVAILABLE (its answer will never come)."""
+        removed once the call has returned. If ``model`` restarts meanwhile
+        (its count moves from ``restarts``, read now if not given), the call
+        fails with UNAVAILABLE: its answer will never come."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, call)
-        restarts = restart_count(model)
+        restarts = restart_count(model) if restarts is None else restarts
         try:
             while not (await asyncio.wait({future}, timeout=self.restart_poll_s))[0]:
                 if restart_count(model) != restarts:
