@@ -5,6 +5,7 @@ nothing else of the interpreter's LIBDIR (a system cuDNN there slowed SD
 from __future__ import annotations
 
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -71,3 +72,5 @@ def test_each_server_names_its_own_shared_memory():
         [flag] = [arg for arg in command if arg.startswith("--backend-config=python,shm-region-prefix-name=")]
         prefixes.append(flag.rsplit("=", 1)[1])
     assert prefixes[0] != prefixes[1] and all(p.startswith("triton_omni_") for p in prefixes)
+    for server in (first, second):
+        shutil.rmtree(server.run_dir)
