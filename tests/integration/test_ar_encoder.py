@@ -63,7 +63,18 @@ def test_dynamic_batching_merges_concurrent_requests(http_url):
             stats = client.get_inference_statistics(model)["model_stats"][0]
         return stats["inference_count"], stats["execution_count"]
 
-    inferences_before, executions_before = counts()
+    def settled():
+        """The previous test's last requests may not be counted yet (Triton counts a request after
+        its response): statistics that have stopped moving (once, CI read 33 for 32)."""
+        last = counts()
+        while True:
+            time.sleep(0.3)
+            now = counts()
+            if now == last:
+                return now
+            last = now
+
+    inferences_before, executions_before = settled()
     # 32 clients, connected and with their request built, released at once: with no
     # batching window (the default), requests merge when they queue behind a running batch.
     release = threading.Barrier(32)
