@@ -102,13 +102,16 @@ class InstanceLoads:
             if not others:
                 return 0.0
             waited = time.monotonic() - start
-            if full():
+            is_full = full()
+            if is_full:
                 if waited >= self.max_full_hold_s:
                     return waited
             elif self._load <= min(others) + self.slack or waited >= self.max_hold_s:
                 return waited
-            with self._changed:  # woken when this instance finishes a request; siblings are polled
-                self._changed.wait(self.poll_s)
+            # woken when this instance finishes a request; siblings are polled, and need not be while
+            # full: only a request of its own ends that
+            with self._changed:
+                self._changed.wait(self.poll_s * 10 if is_full else self.poll_s)
 
     def close(self) -> None:
         os.close(self._fd)
