@@ -113,10 +113,9 @@ def report_restarts(model: str):
     supervisor brought this model back after its stub died, reported as the
     model loads (the count lives in a file of the server's run dir). Keep
     the returned metric referenced: the series lives as long as it does."""
-    from triton_omni.channel import restarts_file, run_dir
+    from triton_omni.channel import restart_count
 
-    path = restarts_file(run_dir(), model)
-    count = int(path.read_text()) if path.exists() else 0
+    count = restart_count(model)
     metric = family("omni_stage_restarts_total", "Times the supervisor restarted a model whose stub died",
                     COUNTER).Metric(labels={"model": model})
     # A killed stub never released its series, and the server hands the same one to the new stub
