@@ -19,7 +19,6 @@ denoising step; ``submit`` hands it one request at a time.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import time
@@ -233,7 +232,7 @@ class DiffusionRunner:
         if first.uses_guidance:
             kwargs["negative_prompt_embeds"] = torch.stack([job.uncond for job in rows])
         started = time.perf_counter()
-        with torch.inference_mode(), _on(self.device):
+        with torch.inference_mode():
             images = self.pipeline(**kwargs).images[: len(jobs)]
         queued = time.perf_counter()
         # Images are final outputs that leave the server over the network: one
@@ -275,8 +274,3 @@ def _same_length(cond: torch.Tensor, uncond: torch.Tensor) -> tuple[torch.Tensor
 def _pad_tokens(embeds: torch.Tensor, tokens: int) -> torch.Tensor:
     missing = tokens - embeds.shape[0]
     return embeds if missing == 0 else torch.cat([embeds, embeds.new_zeros(missing, embeds.shape[1])])
-
-
-def _on(device: torch.device):
-    """``device`` made the calling thread's current one (the stub's threads start on GPU 0)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
