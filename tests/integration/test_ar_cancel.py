@@ -37,8 +37,8 @@ def wait_for(predicate, timeout_s: float) -> bool:
 def test_cancelled_stream_stops_the_engine(server, model):
     in_flight = lambda: metric_value(server, "omni_ar_requests_in_flight", model=model)  # noqa: E731
     tokens = lambda: metric_value(server, "omni_ar_generated_tokens_total", model=model)  # noqa: E731
-    cancelled_before = metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")
-    tokens_before = tokens()
+    cancelled = lambda: metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")  # noqa: E731
+    in_flight_before, cancelled_before, tokens_before = in_flight(), cancelled(), tokens()
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -47,15 +47,15 @@ def test_cancelled_stream_stops_the_engine(server, model):
     for _ in range(3):  # generation is under way
         _, error = responses.get(timeout=60)
         assert error is None
-    # The stub's metric updates reach the server on its own threads, not in order with the responses.
-    assert wait_for(lambda: in_flight() == 1, timeout_s=5), f"in flight: {in_flight()}"
+    # Cancel at once: the tiny model writes its 1000 tokens in 3 to 6 s on a CPU, so waiting here (for a metric,
+    # say) can let the request finish first.
     client.stop_stream(cancel_requests=True)
     client.close()
 
-    assert wait_for(lambda: in_flight() == 0, timeout_s=10), "the engine kept working on a cancelled request"
-    assert wait_for(lambda: metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")
-                    == cancelled_before + 1, timeout_s=5)
+    # Counted as cancelled, not as a success: the cancellation reached the request while it ran.
+    assert wait_for(lambda: cancelled() == cancelled_before + 1, timeout_s=10), "the request was not cancelled"
+    assert wait_for(lambda: in_flight() == in_flight_before, timeout_s=10), "the cancelled request is still in flight"
     settled = tokens()
     time.sleep(1.0)
     assert tokens() == settled, "tokens are still being generated"
-    assert settled - tokens_before < 1000
+    assert settled - tokens_before < 1000, "the engine generated the whole request"
