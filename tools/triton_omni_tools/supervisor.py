@@ -9,7 +9,9 @@ watches the stubs from outside:
 - every ``interval_s`` it lists the server's stub processes (``/proc``: the
   stub's command line names its model and instance);
 - a model Triton reports READY whose stub is gone, a zombie, or stopped
-  (SIGSTOP, a debugger) is dead. The supervisor logs it and unloads it
+  by SIGSTOP is dead. A stub a debugger or a profiler holds (``py-spy``
+  stops it for every sample) is not: an operator looking at a stub must
+  not get it killed. The supervisor logs it and unloads it
   through the model-repository API (the launcher's admin key): readiness
   then says so at once (`/v2/health/ready` and the model's ready endpoint
   answer 400, which Kubernetes probes read as not ready), and new requests
@@ -53,12 +55,20 @@ class Stub:
     pid: int
     model: str
     instance: str
-    state: str  # /proc/<pid>/stat: R, S, D (alive), Z (zombie), T/t (stopped)
+    state: str  # /proc/<pid>/stat: R, S, D (alive), Z (zombie), T (stopped), t (held by a tracer)
     region: str  # its shared-memory region in /dev/shm, which nobody removes when the stub is killed
 
     @property
     def alive(self) -> bool:
-        return self.state not in ("Z", "T", "t", "X")
+        # "t" is a tracing stop: py-spy or gdb looking at the stub, which goes on when they let go.
+        return self.state not in ("Z", "T", "X")
+
+
+def stat_fields(stat: str) -> tuple[str, int]:
+    """(state, parent pid) from a ``/proc/<pid>/stat`` line, "pid (comm) state ppid ...";
+    comm may hold spaces and parentheses, so the fields are read after its last ')'."""
+    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+    return state, int(ppid)
 
 
 def server_stubs(server_pid: int) -> list[Stub]:
@@ -75,9 +85,8 @@ def server_stubs(server_pid: int) -> list[Stub]:
             continue  # exited meanwhile
         if not args[0].endswith(STUB_BINARY.encode()) or len(args) < 9:
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) != server_pid:
+        state, ppid = stat_fields(stat)
+        if ppid != server_pid:
             continue
         model = Path(args[1].decode()).parent.parent.name
         stubs.append(Stub(int(entry.name), model, args[8].decode(), state, args[2].decode()))
