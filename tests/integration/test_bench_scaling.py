@@ -20,3 +20,7 @@ def test_scaling_bench_measures_diffusion_with_its_counters(tmp_path):
     assert point["requests"] == 2 * scaling.IMAGE_ROUNDS
     # every step of every timed request, on the CPU; no CUDA graphs there
     assert point["counters"] == {"steps_cpu": 2 * scaling.IMAGE_ROUNDS * preset.steps, "graph_captures": 0}
+    # the stubs' CPU in the window: diffusion's did the denoising; ar_encoder's (loaded for the embeddings) idled
+    cores = point["stub_cores"]
+    assert set(cores) == {"ar_encoder", "diffusion"}
+    assert cores["diffusion"] > 0.1 and cores["diffusion"] > cores["ar_encoder"]

@@ -93,6 +93,21 @@ def server_stubs(server_pid: int) -> list[Stub]:
     return stubs
 
 
+def stub_cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds each model's stubs have used so far, all their threads
+    (``utime`` + ``stime`` of ``/proc/<pid>/stat``), by model."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for stub in server_stubs(server_pid):
+        try:
+            stat = Path(f"/proc/{stub.pid}/stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+        totals[stub.model] = totals.get(stub.model, 0.0) + (int(utime) + int(stime)) / ticks
+    return totals
+
+
 def remove_regions(stubs: list[Stub]) -> None:
     """The shared memory of stubs that are gone (Triton removes a region only when its stub exits cleanly)."""
     for stub in stubs:

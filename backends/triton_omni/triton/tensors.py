@@ -101,6 +101,7 @@ class Outputs:
         spec = self.specs[name]
         if spec.data_type == "TYPE_STRING":
             return string_tensor(name, value, batched)
-        if not isinstance(value, torch.Tensor):
-            value = torch.tensor(value if isinstance(value, list) else [value])
-        return numeric_tensor(name, value, TORCH_TYPES[spec.data_type], batched)
+        dtype = TORCH_TYPES[spec.data_type]
+        if not isinstance(value, torch.Tensor):  # made in its type at once: this runs for every streamed response
+            value = torch.tensor(value if isinstance(value, list) else [value], dtype=dtype)
+        return numeric_tensor(name, value, dtype, batched)

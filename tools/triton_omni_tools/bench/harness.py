@@ -43,6 +43,9 @@ class Point:
     server: dict[str, float] | None = None  # Triton side: its own statistics of that stage
     streams: list[Stream] | None = None  # text generation: each request's token timeline
     counters: dict[str, float] | None = None  # Triton side, image workloads: diffusion's counters in the window
+    # Triton side: the cores each model's stub process kept busy in the window (its CPU seconds over the
+    # window's): near 1.0, a stub's Python thread (the GIL) is what limits it.
+    stub_cores: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float:
@@ -56,7 +59,8 @@ class Point:
         summary = {"workload": self.workload, "concurrency": self.concurrency, "side": self.side,
                    "requests": self.requests, "throughput_per_s": self.throughput,
                    "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                   "mean_batch": self.mean_batch, "server": self.server, "counters": self.counters}
+                   "mean_batch": self.mean_batch, "server": self.server, "counters": self.counters,
+                   "stub_cores": self.stub_cores}
         if self.streams is not None:
             ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
             itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
@@ -337,14 +341,17 @@ def _generation_call(client, model: str, preset: Preset) -> Callable[[], Stream]
 
 
 def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int,
-                   metrics_url: str) -> Point:
+                   metrics_url: str, server_pid: int | None = None) -> Point:
     """``concurrency`` closed-loop clients, each with its own connection, in
     client *processes*: one per client for the image workloads (threads in one
     process would serialise on the GIL decoding images and make the load
     generator the bottleneck), at most ``preset.client_processes`` for the AR
     stages, whose responses are small but many (64 processes of gRPC threads
-    took CPU time from vLLM's engine loop on a 16-core host)."""
+    took CPU time from vLLM's engine loop on a 16-core host). ``server_pid``:
+    the stubs' CPU use in the window is measured too (``Point.stub_cores``)."""
     import multiprocessing
+
+    from triton_omni_tools.supervisor import stub_cpu_seconds
 
     if workload not in AR_WORKLOADS and preset.diffusion_batching == "step":
         warm_step_counts(url, preset, embeds, workload, concurrency)
@@ -363,9 +370,11 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     for _ in workers:  # warmed up
         ready.get()
     metrics_before, stats_before = _metrics_text(metrics_url), _server_stats(url, workload)
+    cpu_before = stub_cpu_seconds(server_pid) if server_pid else {}
     start = time.time()
     go.set()
     outcomes = [results.get() for _ in workers]
+    cpu_after, window = stub_cpu_seconds(server_pid) if server_pid else {}, time.time() - start
     for worker in workers:
         worker.join()
     errors = [error for *_, error in outcomes if error]
@@ -378,6 +387,9 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     metrics_after = _metrics_text(metrics_url)
     point.mean_batch = _mean_batch(_batch_counts(metrics_before, workload), _batch_counts(metrics_after, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
+    if server_pid:
+        point.stub_cores = {model: (cpu_after[model] - cpu_before.get(model, 0.0)) / window
+                            for model in sorted(cpu_after)}
     if workload not in AR_WORKLOADS:
         before, after = _diffusion_counters(metrics_before), _diffusion_counters(metrics_after)
         point.counters = {key: after[key] - before.get(key, 0.0) for key in after}
@@ -600,7 +612,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         with TritonServer(options) as server:
             for workload in preset.workloads:
                 for c in preset.concurrency_for(workload):
-                    record(measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url))
+                    record(measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url,
+                                          server.process.pid))
 
     rows = table(points)
     (out_dir / "bench.json").write_text(json.dumps(

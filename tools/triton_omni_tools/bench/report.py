@@ -16,6 +16,8 @@ def progress(point) -> None:
         batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
     if s.get("counters"):
         batch += _counters(s["counters"])
+    if s.get("stub_cores"):
+        batch += "  [stub cores: " + ", ".join(f"{model} {cores:.2f}" for model, cores in s["stub_cores"].items()) + "]"
     if s.get("unit") == "tokens":
         batch = f"  TTFT p50 {s['ttft_p50_ms']:.1f} ms  ITL p50 {s['itl_p50_ms']:.2f} ms" + batch
     unit = "tok/s" if s.get("unit") == "tokens" else "/s"

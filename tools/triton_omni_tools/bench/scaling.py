@@ -79,7 +79,8 @@ def run(preset: Preset, preset_name: str, gpu_counts: tuple[int, ...], out_dir: 
                     embeds = _embeds(server.grpc_url) if "diffusion" in served else None
                     for workload in served:
                         for c in concurrency or (AR_CONCURRENCY if workload == "ar" else IMAGE_CONCURRENCY):
-                            point = measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url)
+                            point = measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url,
+                                                   server.process.pid)
                             progress(point)
                             points.append(point.summary() | {"gpus": n, "placement": placement})
                             (out_dir / "points.json").write_text(json.dumps(points, indent=2))
