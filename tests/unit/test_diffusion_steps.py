@@ -8,6 +8,7 @@ identical.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -164,3 +165,65 @@ def test_scheduler_state_stays_per_request(reference):
         assert len({np.asarray(t).tobytes() for t in together}) == 3
     finally:
         multistep.close()
+
+
+def _steps_in_order(order: str, long: dict, short: dict) -> list[str]:
+    """Which request each step ran ("long"/"short"), the short one submitted once the long one
+    (another size: another group) has done 2 steps; both images checked against them alone."""
+    r = runner(group_order=order)
+    ran: list[str] = []
+    started = threading.Event()
+
+    def on_long(done: int, total: int) -> None:
+        ran.append("long")
+        if done == 2:
+            started.set()
+
+    try:
+        first = r.submit(request(r, 70, **long), on_step=on_long)
+        assert started.wait(60)
+        second = r.submit(request(r, 71, **short), on_step=lambda done, total: ran.append("short"))
+        images = first.result(120), second.result(120)
+    finally:
+        r.close()
+    reference = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", exact_batching=False))
+    for image, (seed, m) in zip(images, ((70, long), (71, short)), strict=True):
+        assert_close(image, reference.run([request(reference, seed, **m)])[0], f"seed {seed}")
+    return ran
+
+
+def test_shortest_first_lets_a_short_request_of_another_size_pass_a_long_one():
+    ran = _steps_in_order("shortest_first", dict(size=64, steps=16), dict(size=32, steps=4))
+    short_steps = [i for i, who in enumerate(ran) if who == "short"]
+    # once it is in, the short request runs its 4 steps back to back (one long step may be in flight)
+    assert short_steps[-1] - short_steps[0] == 3, ran
+    assert ran.count("long") == 16 and ran[-1] == "long"
+
+
+def test_round_robin_gives_the_two_sizes_a_step_each_in_turn():
+    ran = _steps_in_order("round_robin", dict(size=64, steps=16), dict(size=32, steps=4))
+    short_steps = [i for i, who in enumerate(ran) if who == "short"]
+    assert [b - a for a, b in itertools.pairwise(short_steps)] == [2, 2, 2], ran
+
+
+def test_shortest_first_still_steps_a_group_passed_over():
+    """The long group has more work left than the other all along, and still gets a step
+    after ``STARVE_AFTER`` of the other's."""
+    from triton_omni.diffusion.steps import STARVE_AFTER
+
+    ran = _steps_in_order("shortest_first", dict(size=64, steps=12, guidance=1.0), dict(size=32, steps=30))
+    first_short = ran.index("short")
+    last_short = len(ran) - 1 - ran[::-1].index("short")
+    runs, current = [], 0
+    for who in ran[first_short:last_short + 1]:
+        if who == "short":
+            current += 1
+        else:
+            runs.append(current)
+            current = 0
+    assert runs and max([*runs, current]) <= STARVE_AFTER, ran
+
+
+def test_an_unknown_group_order_is_refused():
+    with pytest.raises(ValueError, match="group_order"):
+        runner(group_order="fastest")

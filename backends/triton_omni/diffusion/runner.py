@@ -63,6 +63,8 @@ class DiffusionRunnerConfig:
     # step batching: UNet rows in flight at most (a request with guidance takes two); 0: 2 x batch_size
     max_rows: int = 0
     on_full: str = "wait"  # step batching beyond max_rows: "wait" (FIFO) or "reject"
+    # step batching: which group of requests (size, token count) steps next (steps.py)
+    group_order: str = "round_robin"
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -124,7 +126,8 @@ class DiffusionRunner:
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config
         return StepEngine(self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
-                          exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch)
+                          exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch,
+                          group_order=c.group_order)
 
     def _on_torch_thread(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the thread that runs this runner's torch work: the step engine's, else the caller's."""

@@ -10,13 +10,14 @@ whatever is still in flight:
    concurrency ``max_batch_size`` (its best batch);
 2. for each load (50 % and 80 % of that peak): ``requests`` arrivals at that
    rate to each mode; p50/p99 latency and the throughput reached;
-3. mixed traffic (step mode): steps 10/20/50 at two sizes, interleaved; each
-   class's latency at 50 % of the mix's own peak against the same class
-   alone.
+3. mixed traffic: steps 10/20/50 at two sizes, interleaved; each class's
+   latency at 50 % of the mix's own peak against the same class alone, in
+   each mode, and in step mode with the two sizes' groups ordered shortest
+   first (``group_order: shortest_first``) beside the default (in turn).
 
-The server loads two copies of the preset's diffusion model: ``diffusion``
-(step batching) and ``diffusion_request`` (request batching, with the
-preset's batching window), measured one at a time.
+The server loads three copies of the preset's diffusion model: ``diffusion``
+(step batching), ``diffusion_request`` (request batching, with the preset's
+batching window) and ``diffusion_shortest_first``, measured one at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import numpy as np
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
+# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first.
+MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first"}
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
     rng = np.random.default_rng(7)
     order = [classes[i] for i in rng.integers(0, len(classes), requests)]
     out = {}
-    for mode, model in MODES.items():
+    for mode, model in MIXED_MODES.items():
         warm_up(url, preset, model, classes, preset.max_batch_size // 2)
         solo = {image.name: solo_latency(sender, model, image) for image in classes}
         peak = closed_loop_peak(url, preset, model, classes, preset.max_batch_size, rounds=3)
@@ -231,7 +234,8 @@ def table(report: dict) -> None:
 
 
 def repository(preset: Preset, dest: Path) -> list[Path]:
-    """The bench repository (step batching) plus ``diffusion_request``, a request-batching copy."""
+    """The bench repository (step batching) plus ``diffusion_request``, a request-batching copy, and
+    ``diffusion_shortest_first``, a step-batching copy whose groups go shortest first."""
     from dataclasses import replace
 
     from triton_omni_tools.bench.harness import bench_repository
@@ -241,6 +245,8 @@ def repository(preset: Preset, dest: Path) -> list[Path]:
     variants, models = repositories[0], repositories[1]
     copy_model(models, "diffusion", variants, MODES["request"], parameters={"batching": "request"},
                max_queue_delay_us=preset.diffusion_queue_delay_us)
+    copy_model(models, "diffusion", variants, MIXED_MODES["step_shortest_first"],
+               parameters={"group_order": "shortest_first"})
     return repositories
 
 
@@ -257,7 +263,7 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
         options = ServerOptions(model_repositories=repository(preset, Path(tmp)), http_port=free_port(),
                                 grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
-                                model_control_mode="explicit", load_models=list(MODES.values()))
+                                model_control_mode="explicit", load_models=list(MIXED_MODES.values()))
         with TritonServer(options) as server:
             report = measure(server.grpc_url, preset, loads, requests, mixed)
     table(report)
