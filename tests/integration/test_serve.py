@@ -1,5 +1,6 @@
 """`omni-triton serve` (what `make serve` runs): ready with the default models,
-stops on Ctrl-C and leaves no server, stub or engine process behind."""
+stops on Ctrl-C, cleanly (no traceback), and leaves no server, stub or engine
+process behind."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def test_serve_ready_then_ctrl_c_leaves_nothing_behind(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
     assert_group_gone(process.pid)
+    # a clean stop: vLLM's AsyncLLM used to print a TypeError traceback from __del__ at every stop
+    output = (tmp_path / "serve.log").read_text(errors="replace")
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
 
 
 def _descendants(pid: int) -> list[int]:

@@ -13,6 +13,7 @@ parameter, so the client gets INVALID_ARG with vLLM's message.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import uuid
@@ -107,7 +108,13 @@ class VllmEngine(ArEngine):
         return result
 
     async def shutdown(self) -> None:
-        self.engine.shutdown()
+        engine, self.engine = self.engine, None
+        engine.shutdown()
+        # AsyncLLM.__del__ shuts down once more. Left to interpreter exit, it finds vLLM's module
+        # globals already gone and prints a TypeError traceback at every server stop; collected
+        # now, while everything is still there, it is a no-op.
+        del engine
+        gc.collect()
 
 
 _SUFFIX = re.compile(r"\s*\(parameter=.*\)\s*$")
