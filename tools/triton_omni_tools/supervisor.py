@@ -57,6 +57,7 @@ class Stub:
     instance: str
     state: str  # /proc/<pid>/stat: R, S, D (alive), Z (zombie), T (stopped), t (held by a tracer)
     region: str  # its shared-memory region in /dev/shm, which nobody removes when the stub is killed
+    cpu_s: float = 0.0  # CPU seconds it has used, all threads (utime + stime)
 
     @property
     def alive(self) -> bool:
@@ -64,10 +65,15 @@ class Stub:
         return self.state not in ("Z", "T", "X")
 
 
+def _after_comm(stat: str) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` line, "pid (comm) state ppid ...", from the state on;
+    comm may hold spaces and parentheses, so they are read after its last ')'."""
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def stat_fields(stat: str) -> tuple[str, int]:
-    """(state, parent pid) from a ``/proc/<pid>/stat`` line, "pid (comm) state ppid ...";
-    comm may hold spaces and parentheses, so the fields are read after its last ')'."""
-    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+    """(state, parent pid) from a ``/proc/<pid>/stat`` line."""
+    state, ppid = _after_comm(stat)[:2]
     return state, int(ppid)
 
 
@@ -89,22 +95,17 @@ def server_stubs(server_pid: int) -> list[Stub]:
         if ppid != server_pid:
             continue
         model = Path(args[1].decode()).parent.parent.name
-        stubs.append(Stub(int(entry.name), model, args[8].decode(), state, args[2].decode()))
+        utime, stime = _after_comm(stat)[11:13]
+        cpu_s = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        stubs.append(Stub(int(entry.name), model, args[8].decode(), state, args[2].decode(), cpu_s))
     return stubs
 
 
 def stub_cpu_seconds(server_pid: int) -> dict[str, float]:
-    """CPU seconds each model's stubs have used so far, all their threads
-    (``utime`` + ``stime`` of ``/proc/<pid>/stat``), by model."""
-    ticks = os.sysconf("SC_CLK_TCK")
+    """CPU seconds each model's stubs have used so far, by model."""
     totals: dict[str, float] = {}
     for stub in server_stubs(server_pid):
-        try:
-            stat = Path(f"/proc/{stub.pid}/stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
-        totals[stub.model] = totals.get(stub.model, 0.0) + (int(utime) + int(stime)) / ticks
+        totals[stub.model] = totals.get(stub.model, 0.0) + stub.cpu_s
     return totals
 
 
