@@ -91,7 +91,8 @@ class StepJob:
     cond: torch.Tensor | None = None  # [T, H]
     uncond: torch.Tensor | None = None  # [T, H] with guidance
     scheduler: Any = None
-    timesteps: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None  # on the device: the denoiser's input
+    schedule: list[int] = field(default_factory=list)  # the same timesteps as ints: the scheduler's input
     latents: torch.Tensor | None = None
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
@@ -116,6 +117,8 @@ class StepEngine:
             raise ValueError(f"group_order must be one of {', '.join(GROUP_ORDERS)}, got {group_order!r}")
         self.group_order = group_order
         self._passed: dict[tuple, int] = {}  # group -> steps it was passed over in a row (shortest_first)
+        if device.type == "cuda" and device.index is None:  # "cuda": the caller's current GPU, named
+            device = torch.device("cuda", torch.cuda.current_device())  # (the engine's thread makes it current)
         self.device, self.dtype = device, dtype
         self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
         self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
@@ -215,6 +218,10 @@ class StepEngine:
             scheduler = copy.deepcopy(self.pipeline.scheduler)
             scheduler.set_timesteps(job.steps, device=self.device)
             job.scheduler, job.timesteps = scheduler, scheduler.timesteps
+            # The scheduler gets ints: its tables live on the CPU, and indexing them with a device
+            # tensor (DDIM does it three times a step) waits for the GPU to drain, once per request
+            # per step. This read waits once, at admission.
+            job.schedule = scheduler.timesteps.tolist()
             factor = self.pipeline.vae_scale_factor
             shape = (1, self.pipeline.unet.config.in_channels, job.height // factor, job.width // factor)
             noise = torch.randn(shape, generator=job.generator, device=self.device, dtype=self.dtype)
@@ -243,13 +250,7 @@ class StepEngine:
         if not live:
             return
         try:
-            with torch.inference_mode():
-                noise = self._denoise(live)
-                for job, pred in zip(live, noise, strict=True):
-                    t = job.timesteps[job.done]
-                    job.latents = job.scheduler.step(pred, t, job.latents, **job.step_kwargs,
-                                                     return_dict=False)[0]
-                    job.done += 1
+            self._advance(live)
         except Exception as exc:
             logger.exception("A denoising step of %d requests failed", len(live))
             for job in live:
@@ -267,15 +268,24 @@ class StepEngine:
         self._finish(finished)
         self._running = {key: group for key, group in self._running.items() if group}
 
+    def _advance(self, jobs: list[StepJob]) -> None:
+        """One denoising step of every job: queued on the GPU, never waiting for it, so that
+        the next step's kernels are issued while this one runs (tests/gpu checks it)."""
+        with torch.inference_mode():
+            noise = self._denoise(jobs)
+            for job, pred in zip(jobs, noise, strict=True):
+                job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, **job.step_kwargs,
+                                                 return_dict=False)[0]
+                job.done += 1
+
     def _denoise(self, jobs: list[StepJob]) -> list[torch.Tensor]:
         """One UNet forward for every row of ``jobs``: each job's guided noise prediction."""
         samples, timesteps, embeds = [], [], []
         for job in jobs:
-            t = job.timesteps[job.done]
-            x = job.scheduler.scale_model_input(job.latents, t)
+            x = job.scheduler.scale_model_input(job.latents, job.schedule[job.done])
             rows = [job.uncond, job.cond] if job.uncond is not None else [job.cond]
             samples += [x] * len(rows)
-            timesteps += [t] * len(rows)
+            timesteps += [job.timesteps[job.done]] * len(rows)
             embeds += rows
         n = len(samples)
         size = self.max_rows if self.exact else next(b for b in self.buckets if b >= n)
