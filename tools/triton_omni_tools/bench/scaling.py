@@ -105,8 +105,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     panel_w, panel_h, margin = 300, 260, 40
     image = Image.new("RGB", (panel_w * len(workloads), panel_h + 60), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((10, 8), title + "   " + ", ".join(f"{names[i % 4]}: {n} GPU(s)" for i, n in enumerate(counts)),
-              fill="black")
+    draw.text((10, 6), title, fill="black")  # the legend on its own line: one panel is too narrow for both
+    draw.text((10, 20), ", ".join(f"{names[i % 4]}: {n} GPU(s)" for i, n in enumerate(counts)), fill="black")
     for k, workload in enumerate(workloads):
         data = [r for r in rows if r["workload"] == workload]
         x0, y0, w, h = k * panel_w + margin, 50, panel_w - margin - 20, panel_h - 60
