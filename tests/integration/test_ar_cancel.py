@@ -37,8 +37,12 @@ def wait_for(predicate, timeout_s: float) -> bool:
 def test_cancelled_stream_stops_the_engine(server, model):
     in_flight = lambda: metric_value(server, "omni_ar_requests_in_flight", model=model)  # noqa: E731
     tokens = lambda: metric_value(server, "omni_ar_generated_tokens_total", model=model)  # noqa: E731
-    cancelled = lambda: metric_value(server, "omni_ar_requests_total", model=model, outcome="cancelled")  # noqa: E731
-    in_flight_before, cancelled_before, tokens_before = in_flight(), cancelled(), tokens()
+    outcomes = lambda: {outcome: metric_value(server, "omni_ar_requests_total", model=model, outcome=outcome)  # noqa: E731
+                        for outcome in ("success", "cancelled", "error")}
+    # An earlier test's cancelled stream (test_ar_batching) may still be on its way out; counted meanwhile,
+    # it would be taken for this one.
+    assert wait_for(lambda: in_flight() == 0, timeout_s=60), f"{model} still busy with an earlier request"
+    outcomes_before, tokens_before = outcomes(), tokens()
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -53,8 +57,13 @@ def test_cancelled_stream_stops_the_engine(server, model):
     client.close()
 
     # Counted as cancelled, not as a success: the cancellation reached the request while it ran.
-    assert wait_for(lambda: cancelled() == cancelled_before + 1, timeout_s=10), "the request was not cancelled"
-    assert wait_for(lambda: in_flight() == in_flight_before, timeout_s=10), "the cancelled request is still in flight"
+    def counted() -> dict:
+        after = outcomes()
+        return {outcome: after[outcome] - outcomes_before[outcome] for outcome in after}
+
+    wait_for(lambda: sum(counted().values()) >= 1, timeout_s=10)
+    assert counted() == {"success": 0, "cancelled": 1, "error": 0}, f"outcomes counted since: {counted()}"
+    assert wait_for(lambda: in_flight() == 0, timeout_s=10), "the cancelled request is still in flight"
     settled = tokens()
     time.sleep(1.0)
     assert tokens() == settled, "tokens are still being generated"
