@@ -1,13 +1,14 @@
 """A stand-in for ``triton_python_backend_utils``, for unit tests of the adapters.
 
 Only what the adapters touch: tensors (from NumPy or DLPack), responses,
-errors with their codes, the FINAL flag. ``install()`` puts it in
+errors with their codes, the FINAL flag, metrics (recording each update). ``install()`` puts it in
 ``sys.modules`` so ``import triton_python_backend_utils`` finds it.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import numpy as np
@@ -58,6 +59,44 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+
+# Every metric update, each of which is one IPC round trip in a real stub:
+# (family name, labels, method, value, the updating thread's name).
+metric_updates: list[tuple] = []
+
+
+class MetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
+
+    def __init__(self, name: str, description: str, kind: str):
+        self.name, self.description, self.kind = name, description, kind
+
+    def Metric(self, labels: dict, buckets=None) -> Metric:
+        return Metric(self, labels)
+
+
+class Metric:
+    def __init__(self, family: MetricFamily, labels: dict):
+        self.family, self.labels, self._value = family, dict(labels), 0.0
+        self._record("made", None)
+
+    def increment(self, value: float) -> None:
+        self._value += value
+        self._record("increment", value)
+
+    def set(self, value: float) -> None:
+        self._value = value
+        self._record("set", value)
+
+    def observe(self, value: float) -> None:
+        self._record("observe", value)
+
+    def value(self) -> float:
+        return self._value
+
+    def _record(self, method: str, value) -> None:
+        metric_updates.append((self.family.name, self.labels, method, value, threading.current_thread().name))
 
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:

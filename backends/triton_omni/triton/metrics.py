@@ -92,9 +92,29 @@ class Routed:
 
     def __init__(self, metric, submit: Submit):
         self.metric, self._submit = metric, submit
+        self._pending = 0.0  # increments not yet sent (under _lock)
+        self._flush_queued = False
+        self._lock = threading.Lock()
 
     def increment(self, value: float) -> None:
-        self._submit(lambda: self.metric.increment(value))
+        """Increments add up until the one queued update runs and sends their sum.
+        Why: under load the response thread is the stub's bottleneck (each
+        update is an IPC round trip, like each send), and the increments of the
+        requests that finished while it was busy then leave as one update.
+        Still in order: an increment is in the sum of an update queued before
+        anything its caller queues next (a request counted before its response)."""
+        with self._lock:
+            self._pending += value
+            if self._flush_queued:
+                return
+            self._flush_queued = True
+        self._submit(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            value, self._pending, self._flush_queued = self._pending, 0.0, False
+        if value:
+            self.metric.increment(value)
 
     def observe(self, value: float) -> None:
         self._submit(lambda: self.metric.observe(value))
@@ -144,7 +164,8 @@ class StageMetrics:
                                 f"Requests finished by the {stage} stage, by outcome", COUNTER)
         self._rejected = family("omni_rejected_requests_total", "Requests refused by admission control, by reason",
                                 COUNTER)
-        self._by_label: dict[tuple, object] = {}
+        self._by_label: dict[tuple, object] = {}  # (family, extra labels) -> counter (Routed with submit)
+        self._by_label_lock = threading.Lock()
         self.duration = routed(family(f"omni_{stage}_request_duration_seconds",
                                       f"Time from the {stage} stage receiving a request to its final response",
                                       HISTOGRAM).Metric(labels=self.labels, buckets=DURATION_BUCKETS), submit)
@@ -170,13 +191,22 @@ class StageMetrics:
 
     def _count(self, metric_family, **extra: str) -> None:
         """+1 on the family's metric with these extra labels (made on first use, on the submitting thread)."""
-        if self._submit is None:
-            self._labelled(metric_family, **extra).increment(1)
-        else:
-            self._submit(lambda: self._labelled(metric_family, **extra).increment(1))
-
-    def _labelled(self, metric_family, **extra: str):
         key = (id(metric_family), *sorted(extra.items()))
-        if key not in self._by_label:
-            self._by_label[key] = metric_family.Metric(labels=self.labels | extra)
-        return self._by_label[key]
+        with self._by_label_lock:
+            counter = self._by_label.get(key)
+            if counter is None:
+                make = lambda: metric_family.Metric(labels=self.labels | extra)  # noqa: E731
+                counter = self._by_label[key] = make() if self._submit is None else Routed(_Made(make), self._submit)
+        counter.increment(1)
+
+
+class _Made:
+    """A metric made at its first update, on the thread that updates it (making one is an IPC too)."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make, self._metric = make, None
+
+    def increment(self, value: float) -> None:
+        if self._metric is None:
+            self._metric = self._make()
+        self._metric.increment(value)
