@@ -14,8 +14,10 @@ from triton_omni_tools.launcher import (
     RESTRICTED_APIS,
     ServerOptions,
     TritonServer,
+    _ephemeral_ports,
     access_summary,
     find_server,
+    free_port,
     libpython_dir,
     server_env,
 )
@@ -74,3 +76,20 @@ def test_each_server_names_its_own_shared_memory():
     assert prefixes[0] != prefixes[1] and all(p.startswith("triton_omni_") for p in prefixes)
     for server in (first, second):
         shutil.rmtree(server.run_dir)
+
+
+def test_free_ports_are_distinct_and_outside_what_the_kernel_hands_out():
+    """A port chosen for a server must not be one that a port-0 socket opened meanwhile
+    (a vLLM engine's, while the server loads its models) can get."""
+    import socket
+
+    low, high = _ephemeral_ports()
+    ports = [free_port() for _ in range(30)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < low for port in ports)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        assert low <= taken.getsockname()[1] <= high
+    for port in ports[:3]:  # still free to bind
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -85,13 +85,44 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "omni-admin-key"
 
 
+_PORTS_GIVEN: set[int] = set()  # by free_port, in this process: never twice
+
+
 def free_port() -> int:
-    """A TCP port free right now on localhost (for servers started beside others)."""
+    """A TCP port free right now on localhost (for servers started beside
+    others), chosen below the kernel's ephemeral range.
+
+    Why below: tritonserver binds its ports only after its models have
+    loaded, and meanwhile every socket bound to port 0 (vLLM's engine core
+    and workers open several) gets a port from that range. A test server
+    once failed to start so ("Socket '127.0.0.1:40411' already in use")
+    when its HTTP port had come from the same range."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
+    low = _ephemeral_ports()[0]
+    for port in random.sample(range(max(1024, low - 12_000), low), k=min(200, max(0, low - 1024))):
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as sock:  # nothing free below the range: any port the kernel gives
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for port-0 binds and outgoing connections (Linux's default if unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def find_server(choice: ServerChoice = "auto") -> ServerInstall:
