@@ -79,3 +79,20 @@ def model_ready(server: TritonServer, model: str) -> bool:
             return response.status == 200
     except OSError:  # URLError (a 400 included), refused, timed out
         return False
+
+
+# Triton 2.51 aborts (boost::interprocess::lock_exception, signal 6) when it next takes a shared-memory
+# lock that a SIGKILLed stub held as it died; the stub's last IPC decides, not this project
+# (docs/operations.md, "What it cannot do"). Seen once in about ten CI runs of the stub-kill tests.
+TRITON_LOCK_ABORT = "lock_exception"
+
+
+def xfail_if_triton_aborted_on_a_dead_stub(server: TritonServer) -> None:
+    """After killing a stub: if tritonserver died of that Triton defect, say so (xfail) rather than
+    fail on what follows from it; any other death of the server is left to the test's assertions."""
+    if server.process.poll() is None or server.options.log_file is None:
+        return
+    log = server.options.log_file.read_text(errors="replace")
+    if TRITON_LOCK_ABORT in log:
+        pytest.xfail(f"tritonserver 2.51 aborted on the killed stub's shared-memory lock ({TRITON_LOCK_ABORT}): "
+                     "a Triton defect, documented in docs/operations.md")
