@@ -73,7 +73,8 @@ def test_soak_with_a_stub_killed_midway(supervised, tmp_path):
     soak = locust(supervised, tmp_path / "soak", RUN_S)
     killer.join()
     deadline = time.monotonic() + 60
-    while not model_ready(supervised, "diffusion") and time.monotonic() < deadline:
+    alive = lambda: supervised.process.poll() is None  # noqa: E731
+    while not model_ready(supervised, "diffusion") and time.monotonic() < deadline and alive():
         time.sleep(0.5)
     xfail_if_triton_aborted_on_a_dead_stub(supervised)
     assert model_ready(supervised, "diffusion"), "diffusion not serving again"
