@@ -100,8 +100,8 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
         while model_ready(supervised, model) and time.monotonic() - killed < 10:
             time.sleep(0.1)
         noticed = time.monotonic() - killed
-        while not model_ready(supervised, model) and time.monotonic() - killed < 120 \
-                and supervised.process.poll() is None:
+        alive = lambda: supervised.process.poll() is None  # noqa: E731
+        while not model_ready(supervised, model) and time.monotonic() - killed < 120 and alive():
             time.sleep(0.2)
         back = time.monotonic() - killed
         time.sleep(1)

@@ -101,7 +101,8 @@ def free_port() -> int:
     import socket
 
     low = _ephemeral_ports()[0]
-    for port in random.sample(range(max(1024, low - 12_000), low), k=min(200, max(0, low - 1024))):
+    below = range(max(1024, low - 12_000), low)
+    for port in random.sample(below, k=min(200, len(below))):
         if port in _PORTS_GIVEN:
             continue
         with socket.socket() as sock:
