@@ -70,26 +70,39 @@ def test_exact_batching_is_bit_identical_on_the_gpu():
         exact.close()
 
 
-def test_a_step_never_waits_for_the_gpu(steps):
-    """A step only queues work: a host-device sync in it (a scheduler indexing its CPU
-    tables with a device timestep did, three times per request per step) idles the GPU
-    while Python issues the rest, a few per cent of an H200's throughput at 16 requests."""
-    steps.run(requests(steps, 3))  # the same buckets met first: graphs captured (a capture synchronises)
-    engine, advance, failures = steps.steps, steps.steps._advance, []
+def test_the_engine_thread_never_waits_for_the_gpu(steps):
+    """Admission, steps and decodes only queue work: a host-device sync in any of them
+    idles the GPU while Python issues the rest (a scheduler indexing its CPU tables with
+    a device timestep did, three times per request per step: a few per cent of an H200's
+    throughput at 16 requests; a copy from pageable memory at admission did once per request)."""
+    def embedded(n: int) -> list:  # embeddings from a caller, as text_to_image sends: no tokenizer at admission
+        hidden = steps.limits.hidden_size
+        return [steps.parse({"prompt_embeds": torch.randn(8, hidden, generator=torch.Generator().manual_seed(i)),
+                             "seed": i, "num_inference_steps": 4 + i, "guidance_scale": 5.0,
+                             "height": 64, "width": 64}) for i in range(n)]
 
-    def checked(jobs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            advance(jobs)
-        except RuntimeError as exc:
-            failures.append(exc)
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    steps.run(embedded(3))  # the same buckets met first: graphs captured (a capture synchronises)
+    engine, failures = steps.steps, []
 
-    engine._advance = checked
+    def checked(work):
+        def run(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return work(*args)
+            except RuntimeError as exc:
+                failures.append(exc)
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+
+    names = ("_start", "_advance", "_finish")
+    for name in names:
+        setattr(engine, name, checked(getattr(engine, name)))
     try:
-        steps.run(requests(steps, 3))
+        images = steps.run(embedded(3))
     finally:
-        del engine._advance
+        for name in names:
+            delattr(engine, name)
     assert not failures, failures[0]
+    assert all(isinstance(image, torch.Tensor) and image.dtype == torch.uint8 for image in images), images

@@ -33,7 +33,7 @@ import torch
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
-from triton_omni.diffusion.steps import StepEngine, StepJob, to_pixels
+from triton_omni.diffusion.steps import StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.gpu_memory import cap_torch
@@ -200,7 +200,7 @@ class DiffusionRunner:
 
     def _prepare(self, index: int, request: DiffusionRequest) -> _Job:
         cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
-        cond = cond.to(self.device, self.dtype)
+        cond = to_device(cond.to(dtype=self.dtype), self.device)
         uncond = None
         if request.uses_guidance:
             if request.negative_prompt_embeds is not None:
@@ -209,7 +209,7 @@ class DiffusionRunner:
                 uncond = self._encode_text(request.negative_prompt or "")
             else:  # embeddings from another model and no negative: the null condition
                 uncond = torch.zeros_like(cond)
-            cond, uncond = _same_length(cond, uncond.to(self.device, self.dtype))
+            cond, uncond = _same_length(cond, to_device(uncond.to(dtype=self.dtype), self.device))
         return _Job(index, request, cond, uncond)
 
     def _encode_text(self, prompt: str) -> torch.Tensor:

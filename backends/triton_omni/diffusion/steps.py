@@ -17,6 +17,13 @@ Each request keeps what makes its image its own:
   requests of its size that finished at the same step (alone with
   ``exact``), then one device-to-host copy for all of them.
 
+On a GPU the engine's thread never waits for the GPU, at a step, at
+admission or at a decode: a wait drains the GPU while Python issues the
+next kernels. Timesteps and prompt embeddings go up from pinned memory
+without blocking (a copy from pageable memory waits for the stream first);
+decoded images come down into pinned memory, and a second thread waits for
+each copy and resolves its requests' futures.
+
 The engine's thread runs every torch operation of its runner: loading the
 pipeline (``call``), encoding a request's prompt (``StepJob.prepare``, at
 admission), the steps and the decode. On a CPU, PyTorch's OpenMP runtime
@@ -51,7 +58,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +138,8 @@ class StepEngine:
         self._held = 0  # rows of the jobs submitted and not yet done, waiting or running (under _wake)
         self._wake = threading.Condition()
         self._stopped = False
+        # waits for each decoded batch's copy to the host, then resolves its futures (in order)
+        self._delivery = ThreadPoolExecutor(1, thread_name_prefix="omni-diffusion-images")
         self.max_rows_seen = 0  # the most rows one step ran (tests, metrics)
         self._thread = threading.Thread(target=self._loop, name="omni-diffusion-steps", daemon=True)
         self._thread.start()
@@ -174,6 +183,7 @@ class StepEngine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=60)
+        self._delivery.shutdown(wait=True)
 
     # -- the engine thread -----------------------------------------------------
 
@@ -216,12 +226,12 @@ class StepEngine:
         try:
             job.cond, job.uncond = job.prepare()
             scheduler = copy.deepcopy(self.pipeline.scheduler)
-            scheduler.set_timesteps(job.steps, device=self.device)
-            job.scheduler, job.timesteps = scheduler, scheduler.timesteps
-            # The scheduler gets ints: its tables live on the CPU, and indexing them with a device
-            # tensor (DDIM does it three times a step) waits for the GPU to drain, once per request
-            # per step. This read waits once, at admission.
-            job.schedule = scheduler.timesteps.tolist()
+            # The scheduler keeps its timesteps on the CPU and gets them as ints: its tables live
+            # there, and indexing them with a device tensor (DDIM does it three times a step) waits
+            # for the GPU to drain, once per request per step. Only the UNet needs them on the device.
+            scheduler.set_timesteps(job.steps, device="cpu")
+            job.scheduler, job.schedule = scheduler, scheduler.timesteps.tolist()
+            job.timesteps = to_device(scheduler.timesteps, self.device)
             factor = self.pipeline.vae_scale_factor
             shape = (1, self.pipeline.unet.config.in_channels, job.height // factor, job.width // factor)
             noise = torch.randn(shape, generator=job.generator, device=self.device, dtype=self.dtype)
@@ -314,23 +324,60 @@ class StepEngine:
 
     def _finish(self, jobs: list[StepJob]) -> None:
         """Decode the finished jobs (all of one size: one group) as one VAE batch, or each
-        alone with ``exact`` (a decode's low bits depend on its batch size); then pixels."""
+        alone with ``exact`` (a decode's low bits depend on its batch size); then pixels,
+        delivered once they are on the host."""
         for batch in ([[job] for job in jobs] if self.exact else [jobs] if jobs else []):
             try:
                 with torch.inference_mode():
                     vae = self.pipeline.vae
                     latents = torch.cat([job.latents for job in batch]) / vae.config.scaling_factor
                     images = vae.decode(latents, return_dict=False)[0]
-                    pixels = to_pixels((images / 2 + 0.5).clamp(0, 1))
+                    pixels, copied = pixels_to_host((images / 2 + 0.5).clamp(0, 1))
             except Exception as exc:
                 logger.exception("Decoding %d images failed", len(batch))
                 for job in batch:
                     job.future.set_exception(exc)
                 continue
-            for job, image in zip(batch, pixels, strict=True):
-                job.future.set_result(image)
+            if copied is None:
+                _deliver(batch, pixels, None)
+            else:
+                self._delivery.submit(_deliver, batch, pixels, copied)
+
+
+def _deliver(jobs: list[StepJob], pixels: torch.Tensor, copied: Any) -> None:
+    """Each job's image, once the copy that fills ``pixels`` has landed."""
+    if copied is not None:
+        copied.synchronize()
+    for job, image in zip(jobs, pixels, strict=True):
+        job.future.set_result(image)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; from the CPU to a GPU through pinned memory, without waiting:
+    a copy from pageable memory first waits for everything queued on the stream."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def pixels_to_host(images: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU, and the event that
+    marks its copy done (``None``: nothing to wait for). From a GPU the copy is queued into
+    pinned memory: the pixels are only valid once the event is."""
+    pixels = _as_pixels(images)
+    if pixels.device.type != "cuda":
+        return pixels, None
+    host = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=True)
+    host.copy_(pixels, non_blocking=True)
+    copied = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spin on a core
+    copied.record()
+    return host, copied
 
 
 def to_pixels(images: torch.Tensor) -> torch.Tensor:
-    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU, in one copy."""
-    return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU, in one copy (that waits)."""
+    return _as_pixels(images).cpu()
+
+
+def _as_pixels(images: torch.Tensor) -> torch.Tensor:
+    return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
