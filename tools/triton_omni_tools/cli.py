@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
     bench.add_argument("--gpus", help="comma-separated GPU counts, e.g. 1,2: diffusion one instance per GPU, ar "
                                        "tensor parallel, each against one GPU in the same run (docs/gpu.md)")
+    bench.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN]",
+                       help="the Triton side's placement, as for serve (e.g. ar=0x2: two ar engines on GPU 0); "
+                       "the direct side is one engine either way")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -268,7 +271,7 @@ def _bench(args) -> int:
         scaling.run(preset, args.preset, parts(args.gpus, int), out, parts(args.concurrency, int))
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
-        diffusion_batching=args.diffusion_batching)
+        diffusion_batching=args.diffusion_batching, placement=args.place)
     return 0
 
 

@@ -562,7 +562,7 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
-        out_dir: Path, diffusion_batching: str | None = None) -> list[dict]:
+        out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None) -> list[dict]:
     import torch
     from triton_omni.demo_models import resolve_model
 
@@ -608,7 +608,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     with tempfile.TemporaryDirectory(prefix="omni-bench-") as tmp:
         options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=18100,
                                 grpc_port=18101, metrics_port=18102, log_file=out_dir / "server.log",
-                                model_control_mode="explicit", load_models=models_for(preset.workloads))
+                                model_control_mode="explicit", load_models=models_for(preset.workloads),
+                                placement=placement or [])
         with TritonServer(options) as server:
             for workload in preset.workloads:
                 for c in preset.concurrency_for(workload):
@@ -617,7 +618,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
 
     rows = table(points)
     (out_dir / "bench.json").write_text(json.dumps(
-        {"preset": asdict(preset), "device": device_name(), "rows": rows,
+        {"preset": asdict(preset), "device": device_name(), "placement": placement or [], "rows": rows,
          "points": [p.summary() for p in points]}, indent=2))
     plot(rows, out_dir / "bench.png", f"omni-triton bench --preset {preset_name} ({device_name()})")
     print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
