@@ -34,13 +34,13 @@ def complete_config(config, inputs: list[TensorSpec], outputs: list[TensorSpec])
 
 
 def read_inputs(request, specs: list[TensorSpec]) -> dict[str, Any]:
-    """Decode the inputs a request carries; absent optional inputs are left out."""
-    values: dict[str, Any] = {}
-    for spec in specs:
-        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-        if tensor is not None:
-            values[spec.name] = _decode(spec, tensor)
-    return values
+    """Decode the inputs a request carries; absent optional inputs are left out.
+
+    One walk over the request's tensors: ``pb_utils.get_input_tensor_by_name``
+    lists them all again for every name it is asked (95 against 17 us per
+    ``ar`` request and its 22 optional inputs, measured in a stub)."""
+    given = {tensor.name(): tensor for tensor in request.inputs()}
+    return {spec.name: _decode(spec, given[spec.name]) for spec in specs if spec.name in given}
 
 
 def _decode(spec: TensorSpec, tensor) -> Any:
