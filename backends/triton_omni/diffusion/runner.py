@@ -200,7 +200,7 @@ class DiffusionRunner:
 
     def _prepare(self, index: int, request: DiffusionRequest) -> _Job:
         cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
-        cond = to_device(cond.to(dtype=self.dtype), self.device)
+        cond = to_device(cond, self.device, self.dtype)
         uncond = None
         if request.uses_guidance:
             if request.negative_prompt_embeds is not None:
@@ -209,7 +209,7 @@ class DiffusionRunner:
                 uncond = self._encode_text(request.negative_prompt or "")
             else:  # embeddings from another model and no negative: the null condition
                 uncond = torch.zeros_like(cond)
-            cond, uncond = _same_length(cond, to_device(uncond.to(dtype=self.dtype), self.device))
+            cond, uncond = _same_length(cond, to_device(uncond, self.device, self.dtype))
         return _Job(index, request, cond, uncond)
 
     def _encode_text(self, prompt: str) -> torch.Tensor:

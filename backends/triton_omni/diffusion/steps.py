@@ -345,16 +345,25 @@ class StepEngine:
 
 
 def _deliver(jobs: list[StepJob], pixels: torch.Tensor, copied: Any) -> None:
-    """Each job's image, once the copy that fills ``pixels`` has landed."""
-    if copied is not None:
-        copied.synchronize()
+    """Each job's image, once the copy that fills ``pixels`` has landed (or the copy's
+    error: run on the delivery thread, an exception left here would reach no one)."""
+    try:
+        if copied is not None:
+            copied.synchronize()
+    except Exception as exc:
+        logger.exception("Copying %d images to the host failed", len(jobs))
+        for job in jobs:
+            job.future.set_exception(exc)
+        return
     for job, image in zip(jobs, pixels, strict=True):
         job.future.set_result(image)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; from the CPU to a GPU through pinned memory, without waiting:
-    a copy from pageable memory first waits for everything queued on the stream."""
+def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor`` on ``device`` (in ``dtype``); from the CPU to a GPU through pinned memory, without
+    waiting: a copy from pageable memory first waits for everything queued on the stream."""
+    if dtype is not None:
+        tensor = tensor.to(dtype=dtype)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
