@@ -55,9 +55,16 @@ class TritonPythonModel:
         self.context = f"model '{self.model_name}'"  # in error messages and logs
         model_config = json.loads(args["model_config"])
         self.config, self.placement = ar_io.runner_config(model_config, args)
-        if self.config.gpu_memory_utilization is not None:  # fail now, with the numbers, if the share is not free
-            check_share(self.model_name, self.config.gpu_memory_utilization, self.placement.gpus)
-        self.runner = ArRunner(self.config)
+        seat = ar_io.engine_seat(model_config, self.config, self.placement)  # instances_per_engine > 1
+        try:
+            if self.config.gpu_memory_utilization is not None and (seat is None or seat.starts_engine):
+                # fail now, with the numbers, if the share is not free (an engine's first instance takes it)
+                check_share(self.model_name, self.config.gpu_memory_utilization, self.placement.gpus)
+            self.runner = ArRunner(self.config, seat)
+        except BaseException:
+            if seat is not None:
+                seat.release()
+            raise
         self.responses = ResponseThread()  # sends every response and metric update (metrics.Routed)
         self.restarts = report_restarts(self.model_name)
         self.metrics = StageMetrics("ar", self.model_name, args["model_version"], batched=self.config.mode == "encode",

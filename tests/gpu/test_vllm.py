@@ -91,3 +91,33 @@ def test_encoder_embeddings_match_the_transformers_engine():
         cosine = torch.nn.functional.cosine_similarity(ours, reference, dim=-1)
         assert cosine.min() > 0.99, cosine
         assert (ours - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+def test_two_runners_share_one_engine_core(generator, tmp_path):
+    """What ``instances_per_engine: 2`` does in two stubs, here in one process:
+    the first runner starts the engine core, the second connects to it; both
+    stream, each its own request, greedy text equal to an engine of its own."""
+    from triton_omni.ar.shared_engine import take_seat
+
+    config = ArRunnerConfig(MODEL, "generate", engine="vllm", device="cuda", gpu_memory_utilization=0.1)
+    first = ArRunner(config, take_seat(tmp_path, 2))
+    second = ArRunner(config, take_seat(tmp_path, 2))
+    try:
+        assert (first.seat.starts_engine, second.seat.starts_engine) == (True, False)
+
+        greedy = GenerateRequest.from_inputs({"text_input": "a lighthouse", "stream": True, "sampling_parameters":
+                                              json.dumps({"max_tokens": 48, "temperature": 0, "ignore_eos": True})},
+                                             config.limits)
+
+        def text(runner, request_id):
+            async def run():
+                return "".join(r.texts[0] async for r in runner.generate(greedy, request_id))
+            return runner.loop.submit(run())
+
+        futures = [text(first, "a"), text(second, "b"), text(first, "c"), text(second, "d")]
+        texts = [future.result(timeout=120) for future in futures]
+        alone = text(generator, "alone").result(timeout=120)
+        assert texts == [alone] * 4
+    finally:
+        second.close()
+        first.close()

@@ -20,6 +20,7 @@ from triton_omni_tools.repository import load_config
     ("diffusion=all", StagePlacement("diffusion", (0, 1, 2, 3))),
     ("ar=tp:0,1", StagePlacement("ar", (0, 1), tensor_parallel=True)),
     ("ar_encoder=3", StagePlacement("ar_encoder", (3,))),
+    ("ar=0x3:shared", StagePlacement("ar", (0,), per_gpu=3, shared=True)),
 ])
 def test_specs(spec, expected):
     assert parse(spec, num_gpus=4) == expected
@@ -34,6 +35,9 @@ def test_specs(spec, expected):
     ("diffusion=tp:0,1", "'tp:' (one engine over several GPUs) is for the AR stages"),
     ("ar=tp:0,1x2", "takes no instance count"),
     ("diffusion=-1", "expected STAGE=GPUS"),
+    ("diffusion=0x2:shared", "':shared' puts an AR stage's instances"),
+    ("ar=0:shared", "needs at least two instances"),
+    ("ar=tp:0,1:shared", "no 'tp:'"),
 ])
 def test_bad_specs_are_refused_by_name(spec, message):
     with pytest.raises(PlacementError, match="placement") as info:
@@ -75,6 +79,16 @@ def test_the_memory_plan_follows_the_placement_per_gpu(tmp_path):
         memory_plan.check(memory_plan.plan(crowded, None, num_gpus=2))
     assert "GPU 1: ar 0.3 + diffusion 0.3 x 3 = 1.20 > 0.95" in str(info.value)
     assert "GPU 0" not in str(info.value)
+
+
+def test_instances_sharing_an_engine_take_one_share(tmp_path):
+    """ar=0x3:shared is three stubs and one engine core: one share of GPU 0; ar=0x3 is three engines."""
+    shared = place_repositories(DEFAULT_REPOSITORIES, ["ar=0x3:shared"], 1, tmp_path / "a")
+    ar = load_config(next(r for r in shared if (r / "ar").exists()) / "ar" / "config.pbtxt")
+    assert (ar.instance_group[0].count, ar.parameters["instances_per_engine"].string_value) == (3, "3")
+    assert [(s.model, s.instances) for s in memory_plan.plan(shared, ["ar"], 1)] == [("ar", 1)]
+    apart = place_repositories(DEFAULT_REPOSITORIES, ["ar=0x3"], 1, tmp_path / "b")
+    assert [(s.model, s.instances) for s in memory_plan.plan(apart, ["ar"], 1)] == [("ar", 3)]
 
 
 def test_a_placement_needs_the_gpus_it_names(monkeypatch, capsys):

@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="address of the HTTP, gRPC and metrics endpoints (default loopback; 0.0.0.0 for all)")
     serve.add_argument("--server", choices=["auto", "embedded", "system"], default="auto",
                        help="system: /opt/tritonserver (NGC image); embedded: the nvidia-pytriton bundle")
-    serve.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN]",
+    serve.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN][:shared]",
                        help="which GPUs a stage uses (repeatable): diffusion=0,1 (an instance on each), "
-                            "diffusion=allx2, ar=tp:0,1 (one vLLM engine, tensor parallel); docs/gpu.md")
+                            "diffusion=allx2, ar=tp:0,1 (one vLLM engine, tensor parallel), ar=0x3:shared (three "
+                            "instances in front of one vLLM engine); docs/gpu.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
     serve.set_defaults(run=_serve)
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
     bench.add_argument("--gpus", help="comma-separated GPU counts, e.g. 1,2: diffusion one instance per GPU, ar "
                                        "tensor parallel, each against one GPU in the same run (docs/gpu.md)")
-    bench.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN]",
-                       help="the Triton side's placement, as for serve (e.g. ar=0x2: two ar engines on GPU 0); "
+    bench.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN][:shared]",
+                       help="the Triton side's placement, as for serve (e.g. ar=0x2: two ar engines on GPU 0; "
+                       "ar=0x2:shared: two ar instances in front of one engine); "
                        "the direct side is one engine either way")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)

@@ -5,7 +5,8 @@ Each model's ``gpu_memory_utilization`` parameter is its share of a GPU
 ``instance_group``: ``KIND_GPU`` (and ``KIND_AUTO``) instances on their
 ``gpus`` (all GPUs when unset), ``count`` of them on each; ``KIND_MODEL`` (how the vLLM models are
 placed, as in Triton's vLLM backend) on the GPUs of its ``gpus`` model parameter (an engine over
-several, tensor parallel, takes its share of each), else GPU 0. The plan fits when, on every
+several, tensor parallel, takes its share of each), else GPU 0. Instances that share one vLLM
+engine core (``instances_per_engine``) take one share between them. The plan fits when, on every
 GPU, the shares of the models loaded there add up to at most
 ``MAX_TOTAL_SHARE``: the rest is for the CUDA contexts of the stubs and the
 engine processes, which no share counts.
@@ -32,7 +33,7 @@ class MemoryPlanError(RuntimeError):
 class Share:
     model: str
     gpu: int
-    instances: int
+    instances: int  # that hold a share: engines, where instances share one
     share: float  # of one instance
 
     @property
@@ -71,7 +72,9 @@ def model_shares(config_path: Path, num_gpus: int) -> list[Share]:
         elif kind == "KIND_MODEL":
             for gpu in model_gpus(config):
                 per_gpu[gpu] += 1
-    return [Share(name, gpu, n, share) for gpu, n in sorted(per_gpu.items())]
+    per_engine = int(config.parameters["instances_per_engine"].string_value.strip() or 1) \
+        if "instances_per_engine" in config.parameters else 1
+    return [Share(name, gpu, -(-n // per_engine), share) for gpu, n in sorted(per_gpu.items())]
 
 
 def _kind_name(kind: int) -> str:

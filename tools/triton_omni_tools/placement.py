@@ -11,7 +11,11 @@ bench's ``--gpus``):
   Triton's vLLM backend does with ``tensor_parallel_size``). Only the AR
   stages (backend ``omni_ar``) take ``tp:``;
 - ``ar=0,1``: for the AR stages too, one engine per GPU (replicas, each its
-  own KV cache).
+  own KV cache);
+- ``ar=0x3:shared``: three instances on GPU 0 in front of one vLLM engine
+  core (the ``instances_per_engine`` model parameter): each instance is a
+  stub process of its own, so the per-request Python work spreads over
+  three cores (``triton_omni.ar.shared_engine``). Only the AR stages take it.
 
 A spec becomes edits of the copied repository's configs
 (``repository.copy_repositories``), so what is served is plain Triton
@@ -26,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 AR_STAGES = ("ar", "ar_encoder", "ar_transformers")
-_SPEC = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)=(?P<tp>tp:)?(?P<gpus>all|\d+(?:,\d+)*)(?:x(?P<count>\d+))?$")
+_SPEC = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)=(?P<tp>tp:)?(?P<gpus>all|\d+(?:,\d+)*)(?:x(?P<count>\d+))?"
+                   r"(?P<shared>:shared)?$")
 
 
 class PlacementError(ValueError):
@@ -39,27 +44,32 @@ class StagePlacement:
     gpus: tuple[int, ...]
     per_gpu: int = 1  # instances on each GPU (replicas)
     tensor_parallel: bool = False  # one engine over all of ``gpus``
+    shared: bool = False  # the instances on a GPU share one engine core (AR stages on vLLM)
 
     def edits(self) -> dict[str, Any]:
         """The config changes that serve this placement."""
         if self.tensor_parallel:
             return {"instance_group": [{"kind": "KIND_MODEL", "count": 1}],
                     "parameters": {"gpus": ",".join(str(g) for g in self.gpus)}}
+        parameters = {"gpus": ""}
+        if self.stage in AR_STAGES:
+            parameters["instances_per_engine"] = str(self.per_gpu if self.shared else 1)
         return {"instance_group": [{"kind": "KIND_GPU", "count": self.per_gpu, "gpus": list(self.gpus)}],
-                "parameters": {"gpus": ""}}
+                "parameters": parameters}
 
     def __str__(self) -> str:
         gpus = ",".join(str(g) for g in self.gpus)
         return f"{self.stage}=tp:{gpus}" if self.tensor_parallel else \
-            f"{self.stage}={gpus}" + (f"x{self.per_gpu}" if self.per_gpu > 1 else "")
+            f"{self.stage}={gpus}" + (f"x{self.per_gpu}" if self.per_gpu > 1 else "") + (":shared" * self.shared)
 
 
 def parse(spec: str, num_gpus: int | None) -> StagePlacement:
     """One ``STAGE=GPUS[xN]`` spec; ``num_gpus`` (None: unknown) bounds the GPU indexes."""
     found = _SPEC.match(spec.strip())
     if not found:
-        raise PlacementError(f"placement {spec!r}: expected STAGE=GPUS[xN] (diffusion=0,1 or diffusion=allx2) "
-                             "or STAGE=tp:GPUS for one AR engine over several GPUs (ar=tp:0,1)")
+        raise PlacementError(f"placement {spec!r}: expected STAGE=GPUS[xN] (diffusion=0,1 or diffusion=allx2), "
+                             "STAGE=tp:GPUS for one AR engine over several GPUs (ar=tp:0,1) or STAGE=GPUSxN:shared "
+                             "for N AR instances per GPU in front of one engine (ar=0x3:shared)")
     stage, tp = found["stage"], bool(found["tp"])
     if found["gpus"] == "all":
         if not num_gpus:
@@ -81,7 +91,12 @@ def parse(spec: str, num_gpus: int | None) -> StagePlacement:
                              + ",".join(str(g) for g in gpus))
     if tp and found["count"]:
         raise PlacementError(f"placement {spec!r}: one engine spans the GPUs; it takes no instance count")
-    return StagePlacement(stage, gpus, count, tp)
+    shared = bool(found["shared"])
+    if shared and (tp or stage not in AR_STAGES or count < 2):
+        raise PlacementError(f"placement {spec!r}: ':shared' puts an AR stage's instances on a GPU in front of one "
+                             f"engine ({', '.join(AR_STAGES)}, e.g. ar=0x3:shared); it needs at least two instances "
+                             "and no 'tp:'")
+    return StagePlacement(stage, gpus, count, tp, shared)
 
 
 def parse_all(specs: list[str], num_gpus: int | None, models: set[str] | None = None) -> list[StagePlacement]:

@@ -24,13 +24,17 @@ import torch
 
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.errors import RequestValidationError
 
 
 class VllmEngine(ArEngine):
     name = "vllm"
 
-    def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any]):
+    def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any],
+                 seat: EngineSeat | None = None):
+        """``seat``: this instance's place in front of an engine core it
+        shares with other instances (shared_engine.py); None: its own engine."""
         from transformers import AutoConfig
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -41,7 +45,13 @@ class VllmEngine(ArEngine):
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self.seat, self._watch = seat, None
+        if seat is None:
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        else:
+            self.engine = _shared_engine(AsyncEngineArgs(**args), seat)
+            if not seat.starts_engine:
+                self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
         self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
         self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
 
@@ -108,13 +118,55 @@ class VllmEngine(ArEngine):
         return result
 
     async def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.set()
         engine, self.engine = self.engine, None
-        engine.shutdown()
+        engine.shutdown()  # the first frontend of a shared engine shuts the engine core down with it
+        if self.seat is not None:
+            self.seat.release()
         # AsyncLLM.__del__ shuts down once more. Left to interpreter exit, it finds vLLM's module
         # globals already gone and prints a TypeError traceback at every server stop; collected
         # now, while everything is still there, it is a no-op.
         del engine
         gc.collect()
+
+
+def _shared_engine(engine_args, seat: EngineSeat):
+    """An ``AsyncLLM`` on this seat's sockets; the first frontend starts the
+    engine core first, with every frontend's addresses (what ``vllm serve
+    --api-server-count N`` does in its parent process)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+    from vllm.v1.executor import Executor
+
+    config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
+    manager = None
+    if seat.starts_engine:
+        addresses = EngineZmqAddresses(inputs=[seat.input_address(i) for i in range(seat.frontends)],
+                                       outputs=[seat.output_address(i) for i in range(seat.frontends)])
+        # vLLM 0.24 yields a tuple, later releases a CoreEngineLaunch; both start with the engine manager
+        with launch_core_engines(config, Executor.get_class(config), not engine_args.disable_log_stats,
+                                 addresses) as launched:
+            manager = launched[0] if isinstance(launched, tuple) else launched.engine_manager
+            seat.record_engine([proc.pid for proc in manager.processes])
+        # the handshake ran as the block ended: the engine core is up and connecting to every frontend
+    llm = AsyncLLM.from_vllm_config(config, disable_log_stats=engine_args.disable_log_stats,
+                                    client_addresses=seat.client_addresses, client_count=seat.frontends,
+                                    client_index=seat.frontend)
+    if manager is not None:
+        # as for an engine it starts itself: the client watches the engine core and shuts it down with it
+        llm.engine_core.resources.engine_manager = manager
+        llm.engine_core.start_engine_core_monitor()
+    return llm
+
+
+def _engine_gone(llm) -> None:
+    """What vLLM's own monitor does when an engine core it started exits:
+    mark it dead (new requests fail with ``EngineDeadError``) and shut the
+    client down, which fails the requests in flight."""
+    llm.engine_core.resources.engine_dead = True
+    llm.engine_core.shutdown()
 
 
 _SUFFIX = re.compile(r"\s*\(parameter=.*\)\s*$")

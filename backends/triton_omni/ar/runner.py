@@ -20,6 +20,7 @@ from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
+from triton_omni.ar.shared_engine import EngineSeat
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
@@ -70,8 +71,10 @@ class Embedding:
 
 
 class ArRunner:
-    def __init__(self, config: ArRunnerConfig):
+    def __init__(self, config: ArRunnerConfig, seat: EngineSeat | None = None):
+        """``seat``: a vLLM engine core shared with other instances (shared_engine.py)."""
         self.config = config
+        self.seat = seat
         self.model_path = resolve_model(config.model)
         self.engine_name = config.resolved_engine()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -88,7 +91,9 @@ class ArRunner:
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args)
+            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat)
+        if self.seat is not None:
+            raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
         from triton_omni.ar.engine_transformers import DEFAULT_MAX_NUM_SEQS, TransformersEngine
 
         if cfg.gpu_memory_utilization is not None:

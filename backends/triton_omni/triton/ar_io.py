@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERATE_OUTPUTS, ar_encode_outputs
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
+from triton_omni.ar.shared_engine import EngineSeat, take_seat
 from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import Outputs, complete_config
 
@@ -60,6 +64,28 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         gpu_memory_utilization=gpu_share(params),
     )
     return config, placement
+
+
+def engine_seat(model_config: dict, config: ArRunnerConfig, placement: Placement) -> EngineSeat | None:
+    """This instance's seat in front of a vLLM engine core it shares with
+    ``instances_per_engine - 1`` sibling instances on the same GPUs
+    (``triton_omni.ar.shared_engine``); None for an engine of its own."""
+    raw = model_parameters(model_config).get("instances_per_engine", "1").strip() or "1"
+    name = model_config.get("name", "?")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"model {name!r}: parameter 'instances_per_engine' must be a whole number >= 1, got {raw!r}")
+    frontends = int(raw)
+    if frontends == 1:
+        return None
+    if config.resolved_engine() != "vllm":
+        raise ValueError(f"model {name!r}: instances_per_engine {frontends} needs the vLLM engine (instances share "
+                         "one vLLM engine core); the transformers engine runs in each instance")
+    for group in model_config.get("instance_group", []):
+        if int(group.get("count", 1)) % frontends:
+            raise ValueError(f"model {name!r}: instances_per_engine {frontends} needs an instance_group count (per "
+                             f"GPU) that is a multiple of {frontends}; the config has count {group.get('count', 1)}")
+    folder = Path(tempfile.gettempdir()) / f"triton-omni-engines-{os.getppid()}" / f"{name}-{placement.label}"
+    return take_seat(folder, frontends)
 
 
 def generate_response(response: ArResponse, wanted: ReturnOptions):

@@ -1,0 +1,57 @@
+"""Two `ar` instances in front of one vLLM engine core (`instances_per_engine: 2`,
+the variant `ar_shared`), on the real server with vLLM on the CPU: one engine
+process serves both stubs, every request gets the text the model's own
+engine gives it, and cancelling one stream leaves the others running."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.integration import test_ar_batching
+from tests.integration.test_ar_batching import text
+
+MODEL = "ar_shared"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _stubs(server, model: str) -> list[int]:
+    """The model's stub processes (their command line names the model's instances)."""
+    return [pid for pid in _children(server.process.pid) if f" {model}_0_" in _cmdline(pid)]
+
+
+def test_one_engine_core_serves_both_instances(server):
+    stubs = _stubs(server, MODEL)
+    assert len(stubs) == 2, [_cmdline(pid) for pid in _children(server.process.pid)]
+    engines = {stub: [c for c in _children(stub) if _cmdline(c).startswith("VLLM")] for stub in stubs}
+    assert sorted(len(found) for found in engines.values()) == [0, 1], engines  # the first instance started it
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"triton-omni-engines-{server.process.pid}" / f"{MODEL}-cpu"
+    sockets = sorted(path.name.split("-")[-1] for path in folder.glob("e0-*"))
+    assert sockets == ["in0", "in1", "out0", "out1"]  # both frontends bound theirs
+
+
+def test_concurrent_requests_get_the_text_of_the_models_own_engine(grpc_url):
+    with ThreadPoolExecutor(8) as pool:
+        shared = list(pool.map(lambda i: text(grpc_url, MODEL, i), range(8)))
+    assert shared == [text(grpc_url, "ar", i) for i in range(8)]
+
+
+@pytest.mark.parametrize("model", [MODEL])
+def test_cancelling_a_stream_on_a_shared_engine_leaves_the_others_running(grpc_url, model):
+    test_ar_batching.test_cancelling_one_stream_leaves_the_others_running(grpc_url, model)
