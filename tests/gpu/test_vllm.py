@@ -111,7 +111,7 @@ def test_two_runners_share_one_engine_core(generator, tmp_path):
 
         def text(runner, request_id):
             async def run():
-                return "".join(r.texts[0] async for r in runner.generate(greedy, request_id))
+                return "".join([r.texts[0] async for r in runner.generate(greedy, request_id)])
             return runner.loop.submit(run())
 
         futures = [text(first, "a"), text(second, "b"), text(first, "c"), text(second, "d")]
