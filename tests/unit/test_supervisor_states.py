@@ -43,3 +43,39 @@ def test_a_sigstopped_process_reads_as_dead():
     finally:
         child.kill()
         child.wait()
+
+
+class _Api:
+    def __init__(self, ready):
+        self.ready = set(ready)
+
+    def ready_models(self):
+        return self.ready
+
+
+def test_a_model_that_lost_one_of_its_stubs_is_found_dead(monkeypatch, tmp_path):
+    """Two instances; one stub killed and reaped, the other alive: its shared-memory
+    region left behind says it died. A stub that exits cleanly takes its region along."""
+    from triton_omni_tools import supervisor as module
+
+    regions = tmp_path / "shm"
+    regions.mkdir()
+    monkeypatch.setattr(module, "Path", lambda *parts: regions.joinpath(*parts[1:]) if parts[0] == "/dev/shm"
+                        else Path(*parts))
+    first, second = (Stub(pid, "ar", f"ar_0_{i}", "S", f"region{i}") for i, pid in enumerate((101, 102)))
+    for stub in (first, second):
+        (regions / stub.region).touch()
+    now = [first, second]
+    monkeypatch.setattr(module, "server_stubs", lambda server_pid: list(now))
+    sup = module.Supervisor(1, _Api({"ar"}), tmp_path)
+    sup.python_models, sup._last_seen = {"ar"}, {s.pid: s for s in now}
+    restarted = []
+    monkeypatch.setattr(sup, "restart", lambda model, stubs, gone=(): restarted.append((model, stubs, gone)))
+    assert sup.check() == []
+    now.remove(second)  # killed: gone, its region left behind
+    assert sup.check() == ["ar"]
+    assert restarted == [("ar", [first], [second])]
+    now.remove(first)
+    (regions / first.region).unlink()  # exited cleanly
+    sup.api.ready = set()  # unloaded on purpose
+    assert sup.check() == []

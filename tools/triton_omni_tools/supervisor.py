@@ -9,7 +9,9 @@ watches the stubs from outside:
 - every ``interval_s`` it lists the server's stub processes (``/proc``: the
   stub's command line names its model and instance);
 - a model Triton reports READY whose stub is gone, a zombie, or stopped
-  by SIGSTOP is dead. A stub a debugger or a profiler holds (``py-spy``
+  by SIGSTOP is dead. So is one that lost a stub while others of its
+  instances live on: a stub seen last round is gone, and its shared-memory
+  region is still there (a stub that exits cleanly takes it with it). A stub a debugger or a profiler holds (``py-spy``
   stops it for every sample) is not: an operator looking at a stub must
   not get it killed. The supervisor logs it and unloads it
   through the model-repository API (the launcher's admin key): readiness
@@ -148,6 +150,7 @@ class Supervisor:
         self.interval_s, self.backoff_s, self.max_attempts = interval_s, backoff_s, max_attempts
         self.restarts: dict[str, int] = {}
         self.python_models: set[str] = set()  # the models whose stubs were seen
+        self._last_seen: dict[int, Stub] = {}  # pid -> stub, as of the last round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="omni-supervisor", daemon=True)
 
@@ -155,7 +158,9 @@ class Supervisor:
         """Call once the server is ready: every loaded model's stubs are seen now, so that a stub
         that dies before the first round is still known as one (a stub killed a second after
         startup used to go unnoticed: its model stayed READY and failed every request)."""
-        self.python_models |= {stub.model for stub in server_stubs(self.server_pid)}
+        stubs = server_stubs(self.server_pid)
+        self.python_models |= {stub.model for stub in stubs}
+        self._last_seen = {stub.pid: stub for stub in stubs}
         self._thread.start()
         return self
 
@@ -176,18 +181,32 @@ class Supervisor:
         self.python_models |= {stub.model for stub in stubs}  # ensembles have no stub
         alive = {stub.model for stub in stubs if stub.alive}
         dead = {stub.model for stub in stubs if not stub.alive}
-        dead |= {model for model in self.api.ready_models() & self.python_models if model not in alive}
+        ready = self.api.ready_models() & self.python_models
+        dead |= {model for model in ready if model not in alive}
+        vanished = self._vanished(stubs)
+        dead |= {stub.model for stub in vanished if stub.model in ready}
         found = sorted(dead)
         for model in found:
             if self._stop.is_set():
                 break
-            self.restart(model, [stub for stub in stubs if stub.model == model])
+            self.restart(model, [stub for stub in stubs if stub.model == model],
+                         gone=[stub for stub in vanished if stub.model == model])
         return found
 
-    def restart(self, model: str, stubs: list[Stub]) -> None:
+    def _vanished(self, stubs: list[Stub]) -> list[Stub]:
+        """Stubs seen last round that are gone now and left their shared memory
+        behind: killed, where a sibling instance of their model lives on (a model
+        with several instances, or several instances sharing one vLLM engine)."""
+        gone = [stub for pid, stub in self._last_seen.items() if pid not in {s.pid for s in stubs}]
+        self._last_seen = {stub.pid: stub for stub in stubs}
+        return [stub for stub in gone if Path("/dev/shm", stub.region).exists()]
+
+    def restart(self, model: str, stubs: list[Stub], gone: list[Stub] = ()) -> None:
+        """``stubs``: the model's stub processes now; ``gone``: those that vanished (their regions only)."""
         started = time.monotonic()
         logger.error("model '%s': its stub is %s; unloading it (readiness false) and loading it again", model,
-                     ", ".join(f"{s.instance} pid {s.pid} state {s.state}" for s in stubs) or "gone")
+                     ", ".join([f"{s.instance} pid {s.pid} state {s.state}" for s in stubs]
+                               + [f"{s.instance} pid {s.pid} gone" for s in gone]) or "gone")
         for stub in stubs:  # a stopped stub never exits by itself
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stub.pid, signal.SIGKILL)
@@ -205,7 +224,7 @@ class Supervisor:
                 continue
             logger.warning("model '%s' is serving again, %.1f s after its stub was found dead", model,
                            time.monotonic() - started)
-            remove_regions(stubs)
+            remove_regions([*stubs, *gone])
             return
         logger.error("model '%s': giving up after %d load attempts; it stays unloaded", model, self.max_attempts)
 
