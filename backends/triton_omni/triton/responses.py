@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _STREAMED = -1  # queue marker: a coalescing entry of send_streamed
 _CALL = -2  # queue marker: a function to run on this thread (call)
-POLL_S = 0.05
+# how often the thread asks the server about cancellations (TRITON_OMNI_CANCEL_POLL_S overrides it)
+POLL_S = float(os.environ.get("TRITON_OMNI_CANCEL_POLL_S", "0.05"))
 POLL_SHARE = 0.2  # of each poll interval, at most, spent asking the server about cancellations
 
 
