@@ -7,27 +7,24 @@ instances in front of one engine")."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 from triton_omni.demo_models import build_all
+from triton_omni_client.client import omni_inputs, stream_infer
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port, process_group
 from triton_omni_tools.repository import copy_model
 from triton_omni_tools.supervisor import server_stubs
 
-from tests.reliability.test_stub_restart import DEADLINE_S, Load
+from tests.reliability.test_stub_restart import DEADLINE_S, Load, kill_and_watch
 from tests.support.server import model_ready
 
 MODEL = "ar_shared"
 
 
 def generate(url: str) -> None:
-    import tritonclient.grpc as grpcclient
-    from triton_omni_client.client import omni_inputs, stream_infer
-
     values = {"text_input": "a red fox", "max_tokens": 4}
     assert list(stream_infer(url, MODEL, omni_inputs(grpcclient, values), timeout_s=DEADLINE_S))
 
@@ -62,14 +59,7 @@ def test_the_engines_first_instance_killed_under_load_and_the_model_serves_again
     [first] = [s for s in server_stubs(server.process.pid) if s.model == MODEL and engine in _children(s.pid)]
     with Load(generate, url) as load:
         time.sleep(1)
-        os.kill(first.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        while model_ready(server, MODEL) and time.monotonic() - killed < 10:
-            time.sleep(0.1)
-        noticed = time.monotonic() - killed
-        while not model_ready(server, MODEL) and time.monotonic() - killed < 240 and server.process.poll() is None:
-            time.sleep(0.2)
-        back = time.monotonic() - killed
+        noticed, back = kill_and_watch(server, MODEL, first.pid, timeout_s=240)
     print(f"{MODEL}: not ready after {noticed:.1f} s, serving again after {back:.1f} s; {load.sent} sent, "
           f"{load.succeeded} succeeded, errors: {sorted(set(e[:90] for e in load.errors))}")
     assert noticed <= 5 and model_ready(server, MODEL), f"not ready after {noticed:.1f} s, back after {back:.1f} s"

@@ -95,15 +95,7 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
     [stub, *_] = [s for s in server_stubs(supervised.process.pid) if s.model == model]
     with Load(CALLS[BYSTANDER[model]], url) as bystander, Load(CALLS[model], url) as victim:
         time.sleep(1)
-        os.kill(stub.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        while model_ready(supervised, model) and time.monotonic() - killed < 10:
-            time.sleep(0.1)
-        noticed = time.monotonic() - killed
-        alive = lambda: supervised.process.poll() is None  # noqa: E731
-        while not model_ready(supervised, model) and time.monotonic() - killed < 120 and alive():
-            time.sleep(0.2)
-        back = time.monotonic() - killed
+        noticed, back = kill_and_watch(supervised, model, stub.pid)
         time.sleep(1)
     xfail_if_triton_aborted_on_a_dead_stub(supervised)
     print(f"{model}: not ready after {noticed:.1f} s, serving again after {back:.1f} s; "
@@ -149,6 +141,18 @@ def test_an_omni_image_waiting_on_a_dying_diffusion_fails_fast(supervised):
     assert not thread.is_alive(), "the omni request hung"
     assert outcome == ["UNAVAILABLE"] and answered < 10, (outcome, answered)
     wait_until_ready(supervised, "diffusion")  # back, for the tests after this one
+
+
+def kill_and_watch(server, model: str, pid: int, timeout_s: float = 120) -> tuple[float, float]:
+    """SIGKILL a stub of ``model``: (seconds until the model is not ready, until it is ready again)."""
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while model_ready(server, model) and time.monotonic() - killed < 10:
+        time.sleep(0.1)
+    noticed = time.monotonic() - killed
+    while not model_ready(server, model) and time.monotonic() - killed < timeout_s and server.process.poll() is None:
+        time.sleep(0.2)
+    return noticed, time.monotonic() - killed
 
 
 def wait_until_ready(server, model: str, timeout_s: float = 120) -> None:
