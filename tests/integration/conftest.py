@@ -8,7 +8,7 @@ batching padded to a fixed size (the default is step batching),
 ``diffusion_pair``, two instances of the default ``diffusion``
 (``diffusion_pair_small``: with room for two guided requests each),
 ``diffusion_stream``, the default ``diffusion`` decoupled (per-step progress),
-``ar_shared``, two ``ar`` instances in front of one vLLM engine core, and
+``ar_shared`` and ``ar_encoder_shared``, two instances in front of one vLLM engine core, and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
 one prompt's embeddings. Helpers live in
 ``tests/support/server.py``.
@@ -47,6 +47,8 @@ def server(tmp_path_factory):
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_shared", parameters={"instances_per_engine": "2"},
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
+    copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_shared",
+               parameters={"instances_per_engine": "2"}, instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "omni", variants, "omni_small_budget",
                parameters={"max_embeds_bytes_in_flight": "1000", "admission_policy": "reject"})
     log_file = Path(os.environ.get("TRITON_OMNI_TEST_LOG", tmp_path_factory.mktemp("logs") / "tritonserver.log"))

@@ -1,7 +1,8 @@
 """Two `ar` instances in front of one vLLM engine core (`instances_per_engine: 2`,
 the variant `ar_shared`), on the real server with vLLM on the CPU: one engine
 process serves both stubs, every request gets the text the model's own
-engine gives it, and cancelling one stream leaves the others running."""
+engine gives it, and cancelling one stream leaves the others running.
+`ar_encoder_shared` likewise encodes as `ar_encoder` does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+from triton_omni_client import OmniClient
 
 from tests.integration import test_ar_batching
 from tests.integration.test_ar_batching import text
@@ -55,3 +58,12 @@ def test_concurrent_requests_get_the_text_of_the_models_own_engine(grpc_url):
 @pytest.mark.parametrize("model", [MODEL])
 def test_cancelling_a_stream_on_a_shared_engine_leaves_the_others_running(grpc_url, model):
     test_ar_batching.test_cancelling_one_stream_leaves_the_others_running(grpc_url, model)
+
+
+def test_a_shared_encoder_engine_returns_the_embeddings_of_the_models_own(grpc_url):
+    prompts = ["a red fox", "an astronaut rides a horse on the moon", "watercolor", "a robot reads a book"] * 2
+    client = OmniClient(grpc_url, "grpc")
+    with ThreadPoolExecutor(8) as pool:
+        shared = list(pool.map(lambda p: client.encode(p, model="ar_encoder_shared"), prompts))
+    for prompt, embeds in zip(prompts, shared, strict=True):
+        np.testing.assert_allclose(embeds, client.encode(prompt, model="ar_encoder"), rtol=1e-4, atol=1e-4)
