@@ -50,6 +50,9 @@ def test_a_seat_whose_holder_died_is_free_and_a_released_one_too(tmp_path):
     assert (second.frontend, second.token) == (1, first.token)
     second.release()
     assert take_seat(tmp_path, 2).frontend == 1
+    first.record_engine([12345])
+    first.release()
+    assert not first.engine_pid_file.exists()
 
 
 def test_a_later_frontend_waits_for_its_first_frontend_and_says_why_it_gave_up(tmp_path):

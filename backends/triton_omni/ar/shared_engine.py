@@ -84,11 +84,14 @@ class EngineSeat:
         self.engine_pid_file.write_text(" ".join(str(pid) for pid in pids))
 
     def release(self) -> None:
-        """Give the seat back (a later load of the model takes it again)."""
+        """Give the seat back (a later load of the model takes it again); the
+        first frontend, whose engine core has stopped by then, forgets its pids."""
         path = self.folder / f"seat{self.engine * self.frontends + self.frontend}"
         with _locked(self.folder), contextlib.suppress(FileNotFoundError):
             if _holder(path)[0] == os.getpid():
                 path.unlink()
+                if self.starts_engine:
+                    self.engine_pid_file.unlink()
 
 
 def take_seat(folder: Path, frontends: int, timeout_s: float = 600.0) -> EngineSeat:
