@@ -194,12 +194,17 @@ def test_cancelling_the_stream_stops_the_diffusion_work(server):
     steps = lambda: metric_value(server, "omni_diffusion_steps_total", model="diffusion")  # noqa: E731
     cancelled = lambda: metric_value(server, "omni_diffusion_requests_total", model="diffusion",  # noqa: E731
                                      outcome="cancelled")
-    cancelled_before = cancelled()
+    succeeded = lambda: metric_value(server, "omni_diffusion_requests_total", model="diffusion",  # noqa: E731
+                                     outcome="success")
+    cancelled_before, succeeded_before = cancelled(), succeeded()
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    # 100 steps at 256x256: tens of seconds on the 2-core CI machine, so that the image cannot finish
+    # before the cancellation reaches it (at 64x64 it once did, and the test read "never cancelled")
     client.async_stream_infer("omni", omni_inputs(grpcclient, {
-        "text_input": "a long walk", "modalities": ["image"], "stream": True, "num_inference_steps": 100}))
+        "text_input": "a long walk", "modalities": ["image"], "stream": True, "num_inference_steps": 100,
+        "height": 256, "width": 256}))
     while True:  # wait until diffusion is under way
         result, error = responses.get(timeout=120)
         assert error is None, error
@@ -210,7 +215,8 @@ def test_cancelling_the_stream_stops_the_diffusion_work(server):
     client.close()
     deadline = time.monotonic() + 30
     while cancelled() < cancelled_before + 1:
-        assert time.monotonic() < deadline, "the diffusion request was never cancelled"
+        assert time.monotonic() < deadline, \
+            f"the diffusion request was never cancelled ({succeeded() - succeeded_before:g} succeeded meanwhile)"
         time.sleep(0.1)
     settled = steps()
     time.sleep(1.0)
