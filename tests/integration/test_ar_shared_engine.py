@@ -6,45 +6,29 @@ engine gives it, and cancelling one stream leaves the others running.
 
 from __future__ import annotations
 
-import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from triton_omni_client import OmniClient
+from triton_omni_tools.supervisor import server_stubs
 
 from tests.integration import test_ar_batching
 from tests.integration.test_ar_batching import text
+from tests.support.server import children, engine_cores
 
 MODEL = "ar_shared"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _stubs(server, model: str) -> list[int]:
-    """The model's stub processes (their command line names the model's instances)."""
-    return [pid for pid in _children(server.process.pid) if f" {model}_0_" in _cmdline(pid)]
-
-
 def test_one_engine_core_serves_both_instances(server):
-    stubs = _stubs(server, MODEL)
-    assert len(stubs) == 2, [_cmdline(pid) for pid in _children(server.process.pid)]
-    engines = {stub: [c for c in _children(stub) if _cmdline(c).startswith("VLLM")] for stub in stubs}
+    stubs = [stub.pid for stub in server_stubs(server.process.pid) if stub.model == MODEL]
+    assert len(stubs) == 2, stubs
+    cores = set(engine_cores(server))
+    engines = {stub: children(stub) & cores for stub in stubs}
     assert sorted(len(found) for found in engines.values()) == [0, 1], engines  # the first instance started it
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"triton-omni-engines-{server.process.pid}" / f"{MODEL}-cpu"
+    folder = Path(tempfile.gettempdir()) / f"triton-omni-engines-{server.process.pid}" / f"{MODEL}-cpu"
     sockets = sorted(path.name.split("-")[-1] for path in folder.glob("e0-*"))
     assert sockets == ["in0", "in1", "out0", "out1"]  # both frontends bound theirs
 

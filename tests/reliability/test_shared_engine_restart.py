@@ -8,18 +8,17 @@ instances in front of one engine")."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 from triton_omni.demo_models import build_all
 from triton_omni_client.client import omni_inputs, stream_infer
-from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port, process_group
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_model
 from triton_omni_tools.supervisor import server_stubs
 
 from tests.reliability.test_stub_restart import DEADLINE_S, Load, kill_and_watch
-from tests.support.server import model_ready
+from tests.support.server import children, engine_cores, model_ready
 
 MODEL = "ar_shared"
 
@@ -43,20 +42,11 @@ def server(tmp_path_factory):
         yield triton
 
 
-def _engines(server) -> list[int]:
-    return [pid for pid in process_group(server.process.pid)
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
-
-
-def _children(pid: int) -> set[int]:
-    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
-
-
 def test_the_engines_first_instance_killed_under_load_and_the_model_serves_again(server):
     url = server.grpc_url
     generate(url)
-    [engine] = _engines(server)
-    [first] = [s for s in server_stubs(server.process.pid) if s.model == MODEL and engine in _children(s.pid)]
+    [engine] = engine_cores(server)
+    [first] = [s for s in server_stubs(server.process.pid) if s.model == MODEL and engine in children(s.pid)]
     with Load(generate, url) as load:
         time.sleep(1)
         noticed, back = kill_and_watch(server, MODEL, first.pid, timeout_s=240)
@@ -65,5 +55,5 @@ def test_the_engines_first_instance_killed_under_load_and_the_model_serves_again
     assert noticed <= 5 and model_ready(server, MODEL), f"not ready after {noticed:.1f} s, back after {back:.1f} s"
     generate(url)
     assert load.sent == load.succeeded + len(load.errors)  # every request answered, none hanging
-    engines = _engines(server)
+    engines = engine_cores(server)
     assert len(engines) == 1 and engine not in engines, f"engine cores now {engines}, the old one was {engine}"

@@ -34,6 +34,17 @@ def _cmdline(pid: int) -> str:
         return str(pid)
 
 
+def children(pid: int) -> set[int]:
+    """The child processes of ``pid`` (of all its threads)."""
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def engine_cores(server: TritonServer) -> list[int]:
+    """The vLLM engine core processes the server's stubs started."""
+    return [pid for pid in process_group(server.process.pid)
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
+
+
 def require_alive(server: TritonServer) -> None:
     """Stop the whole run, showing the server's last log lines, once the
     server has died: every later test would only fail with 'connection refused'."""

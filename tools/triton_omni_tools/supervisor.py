@@ -197,8 +197,9 @@ class Supervisor:
         """Stubs seen last round that are gone now and left their shared memory
         behind: killed, where a sibling instance of their model lives on (a model
         with several instances, or several instances sharing one vLLM engine)."""
-        gone = [stub for pid, stub in self._last_seen.items() if pid not in {s.pid for s in stubs}]
-        self._last_seen = {stub.pid: stub for stub in stubs}
+        current = {stub.pid: stub for stub in stubs}
+        gone = [stub for pid, stub in self._last_seen.items() if pid not in current]
+        self._last_seen = current
         return [stub for stub in gone if Path("/dev/shm", stub.region).exists()]
 
     def restart(self, model: str, stubs: list[Stub], gone: list[Stub] = ()) -> None:

@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_omni.processes import alive
+
 logger = logging.getLogger(__name__)
 
 MAX_SOCKET_PATH = 107  # bytes in a Unix socket path (sun_path), less its terminator
@@ -77,7 +79,7 @@ class EngineSeat:
 
     @property
     def engine_pid_file(self) -> Path:
-        return self.folder / f"e{self.engine}.pids"
+        return _pid_file(self.folder, self.engine)
 
     def record_engine(self, pids: list[int]) -> None:
         """The first frontend: the engine core's processes, for the others to watch."""
@@ -86,7 +88,7 @@ class EngineSeat:
     def release(self) -> None:
         """Give the seat back (a later load of the model takes it again); the
         first frontend, whose engine core has stopped by then, forgets its pids."""
-        path = self.folder / f"seat{self.engine * self.frontends + self.frontend}"
+        path = _seat_file(self.folder, self.engine * self.frontends + self.frontend)
         with _locked(self.folder), contextlib.suppress(FileNotFoundError):
             if _holder(path)[0] == os.getpid():
                 path.unlink()
@@ -107,15 +109,15 @@ def take_seat(folder: Path, frontends: int, timeout_s: float = 600.0) -> EngineS
                          f"({longest} > {MAX_SOCKET_PATH} bytes): set TMPDIR to a shorter folder")
     with _locked(folder):
         seat = 0
-        while _alive(_holder(folder / f"seat{seat}")[0]):
+        while alive(_holder(_seat_file(folder, seat))[0]):
             seat += 1
         engine, frontend = divmod(seat, frontends)
         token = secrets.token_hex(4) if frontend == 0 else ""
-        (folder / f"seat{seat}").write_text(f"{os.getpid()} {token}")
+        _seat_file(folder, seat).write_text(f"{os.getpid()} {token}")
         if frontend == 0:
-            _end_leftover_engine(folder / f"e{engine}.pids")
+            _end_leftover_engine(_pid_file(folder, engine))
     if frontend > 0:
-        token = _first_frontend_token(folder / f"seat{engine * frontends}", timeout_s)
+        token = _first_frontend_token(_seat_file(folder, engine * frontends), timeout_s)
     return EngineSeat(folder, engine, frontend, frontends, token)
 
 
@@ -127,7 +129,7 @@ def watch_engine(seat: EngineSeat, on_exit, poll_s: float = 1.0) -> threading.Ev
 
     def watch() -> None:
         while not stop.wait(poll_s):
-            if not all(_alive(pid) for pid in pids):
+            if not all(alive(pid) for pid in pids):
                 logger.error("the shared vLLM engine core (pids %s) is gone; failing this frontend's requests", pids)
                 on_exit()
                 return
@@ -146,6 +148,14 @@ def _locked(folder: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _seat_file(folder: Path, seat: int) -> Path:
+    return folder / f"seat{seat}"
+
+
+def _pid_file(folder: Path, engine: int) -> Path:
+    return folder / f"e{engine}.pids"
+
+
 def _holder(path: Path) -> tuple[int | None, str]:
     """(pid, token) of a seat file; (None, "") when there is none."""
     try:
@@ -159,7 +169,7 @@ def _first_frontend_token(path: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         pid, token = _holder(path)
-        if _alive(pid) and token:
+        if alive(pid) and token:
             return token
         if time.monotonic() > deadline:
             raise TimeoutError(f"no first frontend took {path} in {timeout_s:.0f} s: its engine core never started "
@@ -173,18 +183,7 @@ def _end_leftover_engine(pid_file: Path) -> None:
         for pid in (int(p) for p in pid_file.read_text().split()):
             with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
                 name = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if _alive(pid) and name.startswith(b"VLLM"):  # vLLM titles its processes VLLM::EngineCore
+                if alive(pid) and name.startswith(b"VLLM"):  # vLLM titles its processes VLLM::EngineCore
                     logger.warning("ending vLLM engine core %d, left behind by a frontend that died", pid)
                     os.kill(pid, signal.SIGKILL)
         pid_file.unlink()
-
-
-def _alive(pid: int | None) -> bool:
-    """A live process (a zombie counts as gone: its stub is dead)."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False

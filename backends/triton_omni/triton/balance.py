@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from triton_omni.processes import alive
+
 _RECORD = struct.Struct("<qq")  # (pid, load)
 
 
@@ -85,7 +87,7 @@ class InstanceLoads:
             if record is None:
                 continue
             pid, load = record
-            if _alive(pid):
+            if alive(pid):
                 loads.append(load)
             else:  # a killed stub leaves its file; a restarted instance writes a new pid
                 _unlink(entry.path)
@@ -132,15 +134,6 @@ def _read(path: str) -> tuple[int, int] | None:
     return _RECORD.unpack(data) if len(data) == _RECORD.size else None
 
 
-def _alive(pid: int) -> bool:
-    """Running: not gone, and not a zombie (a killed stub stays one until the server reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
 def _unlink(path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
@@ -150,5 +143,5 @@ def _remove_stale(root: Path, server_pid: int) -> None:
     """Folders of servers that are gone (killed before their stubs cleaned up)."""
     for folder in root.glob("triton-omni-load-*"):
         pid = folder.name.removeprefix("triton-omni-load-").split("-", 1)[0]
-        if pid.isdigit() and int(pid) != server_pid and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != server_pid and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
