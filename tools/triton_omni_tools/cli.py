@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="the Triton side's placement, as for serve (e.g. ar=0x2: two ar engines on GPU 0; "
                        "ar=0x2:shared: two ar instances in front of one engine); "
                        "the direct side is one engine either way")
+    bench.add_argument("--pairs", type=int, default=3,
+                       help="closed loop: direct/triton pairs per point, back to back, where both sides fit on the "
+                            "GPU at once (on CPU, always); the report takes the median ratio (default 3)")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -273,7 +276,7 @@ def _bench(args) -> int:
         scaling.run(preset, args.preset, parts(args.gpus, int), out, parts(args.concurrency, int))
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
-        diffusion_batching=args.diffusion_batching, placement=args.place)
+        diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs)
     return 0
 
 

@@ -320,14 +320,18 @@ class TritonServer:
         cmd += [f"--load-model={name}" for name in load_models]
         return cmd + opts.extra_args
 
-    def check_memory_plan(self) -> None:
-        """Refuse to start when the models' GPU shares do not fit (memory_plan.py)."""
+    def memory_shares(self) -> list[memory_plan.Share]:
+        """The GPU shares of the models this server loads (none without a GPU)."""
         gpus = gpu_count()
         if gpus == 0:
-            return
+            return []
         mode, load_models = self.control
-        shares = memory_plan.plan(self.repositories,
-                                  load_models if mode == "explicit" and "*" not in load_models else None, gpus)
+        return memory_plan.plan(self.repositories,
+                                load_models if mode == "explicit" and "*" not in load_models else None, gpus)
+
+    def check_memory_plan(self) -> None:
+        """Refuse to start when the models' GPU shares do not fit (memory_plan.py)."""
+        shares = self.memory_shares()
         memory_plan.check(shares)
         if shares:
             logger.info("%s", memory_plan.describe(shares))

@@ -5,13 +5,14 @@ that measures both and hands the points to the report."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class Point:
     # Triton side: the cores each model's stub process kept busy in the window (its CPU seconds over the
     # window's): near 1.0, a stub's Python thread (the GIL) is what limits it.
     stub_cores: dict[str, float] | None = None
+    turn: int = 0  # which of the point's direct/triton pairs this is (run(): pairs)
 
     @property
     def throughput(self) -> float:
@@ -60,7 +62,7 @@ class Point:
                    "requests": self.requests, "throughput_per_s": self.throughput,
                    "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
                    "mean_batch": self.mean_batch, "server": self.server, "counters": self.counters,
-                   "stub_cores": self.stub_cores}
+                   "stub_cores": self.stub_cores, "turn": self.turn}
         if self.streams is not None:
             ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
             itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
@@ -131,6 +133,12 @@ class Direct:
         self.diffusion = DiffusionRunner(diffusion_config) if needs - {*GENERATION_WORKLOADS, "ar_encoder"} \
             else None
         self.embeds = self._encode(1)[0] if self.encoder else None
+
+    def gpu_share(self) -> float:
+        """The GPU memory shares of the runners held here, added up (they run on GPU 0)."""
+        held = [*self.generators, *(["ar_encoder"] if self.encoder else []),
+                *(["diffusion"] if self.diffusion else [])]
+        return sum(gpu_share(model) or 0.0 for model in held)
 
     def _encode(self, n: int) -> list:
         from triton_omni.ar import EncodeRequest
@@ -228,6 +236,21 @@ class Direct:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def measure_direct_points(direct: Direct, preset: Preset, workload: str, concurrency: int,
+                          references: bool = True) -> Iterator[Point]:
+    """The direct side of one point, and (``references``) the reference
+    curves measured beside it: ``batch`` for ``ar_encoder``, ``eager`` for
+    diffusion with CUDA graphs."""
+    if workload in AR_WORKLOADS:  # closed-loop clients in the engine's own event loop
+        yield measure_direct_closed_loop(direct, workload, concurrency, preset.rounds_for(workload))
+        if references and workload == "ar_encoder":
+            yield measure_direct(direct, workload, concurrency, concurrency * preset.rounds_for(workload), side="batch")
+        return
+    yield measure_direct(direct, workload, concurrency, concurrency * preset.requests_per_worker)
+    if references and workload == "diffusion" and direct.diffusion.graphs is not None:
+        yield measure_eager(direct, concurrency, concurrency * preset.requests_per_worker)
 
 
 def measure_direct(direct: Direct, workload: str, concurrency: int, requests: int, side: str = "direct") -> Point:
@@ -560,9 +583,49 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
 # -- the run -------------------------------------------------------------------------
 
+DEFAULT_PAIRS = 3
+
+
+def crowded_gpu(direct_share: float, server_shares: list) -> str | None:
+    """Why the direct side's runners cannot stay loaded beside the server's
+    models (on GPU 0, where the direct side runs); None when they fit."""
+    from triton_omni_tools.memory_plan import MAX_TOTAL_SHARE
+
+    server = sum(s.total for s in server_shares if s.gpu == 0)
+    if direct_share + server <= MAX_TOTAL_SHARE + 1e-9:
+        return None
+    return (f"the direct side's GPU share {direct_share:.2f} and the server's {server:.2f} add up to more than "
+            f"{MAX_TOTAL_SHARE}")
+
+
+def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: int,
+          triton: Callable[[], Point]) -> Iterator[Point]:
+    """One direct/triton pair of a point, direct first on even turns (the
+    references with the first), triton alone where the direct side is gone."""
+    direct_points = (lambda: measure_direct_points(direct, preset, workload, c, references=turn == 0)) \
+        if direct is not None else (lambda: iter(()))
+    if turn % 2 == 0:
+        yield from direct_points()
+        yield triton()
+    else:
+        yield triton()
+        yield from direct_points()
+
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
-        out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None) -> list[dict]:
+        out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
+        pairs: int = DEFAULT_PAIRS) -> list[dict]:
+    """Measure every point of the preset on both sides and report them.
+
+    Where the direct side's runners fit on the GPU beside the server's (on
+    CPU, always), each point is measured as ``pairs`` direct/triton pairs,
+    back to back, the order alternating (direct first, then triton first, ...),
+    and the report takes the median of the pairs' ratios. Why: this host's
+    throughput drifts by 10-35 % over minutes (docs/benchmarks.md), so a
+    direct figure taken a quarter of an hour before its Triton figure made
+    single ratios move by +-15 % between runs. Otherwise (a full realistic
+    run: every stage twice does not fit one GPU) the direct side runs first
+    and is freed before the server starts."""
     import torch
     from triton_omni.demo_models import resolve_model
 
@@ -589,36 +652,42 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         (out_dir / "points.json").write_text(json.dumps([p.summary() for p in points], indent=2))
 
     print(f"== direct ({device})", flush=True)
-    direct = Direct(preset, device)
+    direct: Direct | None = Direct(preset, device)
     embeds = direct.embeds.float().cpu().numpy() if direct.embeds is not None else None
-    for workload in preset.workloads:
-        for c in preset.concurrency_for(workload):
-            if workload in AR_WORKLOADS:  # closed-loop clients in the engine's own event loop
-                record(measure_direct_closed_loop(direct, workload, c, preset.rounds_for(workload)))
-                if workload == "ar_encoder":
-                    record(measure_direct(direct, workload, c, c * preset.rounds_for(workload), side="batch"))
-                continue
-            record(measure_direct(direct, workload, c, c * preset.requests_per_worker))
-            if workload == "diffusion" and direct.diffusion.graphs is not None:
-                record(measure_eager(direct, c, c * preset.requests_per_worker))
-    direct.close()
-    del direct
-
-    print("== triton", flush=True)
     with tempfile.TemporaryDirectory(prefix="omni-bench-") as tmp:
         options = ServerOptions(model_repositories=bench_repository(preset, Path(tmp)), http_port=18100,
                                 grpc_port=18101, metrics_port=18102, log_file=out_dir / "server.log",
                                 model_control_mode="explicit", load_models=models_for(preset.workloads),
                                 placement=placement or [])
-        with TritonServer(options) as server:
+        server = TritonServer(options)
+        crowded = crowded_gpu(direct.gpu_share(), server.memory_shares())
+        if crowded:  # the direct side first, freed before the server starts
+            print(f"   one side at a time: {crowded}", flush=True)
             for workload in preset.workloads:
                 for c in preset.concurrency_for(workload):
-                    record(measure_triton(server.grpc_url, preset, embeds, workload, c, server.metrics_url,
-                                          server.process.pid))
+                    for point in measure_direct_points(direct, preset, workload, c):
+                        record(point)
+            direct.close()
+            direct, pairs = None, 1
+        print("== triton" + (f", each point in {pairs} direct/triton pairs" if direct else ""), flush=True)
+        try:
+            with server:
+                for workload in preset.workloads:
+                    for c in preset.concurrency_for(workload):
+                        triton = functools.partial(measure_triton, server.grpc_url, preset, embeds, workload, c,
+                                                   server.metrics_url, server.process.pid)
+                        for turn in range(pairs):
+                            for point in _pair(direct, preset, workload, c, turn, triton):
+                                point.turn = turn
+                                record(point)
+        finally:
+            if direct is not None:
+                direct.close()
 
     rows = table(points)
     (out_dir / "bench.json").write_text(json.dumps(
-        {"preset": asdict(preset), "device": device_name(), "placement": placement or [], "rows": rows,
+        {"preset": asdict(preset), "device": device_name(), "placement": placement or [], "pairs": pairs,
+         "rows": rows,
          "points": [p.summary() for p in points]}, indent=2))
     plot(rows, out_dir / "bench.png", f"omni-triton bench --preset {preset_name} ({device_name()})")
     print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")

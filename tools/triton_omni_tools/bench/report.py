@@ -41,17 +41,26 @@ REFERENCES = {
 
 
 def table(points: list) -> list[dict]:
-    by_key = {(p.workload, p.concurrency, p.side): p.summary() for p in points}
+    """One row per (workload, concurrency). A point measured as several
+    direct/triton pairs (``Point.turn``) reports the median of the pairs'
+    ratios, and the median of each side's figures; ``ratios`` lists them."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for p in points:
+        by_key.setdefault((p.workload, p.concurrency, p.side), {})[p.turn] = p.summary()
     rows = []
     header = (f"{'workload':<14}{'conc':>5}{'direct/s':>10}{'triton/s':>10}{'ratio':>7}"
-              f"{'direct p50':>12}{'triton p50':>12}{'direct p99':>12}{'triton p99':>12}")
+              f"{'direct p50':>12}{'triton p50':>12}{'direct p99':>12}{'triton p99':>12}  pairs")
     print("\n" + header + "\n" + "-" * len(header))
-    for (workload, c, side), d in by_key.items():
-        t = by_key.get((workload, c, "triton"))
-        if side != "direct" or t is None:
+    for (workload, c, side), direct_turns in by_key.items():
+        triton_turns = by_key.get((workload, c, "triton"))
+        turns = sorted(direct_turns.keys() & triton_turns.keys()) if side == "direct" and triton_turns else []
+        if not turns:  # a reference curve, or a point cut short
             continue
+        direct, triton = [direct_turns[t] for t in turns], [triton_turns[t] for t in turns]
+        ratios = [t["throughput_per_s"] / d["throughput_per_s"] for d, t in zip(direct, triton, strict=True)]
+        d, t = _median_summary(direct), _median_summary(triton)
         row = {"workload": workload, "concurrency": c, "direct_per_s": d["throughput_per_s"],
-               "triton_per_s": t["throughput_per_s"], "ratio": t["throughput_per_s"] / d["throughput_per_s"],
+               "triton_per_s": t["throughput_per_s"], "ratio": float(np.median(ratios)), "ratios": ratios,
                "direct_p50_ms": d["p50_ms"], "triton_p50_ms": t["p50_ms"],
                "direct_p99_ms": d["p99_ms"], "triton_p99_ms": t["p99_ms"]}
         if d.get("unit") == "tokens":
@@ -60,12 +69,14 @@ def table(points: list) -> list[dict]:
                                          for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
         for reference in REFERENCES:
             if (measured := by_key.get((workload, c, reference))) is not None:
-                row |= {f"{reference}_per_s": measured["throughput_per_s"],
-                        f"ratio_to_{reference}": t["throughput_per_s"] / measured["throughput_per_s"]}
+                ref = _median_summary(list(measured.values()))
+                row |= {f"{reference}_per_s": ref["throughput_per_s"],
+                        f"ratio_to_{reference}": t["throughput_per_s"] / ref["throughput_per_s"]}
         rows.append(row)
+        spread = " ".join(f"{r:.2f}" for r in ratios) if len(ratios) > 1 else ""
         print(f"{workload:<14}{c:>5}{row['direct_per_s']:>10.2f}{row['triton_per_s']:>10.2f}{row['ratio']:>7.2f}"
               f"{row['direct_p50_ms']:>12.1f}{row['triton_p50_ms']:>12.1f}{row['direct_p99_ms']:>12.1f}"
-              f"{row['triton_p99_ms']:>12.1f}")
+              f"{row['triton_p99_ms']:>12.1f}  {spread}")
     generation_table(rows)
     for reference, meaning in REFERENCES.items():
         measured = [r for r in rows if f"{reference}_per_s" in r]
@@ -76,6 +87,17 @@ def table(points: list) -> list[dict]:
                   f"direct {r['direct_per_s']:.2f}/s  triton {r['triton_per_s']:.2f}/s  "
                   f"triton/{reference} {r[f'ratio_to_{reference}']:.2f}")
     return rows
+
+
+def _median_summary(summaries: list[dict]) -> dict:
+    """Each numeric figure's median over a point's turns (one turn: itself)."""
+    if len(summaries) == 1:
+        return summaries[0]
+    merged = dict(summaries[0])
+    for key, value in merged.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "turn":
+            merged[key] = float(np.median([s[key] for s in summaries]))
+    return merged
 
 
 def generation_table(rows: list[dict]) -> None:

@@ -1,0 +1,24 @@
+"""``omni-triton bench`` (the closed loop) end to end on the tiny preset, cut
+short: the direct side stays loaded beside the server, and each point is
+measured as direct/triton pairs in alternating order. The figures are a
+functional check here (a 2-core CPU); docs/benchmarks.md has the GPU runs."""
+
+from __future__ import annotations
+
+import json
+
+from triton_omni_tools.bench import run
+
+
+def test_closed_loop_bench_measures_each_point_in_alternating_pairs(tmp_path):
+    [row] = run("tiny", concurrency=(2,), workloads=("ar",), out_dir=tmp_path, pairs=2)
+
+    points = json.loads((tmp_path / "points.json").read_text())
+    # direct first in the first pair, triton first in the second: drift over the run cancels out
+    assert [(p["side"], p["turn"]) for p in points] == [("direct", 0), ("triton", 0), ("triton", 1), ("direct", 1)]
+    assert all(p["unit"] == "tokens" and p["throughput_per_s"] > 0 for p in points)
+    assert all(p["stub_cores"] for p in points if p["side"] == "triton")  # measured in the window
+    assert row["workload"] == "ar" and row["concurrency"] == 2 and len(row["ratios"]) == 2
+    assert min(row["ratios"]) <= row["ratio"] <= max(row["ratios"])
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["pairs"] == 2 and report["rows"] == [row]

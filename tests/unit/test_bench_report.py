@@ -1,0 +1,51 @@
+"""The bench report's arithmetic: pairs of a point, and when both sides fit on the GPU."""
+
+from __future__ import annotations
+
+from triton_omni_tools.bench.harness import Point, Stream, crowded_gpu
+from triton_omni_tools.bench.report import table
+from triton_omni_tools.memory_plan import Share
+
+
+def _point(side: str, turn: int, seconds: float, workload: str = "ar_encoder") -> Point:
+    point = Point(workload, 8, side, 100, seconds, [0.01] * 100)
+    point.turn = turn
+    return point
+
+
+def test_a_point_in_pairs_reports_the_median_ratio_of_its_pairs():
+    # direct drifts from 100/s to 50/s over the run; triton stays 0.9 of it within each pair
+    points = [_point("direct", 0, 1.0), _point("triton", 0, 1 / 0.9), _point("batch", 0, 0.5),
+              _point("triton", 1, 1 / 0.45), _point("direct", 1, 2.0),
+              _point("direct", 2, 1.25), _point("triton", 2, 1.25 / 0.95)]
+    [row] = table(points)
+    assert [round(r, 3) for r in row["ratios"]] == [0.9, 0.9, 0.95]
+    assert round(row["ratio"], 3) == 0.9  # the ratio of the two sides' medians would read 76/80 = 0.95
+    assert round(row["direct_per_s"], 1) == 80.0 and round(row["triton_per_s"], 1) == 76.0
+    assert round(row["batch_per_s"]) == 200 and row["concurrency"] == 8
+
+
+def test_a_point_cut_short_of_its_triton_side_has_no_row():
+    assert table([_point("direct", 0, 1.0), _point("triton", 0, 1.0), _point("direct", 1, 1.0)])[0]["ratios"] == [1.0]
+    assert table([_point("direct", 0, 1.0)]) == []
+
+
+def test_generation_rows_take_the_median_of_each_figure():
+    def stream_point(side: str, turn: int, ttft_s: float) -> Point:
+        streams = [Stream(ttft_s, [0.002] * 15, 16, ttft_s + 0.03)] * 4
+        point = Point("ar", 4, side, 4, 1.0, [s.latency_s for s in streams], streams=streams)
+        point.turn = turn
+        return point
+
+    [row] = table([stream_point("direct", t, 0.010) for t in range(3)]
+                  + [stream_point("triton", t, ttft) for t, ttft in enumerate((0.012, 0.030, 0.014))])
+    assert row["unit"] == "tokens" and row["ratios"] == [1.0, 1.0, 1.0]
+    assert round(row["triton_ttft_p50_ms"], 1) == 14.0 and round(row["direct_ttft_p50_ms"], 1) == 10.0
+
+
+def test_both_sides_stay_loaded_only_where_their_gpu_shares_fit():
+    server = [Share("ar", 0, 1, 0.3), Share("ar_encoder", 0, 1, 0.1), Share("ar", 1, 1, 0.5)]
+    assert crowded_gpu(0.4, server) is None  # 0.8 on GPU 0; GPU 1 is not the direct side's
+    assert crowded_gpu(0.0, []) is None  # CPU
+    why = crowded_gpu(0.85, server)
+    assert why is not None and "0.85" in why and "0.40" in why
