@@ -1,17 +1,68 @@
-"""Whether a process is alive, read from ``/proc`` (Linux), for the files that
-a model's instances share: load records, seats in front of a shared engine."""
+"""Which process is running, read from ``/proc`` (Linux), for the files that a
+model's instances share: load records, seats in front of a shared engine.
+
+A pid alone does not name a process for long: pids are reused, soon after a
+restart of the machine or its container, whose ``/tmp`` may outlive it. A
+seat file left by a server of an earlier boot named a pid that a live
+process had taken again; the new server's instances took it for a sibling,
+waited for it, and one of them ended a live engine core as "left behind"
+(the test suite's server hung at start-up). So each file names a process by
+its *identity*: its pid and its start time (clock ticks since boot).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 
-def alive(pid: int | None) -> bool:
-    """Running: not gone, and not a zombie (a killed stub stays one until the server reaps it)."""
-    if pid is None:
-        return False
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name; None when the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()  # the name may hold spaces and parentheses
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (field 22 of its stat); None when it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def alive(pid: int | None, started: int | None = None) -> bool:
+    """Running: not gone, and not a zombie (a killed stub stays one until the
+    server reaps it); with ``started``, the very process that started then,
+    not a later one that took its pid."""
+    if pid is None:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == "Z":
+        return False
+    return started is None or int(fields[19]) == started
+
+
+def identity(pid: int | None = None) -> str:
+    """``"<pid>-<start ticks>"`` of a running process (this one by default)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{start_ticks(pid)}"
+
+
+def identity_alive(ident: str) -> bool:
+    """Whether the process an ``identity`` names is still running."""
+    pid, _, started = ident.partition("-")
+    return pid.isdigit() and started.isdigit() and alive(int(pid), int(started))
+
+
+def server_folder(root: Path, prefix: str, server_pid: int | None = None) -> Path:
+    """``root/<prefix>-<server identity>``: the folder the instances of one
+    server share (``server_pid``: the tritonserver, the stub's parent). The
+    ``<prefix>-*`` folders of servers no longer running are removed first."""
+    server = identity(os.getppid() if server_pid is None else server_pid)
+    for folder in root.glob(f"{prefix}-*"):
+        owner = folder.name.removeprefix(f"{prefix}-")
+        if owner != server and not identity_alive("-".join(owner.split("-", 2)[:2])):
+            shutil.rmtree(folder, ignore_errors=True)
+    return root / f"{prefix}-{server}"

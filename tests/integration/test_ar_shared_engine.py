@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from triton_omni.processes import identity
 from triton_omni_client import OmniClient
 from triton_omni_tools.supervisor import server_stubs
 
@@ -28,7 +29,7 @@ def test_one_engine_core_serves_both_instances(server):
     cores = set(engine_cores(server))
     engines = {stub: children(stub) & cores for stub in stubs}
     assert sorted(len(found) for found in engines.values()) == [0, 1], engines  # the first instance started it
-    folder = Path(tempfile.gettempdir()) / f"triton-omni-engines-{server.process.pid}" / f"{MODEL}-cpu"
+    folder = Path(tempfile.gettempdir()) / f"triton-omni-engines-{identity(server.process.pid)}" / f"{MODEL}-cpu"
     sockets = sorted(path.name.split("-")[-1] for path in folder.glob("e0-*"))
     assert sockets == ["in0", "in1", "out0", "out1"]  # both frontends bound theirs
 

@@ -3,10 +3,13 @@ instance more loaded than its least loaded sibling holds ``execute``."""
 
 from __future__ import annotations
 
+import os
+import struct
 import subprocess
 import sys
 import threading
 
+from triton_omni.processes import identity, start_ticks
 from triton_omni.triton.balance import InstanceLoads
 
 
@@ -89,7 +92,23 @@ def test_the_last_instance_out_removes_the_folder(tmp_path):
 def test_folders_of_servers_that_are_gone_are_removed(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stale = tmp_path / f"triton-omni-load-{gone.pid}-diffusion"
-    stale.mkdir()
-    loads(tmp_path, "diffusion_0_0")
-    assert not stale.exists()
+    stale = tmp_path / f"triton-omni-load-{gone.pid}-1" / "diffusion"
+    reused = tmp_path / f"triton-omni-load-{os.getpid()}-{start_ticks(os.getpid()) - 1}" / "diffusion"  # a past boot
+    older = tmp_path / f"triton-omni-load-{gone.pid}-diffusion"  # this module's former layout
+    for folder in (stale, reused, older):
+        folder.mkdir(parents=True)
+    live = loads(tmp_path, "diffusion_0_0")
+    assert not stale.parent.exists() and not reused.parent.exists() and not older.exists()
+    assert live.folder == tmp_path / f"triton-omni-load-{identity(1)}" / "diffusion"
+
+
+def test_a_record_whose_pid_now_names_another_process_is_no_sibling(tmp_path):
+    """After a restart a left-over record's pid may be a live process again:
+    its start time tells them apart (a phantom sibling at load 0 made every
+    execute wait its max_hold_s)."""
+    live = loads(tmp_path, "diffusion_0_0")
+    live.add(3)
+    phantom = live.folder / f"diffusion_0_1.{os.getpid()}"
+    phantom.write_bytes(struct.pack("<qqq", os.getpid(), start_ticks(os.getpid()) + 1, 0))
+    assert live.siblings() == [] and not phantom.exists()
+    assert live.hold() == 0

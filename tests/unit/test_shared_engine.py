@@ -4,7 +4,6 @@ itself is shared for real in tests/integration/test_ar_shared_engine.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ import threading
 import pytest
 from triton_omni.ar import ArRunnerConfig
 from triton_omni.ar.shared_engine import take_seat, watch_engine
+from triton_omni.processes import identity, start_ticks
 
 from tests.support import fake_pb_utils
 
@@ -43,7 +43,7 @@ def test_each_instance_takes_its_own_seat_and_shares_the_first_frontends_token(t
 
 def test_a_seat_whose_holder_died_is_free_and_a_released_one_too(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / "seat0").write_text(f"{int(dead.stdout)} cafe0000")
+    (tmp_path / "seat0").write_text(f"{int(dead.stdout)}-1 cafe0000")
     first = take_seat(tmp_path, 2)
     assert (first.engine, first.frontend) == (0, 0) and first.token != "cafe0000"
     second = take_seat(tmp_path, 2)  # this process again: the next seat, the first one's token
@@ -55,8 +55,30 @@ def test_a_seat_whose_holder_died_is_free_and_a_released_one_too(tmp_path):
     assert not first.engine_pid_file.exists()
 
 
+def test_seats_and_engines_of_an_earlier_boot_whose_pids_were_reused_are_left_alone(tmp_path):
+    """Files left in /tmp by a server before a restart name pids that live
+    processes hold again: the seat is free, and the live process that took
+    the recorded engine pid (here one titled as vLLM's) is not killed. Seen:
+    the test suite's server hung at start-up, and a live engine core died."""
+    taken = subprocess.Popen(["VLLM::EngineCore", "60"], executable="/bin/sleep")
+    try:
+        earlier = f"{taken.pid}-{start_ticks(taken.pid) - 1}"  # the same pid, an earlier process
+        (tmp_path / "seat0").write_text(f"{earlier} cafe0000")
+        (tmp_path / "e0.pids").write_text(earlier)
+        seat = take_seat(tmp_path, 2)
+        assert (seat.engine, seat.frontend) == (0, 0) and seat.token != "cafe0000"
+        assert taken.poll() is None and not seat.engine_pid_file.exists()
+        seat.record_engine([taken.pid])  # the very process: a later first frontend ends it
+        seat.release()
+        (tmp_path / "e0.pids").write_text(identity(taken.pid))
+        take_seat(tmp_path, 2)
+        assert taken.wait(timeout=5) == -9
+    finally:
+        taken.kill()
+
+
 def test_a_later_frontend_waits_for_its_first_frontend_and_says_why_it_gave_up(tmp_path):
-    (tmp_path / "seat0").write_text(f"{os.getpid()} ")  # held, but no token: never a first frontend
+    (tmp_path / "seat0").write_text(f"{identity()} ")  # held, but no token: never a first frontend
     with pytest.raises(TimeoutError, match="instance count a multiple of instances_per_engine"):
         take_seat(tmp_path, 2, timeout_s=0.2)
 

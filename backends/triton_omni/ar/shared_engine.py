@@ -17,7 +17,9 @@ seat ``s`` is frontend ``s % frontends`` of engine ``s // frontends``. The
 first frontend of an engine starts the engine core, with every frontend's
 addresses, then connects as vLLM's own launcher would; the others connect
 to theirs and wait for the engine's "ready", which it sends each frontend
-as it comes up. A seat whose owner died is free again. The addresses carry
+as it comes up. A seat whose owner died is free again (a seat names its
+owner by pid and start time, ``triton_omni.processes``: a pid reused by
+another process does not keep it). The addresses carry
 a token the first frontend drew, so that an engine of an earlier load,
 left behind by a killed stub, never meets the new one's frontends.
 
@@ -44,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_omni.processes import alive
+from triton_omni.processes import identity, identity_alive
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +85,14 @@ class EngineSeat:
 
     def record_engine(self, pids: list[int]) -> None:
         """The first frontend: the engine core's processes, for the others to watch."""
-        self.engine_pid_file.write_text(" ".join(str(pid) for pid in pids))
+        self.engine_pid_file.write_text(" ".join(identity(pid) for pid in pids))
 
     def release(self) -> None:
         """Give the seat back (a later load of the model takes it again); the
         first frontend, whose engine core has stopped by then, forgets its pids."""
         path = _seat_file(self.folder, self.engine * self.frontends + self.frontend)
         with _locked(self.folder), contextlib.suppress(FileNotFoundError):
-            if _holder(path)[0] == os.getpid():
+            if _holder(path)[0] == identity():
                 path.unlink()
                 if self.starts_engine:
                     self.engine_pid_file.unlink()
@@ -109,11 +111,11 @@ def take_seat(folder: Path, frontends: int, timeout_s: float = 600.0) -> EngineS
                          f"({longest} > {MAX_SOCKET_PATH} bytes): set TMPDIR to a shorter folder")
     with _locked(folder):
         seat = 0
-        while alive(_holder(_seat_file(folder, seat))[0]):
+        while identity_alive(_holder(_seat_file(folder, seat))[0]):
             seat += 1
         engine, frontend = divmod(seat, frontends)
         token = secrets.token_hex(4) if frontend == 0 else ""
-        _seat_file(folder, seat).write_text(f"{os.getpid()} {token}")
+        _seat_file(folder, seat).write_text(f"{identity()} {token}")
         if frontend == 0:
             _end_leftover_engine(_pid_file(folder, engine))
     if frontend > 0:
@@ -125,12 +127,13 @@ def watch_engine(seat: EngineSeat, on_exit, poll_s: float = 1.0) -> threading.Ev
     """Call ``on_exit()`` once when an engine process of ``seat`` (its pids
     as the first frontend wrote them) is gone. Set the returned event to stop."""
     stop = threading.Event()
-    pids = [int(p) for p in seat.engine_pid_file.read_text().split()]
+    processes = seat.engine_pid_file.read_text().split()
 
     def watch() -> None:
         while not stop.wait(poll_s):
-            if not all(alive(pid) for pid in pids):
-                logger.error("the shared vLLM engine core (pids %s) is gone; failing this frontend's requests", pids)
+            if not all(identity_alive(process) for process in processes):
+                logger.error("the shared vLLM engine core (%s) is gone; failing this frontend's requests",
+                             " ".join(processes))
                 on_exit()
                 return
 
@@ -156,20 +159,20 @@ def _pid_file(folder: Path, engine: int) -> Path:
     return folder / f"e{engine}.pids"
 
 
-def _holder(path: Path) -> tuple[int | None, str]:
-    """(pid, token) of a seat file; (None, "") when there is none."""
+def _holder(path: Path) -> tuple[str, str]:
+    """(the holder's process identity, token) of a seat file; ("", "") when there is none."""
     try:
-        pid, token = path.read_text().split(" ")
-        return int(pid), token
+        holder, token = path.read_text().split(" ")
+        return holder, token
     except (FileNotFoundError, ValueError):
-        return None, ""
+        return "", ""
 
 
 def _first_frontend_token(path: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
-        pid, token = _holder(path)
-        if alive(pid) and token:
+        holder, token = _holder(path)
+        if identity_alive(holder) and token:
             return token
         if time.monotonic() > deadline:
             raise TimeoutError(f"no first frontend took {path} in {timeout_s:.0f} s: its engine core never started "
@@ -180,10 +183,12 @@ def _first_frontend_token(path: Path, timeout_s: float) -> str:
 def _end_leftover_engine(pid_file: Path) -> None:
     """Kill an engine core that a killed first frontend left behind (it holds GPU memory)."""
     with contextlib.suppress(FileNotFoundError, ValueError):
-        for pid in (int(p) for p in pid_file.read_text().split()):
+        for process in pid_file.read_text().split():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+                pid = int(process.split("-")[0])
                 name = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if alive(pid) and name.startswith(b"VLLM"):  # vLLM titles its processes VLLM::EngineCore
+                # that very process (not one that took its pid since), and vLLM's (VLLM::EngineCore)
+                if identity_alive(process) and name.startswith(b"VLLM"):
                     logger.warning("ending vLLM engine core %d, left behind by a frontend that died", pid)
                     os.kill(pid, signal.SIGKILL)
         pid_file.unlink()

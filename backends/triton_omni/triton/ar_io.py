@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERA
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
 from triton_omni.ar.shared_engine import EngineSeat, take_seat
+from triton_omni.processes import server_folder
 from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import Outputs, complete_config
 
@@ -84,7 +84,7 @@ def engine_seat(model_config: dict, config: ArRunnerConfig, placement: Placement
         if int(group.get("count", 1)) % frontends:
             raise ValueError(f"model {name!r}: instances_per_engine {frontends} needs an instance_group count (per "
                              f"GPU) that is a multiple of {frontends}; the config has count {group.get('count', 1)}")
-    folder = Path(tempfile.gettempdir()) / f"triton-omni-engines-{os.getppid()}" / f"{name}-{placement.label}"
+    folder = server_folder(Path(tempfile.gettempdir()), "triton-omni-engines") / f"{name}-{placement.label}"
     return take_seat(folder, frontends)
 
 

@@ -10,7 +10,10 @@ GPUs serving that way run one nearly empty while the other queues.
 
 How: each instance publishes its load (requests in its engine) in a small
 file, one per instance, in a folder under ``/dev/shm`` that the model's
-instances on this server share. After handing its requests over, an
+instances on this server share (``/dev/shm/triton-omni-load-<server>/<model>``;
+a record names its instance's process by pid and start time, so that a
+record left by a killed stub is never taken for a live sibling that reused
+its pid). After handing its requests over, an
 instance that carries more than the least loaded live sibling keeps
 ``execute`` until that is no longer so, so that Triton gives the next
 requests to a sibling: loads then differ by at most one (``slack``). With
@@ -37,16 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import struct
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from triton_omni.processes import alive
+from triton_omni.processes import alive, server_folder, start_ticks
 
-_RECORD = struct.Struct("<qq")  # (pid, load)
+_RECORD = struct.Struct("<qqq")  # (pid, start ticks, load)
 
 
 class InstanceLoads:
@@ -54,10 +56,9 @@ class InstanceLoads:
                  slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = 30.0, poll_s: float = 0.005):
         """``instance``: this instance's name (unique among the model's);
         ``server_pid``: the tritonserver the instances share (the stub's parent)."""
-        server_pid = os.getppid() if server_pid is None else server_pid
-        _remove_stale(root, server_pid)
-        self.folder = root / f"triton-omni-load-{server_pid}-{model}"
+        self.folder = server_folder(root, "triton-omni-load", server_pid) / model
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._started = start_ticks(os.getpid())
         # Triton names a group's instances alike on every GPU (diffusion_0_0 on GPU 0 and on GPU 1)
         self.name = f"{instance}.{os.getpid()}"
         self.slack, self.max_hold_s, self.max_full_hold_s, self.poll_s = slack, max_hold_s, max_full_hold_s, poll_s
@@ -86,8 +87,8 @@ class InstanceLoads:
             record = _read(entry.path)
             if record is None:
                 continue
-            pid, load = record
-            if alive(pid):
+            pid, started, load = record
+            if alive(pid, started):
                 loads.append(load)
             else:  # a killed stub leaves its file; a restarted instance writes a new pid
                 _unlink(entry.path)
@@ -118,14 +119,15 @@ class InstanceLoads:
     def close(self) -> None:
         os.close(self._fd)
         _unlink(self.folder / self.name)
-        with contextlib.suppress(OSError):  # the last instance out removes the folder
+        with contextlib.suppress(OSError):  # the last instance out removes the folder (and the server's)
             self.folder.rmdir()
+            self.folder.parent.rmdir()
 
     def _publish(self) -> None:
-        os.pwrite(self._fd, _RECORD.pack(os.getpid(), self._load), 0)
+        os.pwrite(self._fd, _RECORD.pack(os.getpid(), self._started, self._load), 0)
 
 
-def _read(path: str) -> tuple[int, int] | None:
+def _read(path: str) -> tuple[int, int, int] | None:
     try:
         with open(path, "rb") as file:
             data = file.read(_RECORD.size)
@@ -138,10 +140,3 @@ def _unlink(path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
 
-
-def _remove_stale(root: Path, server_pid: int) -> None:
-    """Folders of servers that are gone (killed before their stubs cleaned up)."""
-    for folder in root.glob("triton-omni-load-*"):
-        pid = folder.name.removeprefix("triton-omni-load-").split("-", 1)[0]
-        if pid.isdigit() and int(pid) != server_pid and not alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
