@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 from triton_omni_tools.bench.harness import Point, Stream, crowded_gpu
 from triton_omni_tools.bench.report import table
 from triton_omni_tools.memory_plan import Share
@@ -49,3 +52,21 @@ def test_both_sides_stay_loaded_only_where_their_gpu_shares_fit():
     assert crowded_gpu(0.0, []) is None  # CPU
     why = crowded_gpu(0.85, server)
     assert why is not None and "0.85" in why and "0.40" in why
+
+
+def test_the_cpu_window_counts_the_engine_cores_it_is_given_and_the_host():
+    import os
+    import subprocess
+
+    from triton_omni_tools.bench.cpu import CpuWindow, engine_cores
+
+    spinning = subprocess.Popen(["VLLM::EngineCore", "-c", "while True: pass"], executable=sys.executable)
+    try:
+        assert engine_cores(os.getpid(), children_only=True) == [spinning.pid]
+        window = CpuWindow([spinning.pid], server=os.getpid()).start()
+        time.sleep(1.0)
+        cores = window.stop()
+        assert 0.5 < cores["engine"] <= 1.05 and cores["host"] >= cores["engine"] - 0.05
+        assert cores["tritonserver"] < 0.5  # this process slept
+    finally:
+        spinning.kill()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from triton_omni_tools.bench.cpu import CpuWindow, engine_cores
 from triton_omni_tools.bench.presets import (
     AR_WORKLOADS,
     BATCH_SIZE_METRICS,
@@ -48,6 +49,8 @@ class Point:
     # window's): near 1.0, a stub's Python thread (the GIL) is what limits it.
     stub_cores: dict[str, float] | None = None
     turn: int = 0  # which of the point's direct/triton pairs this is (run(): pairs)
+    # AR stages: cores busy in the window (bench/cpu.py): the host, the engine cores, tritonserver itself
+    cores: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float:
@@ -62,7 +65,7 @@ class Point:
                    "requests": self.requests, "throughput_per_s": self.throughput,
                    "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
                    "mean_batch": self.mean_batch, "server": self.server, "counters": self.counters,
-                   "stub_cores": self.stub_cores, "turn": self.turn}
+                   "stub_cores": self.stub_cores, "cores": self.cores, "turn": self.turn}
         if self.streams is not None:
             ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
             itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
@@ -279,13 +282,17 @@ def measure_direct_closed_loop(direct: Direct, workload: str, concurrency: int, 
         return [s for streams in await asyncio.gather(*(client() for _ in range(concurrency))) for s in streams]
 
     loop.run(clients(1))
+    cpu = CpuWindow(engine_cores(os.getpid(), children_only=True)).start()
     start = time.perf_counter()
     results = loop.run(clients(per_worker), timeout=3600)
     seconds = time.perf_counter() - start
     if workload not in GENERATION_WORKLOADS:  # latencies
-        return Point(workload, concurrency, "direct", len(results), seconds, results)
-    return Point(workload, concurrency, "direct", len(results), seconds, [s.latency_s for s in results],
-                 streams=results)
+        point = Point(workload, concurrency, "direct", len(results), seconds, results)
+    else:
+        point = Point(workload, concurrency, "direct", len(results), seconds, [s.latency_s for s in results],
+                      streams=results)
+    point.cores = cpu.stop()
+    return point
 
 
 def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
@@ -394,10 +401,12 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
         ready.get()
     metrics_before, stats_before = _metrics_text(metrics_url), _server_stats(url, workload)
     cpu_before = stub_cpu_seconds(server_pid) if server_pid else {}
+    cpu = CpuWindow(engine_cores(server_pid), server_pid).start() if server_pid else None
     start = time.time()
     go.set()
     outcomes = [results.get() for _ in workers]
     cpu_after, window = stub_cpu_seconds(server_pid) if server_pid else {}, time.time() - start
+    cores = cpu.stop() if cpu else None
     for worker in workers:
         worker.join()
     errors = [error for *_, error in outcomes if error]
@@ -410,6 +419,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     metrics_after = _metrics_text(metrics_url)
     point.mean_batch = _mean_batch(_batch_counts(metrics_before, workload), _batch_counts(metrics_after, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
+    point.cores = cores
     if server_pid:
         point.stub_cores = {model: (cpu_after[model] - cpu_before.get(model, 0.0)) / window
                             for model in sorted(cpu_after)}

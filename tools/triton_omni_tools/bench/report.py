@@ -16,6 +16,8 @@ def progress(point) -> None:
         batch += "  [server ms: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in server.items()) + "]"
     if s.get("counters"):
         batch += _counters(s["counters"])
+    if s.get("cores"):
+        batch += "  [cores: " + ", ".join(f"{name} {cores:.2f}" for name, cores in s["cores"].items()) + "]"
     if s.get("stub_cores"):
         batch += "  [stub cores: " + ", ".join(f"{model} {cores:.2f}" for model, cores in s["stub_cores"].items()) + "]"
     if s.get("unit") == "tokens":
