@@ -70,3 +70,16 @@ def test_the_cpu_window_counts_the_engine_cores_it_is_given_and_the_host():
         assert cores["tritonserver"] < 0.5  # this process slept
     finally:
         spinning.kill()
+
+
+def test_the_ar_engine_args_reach_the_servers_ar_as_they_reach_the_direct_side(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from triton_omni_tools.bench import PRESETS, bench_repository
+    from triton_omni_tools.repository import load_config
+
+    preset = replace(PRESETS["tiny"], ar_engine_args='{"stream_interval": 4}')
+    [config] = [load_config(repo / "ar" / "config.pbtxt") for repo in bench_repository(preset, tmp_path)
+                if (repo / "ar" / "config.pbtxt").exists()]
+    assert json.loads(config.parameters["engine_args"].string_value) == {"stream_interval": 4}

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--pairs", type=int, default=3,
                        help="closed loop: direct/triton pairs per point, back to back, where both sides fit on the "
                             "GPU at once (on CPU, always); the report takes the median ratio (default 3)")
+    bench.add_argument("--ar-engine-args", metavar="JSON",
+                       help="extra vLLM engine arguments of ar, the same on both sides, "
+                            "e.g. '{\"stream_interval\": 4}'")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -276,7 +279,8 @@ def _bench(args) -> int:
         scaling.run(preset, args.preset, parts(args.gpus, int), out, parts(args.concurrency, int))
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
-        diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs)
+        diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
+        ar_engine_args=args.ar_engine_args)
     return 0
 
 

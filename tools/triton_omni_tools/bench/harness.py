@@ -121,9 +121,11 @@ class Direct:
         needs = set(preset.workloads)
         engines = {"ar": "auto", "ar_transformers": "transformers"}
         # The same GPU memory plan as the server's: every runner here lives at once.
-        self.generators = {workload: ArRunner(ArRunnerConfig(preset.ar_model, "generate", engine=engines[workload],
-                                                             device=device, gpu_memory_utilization=gpu_share(workload)))
-                           for workload in GENERATION_WORKLOADS if workload in needs}
+        self.generators = {workload: ArRunner(ArRunnerConfig(
+            preset.ar_model, "generate", engine=engines[workload], device=device,
+            gpu_memory_utilization=gpu_share(workload),
+            engine_args=json.loads(preset.ar_engine_args) if workload == "ar" and preset.ar_engine_args else {}))
+            for workload in GENERATION_WORKLOADS if workload in needs}
         # every other workload needs embeddings (diffusion takes one precomputed prompt's)
         self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device,
                                                gpu_memory_utilization=gpu_share("ar_encoder"))) \
@@ -572,12 +574,13 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     from triton_omni_tools.repository import copy_model, copy_repositories
 
     ar = {"model": preset.ar_model}
+    engine_args = {"engine_args": json.loads(preset.ar_engine_args)} if preset.ar_engine_args else {}
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
                parameters=ar | {"engine": "transformers", "gpu_memory_utilization": TRANSFORMERS_SHARE})
     return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
-        "ar": {"parameters": ar},
+        "ar": {"parameters": ar | engine_args},
         "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
@@ -624,7 +627,7 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
-        pairs: int = DEFAULT_PAIRS) -> list[dict]:
+        pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -647,6 +650,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     overrides = {"workloads": workloads} if workloads else {}
     if diffusion_batching:
         overrides["diffusion_batching"] = diffusion_batching
+    if ar_engine_args:
+        overrides["ar_engine_args"] = ar_engine_args
     if concurrency:  # one list for every workload
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))

@@ -36,6 +36,8 @@ class Preset:
     # hiccup does not make the figure (four 128-token streams at concurrency 1, 0.8 s, moved by
     # a third between runs on the H200).
     ar_rounds: tuple[tuple[str, int], ...] = (("ar", 12), ("ar_transformers", 4), ("ar_encoder", 32))
+    # Extra vLLM engine arguments of `ar` (JSON), the same on both sides: e.g. '{"stream_interval": 4}'.
+    ar_engine_args: str = ""
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
     # The open loop's mixed traffic: every steps count at every size, interleaved.
