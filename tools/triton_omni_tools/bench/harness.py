@@ -675,7 +675,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
                                 model_control_mode="explicit", load_models=models_for(preset.workloads),
                                 placement=placement or [])
         server = TritonServer(options)
-        crowded = crowded_gpu(direct.gpu_share(), server.memory_shares())
+        crowded = crowded_gpu(direct.gpu_share(), server.memory_shares()) if device == "cuda" else None
         if crowded:  # the direct side first, freed before the server starts
             print(f"   one side at a time: {crowded}", flush=True)
             for workload in preset.workloads:
