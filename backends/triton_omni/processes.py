@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name; None when the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -28,7 +28,7 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def start_ticks(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (field 22 of its stat); None when it is gone."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields is not None else None
 
 
@@ -38,10 +38,18 @@ def alive(pid: int | None, started: int | None = None) -> bool:
     not a later one that took its pid."""
     if pid is None:
         return False
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if fields is None or fields[0] == "Z":
         return False
     return started is None or int(fields[19]) == started
+
+
+def command_line(pid: int) -> bytes:
+    """``/proc/<pid>/cmdline`` (arguments NUL-separated); empty when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def identity(pid: int | None = None) -> str:
@@ -63,6 +71,6 @@ def server_folder(root: Path, prefix: str, server_pid: int | None = None) -> Pat
     server = identity(os.getppid() if server_pid is None else server_pid)
     for folder in root.glob(f"{prefix}-*"):
         owner = folder.name.removeprefix(f"{prefix}-")
-        if owner != server and not identity_alive("-".join(owner.split("-", 2)[:2])):
+        if owner != server and not identity_alive(owner):  # an earlier layout's names are never alive
             shutil.rmtree(folder, ignore_errors=True)
     return root / f"{prefix}-{server}"

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_omni.processes import identity, identity_alive
+from triton_omni.processes import command_line, identity, identity_alive
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +184,10 @@ def _end_leftover_engine(pid_file: Path) -> None:
     """Kill an engine core that a killed first frontend left behind (it holds GPU memory)."""
     with contextlib.suppress(FileNotFoundError, ValueError):
         for process in pid_file.read_text().split():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
-                pid = int(process.split("-")[0])
-                name = Path(f"/proc/{pid}/cmdline").read_bytes()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                pid = int(process.partition("-")[0])
                 # that very process (not one that took its pid since), and vLLM's (VLLM::EngineCore)
-                if identity_alive(process) and name.startswith(b"VLLM"):
+                if identity_alive(process) and command_line(pid).startswith(b"VLLM"):
                     logger.warning("ending vLLM engine core %d, left behind by a frontend that died", pid)
                     os.kill(pid, signal.SIGKILL)
         pid_file.unlink()

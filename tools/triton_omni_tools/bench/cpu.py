@@ -12,19 +12,14 @@ import os
 import time
 from pathlib import Path
 
+from triton_omni.processes import command_line, stat_fields
+
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds ``pid`` has used (all its threads; 0 when it is gone)."""
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / TICK if fields else 0.0
 
 
@@ -40,22 +35,15 @@ def engine_cores(root: int, children_only: bool = False) -> list[int]:
     not those of the server it started."""
     parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
             parents[int(entry.name)] = int(fields[1])
     found = []
     for pid, parent in parents.items():
         while not children_only and parent not in (root, None) and parent > 1:
             parent = parents.get(parent)
-        if parent == root and _cmdline(pid).startswith(b"VLLM::EngineCore"):
+        if parent == root and command_line(pid).startswith(b"VLLM::EngineCore"):
             found.append(pid)
     return found
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 class CpuWindow:

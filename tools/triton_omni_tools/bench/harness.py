@@ -615,14 +615,15 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
           triton: Callable[[], Point]) -> Iterator[Point]:
     """One direct/triton pair of a point, direct first on even turns (the
     references with the first), triton alone where the direct side is gone."""
-    direct_points = (lambda: measure_direct_points(direct, preset, workload, c, references=turn == 0)) \
-        if direct is not None else (lambda: iter(()))
+    # a generator: its measurements run when iterated, in the order below
+    direct_side = measure_direct_points(direct, preset, workload, c, references=turn == 0) \
+        if direct is not None else ()
     if turn % 2 == 0:
-        yield from direct_points()
+        yield from direct_side
         yield triton()
     else:
         yield triton()
-        yield from direct_points()
+        yield from direct_side
 
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
