@@ -112,6 +112,7 @@ class TritonPythonModel:
         task at once, wherever it waits (a long prefill included); the engine
         aborts the request and the client gets CANCELLED."""
         request_id = uuid.uuid4().hex
+        first = True  # the stream's first response leaves in the urgent lane (responses.py)
 
         def first_token() -> None:
             self.metrics.time_to_first_token.observe(time.monotonic() - started)
@@ -127,7 +128,9 @@ class TritonPythonModel:
                     if request.stream:  # under load, responses still queued merge (responses.py)
                         self.responses.send_streamed(
                             sender, response, response.final, merge=ArResponse.then,
-                            build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted))
+                            build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted),
+                            urgent=first)
+                        first = False
                     else:
                         self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                             final=response.final)

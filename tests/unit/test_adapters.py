@@ -160,6 +160,49 @@ def test_streamed_responses_still_queued_merge_into_one():
     assert sender.sent == [((["a"], [1], None), 0), ((["bcd"], [3], ["length"]), final)]
 
 
+def test_first_and_final_responses_overtake_the_middle_of_other_streams_but_never_their_own():
+    """Under load every send waits its turn; a stream's first response and
+    every final one must not wait behind the middles of the other streams
+    (they gate time to first token and a closed-loop client's next request).
+    A request's own responses, and the metric updates queued before, stay in order."""
+    log = []
+    busy, release = threading.Event(), threading.Event()
+
+    class Logging(FakeSender):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def send(self, response, flags=0):
+            if response == "hold":  # the send in progress while the others queue
+                busy.set()
+                release.wait(5)
+            log.append((self.name, response, bool(flags & fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)))
+            super().send(response, flags)
+
+    def keep_latest(_, latest):
+        return latest
+
+    thread = ResponseThread(poll_s=10.0)
+    holder, a, b, c, d = (Logging(name) for name in "HABCD")
+    thread.send(holder, "hold")
+    assert busy.wait(5)
+    thread.send_streamed(a, "a1", final=False, merge=keep_latest, build=str)  # a middle
+    thread.send_streamed(b, "b1", final=False, merge=keep_latest, build=str)  # a middle
+    thread.send(d, "d-event")  # not final: waits its turn
+    thread.send_streamed(c, "c1", final=False, merge=keep_latest, build=str, urgent=True)  # a first
+    thread.call(lambda: log.append(("metrics", None, False)))
+    thread.send_streamed(b, "b2", final=True, merge=keep_latest, build=str)  # merges into b1, then final
+    thread.send(d, "d-done", final=True)
+    release.set()
+    assert d.done.wait(5) and b.done.wait(5)
+    thread.send(a, "a-done", final=True)
+    assert a.done.wait(5)
+    thread.stop()
+    assert log == [("H", "hold", False), ("C", "c1", False), ("metrics", None, False), ("B", "b2", True),
+                   ("D", "d-event", False), ("D", "d-done", True), ("A", "a1", False), ("A", "a-done", True)]
+
+
 def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn():
     """Each is_cancelled() is an IPC round trip: a round stops at its time
     budget, and the next one goes on where it stopped, so a cancelled request

@@ -18,6 +18,18 @@ load (many streams, a token every few milliseconds each) a stream then gets
 fewer, larger responses instead of a growing backlog, as vLLM's own DELTA
 outputs do for a slow reader. At low load nothing waits and every token is
 its own response.
+
+Two lanes: a stream's first response and every request's final one go
+first (``urgent``), the responses in between wait in the other lane. Under
+load each send waits for the GIL (the engine loop computes meanwhile), and
+the thread sends a response of each of 64 streams in turn, tens of ms a
+round on an H200: the first token and the final response waited that round
+in one queue, lengthening time to first token and, for a closed-loop client,
+the gap before its next request, which left the engine fewer requests to
+batch. The middle of a stream only merges more. A response never overtakes
+one queued before it for the same request: those move to the urgent lane
+ahead of it. Function calls (metric updates) take the urgent lane too, so
+that a request is counted before its final response leaves.
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
+from collections import deque
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
@@ -38,44 +51,80 @@ from triton_omni.triton.errors import error_response
 
 logger = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_STREAMED = -1  # queue marker: a coalescing entry of send_streamed
-_CALL = -2  # queue marker: a function to run on this thread (call)
+_STREAMED = -1  # a coalescing entry of send_streamed
+_CALL = -2  # a function to run on this thread (call)
 # how often the thread asks the server about cancellations (TRITON_OMNI_CANCEL_POLL_S overrides it)
 POLL_S = float(os.environ.get("TRITON_OMNI_CANCEL_POLL_S", "0.05"))
 POLL_SHARE = 0.2  # of each poll interval, at most, spent asking the server about cancellations
 
 
+@dataclass
+class _Queued:
+    sender: object  # a response sender; for _CALL the function
+    payload: object  # the response; for _STREAMED the coalescing entry [item, final, build]
+    flags: int
+
+
 class ResponseThread:
     def __init__(self, poll_s: float = POLL_S):
-        self._queue: queue.Queue = queue.Queue()
+        self._urgent: deque[_Queued] = deque()
+        self._later: deque[_Queued] = deque()
+        self._stopping = False
         self._watched: dict[int, tuple[object, Callable[[], None], Callable[[], bool] | None]] = {}
         self._unsent: dict[int, list] = {}  # sender id -> [item, final, build], queued but not yet sent
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
         self._poll_s = poll_s
         self._poll_from = 0  # where the next round of cancellation polls starts
         self._thread = threading.Thread(target=self._drain, name="omni-responses", daemon=True)
         self._thread.start()
 
     def send(self, sender, response=None, final: bool = False) -> None:
-        self._queue.put((sender, response, FINAL if final else 0))
+        """Queue a response; a final one takes the urgent lane."""
+        with self._lock:
+            self._put(_Queued(sender, response, FINAL if final else 0), urgent=final)
 
     def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on this thread, in order with the responses: how the
-        other IPC to the server (metric updates) leaves the stub too."""
-        self._queue.put((fn, None, _CALL))
+        """Run ``fn`` on this thread, before any response queued after it:
+        how the other IPC to the server (metric updates) leaves the stub too."""
+        with self._lock:
+            self._urgent.append(_Queued(fn, None, _CALL))
+            self._ready.notify()
 
-    def send_streamed(self, sender, item, final: bool, merge: Callable, build: Callable) -> None:
+    def send_streamed(self, sender, item, final: bool, merge: Callable, build: Callable,
+                      urgent: bool = False) -> None:
         """Queue ``build(item)`` for ``sender``, or merge ``item`` into the one
         still waiting for it (``merge(waiting, item)``); tensors are built
-        once, on this thread, just before the send."""
+        once, on this thread, just before the send. ``urgent`` (a stream's
+        first response) or ``final``: the urgent lane."""
+        urgent = urgent or final
         with self._lock:
             waiting = self._unsent.get(id(sender))
             if waiting is not None:
                 waiting[0] = merge(waiting[0], item)
                 waiting[1] = waiting[1] or final
+                if urgent:
+                    self._promote(sender)
                 return
             self._unsent[id(sender)] = entry = [item, final, build]
-        self._queue.put((sender, entry, _STREAMED))
+            self._put(_Queued(sender, entry, _STREAMED), urgent)
+
+    def _put(self, queued: _Queued, urgent: bool) -> None:
+        """Under the lock: queue in a lane, and wake the thread."""
+        if urgent:
+            self._promote(queued.sender)
+            self._urgent.append(queued)
+        else:
+            self._later.append(queued)
+        self._ready.notify()
+
+    def _promote(self, sender) -> None:
+        """Under the lock: what waits in the later lane for ``sender`` moves to
+        the urgent one, in order, so that nothing overtakes it."""
+        if not any(queued.sender is sender for queued in self._later):
+            return
+        self._urgent.extend(queued for queued in self._later if queued.sender is sender)
+        self._later = deque(queued for queued in self._later if queued.sender is not sender)
 
     @contextlib.asynccontextmanager
     async def serving(self, sender, context: str, metrics, started: float,
@@ -123,14 +172,15 @@ class ResponseThread:
     def _drain(self) -> None:
         next_poll = time.monotonic() + self._poll_s
         while True:
-            try:
-                item = self._queue.get(timeout=max(0.0, next_poll - time.monotonic()))
-            except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            if item:
-                self._send(*item)
+            with self._ready:
+                if not (self._urgent or self._later or self._stopping):
+                    self._ready.wait(max(0.0, next_poll - time.monotonic()))
+                lane = self._urgent or self._later
+                queued = lane.popleft() if lane else None
+                if queued is None and self._stopping:
+                    return
+            if queued is not None:
+                self._send(queued.sender, queued.payload, queued.flags)
             if time.monotonic() >= next_poll:
                 self._poll_cancellations()
                 next_poll = time.monotonic() + self._poll_s
@@ -193,5 +243,8 @@ class ResponseThread:
         self._poll_from = start + polled
 
     def stop(self) -> None:
-        self._queue.put(None)
+        """Send what is queued, then end the thread."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
         self._thread.join(timeout=30)
