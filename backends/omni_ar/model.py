@@ -127,7 +127,7 @@ class TritonPythonModel:
                         self.metrics.generated_tokens.flush()
                     if request.stream:  # under load, responses still queued merge (responses.py)
                         self.responses.send_streamed(
-                            sender, response, response.final, merge=ArResponse.then,
+                            sender, response, response.final, merge=ArResponse.absorb,
                             build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted),
                             urgent=first)
                         first = False

@@ -57,6 +57,30 @@ def test_several_completions_end_when_the_last_one_does():
     assert last.final and last.finish_reasons == ["length", "stop"]
 
 
+@pytest.mark.parametrize("deltas", [
+    DELTAS,
+    [Delta("a", 1, None, 0), Delta("b", 2, None, 0), Delta("c", 1, "stop", 0)],  # no logprobs asked
+    [Delta("a", 1, None, 1, [lp(1, -0.1)], -0.1), Delta("b", 1, "stop", 0, [lp(2, -0.2)], -0.2),
+     Delta("c", 1, "length", 1, [lp(3, -0.3)], -0.4)],  # two completions, interleaved
+], ids=["logprobs", "plain", "n=2"])
+def test_merging_in_place_reads_as_merging_into_a_new_response(deltas):
+    """What the response queue does to a waiting response (absorb, in place)
+    is what the client would have read from the responses one by one (then)."""
+    def streamed():
+        n = 1 + max(d.index for d in deltas)
+        assembler = ResponseAssembler(n=n, num_input_tokens=4, stream=True)
+        return [assembler.add(d) for d in deltas]
+
+    merged_new, merged_in_place = streamed(), streamed()
+    expected = merged_new[0]
+    for later in merged_new[1:]:
+        expected = expected.then(later)
+    waiting = merged_in_place[0]
+    for later in merged_in_place[1:]:
+        assert waiting.absorb(later) is waiting
+    assert waiting == expected
+
+
 @pytest.fixture
 def ar_io():
     fake_pb_utils.install()

@@ -31,6 +31,24 @@ class ArResponse:
     finish_reasons: list[str] | None = None  # set on the final response only
     final: bool = False
 
+    def absorb(self, later: ArResponse) -> ArResponse:
+        """``then``, in place, and returns this response: the cheap merge for
+        a response that waits in the response queue, which owns it. Under
+        load every delta of a stream merges into one (responses.py), and
+        building a new response each time took 7 % of the ar stub's GIL at
+        64 streams on an H200."""
+        for i, text in enumerate(later.texts):
+            if text:
+                self.texts[i] += text
+            self.num_output_tokens[i] += later.num_output_tokens[i]
+            if self.logprobs[i] is not None or later.logprobs[i] is not None:
+                self.logprobs[i] = (self.logprobs[i] or []) + (later.logprobs[i] or [])
+        self.num_input_tokens = later.num_input_tokens
+        self.cumulative_logprobs = later.cumulative_logprobs
+        self.finish_reasons = later.finish_reasons
+        self.final = later.final
+        return self
+
     def then(self, later: ArResponse) -> ArResponse:
         """This streamed response and the next one as one: what a client
         would have read from the two, when the server is too busy to send both."""
