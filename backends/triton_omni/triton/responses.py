@@ -38,9 +38,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
