@@ -121,10 +121,10 @@ class ResponseThread:
     def _promote(self, sender) -> None:
         """Under the lock: what waits in the later lane for ``sender`` moves to
         the urgent one, in order, so that nothing overtakes it."""
-        if not any(queued.sender is sender for queued in self._later):
-            return
-        self._urgent.extend(queued for queued in self._later if queued.sender is sender)
-        self._later = deque(queued for queued in self._later if queued.sender is not sender)
+        moved = [queued for queued in self._later if queued.sender is sender]
+        if moved:
+            self._urgent.extend(moved)
+            self._later = deque(queued for queued in self._later if queued.sender is not sender)
 
     @contextlib.asynccontextmanager
     async def serving(self, sender, context: str, metrics, started: float,
