@@ -85,7 +85,7 @@ class VllmEngine(ArEngine):
                        logprobs: int | None = None) -> AsyncIterator[Delta]:
         params = self.sampling_params(options, logprobs)
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            async for output in self.engine.generate(engine_input(prompt_ids), params, request_id):
                 for completion in output.outputs:  # DELTA + n > 1: one child completion per output
                     yield Delta(
                         text=completion.text,
@@ -116,7 +116,7 @@ class VllmEngine(ArEngine):
         params = PoolingParams(task="token_embed", use_activation=False)
         request_id = f"encode-{uuid.uuid4().hex}-{index}"  # unique across concurrent batches
         result = None
-        async for output in self.engine.encode({"prompt_token_ids": prompt_ids}, params, request_id):
+        async for output in self.engine.encode(engine_input(prompt_ids), params, request_id):
             result = output.outputs.data
         if result is None:
             raise RuntimeError(f"vLLM returned no embeddings for request {request_id}")
@@ -134,6 +134,15 @@ class VllmEngine(ArEngine):
         # now, while everything is still there, it is a no-op.
         del engine
         gc.collect()
+
+
+def engine_input(prompt_ids: list[int]) -> dict:
+    """A tokenized prompt as vLLM's engine input (its ``TokensInput``): the
+    runner has tokenized and checked the prompt already. Given as a raw prompt
+    instead (``{"prompt_token_ids": ...}``), vLLM renders it again, and
+    releases after 0.24 do that on a thread pool, one more thread taking the
+    stub's GIL for every request."""
+    return {"type": "token", "prompt_token_ids": prompt_ids}
 
 
 def _shared_engine(engine_args, seat: EngineSeat):

@@ -172,6 +172,7 @@ class Direct:
         prompt_ids = runner.tokenize(PROMPT)
         raw = runner.engine.engine if runner.engine_name == "vllm" else None
         if raw is not None:
+            from triton_omni.ar.engine_vllm import engine_input
             from vllm import PoolingParams
 
             params = PoolingParams(task="token_embed", use_activation=False)
@@ -181,7 +182,7 @@ class Direct:
             if raw is None:
                 await runner.engine.encode([prompt_ids])
             else:
-                async for _ in raw.encode({"prompt_token_ids": prompt_ids}, params, uuid.uuid4().hex):
+                async for _ in raw.encode(engine_input(prompt_ids), params, uuid.uuid4().hex):
                     pass
             return time.perf_counter() - start
 
@@ -208,6 +209,7 @@ class Direct:
         return one
 
     def _raw_vllm_stream(self, runner):
+        from triton_omni.ar.engine_vllm import engine_input  # the prompt as the stub gives it
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -218,7 +220,7 @@ class Direct:
 
         async def one() -> Stream:
             start, marks = time.perf_counter(), []
-            async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, uuid.uuid4().hex):
+            async for output in llm.generate(engine_input(prompt_ids), params, uuid.uuid4().hex):
                 marks.append((time.perf_counter(), len(output.outputs[0].token_ids)))
             return Stream.from_marks(start, marks)
 
