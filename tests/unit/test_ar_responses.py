@@ -57,6 +57,18 @@ def test_several_completions_end_when_the_last_one_does():
     assert last.final and last.finish_reasons == ["length", "stop"]
 
 
+def test_not_streaming_gathers_each_completion_on_its_own():
+    assembler = ResponseAssembler(n=2, num_input_tokens=1, stream=False)
+    deltas = [Delta("a", 1, None, 1, [lp(1, -0.1)], -0.1), Delta("b", 1, None, 0, [lp(2, -0.2)], -0.2),
+              Delta("c", 1, "stop", 1, [lp(3, -0.3)], -0.4), Delta("d", 2, "length", 0, [lp(4, -0.4)], -0.6)]
+    responses = [assembler.add(d) for d in deltas]
+    assert responses[:3] == [None, None, None]  # one response, when the last completion ends
+    whole = responses[3]
+    assert whole.texts == ["bd", "ac"] and whole.num_output_tokens == [3, 2]
+    assert [[next(iter(p)) for p in positions] for positions in whole.logprobs] == [[2, 4], [1, 3]]
+    assert whole.cumulative_logprobs == [-0.6, -0.4] and whole.finish_reasons == ["length", "stop"]
+
+
 @pytest.mark.parametrize("deltas", [
     DELTAS,
     [Delta("a", 1, None, 0), Delta("b", 2, None, 0), Delta("c", 1, "stop", 0)],  # no logprobs asked
