@@ -9,8 +9,9 @@ import subprocess
 import sys
 import threading
 
+import pytest
 from triton_omni.processes import identity, start_ticks
-from triton_omni.triton.balance import InstanceLoads
+from triton_omni.triton.balance import InstanceLoads, instance_count
 
 
 def loads(tmp_path, name: str, **options) -> InstanceLoads:
@@ -112,3 +113,22 @@ def test_a_record_whose_pid_now_names_another_process_is_no_sibling(tmp_path):
     phantom.write_bytes(struct.pack("<qqq", os.getpid(), start_ticks(os.getpid()) + 1, 0))
     assert live.siblings() == [] and not phantom.exists()
     assert live.hold() == 0
+
+
+def test_a_model_with_one_instance_neither_writes_its_load_nor_looks_for_siblings(tmp_path):
+    alone = loads(tmp_path, "ar_0", instances=1)
+    stale = loads(tmp_path, "ar_1")  # a record the lone instance must not wait on (a reload's leftover)
+    alone.add(3)
+    assert alone.hold() == 0 and alone.load == 3
+    assert stale.siblings() == [0]  # nothing written per request: nobody reads it
+
+
+@pytest.mark.parametrize(("groups", "count"), [
+    ([{"kind": "KIND_MODEL", "count": 1}], 1),
+    ([{"kind": "KIND_CPU", "count": 2}], 2),
+    ([{"kind": "KIND_GPU", "count": 1, "gpus": [0, 1]}, {"kind": "KIND_CPU", "count": 1}], 3),
+    ([{"kind": "KIND_GPU", "count": 2}], None),  # on every GPU Triton sees: not known here
+    ([], None),
+])
+def test_the_instance_count_comes_from_the_config(groups, count):
+    assert instance_count({"instance_group": groups}) == count

@@ -20,7 +20,14 @@ requests to a sibling: loads then differ by at most one (``slack``). With
 two CPU instances and the same bursts of 8 as above: 4/4, three times. The
 least loaded instance never waits, so some instance always takes work, and
 a wait is bounded (``max_hold_s``) in case a sibling hangs. No siblings, no
-wait: a single instance pays one directory listing per ``execute``.
+wait. A model with one instance (its config says so: ``instance_count``)
+skips all of it: no record written per request, no listing per
+``execute``. Each of those is a system call that lets the stub's other
+threads take the GIL, and ``execute`` then waits to get it back; Triton
+hands an instance its next request only when ``execute`` returns. On the
+2-core CPU machine at 8 streams, skipping them took ``ar``'s ``execute``
+from 2.1-2.4 to 1.4-1.8 ms and its queue time from 2.4-3.0 to 1.3-1.5 ms
+(docs/benchmarks.md, "Eighth pass").
 
 A full instance (its engine would queue the next request: ``full``) keeps
 ``execute`` too, even when it is the least loaded, until a request of its
@@ -53,9 +60,12 @@ _RECORD = struct.Struct("<qqq")  # (pid, start ticks, load)
 
 class InstanceLoads:
     def __init__(self, model: str, instance: str, server_pid: int | None = None, root: Path = Path("/dev/shm"),
-                 slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = 30.0, poll_s: float = 0.005):
+                 slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = 30.0, poll_s: float = 0.005,
+                 instances: int | None = None):
         """``instance``: this instance's name (unique among the model's);
-        ``server_pid``: the tritonserver the instances share (the stub's parent)."""
+        ``server_pid``: the tritonserver the instances share (the stub's parent);
+        ``instances``: how many the model has (``instance_count``); 1: this
+        one alone, which never holds; None: not known, look for siblings."""
         self.folder = server_folder(root, "triton-omni-load", server_pid) / model
         self.folder.mkdir(parents=True, exist_ok=True)
         self._started = start_ticks(os.getpid())
@@ -63,6 +73,7 @@ class InstanceLoads:
         self.name = f"{instance}.{os.getpid()}"
         self.slack, self.max_hold_s, self.max_full_hold_s, self.poll_s = slack, max_hold_s, max_full_hold_s, poll_s
         self._fd = os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o600)
+        self.alone = instances == 1
         self._load = 0
         self._changed = threading.Condition()
         self._publish()
@@ -75,7 +86,8 @@ class InstanceLoads:
         """This instance took (n > 0) or finished (n < 0) requests."""
         with self._changed:
             self._load += n
-            self._publish()
+            if not self.alone:  # nobody reads it
+                self._publish()
             self._changed.notify_all()
 
     def siblings(self) -> list[int]:
@@ -99,6 +111,8 @@ class InstanceLoads:
         (plus ``slack``), at most ``max_hold_s``; and, if it has siblings, while
         it is ``full`` (a request taken now would wait in its engine), at most
         ``max_full_hold_s``. Returns the seconds waited."""
+        if self.alone:
+            return 0.0
         start = time.monotonic()
         while True:
             others = self.siblings()
@@ -125,6 +139,22 @@ class InstanceLoads:
 
     def _publish(self) -> None:
         os.pwrite(self._fd, _RECORD.pack(os.getpid(), self._started, self._load), 0)
+
+
+def instance_count(model_config: dict) -> int | None:
+    """How many instances Triton makes of a model on this server, from the
+    config it gives the stub; None where that is not said (a ``KIND_GPU``
+    group without its GPUs listed: Triton puts ``count`` on every GPU)."""
+    groups = model_config.get("instance_group") or []
+    total = 0
+    for group in groups:
+        count = int(group.get("count", 1))
+        if group.get("kind", "KIND_GPU") == "KIND_GPU":
+            if not group.get("gpus"):
+                return None
+            count *= len(group["gpus"])
+        total += count
+    return total or None
 
 
 def _read(path: str) -> tuple[int, int, int] | None:
