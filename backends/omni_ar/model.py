@@ -33,7 +33,7 @@ from triton_omni.ar import ArResponse, ArRunner, EncodeRequest, GenerateRequest
 from triton_omni.channel import Cancellations
 from triton_omni.gpu_memory import check_share
 from triton_omni.triton import ar_io
-from triton_omni.triton.balance import InstanceLoads, instance_count
+from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
@@ -75,8 +75,7 @@ class TritonPythonModel:
         # generation (decoupled) and encoding on vLLM return from execute at once: spread requests
         # over the model's instances (one engine per GPU, --place ar=0,1) by their load
         returns_at_once = self.config.mode == "generate" or self.runner.engine_name == "vllm"
-        self.loads = InstanceLoads(self.model_name, args["model_instance_name"],
-                                   instances=instance_count(model_config)) if returns_at_once else None
+        self.loads = InstanceLoads.of_instance(args, model_config) if returns_at_once else None
 
     def execute(self, requests):
         if self.config.mode == "encode":

@@ -27,7 +27,7 @@ from triton_omni.channel import Cancellations, ProgressSender
 from triton_omni.diffusion import DiffusionRunner
 from triton_omni.gpu_memory import check_share
 from triton_omni.triton import diffusion_io
-from triton_omni.triton.balance import InstanceLoads, instance_count
+from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import (
@@ -89,8 +89,7 @@ class TritonPythonModel:
         if stepping:
             self.step_count = DeferredCounter(self.steps)
             # execute returns at once: spread requests over the model's instances by their load
-            self.loads = InstanceLoads(self.model_name, args["model_instance_name"],
-                                       instances=instance_count(model_config))
+            self.loads = InstanceLoads.of_instance(args, model_config)
 
     def execute(self, requests):
         if self.runner.steps is not None:

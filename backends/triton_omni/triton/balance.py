@@ -78,6 +78,12 @@ class InstanceLoads:
         self._changed = threading.Condition()
         self._publish()
 
+    @classmethod
+    def of_instance(cls, args: dict, model_config: dict) -> InstanceLoads:
+        """This stub's instance, from what Triton hands ``initialize``: its
+        ``args`` and the model's config, which says how many instances there are."""
+        return cls(args["model_name"], args["model_instance_name"], instances=instance_count(model_config))
+
     @property
     def load(self) -> int:
         return self._load
