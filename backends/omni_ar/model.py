@@ -117,23 +117,26 @@ class TritonPythonModel:
         def first_token() -> None:
             self.metrics.time_to_first_token.observe(time.monotonic() - started)
 
+        def respond(response: ArResponse) -> None:  # on the engine's loop, as the engine produces it
+            nonlocal first
+            self.metrics.generated_tokens.add(sum(response.num_output_tokens))  # new since last response
+            if response.final:  # counted before the client can read the last response
+                self.metrics.generated_tokens.flush()
+            if request.stream:  # under load, responses still queued merge (responses.py)
+                self.responses.send_streamed(
+                    sender, response, response.final, merge=ArResponse.absorb,
+                    build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted),
+                    urgent=first)
+                first = False
+            else:
+                self.responses.send(sender, ar_io.generate_response(response, request.outputs),
+                                    final=response.final)
+
         try:
             async with self.responses.serving(sender, self.context, self.metrics, started,
                                               cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
                                               on_cancel=lambda: self.runner.abort(request_id)):
-                async for response in self.runner.generate(request, request_id, on_first_token=first_token):
-                    self.metrics.generated_tokens.add(sum(response.num_output_tokens))  # new since last response
-                    if response.final:  # counted before the client can read the last response
-                        self.metrics.generated_tokens.flush()
-                    if request.stream:  # under load, responses still queued merge (responses.py)
-                        self.responses.send_streamed(
-                            sender, response, response.final, merge=ArResponse.absorb,
-                            build=lambda merged, wanted=request.outputs: ar_io.generate_response(merged, wanted),
-                            urgent=first)
-                        first = False
-                    else:
-                        self.responses.send(sender, ar_io.generate_response(response, request.outputs),
-                                            final=response.final)
+                await self.runner.stream(request, request_id, respond, on_first_token=first_token)
         finally:
             self.loads.add(-1)
             self.metrics.generated_tokens.flush()  # the count is exact once a request ends

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +53,19 @@ class ArEngine(ABC):
         bad request fails at once and alone. ``logprobs``: as in ``generate``."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                 logprobs: int | None = None) -> AsyncIterator[Delta]:
-        """Stream deltas; each completion's last one carries its ``finish_reason``.
+    async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
+        """Generate, handing each delta to ``on_delta`` on the loop's thread as
+        it comes; return when the request is done (each completion's last
+        delta carries its ``finish_reason``), raise its error otherwise.
+        Cancelled, the engine forgets the request and calls ``on_delta`` no more.
 
         ``logprobs`` asks for log probabilities even when ``options`` does not
-        (0: the sampled token's only), for the ``return_*logprob*`` outputs."""
+        (0: the sampled token's only), for the ``return_*logprob*`` outputs.
+
+        A callback rather than an async iterator: under load an engine
+        produces a delta for every running request at every step, and a
+        callback called where the engine has it costs no task switch per delta."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -15,7 +15,7 @@ other key set to a value that would change the result (``n > 1``, logprobs,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -72,6 +72,11 @@ class TransformersEngine(ArEngine):
         finally:  # finished, failed, or the consumer went away: the row leaves at the next step
             sequence.cancel()
             self._sequences.pop(request_id, None)
+
+    async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
+        async for delta in self.generate(prompt_ids, options, request_id, logprobs):
+            on_delta(delta)
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

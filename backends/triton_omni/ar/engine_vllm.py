@@ -13,11 +13,12 @@ parameter, so the client gets INVALID_ARG with vLLM's message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,26 +82,50 @@ class VllmEngine(ArEngine):
         except Exception as exc:  # VLLMValidationError, ValueError, TypeError from vLLM's checks
             raise _validation_error(exc) from None
 
-    async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                       logprobs: int | None = None) -> AsyncIterator[Delta]:
+    async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
+        """vLLM's output handler hands each output to the request itself.
+
+        ``AsyncLLM.generate`` puts every output in the request's collector and
+        wakes the task that awaits it; under load that is a task switch per
+        request at every engine step, on the thread whose GIL the stub's
+        requests and responses wait for. Here the collector's ``put`` delivers
+        the output where the handler produces it, and the task wakes once,
+        when the request is done. The collector is vLLM's own (``add_request``
+        returns it; its output processor calls ``put``), so nothing else of
+        the request's life changes: aborts, errors, the engine's death."""
         params = self.sampling_params(options, logprobs)
-        try:
-            async for output in self.engine.generate(engine_input(prompt_ids), params, request_id):
+        done = asyncio.get_running_loop().create_future()
+
+        def deliver(output) -> None:  # on the output handler; must never raise into it
+            if done.done():  # finished, failed, or cancelled (vLLM's abort puts a last output)
+                return
+            try:
+                if isinstance(output, BaseException):  # the engine's failure, for every request
+                    raise output
                 for completion in output.outputs:  # DELTA + n > 1: one child completion per output
-                    yield Delta(
-                        text=completion.text,
-                        num_tokens=len(completion.token_ids),
-                        finish_reason=completion.finish_reason,
-                        index=completion.index,
-                        logprobs=None if completion.logprobs is None else [
-                            {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token or "")
-                             for token, lp in position.items()}
-                            for position in completion.logprobs],
-                        cumulative_logprob=completion.cumulative_logprob,
-                    )
+                    on_delta(_delta(completion))
+                if output.finished:
+                    done.set_result(None)
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        try:
+            collector = await self.engine.add_request(request_id, engine_input(prompt_ids), params)
         except Exception as exc:
             if type(exc).__name__ == "VLLMValidationError":  # raised by the engine's input checks
                 raise _validation_error(exc) from None
+            raise
+        collector.put = deliver
+        if (waiting := collector.output) is not None:  # came before the line above
+            collector.output = None
+            deliver(waiting)
+        try:
+            await done
+        except BaseException:  # cancelled, or failed: the engine forgets the request
+            done.cancel()  # no more deliveries (a no-op when it failed)
+            with contextlib.suppress(Exception):  # a dead engine cannot abort: its own error goes on
+                await self.engine.abort(collector.request_id, internal=True)
             raise
 
     async def abort(self, request_id: str) -> None:
@@ -134,6 +159,20 @@ class VllmEngine(ArEngine):
         # now, while everything is still there, it is a no-op.
         del engine
         gc.collect()
+
+
+def _delta(completion) -> Delta:
+    """One of vLLM's ``CompletionOutput`` (DELTA) as the engines' ``Delta``."""
+    return Delta(
+        text=completion.text,
+        num_tokens=len(completion.token_ids),
+        finish_reason=completion.finish_reason,
+        index=completion.index,
+        logprobs=None if completion.logprobs is None else [
+            {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token or "") for token, lp in position.items()}
+            for position in completion.logprobs],
+        cumulative_logprob=completion.cumulative_logprob,
+    )
 
 
 def engine_input(prompt_ids: list[int]) -> dict:

@@ -6,6 +6,8 @@ needs the token count anyway) and hands token ids to the engine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -125,20 +127,41 @@ class ArRunner:
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
         self.engine.check(request.sampling, _logprobs_needed(request))
 
-    async def generate(self, request: GenerateRequest, request_id: str,
-                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[ArResponse]:
-        """The request's responses, in order; the last one is final.
+    async def stream(self, request: GenerateRequest, request_id: str, on_response: Callable[[ArResponse], None],
+                     on_first_token: Callable[[], None] | None = None) -> None:
+        """Generate, handing each response to ``on_response`` in order, on
+        the loop's thread, as the engine produces it; the last one is final.
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
         assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
                                       prompt=request.prompt if request.include_prompt else "")
-        async for delta in self.engine.generate(prompt_ids, request.sampling, request_id, _logprobs_needed(request)):
+
+        def on_delta(delta: Delta) -> None:
+            nonlocal on_first_token
             if on_first_token is not None and (delta.num_tokens or delta.finish_reason):
                 on_first_token()
                 on_first_token = None
             response = assembler.add(delta)
             if response is not None:
+                on_response(response)
+
+        await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta)
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
+        """``stream``'s responses as an async iterator (for callers that
+        pull). Leaving it early cancels the request in the engine."""
+        responses: asyncio.Queue[ArResponse | None] = asyncio.Queue()
+        streaming = asyncio.ensure_future(self.stream(request, request_id, responses.put_nowait))
+        streaming.add_done_callback(lambda _: responses.put_nowait(None))
+        try:
+            while (response := await responses.get()) is not None:
                 yield response
+            await streaming  # its error, if it failed
+        finally:
+            if not streaming.done():
+                streaming.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await streaming
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
