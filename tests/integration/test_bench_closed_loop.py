@@ -11,7 +11,8 @@ from triton_omni_tools.bench import run
 
 
 def test_closed_loop_bench_measures_each_point_in_alternating_pairs(tmp_path):
-    [row] = run("tiny", concurrency=(2,), workloads=("ar",), out_dir=tmp_path, pairs=2)
+    # client_processes=1: both Triton clients in one process (`--client-processes`), as threads
+    [row] = run("tiny", concurrency=(2,), workloads=("ar",), out_dir=tmp_path, pairs=2, client_processes=1)
 
     points = json.loads((tmp_path / "points.json").read_text())
     # direct first in the first pair, triton first in the second: drift over the run cancels out

@@ -630,7 +630,8 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
-        pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None) -> list[dict]:
+        pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None,
+        client_processes: int | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -655,6 +656,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["diffusion_batching"] = diffusion_batching
     if ar_engine_args:
         overrides["ar_engine_args"] = ar_engine_args
+    if client_processes:
+        overrides["client_processes"] = client_processes
     if concurrency:  # one list for every workload
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))
