@@ -50,7 +50,7 @@ class ArEngine(ABC):
         """Raise ``RequestValidationError`` for options this engine cannot honour.
 
         Called on Triton's thread before the request reaches the engine, so a
-        bad request fails at once and alone. ``logprobs``: as in ``generate``."""
+        bad request fails at once and alone. ``logprobs``: as in ``stream``."""
 
     @abstractmethod
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,

@@ -100,9 +100,10 @@ class VllmEngine(ArEngine):
         def deliver(output) -> None:  # on the output handler; must never raise into it
             if done.done():  # finished, failed, or cancelled (vLLM's abort puts a last output)
                 return
+            if isinstance(output, BaseException):  # the engine's failure, for every request
+                done.set_exception(output)
+                return
             try:
-                if isinstance(output, BaseException):  # the engine's failure, for every request
-                    raise output
                 for completion in output.outputs:  # DELTA + n > 1: one child completion per output
                     on_delta(_delta(completion))
                 if output.finished:
