@@ -83,3 +83,20 @@ def test_the_ar_engine_args_reach_the_servers_ar_as_they_reach_the_direct_side(t
     [config] = [load_config(repo / "ar" / "config.pbtxt") for repo in bench_repository(preset, tmp_path)
                 if (repo / "ar" / "config.pbtxt").exists()]
     assert json.loads(config.parameters["engine_args"].string_value) == {"stream_interval": 4}
+
+
+def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_the_repositorys(tmp_path):
+    from dataclasses import replace
+
+    from triton_omni_tools.bench import PRESETS, bench_repository
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.repository import load_config
+
+    def delay(preset, dest):
+        [config] = [load_config(repo / "ar_encoder" / "config.pbtxt") for repo in bench_repository(preset, dest)
+                    if (repo / "ar_encoder" / "config.pbtxt").exists()]
+        return config.dynamic_batching.max_queue_delay_microseconds
+
+    shipped = load_config(DEFAULT_REPOSITORIES[0] / "ar_encoder" / "config.pbtxt")
+    assert delay(PRESETS["tiny"], tmp_path / "a") == shipped.dynamic_batching.max_queue_delay_microseconds
+    assert delay(replace(PRESETS["tiny"], encoder_queue_delay_us=750), tmp_path / "b") == 750

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--client-processes", type=int, metavar="N",
                        help="the Triton side's AR clients share N processes (a thread and a connection each; "
                             "default: the preset's, 8)")
+    bench.add_argument("--encoder-queue-delay-us", type=int, metavar="US",
+                       help="ar_encoder's batching window on the Triton side, max_queue_delay_microseconds "
+                            "(default: model_repository's)")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -283,7 +286,8 @@ def _bench(args) -> int:
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
-        ar_engine_args=args.ar_engine_args, client_processes=args.client_processes)
+        ar_engine_args=args.ar_engine_args, client_processes=args.client_processes,
+        encoder_queue_delay_us=args.encoder_queue_delay_us)
     return 0
 
 

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
@@ -37,8 +40,6 @@ class VllmEngine(ArEngine):
         """``seat``: this instance's place in front of an engine core it
         shares with other instances (shared_engine.py); None: its own engine."""
         from transformers import AutoConfig
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -67,9 +68,6 @@ class VllmEngine(ArEngine):
     def sampling_params(self, options: SamplingOptions, logprobs: int | None = None):
         """vLLM's ``SamplingParams`` for ``options``; ``logprobs`` asks for
         at least that many log probabilities (0: the sampled token's only)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
         wanted = options.logprobs if logprobs is None else max(logprobs, options.logprobs or 0)
         if wanted is not None and wanted > self.max_logprobs:
             raise RequestValidationError("logprobs", f"this engine returns at most {self.max_logprobs}", wanted)
@@ -134,11 +132,11 @@ class VllmEngine(ArEngine):
 
     async def encode(self, batch: list[list[int]]) -> list[torch.Tensor]:
         """All prompts go to the engine at once; its scheduler batches them."""
+        if len(batch) == 1:  # the stub's one prompt per call: no task of its own
+            return [await self._encode_one(batch[0], 0)]
         return list(await asyncio.gather(*(self._encode_one(ids, i) for i, ids in enumerate(batch))))
 
     async def _encode_one(self, prompt_ids: list[int], index: int) -> torch.Tensor:
-        from vllm import PoolingParams
-
         params = PoolingParams(task="token_embed", use_activation=False)
         request_id = f"encode-{uuid.uuid4().hex}-{index}"  # unique across concurrent batches
         result = None
@@ -190,7 +188,6 @@ def _shared_engine(engine_args, seat: EngineSeat):
     engine core first, with every frontend's addresses (what ``vllm serve
     --api-server-count N`` does in its parent process)."""
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
     from vllm.v1.executor import Executor
 

@@ -40,6 +40,8 @@ class Preset:
     ar_engine_args: str = ""
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
+    # ar_encoder's batching window on the Triton side (microseconds); None: the repository's.
+    encoder_queue_delay_us: int | None = None
     # The open loop's mixed traffic: every steps count at every size, interleaved.
     mixed_steps: tuple[int, ...] = (10, 20, 50)
     mixed_sizes: tuple[int, ...] = (512, 384)
