@@ -72,30 +72,35 @@ def test_the_cpu_window_counts_the_engine_cores_it_is_given_and_the_host():
         spinning.kill()
 
 
+def _bench_config(preset, dest, model: str):
+    """``model``'s config in the repositories the bench serves for ``preset``."""
+    from triton_omni_tools.bench import bench_repository
+    from triton_omni_tools.repository import load_config
+
+    [config] = [load_config(repo / model / "config.pbtxt") for repo in bench_repository(preset, dest)
+                if (repo / model / "config.pbtxt").exists()]
+    return config
+
+
 def test_the_ar_engine_args_reach_the_servers_ar_as_they_reach_the_direct_side(tmp_path):
     import json
     from dataclasses import replace
 
-    from triton_omni_tools.bench import PRESETS, bench_repository
-    from triton_omni_tools.repository import load_config
+    from triton_omni_tools.bench import PRESETS
 
-    preset = replace(PRESETS["tiny"], ar_engine_args='{"stream_interval": 4}')
-    [config] = [load_config(repo / "ar" / "config.pbtxt") for repo in bench_repository(preset, tmp_path)
-                if (repo / "ar" / "config.pbtxt").exists()]
+    config = _bench_config(replace(PRESETS["tiny"], ar_engine_args='{"stream_interval": 4}'), tmp_path, "ar")
     assert json.loads(config.parameters["engine_args"].string_value) == {"stream_interval": 4}
 
 
 def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_the_repositorys(tmp_path):
     from dataclasses import replace
 
-    from triton_omni_tools.bench import PRESETS, bench_repository
+    from triton_omni_tools.bench import PRESETS
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
     from triton_omni_tools.repository import load_config
 
     def delay(preset, dest):
-        [config] = [load_config(repo / "ar_encoder" / "config.pbtxt") for repo in bench_repository(preset, dest)
-                    if (repo / "ar_encoder" / "config.pbtxt").exists()]
-        return config.dynamic_batching.max_queue_delay_microseconds
+        return _bench_config(preset, dest, "ar_encoder").dynamic_batching.max_queue_delay_microseconds
 
     shipped = load_config(DEFAULT_REPOSITORIES[0] / "ar_encoder" / "config.pbtxt")
     assert delay(PRESETS["tiny"], tmp_path / "a") == shipped.dynamic_batching.max_queue_delay_microseconds

@@ -79,8 +79,7 @@ class ArRunner:
         self.seat = seat
         self.model_path = resolve_model(config.model)
         self.engine_name = config.resolved_engine()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._token_ids = _token_ids_of(self.tokenizer)
+        self._token_ids = _token_ids_of(AutoTokenizer.from_pretrained(self.model_path))
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
