@@ -36,9 +36,11 @@ class VllmEngine(ArEngine):
     name = "vllm"
 
     def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any],
-                 seat: EngineSeat | None = None):
+                 seat: EngineSeat | None = None, batch_wait_ms: float = 0.0):
         """``seat``: this instance's place in front of an engine core it
-        shares with other instances (shared_engine.py); None: its own engine."""
+        shares with other instances (shared_engine.py); None: its own engine.
+        ``batch_wait_ms`` (encode, > 0): the engine core schedules with
+        coalescing.py's scheduler; 0: vLLM's own."""
         from transformers import AutoConfig
 
         # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
@@ -51,6 +53,9 @@ class VllmEngine(ArEngine):
                                 "disable_log_stats": True}
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
+            if batch_wait_ms > 0:  # the engine core process imports the scheduler; this one need not
+                args |= {"scheduler_cls": "triton_omni.ar.coalescing.CoalescingScheduler",
+                         "additional_config": {"triton_omni_batch_wait_ms": batch_wait_ms}}
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
         if seat is None:
