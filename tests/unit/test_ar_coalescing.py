@@ -1,7 +1,7 @@
 """``batch_wait_ms``'s scheduler: a few fresh prompts do not get a step of
 their own behind a running one; an idle engine and a full batch never wait;
 nothing waiting is lost. vLLM's own ``schedule`` is stood in for here (it
-schedules every waiting prompt); tests/integration/test_ar_engine_stream.py
+schedules every waiting prompt); tests/integration/test_ar_encoder_batch_wait.py
 runs the scheduler in a real engine."""
 
 import time

@@ -21,9 +21,9 @@ at once, so a lone caller never waits.
 It is vLLM's ``AsyncScheduler`` with that check in front. A subclass of the
 plain ``Scheduler`` turns vLLM's asynchronous scheduling off. vLLM's V1 engine
 has no such setting (V0's ``delay_factor`` delayed prefills while decodes
-ran). The engine core process imports the class, as the engine's
-``scheduler_cls``. The wait reaches it in vLLM's ``additional_config``
-(``BATCH_WAIT_KEY``, in milliseconds; ``engine_vllm.py`` sets both).
+ran). ``engine_args`` names the class as the engine's ``scheduler_cls``, which
+the engine core process imports, and passes the wait in vLLM's
+``additional_config``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import time
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import create_request_queue
 
-BATCH_WAIT_KEY = "triton_omni_batch_wait_ms"
+BATCH_WAIT_KEY = "triton_omni_batch_wait_ms"  # in vLLM's additional_config, milliseconds
+
 
 
 class CoalescingScheduler(AsyncScheduler):
@@ -69,3 +70,11 @@ class CoalescingScheduler(AsyncScheduler):
         finally:
             for name, queue in kept.items():
                 setattr(self, name, queue)
+
+
+def engine_args(batch_wait_ms: float) -> dict:
+    """The vLLM engine arguments that make an encoder engine wait ``batch_wait_ms``; none for 0."""
+    if batch_wait_ms <= 0:
+        return {}
+    return {"scheduler_cls": f"{CoalescingScheduler.__module__}.{CoalescingScheduler.__qualname__}",
+            "additional_config": {BATCH_WAIT_KEY: batch_wait_ms}}

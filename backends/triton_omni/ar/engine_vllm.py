@@ -26,6 +26,7 @@ from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from triton_omni.ar import coalescing
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
@@ -53,9 +54,7 @@ class VllmEngine(ArEngine):
                                 "disable_log_stats": True}
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
-            if batch_wait_ms > 0:  # the engine core process imports the scheduler; this one need not
-                args |= {"scheduler_cls": "triton_omni.ar.coalescing.CoalescingScheduler",
-                         "additional_config": {"triton_omni_batch_wait_ms": batch_wait_ms}}
+            args |= coalescing.engine_args(batch_wait_ms)
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
         if seat is None:
