@@ -2,12 +2,11 @@
 
 Under load the ``ar`` stub's GIL bounds it (docs/benchmarks.md, "Seventh
 pass"), and every streamed response is built on it: a ``text_output`` and,
-when asked, a ``num_output_tokens``. ``pb_utils`` exists only inside a
-stub, so this starts a server with one throwaway Python model whose
-``initialize`` times each way of building those tensors, writes the figures
-to a file, and exits. Printed: microseconds per call, the best of three
-repeats, and the ratio of the token count built through torch and DLPack
-(the old path) to the NumPy one (``python_tensor``, today's).
+when asked, a ``num_output_tokens``. A throwaway model's ``initialize``
+times each way of building those tensors (``stub_probe.py``). Printed:
+microseconds per call, the best of three repeats, and the ratio of the
+token count built through torch and DLPack (the old path) to the NumPy one
+(``python_tensor``, today's).
 
     .venv/bin/python benchmarks/stub_tensors.py [--calls 5000]
 """
@@ -15,24 +14,8 @@ repeats, and the ratio of the token count built through torch and DLPack
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from triton_omni_tools.launcher import ServerOptions, TritonServer
-
-CONFIG = """
-name: "stub_tensors"
-backend: "python"
-max_batch_size: 0
-input [ { name: "x" data_type: TYPE_INT32 dims: [1] } ]
-output [ { name: "y" data_type: TYPE_INT32 dims: [1] } ]
-instance_group [ { kind: KIND_CPU count: 1 } ]
-parameters { key: "calls" value { string_value: "%d" } }
-parameters { key: "out" value { string_value: "%s" } }
-"""
+from stub_probe import EXECUTE, run_in_stub
 
 MODEL = '''
 import json
@@ -61,28 +44,14 @@ class TritonPythonModel:
                    for name, fn in VARIANTS.items()}
         with open(params["out"], "w") as f:
             json.dump(figures, f)
-
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("y", np.ones(1, np.int32))])
-                for _ in requests]
-'''
+''' + EXECUTE
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000, help="calls per repeat of each variant")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="stub-tensors-") as tmp:
-        root, out = Path(tmp), Path(tmp) / "figures.json"
-        (root / "repo" / "stub_tensors" / "1").mkdir(parents=True)
-        (root / "repo" / "stub_tensors" / "config.pbtxt").write_text(CONFIG % (args.calls, out))
-        (root / "repo" / "stub_tensors" / "1" / "model.py").write_text(MODEL)
-        options = ServerOptions(model_repositories=[root / "repo"], http_port=18400, grpc_port=18401,
-                                metrics_port=18402, log_file=root / "server.log", model_control_mode="explicit",
-                                load_models=["stub_tensors"])
-        with TritonServer(options):
-            pass  # initialize has run once the server is ready
-        figures = json.loads(out.read_text())
+    figures = run_in_stub("stub_tensors", MODEL, {"calls": args.calls})
     for name, us in figures.items():
         print(f"{name:<48} {us:7.1f} us")
     before = figures["num_output_tokens, torch + DLPack (before)"]

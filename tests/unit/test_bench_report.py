@@ -105,17 +105,3 @@ def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_t
     shipped = load_config(DEFAULT_REPOSITORIES[0] / "ar_encoder" / "config.pbtxt")
     assert delay(PRESETS["tiny"], tmp_path / "a") == shipped.dynamic_batching.max_queue_delay_microseconds
     assert delay(replace(PRESETS["tiny"], encoder_queue_delay_us=750), tmp_path / "b") == 750
-
-
-def test_the_encoder_batch_wait_reaches_only_the_servers_ar_encoder(tmp_path):
-    from dataclasses import replace
-
-    from triton_omni_tools.bench import PRESETS
-
-    def wait(preset, dest):
-        return _bench_config(preset, dest, "ar_encoder").parameters.get("batch_wait_ms")
-
-    assert wait(PRESETS["tiny"], tmp_path / "a") is None  # off, as the repository ships it
-    waiting = replace(PRESETS["tiny"], encoder_batch_wait_ms=2.5)
-    assert wait(waiting, tmp_path / "b").string_value == "2.5"
-    assert _bench_config(waiting, tmp_path / "c", "ar").parameters.get("batch_wait_ms") is None

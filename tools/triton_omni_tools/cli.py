@@ -97,10 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--encoder-queue-delay-us", type=int, metavar="US",
                        help="ar_encoder's batching window on the Triton side, max_queue_delay_microseconds "
                             "(default: model_repository's)")
-    bench.add_argument("--encoder-batch-wait-ms", type=float, metavar="MS",
-                       help="ar_encoder's batch_wait_ms on the Triton side: on vLLM, prompts that arrive while a "
-                            "step runs wait up to MS for the next one instead of a small step of their own "
-                            "(default: model_repository's, off; the direct side keeps vLLM's own scheduler)")
     bench.add_argument("--out", type=Path, help="folder for bench.json and bench.png; default .cache/bench/<preset>")
     bench.set_defaults(run=_bench)
 
@@ -291,7 +287,7 @@ def _bench(args) -> int:
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
         ar_engine_args=args.ar_engine_args, client_processes=args.client_processes,
-        encoder_queue_delay_us=args.encoder_queue_delay_us, encoder_batch_wait_ms=args.encoder_batch_wait_ms)
+        encoder_queue_delay_us=args.encoder_queue_delay_us)
     return 0
 
 

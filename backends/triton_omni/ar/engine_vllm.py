@@ -26,7 +26,6 @@ from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from triton_omni.ar import coalescing
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
@@ -37,11 +36,9 @@ class VllmEngine(ArEngine):
     name = "vllm"
 
     def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any],
-                 seat: EngineSeat | None = None, batch_wait_ms: float = 0.0):
+                 seat: EngineSeat | None = None):
         """``seat``: this instance's place in front of an engine core it
-        shares with other instances (shared_engine.py); None: its own engine.
-        ``batch_wait_ms`` (encode, > 0): the engine core schedules with
-        coalescing.py's scheduler; 0: vLLM's own."""
+        shares with other instances (shared_engine.py); None: its own engine."""
         from transformers import AutoConfig
 
         # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
@@ -54,7 +51,6 @@ class VllmEngine(ArEngine):
                                 "disable_log_stats": True}
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
-            args |= coalescing.engine_args(batch_wait_ms)
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
         if seat is None:

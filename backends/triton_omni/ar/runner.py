@@ -49,8 +49,6 @@ class ArRunnerConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine args
     # This model's share of its GPU (gpu_memory.py); None: the engine's default (vLLM: 0.9).
     gpu_memory_utilization: float | None = None
-    # encode on vLLM: prompts arriving while a step runs wait up to this long for the next (coalescing.py)
-    batch_wait_ms: float = 0.0
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -95,8 +93,7 @@ class ArRunner:
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat,
-                              batch_wait_ms=cfg.batch_wait_ms)
+            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
         from triton_omni.ar.engine_transformers import DEFAULT_MAX_NUM_SEQS, TransformersEngine

@@ -62,7 +62,6 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         limits=limits,
         engine_args=engine_args,
         gpu_memory_utilization=gpu_share(params),
-        batch_wait_ms=float(params.get("batch_wait_ms", 0) or 0),
     )
     return config, placement
 

@@ -577,14 +577,13 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
     ar = {"model": preset.ar_model}
     engine_args = {"engine_args": json.loads(preset.ar_engine_args)} if preset.ar_engine_args else {}
-    encoder_wait = {} if preset.encoder_batch_wait_ms is None else {"batch_wait_ms": str(preset.encoder_batch_wait_ms)}
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
                parameters=ar | {"engine": "transformers", "gpu_memory_utilization": TRANSFORMERS_SHARE})
     return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
         "ar": {"parameters": ar | engine_args},
-        "ar_encoder": {"parameters": ar | encoder_wait, "max_batch_size": preset.encoder_max_batch_size,
+        "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size,
                        "max_queue_delay_us": preset.encoder_queue_delay_us},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
@@ -633,8 +632,7 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
         pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None,
-        client_processes: int | None = None, encoder_queue_delay_us: int | None = None,
-        encoder_batch_wait_ms: float | None = None) -> list[dict]:
+        client_processes: int | None = None, encoder_queue_delay_us: int | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -663,8 +661,6 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["client_processes"] = client_processes
     if encoder_queue_delay_us is not None:
         overrides["encoder_queue_delay_us"] = encoder_queue_delay_us
-    if encoder_batch_wait_ms is not None:
-        overrides["encoder_batch_wait_ms"] = encoder_batch_wait_ms
     if concurrency:  # one list for every workload
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))

@@ -43,8 +43,6 @@ class Preset:
     client_processes: int = 8
     # ar_encoder's batching window on the Triton side (microseconds); None: the repository's.
     encoder_queue_delay_us: int | None = None
-    # ar_encoder's batch_wait_ms on the Triton side (None: model_repository's); the direct side keeps vLLM's scheduler
-    encoder_batch_wait_ms: float | None = None
     # The open loop's mixed traffic: every steps count at every size, interleaved.
     mixed_steps: tuple[int, ...] = (10, 20, 50)
     mixed_sizes: tuple[int, ...] = (512, 384)
