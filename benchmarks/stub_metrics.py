@@ -40,14 +40,16 @@ def spinning_rate(work) -> tuple[float, float]:
         while not stop[0]:
             count[0] += 1
 
-    thread = threading.Thread(target=spin)
+    thread = threading.Thread(target=spin, daemon=True)
     thread.start()
-    time.sleep(0.05)
-    before, started = count[0], time.perf_counter()
-    work()
-    took, after = time.perf_counter() - started, count[0]
-    stop[0] = True
-    thread.join()
+    try:
+        time.sleep(0.05)
+        before, started = count[0], time.perf_counter()
+        work()
+        took, after = time.perf_counter() - started, count[0]
+    finally:  # a failed update must not leave a spinning stub behind
+        stop[0] = True
+        thread.join()
     return took, (after - before) / took
 
 
