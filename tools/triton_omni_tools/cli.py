@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="diffusion under Poisson arrivals instead: step against request batching, and "
                        "mixed traffic (writes open-loop.json)")
     bench.add_argument("--loads", default="0.5,0.8",
-                       help="open loop: arrival rates as fractions of request batching's peak")
+                       help="open loop: arrival rates as fractions of request batching's peak (\"\": none)")
     bench.add_argument("--requests", type=int, default=200, help="open loop: requests per point")
     bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
+    bench.add_argument("--mixed-modes", help="open loop: the modes mixed traffic runs, comma-separated among "
+                       "request,step,step_shortest_first,step_two_streams; default: all")
     bench.add_argument("--gpus", help="comma-separated GPU counts, e.g. 1,2: diffusion one instance per GPU, ar "
                                        "tensor parallel, each against one GPU in the same run (docs/gpu.md)")
     bench.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN][:shared]",
@@ -272,8 +274,8 @@ def _bench(args) -> int:
     if args.open_loop:
         from triton_omni_tools.bench import PRESETS, openloop
 
-        openloop.run(PRESETS[args.preset], args.preset, out, parts(args.loads, float), args.requests,
-                     mixed=not args.no_mixed)
+        mixed = () if args.no_mixed else parts(args.mixed_modes) or tuple(openloop.MIXED_MODES)
+        openloop.run(PRESETS[args.preset], args.preset, out, parts(args.loads, float) or (), args.requests, mixed)
         return 0
     if args.gpus:
         from dataclasses import replace

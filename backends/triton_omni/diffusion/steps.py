@@ -39,7 +39,16 @@ which next: ``round_robin`` (the default: one step each, in turn) or
 work, its steps left times its latent area, as SRPT schedules: a 10-step
 request is not slowed by a 50-step one of another size, which waits
 instead). Either way no group starves: under ``shortest_first`` one passed
-over ``STARVE_AFTER`` steps in a row runs the next. Rows in flight
+over ``STARVE_AFTER`` steps in a row runs the next.
+
+On a GPU, groups of different sizes can also run at the same time:
+``streams`` > 1 gives each size a CUDA stream of its own (a lane: the one
+with the fewest groups when the size first runs), so one size's step runs
+while the other's is still on the GPU. An SD UNet at a batch of one to four
+leaves most of an H200 idle, so two sizes' steps cost less side by side than
+in turn. A job's every tensor is made and used on its lane, which keeps the
+caching allocator's reuse in stream order; the lanes wait for the ambient
+stream only after a ``call`` (loading the pipeline) ran on it. Rows in flight
 are bounded (``max_rows``); beyond it, admission waits (FIFO) or rejects,
 as configured. A cancelled request leaves at the next step.
 
@@ -52,6 +61,7 @@ bucket) and images agree within the tolerance the tests state.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -103,10 +113,14 @@ class StepJob:
     latents: torch.Tensor | None = None
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
+    lane: int = 0  # the CUDA stream its work goes to (``streams`` > 1)
 
     def group(self) -> tuple:
         """What rows must share to run in one forward pass."""
         return self.height, self.width, self.cond.shape[0]
+
+    def size(self) -> tuple[int, int]:
+        return self.height, self.width
 
     def work_left(self) -> int:
         """Its remaining steps times its latent area: what a step costs grows with the pixels."""
@@ -116,17 +130,23 @@ class StepJob:
 class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
                  on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
-                 on_batch: Callable[[int], None] | None = None, group_order: str = "round_robin"):
-        """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric)."""
+                 on_batch: Callable[[int], None] | None = None, group_order: str = "round_robin",
+                 streams: int = 1):
+        """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric);
+        ``streams``: CUDA streams the groups of different sizes step on at once (ignored off a GPU)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:
             raise ValueError(f"group_order must be one of {', '.join(GROUP_ORDERS)}, got {group_order!r}")
+        if not (isinstance(streams, int) and streams >= 1):
+            raise ValueError(f"streams must be an integer of at least 1, got {streams!r}")
         self.group_order = group_order
         self._passed: dict[tuple, int] = {}  # group -> steps it was passed over in a row (shortest_first)
         if device.type == "cuda" and device.index is None:  # "cuda": the caller's current GPU, named
             device = torch.device("cuda", torch.cuda.current_device())  # (the engine's thread makes it current)
         self.device, self.dtype = device, dtype
+        self.streams = streams if device.type == "cuda" else 1
+        self._lanes: list[Any] = [None]  # None: the thread's ambient stream; CUDA streams when streams > 1
         self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
         self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
         self.on_batch = on_batch
@@ -190,6 +210,8 @@ class StepEngine:
     def _loop(self) -> None:
         if self.device.type == "cuda":  # this thread's kernels, streams and graphs go to the engine's GPU
             torch.cuda.set_device(self.device)
+            if self.streams > 1:
+                self._lanes = [torch.cuda.Stream(self.device) for _ in range(self.streams)]
         while True:
             with self._wake:
                 while not self._stopped and not self._waiting and not self._running and not self._calls:
@@ -203,6 +225,9 @@ class StepEngine:
                     future.set_result(fn())
                 except BaseException as exc:
                     future.set_exception(exc)
+            if calls and self._lanes[0] is not None:  # what a call made on the ambient stream, the lanes read
+                for lane in self._lanes:
+                    lane.wait_stream(torch.cuda.current_stream())
             for job in admitted:
                 self._start(job)
             group = self._next_group()
@@ -223,6 +248,25 @@ class StepEngine:
 
     def _start(self, job: StepJob) -> None:
         """The job's prompt encoded, its own scheduler, timesteps and initial noise; it joins its group."""
+        job.lane = self._lane_for(job)
+        with self._on_lane(job.lane):
+            self._prepare(job)
+
+    def _lane_for(self, job: StepJob) -> int:
+        """Its size's lane while that size runs, else the lane running the fewest groups."""
+        if len(self._lanes) == 1:
+            return 0
+        running = [jobs[0] for jobs in self._running.values() if jobs]
+        for other in running:
+            if other.size() == job.size():
+                return other.lane
+        return min(range(len(self._lanes)), key=lambda lane: sum(other.lane == lane for other in running))
+
+    def _on_lane(self, lane: int):
+        stream = self._lanes[lane]
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    def _prepare(self, job: StepJob) -> None:
         try:
             job.cond, job.uncond = job.prepare()
             scheduler = copy.deepcopy(self.pipeline.scheduler)
@@ -259,6 +303,10 @@ class StepEngine:
         jobs[:] = live
         if not live:
             return
+        with self._on_lane(live[0].lane):
+            self._step_on_lane(jobs, live)
+
+    def _step_on_lane(self, jobs: list[StepJob], live: list[StepJob]) -> None:
         try:
             self._advance(live)
         except Exception as exc:

@@ -36,4 +36,5 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         max_rows=int(params.get("max_rows", "0")),
         on_full=params.get("on_full", "wait"),
         group_order=params.get("group_order", "round_robin"),
+        streams=int(params.get("streams", "1")),
     ), placement

@@ -13,11 +13,13 @@ whatever is still in flight:
 3. mixed traffic: steps 10/20/50 at two sizes, interleaved; each class's
    latency at 50 % of the mix's own peak against the same class alone, in
    each mode, and in step mode with the two sizes' groups ordered shortest
-   first (``group_order: shortest_first``) beside the default (in turn).
+   first (``group_order: shortest_first``) and on two CUDA streams at once
+   (``streams: 2``) beside the default (in turn, on one stream).
 
-The server loads three copies of the preset's diffusion model: ``diffusion``
-(step batching), ``diffusion_request`` (request batching, with the preset's
-batching window) and ``diffusion_shortest_first``, measured one at a time.
+The server loads a copy of the preset's diffusion model per mode measured:
+``diffusion`` (step batching), ``diffusion_request`` (request batching, with
+the preset's batching window), ``diffusion_shortest_first`` and
+``diffusion_two_streams``; they are measured one at a time.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ import numpy as np
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
-# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first.
-MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first"}
+# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first, and with
+# its sizes on two CUDA streams at once (on a CPU the same as "step": streams need a GPU).
+MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first", "step_two_streams": "diffusion_two_streams"}
+# What each mode's copy of ``diffusion`` changes (request batching also gets the preset's window).
+MODE_PARAMETERS = {"diffusion_request": {"batching": "request"},
+                   "diffusion_shortest_first": {"group_order": "shortest_first"},
+                   "diffusion_two_streams": {"streams": "2"}}
 
 
 @dataclass(frozen=True)
@@ -172,10 +179,22 @@ def solo_latency(sender: ImageSender, model: str, image: ImageClass, repeats: in
     return float(np.median([sender.one(model, image, k) for k in range(repeats)]) * 1e3)
 
 
-def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, mixed: bool) -> dict:
+def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, mixed_modes: tuple[str, ...]) -> dict:
     standard = ImageClass(preset.steps, preset.size)
     sender = ImageSender(url, preset)
     report: dict = {"loads": {}, "mixed": None}
+    if loads:
+        report |= measure_loads(url, preset, sender, standard, loads, requests)
+    if mixed_modes:
+        report["mixed"] = measure_mixed(url, preset, sender, requests, mixed_modes)
+    sender.close()
+    return report
+
+
+def measure_loads(url: str, preset: Preset, sender: ImageSender, standard: ImageClass, loads: tuple[float, ...],
+                  requests: int) -> dict:
+    """Request batching's closed-loop peak, then Poisson arrivals at each fraction of it, in both modes."""
+    report: dict = {"loads": {}}
     for model in MODES.values():
         warm_up(url, preset, model, [standard], preset.max_batch_size)
     peak = closed_loop_peak(url, preset, MODES["request"], [standard], preset.max_batch_size, rounds=3)
@@ -189,20 +208,19 @@ def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, m
             report["loads"][load][mode] = result
             print(f"  load {load:.0%} ({load * peak:.2f}/s offered) {mode:<8} {result['per_s']:6.2f}/s  "
                   f"p50 {result['p50_ms']:8.1f} ms  p99 {result['p99_ms']:8.1f} ms", flush=True)
-    if mixed:
-        report["mixed"] = measure_mixed(url, preset, sender, requests)
-    sender.close()
     return report
 
 
-def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, load: float = 0.5) -> dict:
+def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, modes: tuple[str, ...],
+                  load: float = 0.5) -> dict:
     """The preset's steps counts (10/20/50) at its two sizes, interleaved at ``load`` of the mix's own
     closed-loop peak, in each mode; each class's p50 against its latency alone in that mode."""
     classes = [ImageClass(steps, size) for steps in preset.mixed_steps for size in preset.mixed_sizes]
     rng = np.random.default_rng(7)
     order = [classes[i] for i in rng.integers(0, len(classes), requests)]
     out = {}
-    for mode, model in MIXED_MODES.items():
+    for mode in modes:
+        model = MIXED_MODES[mode]
         warm_up(url, preset, model, classes, preset.max_batch_size // 2)
         solo = {image.name: solo_latency(sender, model, image) for image in classes}
         peak = closed_loop_peak(url, preset, model, classes, preset.max_batch_size, rounds=3)
@@ -221,7 +239,7 @@ def table(report: dict) -> None:
     header = (f"{'load':>6}{'offered/s':>11}{'req p50':>10}{'step p50':>10}{'p50 x':>7}"
               f"{'req p99':>10}{'step p99':>10}{'p99 x':>7}{'req/s':>8}{'step/s':>8}")
     print(header + "\n" + "-" * len(header))
-    for load, modes in report["loads"].items():
+    for load, modes in report["loads"].items():  # empty without load points
         r, s = modes["request"], modes["step"]
         print(f"{float(load):>6.0%}{float(load) * report['peak_per_s']:>11.2f}{r['p50_ms']:>10.0f}"
               f"{s['p50_ms']:>10.0f}{r['p50_ms'] / s['p50_ms']:>7.2f}{r['p99_ms']:>10.0f}{s['p99_ms']:>10.0f}"
@@ -234,38 +252,47 @@ def table(report: dict) -> None:
 
 
 def repository(preset: Preset, dest: Path) -> list[Path]:
-    """The bench repository (step batching) plus ``diffusion_request``, a request-batching copy, and
-    ``diffusion_shortest_first``, a step-batching copy whose groups go shortest first."""
+    """The bench repository (``diffusion``: step batching) plus a copy of ``diffusion`` per other mode
+    (``MODE_PARAMETERS``)."""
     from dataclasses import replace
 
     from triton_omni_tools.bench.harness import bench_repository
-    from triton_omni_tools.repository import copy_model
+    from triton_omni_tools.memory_plan import MAX_TOTAL_SHARE, configured_share
+    from triton_omni_tools.repository import copy_model, edit_config, load_config
 
     repositories = bench_repository(replace(preset, diffusion_batching="step"), dest)
     variants, models = repositories[0], repositories[1]
-    copy_model(models, "diffusion", variants, MODES["request"], parameters={"batching": "request"},
-               max_queue_delay_us=preset.diffusion_queue_delay_us)
-    copy_model(models, "diffusion", variants, MIXED_MODES["step_shortest_first"],
-               parameters={"group_order": "shortest_first"})
+    # every copy loaded at once must fit the GPU's memory plan (memory_plan.py)
+    share = min(configured_share(load_config(models / "diffusion" / "config.pbtxt")) or 1.0,
+                MAX_TOTAL_SHARE / len(MIXED_MODES))
+    edit_config(models / "diffusion" / "config.pbtxt", parameters={"gpu_memory_utilization": f"{share:.3f}"})
+    for name, parameters in MODE_PARAMETERS.items():
+        delay = preset.diffusion_queue_delay_us if parameters.get("batching") == "request" else None
+        copy_model(models, "diffusion", variants, name, parameters=parameters, max_queue_delay_us=delay)
     return repositories
 
 
 def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...] = (0.5, 0.8),
-        requests: int = 200, mixed: bool = True) -> dict:
+        requests: int = 200, mixed_modes: tuple[str, ...] = tuple(MIXED_MODES)) -> dict:
+    """``loads``: the Poisson points (empty: none); ``mixed_modes``: the modes mixed traffic runs (empty: none)."""
     from triton_omni.demo_models import resolve_model
 
     from triton_omni_tools.bench.report import device_name
     from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
+    unknown = set(mixed_modes) - set(MIXED_MODES)
+    if unknown:
+        raise ValueError(f"unknown mixed-traffic modes {sorted(unknown)}; known: {', '.join(MIXED_MODES)}")
+    needed = {*(MODES.values() if loads else ()), *(MIXED_MODES[mode] for mode in mixed_modes)}
     resolve_model(preset.diffusion_model)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"== open loop, {requests} requests per point ({device_name()})", flush=True)
     with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
         options = ServerOptions(model_repositories=repository(preset, Path(tmp)), http_port=free_port(),
                                 grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
-                                model_control_mode="explicit", load_models=list(MIXED_MODES.values()))
+                                model_control_mode="explicit", load_models=sorted(needed))
         with TritonServer(options) as server:
-            report = measure(server.grpc_url, preset, loads, requests, mixed)
+            report = measure(server.grpc_url, preset, loads, requests, mixed_modes)
     table(report)
     report |= {"preset": preset_name, "device": device_name(), "requests": requests}
     path = out_dir / "open-loop.json"
