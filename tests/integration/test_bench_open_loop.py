@@ -24,7 +24,7 @@ def test_open_loop_bench_measures_both_modes_and_mixed_traffic(tmp_path):
     for mode in openloop.MODES:
         point = report["loads"][0.5][mode]
         assert point["requests"] == 12 and point["p99_ms"] >= point["p50_ms"] > 0
-    for mode in openloop.MIXED_MODES:  # step batching's group orders and streams side by side
+    for mode in openloop.MIXED_MODES:  # step batching's group orders side by side
         mixed = report["mixed"][mode]
         assert set(mixed["by_class"]) == {"1 steps 32px", "1 steps 64px", "3 steps 32px", "3 steps 64px"}
         assert sum(c["requests"] for c in mixed["by_class"].values()) == 12

@@ -229,18 +229,12 @@ def test_an_unknown_group_order_is_refused():
         runner(group_order="fastest")
 
 
-def test_streams_below_one_are_refused():
-    with pytest.raises(ValueError, match="streams"):
-        runner(streams=0)
+
+def test_steps_ahead_below_zero_is_refused():
+    with pytest.raises(ValueError, match="steps_ahead"):
+        runner(steps_ahead=-1)
 
 
-def test_streams_are_ignored_off_a_gpu(reference):
-    """CUDA streams need a GPU: on a CPU, ``streams: 2`` steps the two sizes in turn, as one stream."""
-    r = runner(streams=2)
-    try:
-        assert r.steps.streams == 1
-        together = r.run([request(r, 80, size=64), request(r, 81, size=32)])
-        for i, (seed, size) in enumerate(((80, 64), (81, 32))):
-            assert_close(together[i], reference.run([request(reference, seed, size=size)])[0], f"request {i}")
-    finally:
-        r.close()
+def test_steps_ahead_is_ignored_off_a_gpu(steps):
+    """A CPU runs each step as it is queued: nothing to bound, and no CUDA events."""
+    assert steps.config.steps_ahead == 2 and steps.steps.steps_ahead == 0

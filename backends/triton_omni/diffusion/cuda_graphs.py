@@ -11,10 +11,7 @@ What is graphed: ``unet(sample, timestep, encoder_hidden_states,
 return_dict=False)`` with no extra conditioning, which is every step of the
 SD-family pipelines. Any other call (ControlNet residuals, added conditions,
 ``return_dict=True``) runs eagerly, as does a shape whose capture failed.
-Graphs replayed on one CUDA stream share a memory pool, since they replay one
-at a time; a step engine with several streams (``steps.py``) replays on each
-its own graphs, from a pool of that stream's, since two streams' replays run
-at once.
+Graphs share one memory pool, since one runner replays them one at a time.
 """
 
 from __future__ import annotations
@@ -60,8 +57,8 @@ class GraphedDenoiser:
     and 19 replays.
 
     ``max_graphs`` bounds the cache (least recently used out): each key is
-    one (batch, latent size, token count, dtype, stream), and without exact
-    batching the batch size varies with the load.
+    one (batch, latent size, token count, dtype), and without exact batching
+    the batch size varies with the load.
     """
 
     def __init__(self, module: torch.nn.Module, max_graphs: int = 16,
@@ -73,7 +70,7 @@ class GraphedDenoiser:
         self._max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()
         self._warmed: OrderedDict[tuple, None] = OrderedDict()  # shapes run once, not yet captured
-        self._pools: dict[int, Any] = {}  # a memory pool per stream the graphs replay on
+        self._pool = torch.cuda.graph_pool_handle()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # capture streams, one per GPU
         self.enabled = True  # off: every call eager (the benchmark's raw-diffusers reference)
         module.forward = self.forward
@@ -94,14 +91,13 @@ class GraphedDenoiser:
             return self._graphed((sample, timestep, encoder_hidden_states))
 
     def _graphed(self, inputs: tuple[torch.Tensor, ...]):
-        stream = torch.cuda.current_stream().cuda_stream  # replays on another stream may run meanwhile
-        key = (*((tuple(t.shape), t.dtype, t.device) for t in inputs), stream)
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
         if key not in self._graphs:
             if key not in self._warmed:
                 _remember(self._warmed, key, 256)
                 return (self._warm_up(*inputs),)
             del self._warmed[key]
-            _remember(self._graphs, key, self._max_graphs, self._capture(stream, *inputs))
+            _remember(self._graphs, key, self._max_graphs, self._capture(*inputs))
         self._graphs.move_to_end(key)
         graph = self._graphs[key]
         if graph is _EAGER:
@@ -118,7 +114,7 @@ class GraphedDenoiser:
         output.record_stream(ambient)  # made on the side stream, used on the ambient one
         return output
 
-    def _capture(self, stream: int, *inputs: torch.Tensor) -> _Graph | None:
+    def _capture(self, *inputs: torch.Tensor) -> _Graph | None:
         static = [t.clone() for t in inputs]
         try:
             graph = torch.cuda.CUDAGraph()
@@ -128,9 +124,7 @@ class GraphedDenoiser:
             device = static[0].device
             if device not in self._streams:
                 self._streams[device] = torch.cuda.Stream(device)
-            if stream not in self._pools:
-                self._pools[stream] = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pools[stream], stream=self._streams[device],
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._streams[device],
                                   capture_error_mode="thread_local"):
                 output = self._eager(*static, return_dict=False)[0]
         except Exception:

@@ -33,7 +33,7 @@ import torch
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
-from triton_omni.diffusion.steps import StepEngine, StepJob, to_device, to_pixels
+from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.gpu_memory import cap_torch
@@ -65,8 +65,8 @@ class DiffusionRunnerConfig:
     on_full: str = "wait"  # step batching beyond max_rows: "wait" (FIFO) or "reject"
     # step batching: which group of requests (size, token count) steps next (steps.py)
     group_order: str = "round_robin"
-    # step batching on a GPU: CUDA streams that groups of different sizes step on at once (steps.py)
-    streams: int = 1
+    # step batching on a GPU: steps queued before the engine waits for the oldest (0: no bound; steps.py)
+    steps_ahead: int = STEPS_AHEAD
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -112,9 +112,8 @@ class DiffusionRunner:
         self.limits = DiffusionLimits(hidden_size=int(hidden), **config.limits)
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
-            # step batching: a graph per (bucket, size, token count, stream) in use
-            self.graphs = GraphedDenoiser(self.pipeline.unet,
-                                          max_graphs=32 * config.streams if config.batching == "step" else 16,
+            # step batching: a graph per (bucket, size, token count) in use
+            self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
         if self.steps is not None:
             if not hasattr(self.pipeline, "unet") or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
@@ -130,7 +129,7 @@ class DiffusionRunner:
         c = self.config
         return StepEngine(self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch,
-                          group_order=c.group_order, streams=c.streams)
+                          group_order=c.group_order, steps_ahead=c.steps_ahead)
 
     def _on_torch_thread(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the thread that runs this runner's torch work: the step engine's, else the caller's."""

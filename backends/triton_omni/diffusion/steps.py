@@ -17,9 +17,17 @@ Each request keeps what makes its image its own:
   requests of its size that finished at the same step (alone with
   ``exact``), then one device-to-host copy for all of them.
 
-On a GPU the engine's thread never waits for the GPU, at a step, at
-admission or at a decode: a wait drains the GPU while Python issues the
-next kernels. Timesteps and prompt embeddings go up from pinned memory
+On a GPU the engine's thread never waits for the GPU to finish the work it
+has just queued, at a step, at admission or at a decode: a wait drains the
+GPU while Python issues the next kernels. It does wait for older work: with
+``steps_ahead`` steps queued (the default 2: one running, one ready behind
+it), it waits for the oldest before queuing another. Queuing a step takes the
+thread a millisecond or two and the GPU 10 to 30 ms, so without the bound the
+thread ran many steps ahead of the GPU, and a request that arrived joined the
+batch many steps after its "next step": on an H200 under mixed open traffic
+(docs/benchmarks.md) the slowest class's median fell from 2.3x to 1.8-1.9x its
+time alone with the bound, and the closed loop stayed within 0.97 to 1.01 of
+the best request-level batch. Timesteps and prompt embeddings go up from pinned memory
 without blocking (a copy from pageable memory waits for the stream first);
 decoded images come down into pinned memory, and a second thread waits for
 each copy and resolves its requests' futures.
@@ -39,16 +47,7 @@ which next: ``round_robin`` (the default: one step each, in turn) or
 work, its steps left times its latent area, as SRPT schedules: a 10-step
 request is not slowed by a 50-step one of another size, which waits
 instead). Either way no group starves: under ``shortest_first`` one passed
-over ``STARVE_AFTER`` steps in a row runs the next.
-
-On a GPU, groups of different sizes can also run at the same time:
-``streams`` > 1 gives each size a CUDA stream of its own (a lane: the one
-with the fewest groups when the size first runs), so one size's step runs
-while the other's is still on the GPU. An SD UNet at a batch of one to four
-leaves most of an H200 idle, so two sizes' steps cost less side by side than
-in turn. A job's every tensor is made and used on its lane, which keeps the
-caching allocator's reuse in stream order; the lanes wait for the ambient
-stream only after a ``call`` (loading the pipeline) ran on it. Rows in flight
+over ``STARVE_AFTER`` steps in a row runs the next. Rows in flight
 are bounded (``max_rows``); beyond it, admission waits (FIFO) or rejects,
 as configured. A cancelled request leaves at the next step.
 
@@ -61,7 +60,6 @@ bucket) and images agree within the tolerance the tests state.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import logging
@@ -88,6 +86,8 @@ GROUP_ORDERS = ("round_robin", "shortest_first")
 # shortest_first: a group passed over this many steps in a row runs the next one (bounded waiting;
 # a 10-step request of another size then costs a 50-step one at most one step in nine).
 STARVE_AFTER = 8
+# Steps queued on the GPU at most: one running and one ready to start when it ends (see above).
+STEPS_AHEAD = 2
 
 
 @dataclass(eq=False)
@@ -113,14 +113,10 @@ class StepJob:
     latents: torch.Tensor | None = None
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
-    lane: int = 0  # the CUDA stream its work goes to (``streams`` > 1)
 
     def group(self) -> tuple:
         """What rows must share to run in one forward pass."""
         return self.height, self.width, self.cond.shape[0]
-
-    def size(self) -> tuple[int, int]:
-        return self.height, self.width
 
     def work_left(self) -> int:
         """Its remaining steps times its latent area: what a step costs grows with the pixels."""
@@ -131,22 +127,22 @@ class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
                  on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
                  on_batch: Callable[[int], None] | None = None, group_order: str = "round_robin",
-                 streams: int = 1):
+                 steps_ahead: int = STEPS_AHEAD):
         """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric);
-        ``streams``: CUDA streams the groups of different sizes step on at once (ignored off a GPU)."""
+        ``steps_ahead``: steps queued on the GPU at most (0: no bound; ignored off a GPU)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:
             raise ValueError(f"group_order must be one of {', '.join(GROUP_ORDERS)}, got {group_order!r}")
-        if not (isinstance(streams, int) and streams >= 1):
-            raise ValueError(f"streams must be an integer of at least 1, got {streams!r}")
+        if not (isinstance(steps_ahead, int) and steps_ahead >= 0):
+            raise ValueError(f"steps_ahead must be an integer of at least 0, got {steps_ahead!r}")
         self.group_order = group_order
         self._passed: dict[tuple, int] = {}  # group -> steps it was passed over in a row (shortest_first)
         if device.type == "cuda" and device.index is None:  # "cuda": the caller's current GPU, named
             device = torch.device("cuda", torch.cuda.current_device())  # (the engine's thread makes it current)
         self.device, self.dtype = device, dtype
-        self.streams = streams if device.type == "cuda" else 1
-        self._lanes: list[Any] = [None]  # None: the thread's ambient stream; CUDA streams when streams > 1
+        self.steps_ahead = steps_ahead if device.type == "cuda" else 0  # a CPU runs each step as it is issued
+        self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
         self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
         self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
         self.on_batch = on_batch
@@ -210,8 +206,6 @@ class StepEngine:
     def _loop(self) -> None:
         if self.device.type == "cuda":  # this thread's kernels, streams and graphs go to the engine's GPU
             torch.cuda.set_device(self.device)
-            if self.streams > 1:
-                self._lanes = [torch.cuda.Stream(self.device) for _ in range(self.streams)]
         while True:
             with self._wake:
                 while not self._stopped and not self._waiting and not self._running and not self._calls:
@@ -225,9 +219,6 @@ class StepEngine:
                     future.set_result(fn())
                 except BaseException as exc:
                     future.set_exception(exc)
-            if calls and self._lanes[0] is not None:  # what a call made on the ambient stream, the lanes read
-                for lane in self._lanes:
-                    lane.wait_stream(torch.cuda.current_stream())
             for job in admitted:
                 self._start(job)
             group = self._next_group()
@@ -248,25 +239,6 @@ class StepEngine:
 
     def _start(self, job: StepJob) -> None:
         """The job's prompt encoded, its own scheduler, timesteps and initial noise; it joins its group."""
-        job.lane = self._lane_for(job)
-        with self._on_lane(job.lane):
-            self._prepare(job)
-
-    def _lane_for(self, job: StepJob) -> int:
-        """Its size's lane while that size runs, else the lane running the fewest groups."""
-        if len(self._lanes) == 1:
-            return 0
-        running = [jobs[0] for jobs in self._running.values() if jobs]
-        for other in running:
-            if other.size() == job.size():
-                return other.lane
-        return min(range(len(self._lanes)), key=lambda lane: sum(other.lane == lane for other in running))
-
-    def _on_lane(self, lane: int):
-        stream = self._lanes[lane]
-        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-    def _prepare(self, job: StepJob) -> None:
         try:
             job.cond, job.uncond = job.prepare()
             scheduler = copy.deepcopy(self.pipeline.scheduler)
@@ -299,14 +271,25 @@ class StepEngine:
         return self._running[chosen]
 
     def _step(self, jobs: list[StepJob]) -> None:
+        self._wait_for_room()
         live = [job for job in jobs if not self._drop_if_cancelled(job)]
         jobs[:] = live
         if not live:
             return
-        with self._on_lane(live[0].lane):
-            self._step_on_lane(jobs, live)
+        self._issue(jobs, live)
+        if self.steps_ahead:
+            issued = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spin on a core
+            issued.record()
+            self._queued.append(issued)
 
-    def _step_on_lane(self, jobs: list[StepJob], live: list[StepJob]) -> None:
+    def _wait_for_room(self) -> None:
+        """With ``steps_ahead``, wait until fewer than that many steps are still on the GPU: a request
+        submitted now joins the next step issued, and that step runs after every step queued before it."""
+        while self.steps_ahead and len(self._queued) >= self.steps_ahead:
+            self._queued.popleft().synchronize()
+
+    def _issue(self, jobs: list[StepJob], live: list[StepJob]) -> None:
+        """``live``'s step queued, its progress reported, its finished requests decoded."""
         try:
             self._advance(live)
         except Exception as exc:

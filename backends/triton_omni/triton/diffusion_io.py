@@ -5,6 +5,7 @@ from __future__ import annotations
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 from triton_omni.diffusion import DiffusionRunnerConfig
+from triton_omni.diffusion.steps import STEPS_AHEAD
 from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import complete_config
 
@@ -36,5 +37,5 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         max_rows=int(params.get("max_rows", "0")),
         on_full=params.get("on_full", "wait"),
         group_order=params.get("group_order", "round_robin"),
-        streams=int(params.get("streams", "1")),
+        steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
     ), placement

@@ -13,13 +13,12 @@ whatever is still in flight:
 3. mixed traffic: steps 10/20/50 at two sizes, interleaved; each class's
    latency at 50 % of the mix's own peak against the same class alone, in
    each mode, and in step mode with the two sizes' groups ordered shortest
-   first (``group_order: shortest_first``) and on two CUDA streams at once
-   (``streams: 2``) beside the default (in turn, on one stream).
+   first (``group_order: shortest_first``) beside the default (in turn).
 
 The server loads a copy of the preset's diffusion model per mode measured:
 ``diffusion`` (step batching), ``diffusion_request`` (request batching, with
-the preset's batching window), ``diffusion_shortest_first`` and
-``diffusion_two_streams``; they are measured one at a time.
+the preset's batching window) and ``diffusion_shortest_first``; they are
+measured one at a time.
 """
 
 from __future__ import annotations
@@ -37,13 +36,11 @@ import numpy as np
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
-# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first, and with
-# its sizes on two CUDA streams at once (on a CPU the same as "step": streams need a GPU).
-MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first", "step_two_streams": "diffusion_two_streams"}
+# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first.
+MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first"}
 # What each mode's copy of ``diffusion`` changes (request batching also gets the preset's window).
 MODE_PARAMETERS = {"diffusion_request": {"batching": "request"},
-                   "diffusion_shortest_first": {"group_order": "shortest_first"},
-                   "diffusion_two_streams": {"streams": "2"}}
+                   "diffusion_shortest_first": {"group_order": "shortest_first"}}
 
 
 @dataclass(frozen=True)
