@@ -229,7 +229,6 @@ def test_an_unknown_group_order_is_refused():
         runner(group_order="fastest")
 
 
-
 def test_steps_ahead_below_zero_is_refused():
     with pytest.raises(ValueError, match="steps_ahead"):
         runner(steps_ahead=-1)

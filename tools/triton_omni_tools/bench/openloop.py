@@ -254,15 +254,10 @@ def repository(preset: Preset, dest: Path) -> list[Path]:
     from dataclasses import replace
 
     from triton_omni_tools.bench.harness import bench_repository
-    from triton_omni_tools.memory_plan import MAX_TOTAL_SHARE, configured_share
-    from triton_omni_tools.repository import copy_model, edit_config, load_config
+    from triton_omni_tools.repository import copy_model
 
     repositories = bench_repository(replace(preset, diffusion_batching="step"), dest)
     variants, models = repositories[0], repositories[1]
-    # every copy loaded at once must fit the GPU's memory plan (memory_plan.py)
-    share = min(configured_share(load_config(models / "diffusion" / "config.pbtxt")) or 1.0,
-                MAX_TOTAL_SHARE / len(MIXED_MODES))
-    edit_config(models / "diffusion" / "config.pbtxt", parameters={"gpu_memory_utilization": f"{share:.3f}"})
     for name, parameters in MODE_PARAMETERS.items():
         delay = preset.diffusion_queue_delay_us if parameters.get("batching") == "request" else None
         copy_model(models, "diffusion", variants, name, parameters=parameters, max_queue_delay_us=delay)
