@@ -224,6 +224,38 @@ def test_shortest_first_still_steps_a_group_passed_over():
     assert runs and max([*runs, current]) <= STARVE_AFTER, ran
 
 
+def test_most_behind_lets_a_short_request_of_another_size_pass_a_long_one():
+    ran = _steps_in_order("most_behind", dict(size=64, steps=16), dict(size=32, steps=4))
+    short_steps = [i for i, who in enumerate(ran) if who == "short"]
+    assert short_steps[-1] - short_steps[0] == 3, ran
+    assert ran.count("long") == 16 and ran[-1] == "long"
+
+
+def _job(steps: int, size: int, waited_s: float, now: float):
+    from triton_omni.diffusion.steps import StepJob
+
+    return StepJob(prepare=lambda: None, rows=2, guidance_scale=5.0, steps=steps, height=size, width=size,
+                   generator=torch.Generator(), submitted=now - waited_s)
+
+
+@pytest.mark.parametrize(("short_waited_s", "first"), [(0.01, "long"), (0.1, "short")])
+def test_most_behind_steps_the_group_furthest_behind_its_time_alone(short_waited_s, first):
+    """A 50-step 64-pixel request that has waited 1 s is behind by 1 / (50 x 64 x 64); a 10-step
+    32-pixel one by its wait / (10 x 32 x 32): 10 ms puts it less behind (the long one goes first,
+    new short arrivals do not starve it), 100 ms more (it passes)."""
+    import time
+
+    from triton_omni.diffusion.steps import StepEngine
+
+    engine = StepEngine(torch.device("cpu"), torch.float32, group_order="most_behind")
+    try:
+        now = time.monotonic()
+        engine._running = {"long": [_job(50, 64, 1.0, now)], "short": [_job(10, 32, short_waited_s, now)]}
+        assert engine._next_group() is engine._running[first]
+    finally:
+        engine.stop()
+
+
 def test_an_unknown_group_order_is_refused():
     with pytest.raises(ValueError, match="group_order"):
         runner(group_order="fastest")

@@ -45,12 +45,18 @@ the pipeline was loaded on one thread and run on another.
 
 Requests that cannot share a forward pass (latent size, token count) form
 groups, and the engine steps one group at a time. ``group_order`` says
-which next: ``round_robin`` (the default: one step each, in turn) or
+which next: ``round_robin`` (the default: one step each, in turn),
 ``shortest_first`` (the group whose next request to finish needs the least
 work, its steps left times its latent area, as SRPT schedules: a 10-step
 request is not slowed by a 50-step one of another size, which waits
-instead). Either way no group starves: under ``shortest_first`` one passed
-over ``STARVE_AFTER`` steps in a row runs the next. Rows in flight
+instead) or ``most_behind`` (the group holding the request furthest behind
+its own time alone: the time since it was submitted over its work, steps
+times latent area, as "highest response ratio next" schedules; a short
+request passes a long one soon after it arrives, and a long one that has
+waited passes new short ones, so the slowdown evens out across classes).
+No group starves: under ``shortest_first`` one passed over
+``STARVE_AFTER`` steps in a row runs the next; under ``most_behind`` a
+waiting request's ratio grows until it is the highest. Rows in flight
 are bounded (``max_rows``); beyond it, admission waits (FIFO) or rejects,
 as configured. A cancelled request leaves at the next step.
 
@@ -67,6 +73,7 @@ import copy
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,7 +92,7 @@ logger = logging.getLogger(__name__)
 # 512x512: 9 requests padded to 32 rows ran as slowly as 16, and under 80 %
 # open load the queue grew until p50 was 2.3 s).
 BUCKETS = (1, 2, 4, 6, 8, *range(12, 65, 4))
-GROUP_ORDERS = ("round_robin", "shortest_first")
+GROUP_ORDERS = ("round_robin", "shortest_first", "most_behind")
 # shortest_first: a group passed over this many steps in a row runs the next one (bounded waiting;
 # a 10-step request of another size then costs a 50-step one at most one step in nine).
 STARVE_AFTER = 8
@@ -107,6 +114,7 @@ class StepJob:
     on_step: Callable[[int, int], None] | None = None  # (step done, total)
     cancelled: Callable[[], bool] | None = None
     future: Future = field(default_factory=Future)
+    submitted: float = 0.0  # time.monotonic() when the engine got it (most_behind)
     # set when admitted
     cond: torch.Tensor | None = None  # [T, H]
     uncond: torch.Tensor | None = None  # [T, H] with guidance
@@ -124,6 +132,11 @@ class StepJob:
     def work_left(self) -> int:
         """Its remaining steps times its latent area: what a step costs grows with the pixels."""
         return (self.steps - self.done) * self.height * self.width
+
+    def behind(self, now: float) -> float:
+        """How far it is behind its time alone, up to a factor common to every request: the time
+        since it was submitted over its whole work (steps times latent area, as ``work_left``)."""
+        return (now - self.submitted) / (self.steps * self.height * self.width)
 
 
 class StepEngine:
@@ -174,6 +187,7 @@ class StepEngine:
             if self.on_full == "reject" and self._held + job.rows > self.max_rows:
                 raise RequestRejectedError(f"the diffusion engine is full ({self.max_rows} rows in flight)", "rows")
             self._held += job.rows
+            job.submitted = time.monotonic()
             self._waiting.append(job)
             self._wake.notify()
         job.future.add_done_callback(lambda _: self._release(job.rows))
@@ -268,6 +282,9 @@ class StepEngine:
             return None
         if self.group_order == "round_robin":
             return self._running[keys[next(self._turn) % len(keys)]]
+        if self.group_order == "most_behind":
+            now = time.monotonic()
+            return self._running[max(keys, key=lambda k: max(job.behind(now) for job in self._running[k]))]
         starved = [key for key in keys if self._passed.get(key, 0) >= STARVE_AFTER]
         chosen = starved[0] if starved else min(keys, key=lambda k: min(job.work_left() for job in self._running[k]))
         self._passed = {key: 0 if key == chosen else self._passed.get(key, 0) + 1 for key in keys}

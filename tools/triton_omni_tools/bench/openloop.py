@@ -12,13 +12,13 @@ whatever is still in flight:
    rate to each mode; p50/p99 latency and the throughput reached;
 3. mixed traffic: steps 10/20/50 at two sizes, interleaved; each class's
    latency at 50 % of the mix's own peak against the same class alone, in
-   each mode, and in step mode with the two sizes' groups ordered shortest
-   first (``group_order: shortest_first``) beside the default (in turn).
+   each mode, and in step mode with the two sizes' groups in each
+   ``group_order``: in turn (the default), shortest first, most behind.
 
 The server loads a copy of the preset's diffusion model per mode measured:
 ``diffusion`` (step batching), ``diffusion_request`` (request batching, with
-the preset's batching window) and ``diffusion_shortest_first``; they are
-measured one at a time.
+the preset's batching window), ``diffusion_shortest_first`` and
+``diffusion_most_behind``; they are measured one at a time.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import numpy as np
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
-# Mixed traffic also runs step batching with its groups (sizes) ordered shortest first.
-MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first"}
+# Mixed traffic also runs step batching with its groups (sizes) in the other orders.
+MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first", "step_most_behind": "diffusion_most_behind"}
 # What each mode's copy of ``diffusion`` changes (request batching also gets the preset's window).
 MODE_PARAMETERS = {"diffusion_request": {"batching": "request"},
-                   "diffusion_shortest_first": {"group_order": "shortest_first"}}
+                   "diffusion_shortest_first": {"group_order": "shortest_first"},
+                   "diffusion_most_behind": {"group_order": "most_behind"}}
 
 
 @dataclass(frozen=True)
