@@ -125,3 +125,37 @@ def test_the_engine_thread_never_waits_for_the_gpu(steps):
             delattr(engine, name)
     assert not failures, failures[0]
     assert all(isinstance(image, torch.Tensor) and image.dtype == torch.uint8 for image in images), images
+
+
+def test_most_behind_times_steps_on_the_gpu_without_waiting():
+    """``group_order: most_behind`` learns what a step alone costs each group from CUDA events,
+    read once the GPU has passed them: choosing the next group never waits for the GPU."""
+    r = runner(batch_size=4, group_order="most_behind")
+    engine, failures = r.steps, []
+    choose = engine._next_group
+
+    def checked():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return choose()
+        except RuntimeError as exc:
+            failures.append(exc)
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    try:
+        for size in (64, 64, 32, 32):  # each size alone, twice: graphs captured, then timed steps
+            r.run([r.parse({"prompt": "a red fox", "seed": 1, "num_inference_steps": 6, "height": size,
+                            "width": size})])
+        engine._next_group = checked
+        r.run([r.parse({"prompt": "a red fox", "seed": 2, "num_inference_steps": 6, "height": size,
+                        "width": size}) for size in (32, 64)])
+        del engine._next_group
+        engine.costs.update()
+        costs = dict(engine.costs.seconds)
+    finally:
+        r.close()
+    assert not failures, failures[0]
+    assert sorted(group[:2] for group in costs) == [(32, 32), (64, 64)], costs
+    assert all(0 < seconds < 1 for seconds in costs.values()), costs

@@ -238,11 +238,14 @@ def _job(steps: int, size: int, waited_s: float, now: float):
                    generator=torch.Generator(), submitted=now - waited_s)
 
 
-@pytest.mark.parametrize(("short_waited_s", "first"), [(0.01, "long"), (0.1, "short")])
-def test_most_behind_steps_the_group_furthest_behind_its_time_alone(short_waited_s, first):
-    """A 50-step 64-pixel request that has waited 1 s is behind by 1 / (50 x 64 x 64); a 10-step
-    32-pixel one by its wait / (10 x 32 x 32): 10 ms puts it less behind (the long one goes first,
-    new short arrivals do not starve it), 100 ms more (it passes)."""
+@pytest.mark.parametrize(("short_waited_s", "measured", "first"),
+                         [(0.01, False, "long"), (0.1, False, "short"), (0.1, True, "long"), (0.3, True, "short")])
+def test_most_behind_steps_the_group_furthest_behind_its_time_alone(short_waited_s, measured, first):
+    """A 50-step request that has waited 1 s against a 10-step one of another size. Unmeasured, a
+    step costs its latent area (64x64 against 32x32): the long one is behind by 1 / (50 x 4096),
+    the short one by its wait / (10 x 1024), so 10 ms puts it less behind (new short arrivals do
+    not starve the long one) and 100 ms more. Measured at 10 ms a step in both groups, the long one
+    is behind by 1 / 0.5 and the short one by its wait / 0.1: it passes after 200 ms."""
     import time
 
     from triton_omni.diffusion.steps import StepEngine
@@ -250,10 +253,27 @@ def test_most_behind_steps_the_group_furthest_behind_its_time_alone(short_waited
     engine = StepEngine(torch.device("cpu"), torch.float32, group_order="most_behind")
     try:
         now = time.monotonic()
-        engine._running = {"long": [_job(50, 64, 1.0, now)], "short": [_job(10, 32, short_waited_s, now)]}
-        assert engine._next_group() is engine._running[first]
+        groups = {"long": (64, 64, 77), "short": (32, 32, 77)}  # (height, width, prompt tokens)
+        engine._running = {groups["long"]: [_job(50, 64, 1.0, now)],
+                           groups["short"]: [_job(10, 32, short_waited_s, now)]}
+        if measured:
+            engine.costs.seconds = {group: 0.01 for group in groups.values()}
+        assert engine._next_group() is engine._running[groups[first]]
     finally:
         engine.stop()
+
+
+def test_most_behind_learns_what_a_step_costs_alone():
+    """Steps that ran one request and finished none are timed, per group (size, tokens)."""
+    r = runner(group_order="most_behind")
+    try:
+        r.run([request(r, 80, steps=4, size=32)])
+        r.run([request(r, 81, steps=4, size=64)])
+        costs = r.steps.costs.seconds
+    finally:
+        r.close()
+    assert sorted(group[:2] for group in costs) == [(32, 32), (64, 64)], costs
+    assert all(0 < seconds < 10 for seconds in costs.values()), costs
 
 
 def test_an_unknown_group_order_is_refused():
