@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--requests", type=int, default=200, help="open loop: requests per point")
     bench.add_argument("--no-mixed", action="store_true", help="open loop: skip the mixed-traffic part")
     bench.add_argument("--mixed-modes", help="open loop: the modes mixed traffic runs, comma-separated among "
-                       "request,step,step_shortest_first,step_most_behind; default: all")
+                       "request,step,step_round_robin,step_shortest_first; default: all")
     bench.add_argument("--gpus", help="comma-separated GPU counts, e.g. 1,2: diffusion one instance per GPU, ar "
                                        "tensor parallel, each against one GPU in the same run (docs/gpu.md)")
     bench.add_argument("--place", action="append", default=[], metavar="STAGE=GPUS[xN][:shared]",

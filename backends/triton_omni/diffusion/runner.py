@@ -64,7 +64,7 @@ class DiffusionRunnerConfig:
     max_rows: int = 0
     on_full: str = "wait"  # step batching beyond max_rows: "wait" (FIFO) or "reject"
     # step batching: which group of requests (size, token count) steps next (steps.py)
-    group_order: str = "round_robin"
+    group_order: str = "most_behind"
     # step batching on a GPU: steps queued before the engine waits for the oldest (0: no bound; steps.py)
     steps_ahead: int = STEPS_AHEAD
 

@@ -45,19 +45,20 @@ the pipeline was loaded on one thread and run on another.
 
 Requests that cannot share a forward pass (latent size, token count) form
 groups, and the engine steps one group at a time. ``group_order`` says
-which next: ``round_robin`` (the default: one step each, in turn),
-``shortest_first`` (the group whose next request to finish needs the least
-work, its steps left times its latent area, as SRPT schedules: a 10-step
-request is not slowed by a 50-step one of another size, which waits
-instead) or ``most_behind`` (the group holding the request furthest behind
-its own time alone: the time since it was submitted over its steps times
-what one step of its group costs alone, as "highest response ratio next"
-schedules; a short request passes a long one soon after it arrives, and a
-long one that has waited passes new short ones, so the slowdown evens out
-across classes). What a step costs alone is measured (``StepCosts``): a
-step's cost is not its pixels (an H200 runs a step at 384x384 in 0.82 of
-the time at 512x512, not 0.56), and ordering by pixels left the larger size
-the slowest class.
+which next: ``most_behind`` (the default: the group holding the request
+furthest behind its own time alone, the time since it was submitted over
+its steps times what one step of its group costs alone, as "highest
+response ratio next" schedules; a short request passes a long one soon
+after it arrives, and a long one that has waited passes new short ones, so
+the slowdown evens out across classes), ``round_robin`` (one step each, in
+turn) or ``shortest_first`` (the group whose next request to finish needs
+the least work, its steps left times its latent area, as SRPT schedules).
+What a step costs alone is measured (``StepCosts``): it is not its pixels
+(an H200 runs a step at 384x384 in 0.82 of the time at 512x512, not 0.56),
+and ordering by pixels left the larger size the slowest class. On an H200
+under mixed traffic (docs/benchmarks.md) the slowest class's median was
+1.59-1.64x its time alone in three runs, against 1.74-1.89x in turn and
+1.62-1.68x shortest first.
 No group starves: under ``shortest_first`` one passed over
 ``STARVE_AFTER`` steps in a row runs the next; under ``most_behind`` a
 waiting request's ratio grows until it is the highest. Rows in flight
@@ -96,7 +97,7 @@ logger = logging.getLogger(__name__)
 # 512x512: 9 requests padded to 32 rows ran as slowly as 16, and under 80 %
 # open load the queue grew until p50 was 2.3 s).
 BUCKETS = (1, 2, 4, 6, 8, *range(12, 65, 4))
-GROUP_ORDERS = ("round_robin", "shortest_first", "most_behind")
+GROUP_ORDERS = ("most_behind", "round_robin", "shortest_first")
 # shortest_first: a group passed over this many steps in a row runs the next one (bounded waiting;
 # a 10-step request of another size then costs a 50-step one at most one step in nine).
 STARVE_AFTER = 8
@@ -193,7 +194,7 @@ class StepCosts:
 class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
                  on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
-                 on_batch: Callable[[int], None] | None = None, group_order: str = "round_robin",
+                 on_batch: Callable[[int], None] | None = None, group_order: str = "most_behind",
                  steps_ahead: int = STEPS_AHEAD):
         """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric);
         ``steps_ahead``: steps queued on the GPU at most (0: no bound; ignored off a GPU)."""

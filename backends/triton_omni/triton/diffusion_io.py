@@ -36,6 +36,6 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         batching=params.get("batching", "request"),
         max_rows=int(params.get("max_rows", "0")),
         on_full=params.get("on_full", "wait"),
-        group_order=params.get("group_order", "round_robin"),
+        group_order=params.get("group_order", "most_behind"),
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
     ), placement

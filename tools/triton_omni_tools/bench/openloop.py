@@ -12,13 +12,14 @@ whatever is still in flight:
    rate to each mode; p50/p99 latency and the throughput reached;
 3. mixed traffic: steps 10/20/50 at two sizes, interleaved; each class's
    latency at 50 % of the mix's own peak (one per batching mode: the step
-   modes share theirs) against the same class alone, in each mode, and in step mode with the two sizes' groups in each
-   ``group_order``: in turn (the default), shortest first, most behind.
+   modes share theirs) against the same class alone, in each mode, and in
+   step mode with the two sizes' groups in each ``group_order``: most behind
+   (the default), in turn, shortest first.
 
 The server loads a copy of the preset's diffusion model per mode measured:
 ``diffusion`` (step batching), ``diffusion_request`` (request batching, with
 the preset's batching window), ``diffusion_shortest_first`` and
-``diffusion_most_behind``; they are measured one at a time.
+``diffusion_round_robin``; they are measured one at a time.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
 # Mixed traffic also runs step batching with its groups (sizes) in the other orders.
-MIXED_MODES = MODES | {"step_shortest_first": "diffusion_shortest_first", "step_most_behind": "diffusion_most_behind"}
+MIXED_MODES = MODES | {"step_round_robin": "diffusion_round_robin", "step_shortest_first": "diffusion_shortest_first"}
 # What each mode's copy of ``diffusion`` changes (request batching also gets the preset's window).
 MODE_PARAMETERS = {"diffusion_request": {"batching": "request"},
                    "diffusion_shortest_first": {"group_order": "shortest_first"},
-                   "diffusion_most_behind": {"group_order": "most_behind"}}
+                   "diffusion_round_robin": {"group_order": "round_robin"}}
 
 
 @dataclass(frozen=True)
