@@ -1,11 +1,11 @@
 """Does a step-batching group order cost throughput? The mixed-traffic
 closed-loop peak of each ``group_order``, measured in turns on one server.
 
-``bench --open-loop`` measures each mode's peak once (16 clients, 3 rounds):
-on an H200 those single measurements of one order ranged from 4.71 to 5.63
-img/s, wider than any difference between orders. Here one server loads a
-copy of ``diffusion`` per order, warms each up, then measures their peaks
-in turns (every order once per turn), so that drift hits all of them alike.
+``bench --open-loop`` measures a mode's peak once: on an H200 such single
+measurements of one order ranged from 4.71 to 5.63 img/s, wider than any
+difference between orders. Here one server loads a copy of ``diffusion``
+per order, warms each up, then measures their peaks in turns (every order
+once per turn), so that drift hits all of them alike.
 Printed: each turn's peak per order (img/s), and per order the median of the
 turns after the first (the first still meets new batch shapes).
 
@@ -50,7 +50,7 @@ def main() -> None:
                                 load_models=sorted(models.values()))
         with TritonServer(options) as server:
             for model in models.values():
-                openloop.warm_up(server.grpc_url, preset, model, classes, preset.max_batch_size // 2)
+                openloop.warm_up(server.grpc_url, preset, model, classes, preset.max_batch_size)
             peaks: dict[str, list[float]] = {order: [] for order in models}
             for turn in range(args.turns):
                 for order, model in models.items():
