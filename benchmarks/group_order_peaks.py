@@ -9,7 +9,7 @@ once per turn), so that drift hits all of them alike.
 Printed: each turn's peak per order (img/s), and per order the median of the
 turns after the first (the first still meets new batch shapes).
 
-    .venv/bin/python benchmarks/group_order_peaks.py [--preset realistic] [--turns 4] [--rounds 4]
+    .venv/bin/python benchmarks/group_order_peaks.py [--preset realistic] [--turns 4] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="realistic", choices=sorted(PRESETS))
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=4, help="requests per client per measurement")
+    parser.add_argument("--rounds", type=int, default=1, help="times each client sends every class per measurement")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     resolve_model(preset.diffusion_model)
