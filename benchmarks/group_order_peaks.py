@@ -3,9 +3,10 @@ closed-loop peak of each ``group_order``, measured in turns on one server.
 
 ``bench --open-loop`` measures a mode's peak once: on an H200 such single
 measurements of one order ranged from 4.71 to 5.63 img/s, wider than any
-difference between orders. Here one server loads a copy of ``diffusion``
-per order, warms each up, then measures their peaks in turns (every order
-once per turn), so that drift hits all of them alike.
+difference between orders. Here one server loads the bench's copies of
+``diffusion``, one per order (``step``: the default order; ``step_round_robin``,
+``step_shortest_first``), warms each up, then measures their peaks in turns
+(every order once per turn), so that drift hits all of them alike.
 Printed: each turn's peak per order (img/s), and per order the median of the
 turns after the first (the first still meets new batch shapes).
 
@@ -17,15 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 from triton_omni.demo_models import resolve_model
-from triton_omni.diffusion.steps import GROUP_ORDERS
 from triton_omni_tools.bench import PRESETS, openloop
-from triton_omni_tools.bench.harness import bench_repository
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
-from triton_omni_tools.repository import copy_model
 
 SERVER_LOG = Path(".cache/group-order-peaks-server.log")
 
@@ -40,14 +37,11 @@ def main() -> None:
     resolve_model(preset.diffusion_model)
     SERVER_LOG.parent.mkdir(parents=True, exist_ok=True)
     classes = [openloop.ImageClass(s, z) for s in preset.mixed_steps for z in preset.mixed_sizes]
-    models = {order: f"diffusion_{order}" for order in GROUP_ORDERS}
+    models = {mode: model for mode, model in openloop.MIXED_MODES.items() if mode.startswith("step")}
     with tempfile.TemporaryDirectory(prefix="omni-group-orders-") as tmp:
-        repositories = bench_repository(replace(preset, diffusion_batching="step"), Path(tmp))
-        for order, model in models.items():  # into the variants repository, beside the bench's own models
-            copy_model(repositories[1], "diffusion", repositories[0], model, parameters={"group_order": order})
-        options = ServerOptions(model_repositories=repositories, http_port=free_port(), grpc_port=free_port(),
-                                metrics_port=free_port(), log_file=SERVER_LOG, model_control_mode="explicit",
-                                load_models=sorted(models.values()))
+        options = ServerOptions(model_repositories=openloop.repository(preset, Path(tmp)), http_port=free_port(),
+                                grpc_port=free_port(), metrics_port=free_port(), log_file=SERVER_LOG,
+                                model_control_mode="explicit", load_models=sorted(models.values()))
         with TritonServer(options) as server:
             for model in models.values():
                 openloop.warm_up(server.grpc_url, preset, model, classes, preset.max_batch_size)
@@ -57,7 +51,7 @@ def main() -> None:
                     peak = openloop.closed_loop_peak(server.grpc_url, preset, model, classes,
                                                      preset.max_batch_size, rounds=args.rounds)
                     peaks[order].append(peak)
-                    print(f"turn {turn} {order:<15} {peak:6.3f} img/s", flush=True)
+                    print(f"turn {turn} {order:<20} {peak:6.3f} img/s", flush=True)
     print("\nmedian of turns 2..: " + ", ".join(f"{order} {statistics.median(values[1:] or values):.2f}"
                                                 for order, values in peaks.items()))
 
