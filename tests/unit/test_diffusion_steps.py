@@ -80,6 +80,34 @@ def test_a_request_joins_mid_flight_and_leaves_when_done(steps, reference):
     assert_close(long.result(60), reference.run([request(reference, 10, steps=12)])[0], "running")
 
 
+def test_a_request_that_arrives_while_the_engine_waits_joins_the_next_step():
+    """On a GPU the engine waits for room (``steps_ahead``) between steps; a request submitted
+    meanwhile runs in the step issued after the wait, not the one after that. The wait is
+    stood in for by a hook in the same place (a CPU engine does not wait)."""
+    r = runner()
+    ran: list[tuple[str, int]] = []
+    arrived: list = []
+    armed = threading.Event()
+
+    def wait_for_room() -> None:  # the engine's own thread, between two steps
+        if armed.is_set() and not arrived:
+            arrived.append(r.submit(request(r, 13, steps=2), on_step=lambda done, _: ran.append(("short", done))))
+
+    def on_long(done: int, total: int) -> None:
+        ran.append(("long", done))
+        if done == 2:
+            armed.set()
+
+    r.steps._wait_for_room = wait_for_room
+    try:
+        long = r.submit(request(r, 12, steps=6), on_step=on_long)
+        long.result(60), arrived[0].result(60)
+    finally:
+        r.close()
+    joined = ran.index(("short", 1))
+    assert ran[joined - 1] == ("long", 3), ran  # the short request's first step ran with the long one's third
+
+
 def test_cancel_drops_one_request_at_the_next_step(steps, reference):
     cancel = threading.Event()
     progress = []

@@ -28,7 +28,10 @@ without the bound the thread ran many steps ahead of the GPU, and a request
 that arrived joined the batch many steps after its "next step": on an H200
 under mixed open traffic (docs/benchmarks.md) the slowest class's median fell
 from 2.3x to 1.8-1.9x its time alone with the bound, and the closed loop
-stayed within 0.97 to 1.01 of the best request-level batch.
+stayed within 0.97 to 1.01 of the best request-level batch. The engine
+waits for that room before it takes new requests in and chooses the group
+to step, so a request that arrives while it waits joins the very next step
+(waiting after the choice made it miss that step and join the one after).
 
 Timesteps and prompt embeddings go up from pinned memory without blocking
 (a copy from pageable memory waits for the stream first); decoded images
@@ -277,6 +280,9 @@ class StepEngine:
         if self.device.type == "cuda":  # this thread's kernels, streams and graphs go to the engine's GPU
             torch.cuda.set_device(self.device)
         while True:
+            # Wait for the GPU here, before taking requests in and choosing the group, not once the
+            # group is chosen: a request that arrives during the wait joins the step issued next.
+            self._wait_for_room()
             with self._wake:
                 while not self._stopped and not self._waiting and not self._running and not self._calls:
                     self._wake.wait()
@@ -345,7 +351,6 @@ class StepEngine:
         return self._running[chosen]
 
     def _step(self, jobs: list[StepJob]) -> None:
-        self._wait_for_room()
         live = [job for job in jobs if not self._drop_if_cancelled(job)]
         jobs[:] = live
         if not live:
@@ -362,7 +367,8 @@ class StepEngine:
 
     def _wait_for_room(self) -> None:
         """With ``steps_ahead``, wait until fewer than that many steps are still on the GPU: a request
-        submitted now joins the next step issued, and that step runs after every step queued before it."""
+        submitted by the end of the wait joins the next step issued, and that step runs after every
+        step queued before it."""
         while self.steps_ahead and len(self._queued) >= self.steps_ahead:
             self._queued.popleft().synchronize()
 
