@@ -83,6 +83,11 @@ class ServerInstall:
 # Triton's APIs that change or expose the server beyond inference: restricted by default.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 ADMIN_HEADER = "omni-admin-key"
+# Stopping: Triton stops taking requests and gives those in flight this long to finish
+# (--exit-timeout-secs), then unloads the models; whatever is left after STOP_TIMEOUT_S
+# is killed. A container's grace period must cover both (deploy/kubernetes.yaml).
+EXIT_TIMEOUT_S = 15
+STOP_TIMEOUT_S = 30.0
 
 
 _PORTS_GIVEN: set[int] = set()  # by free_port, in this process: never twice
@@ -309,7 +314,7 @@ class TritonServer:
             f"--metrics-port={opts.metrics_port}",
             f"--log-verbose={opts.log_verbose}",
             f"--model-control-mode={mode}",
-            "--exit-timeout-secs=15",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             f"--http-address={opts.bind}",
             f"--grpc-address={opts.bind}",
             f"--metrics-address={opts.bind}",
@@ -376,7 +381,7 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {self.options.startup_timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGINT (Triton's graceful shutdown), then SIGKILL for whatever of the
         process group is left: stubs and vLLM engine processes included."""
         if self.supervisor is not None:
