@@ -11,7 +11,7 @@ from tests.support.probes import PROBES, kubelet_get, manifest_probe, passed
 
 @pytest.mark.parametrize("kind", PROBES)
 def test_a_serving_server_passes_the_probe(http_url, kind):
-    get = manifest_probe(kind)
+    get = manifest_probe(kind)["httpGet"]
     assert get["port"] == "http"  # the server's HTTP port
-    status = kubelet_get(http_url, get["path"])
+    status = kubelet_get(http_url, kind)
     assert passed(status), f"{kind} {get['path']}: {status}"

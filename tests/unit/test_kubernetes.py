@@ -13,7 +13,7 @@ import pytest
 import yaml
 from triton_omni_tools.launcher import EXIT_TIMEOUT_S, STOP_TIMEOUT_S
 
-from tests.support.probes import MANIFEST
+from tests.support.probes import MANIFEST, PROBES, would_restart
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")  # an older cluster and a recent one
@@ -43,7 +43,7 @@ def test_the_ports_are_the_images_and_it_listens_beyond_localhost():
 
 def test_probes_use_named_ports_of_the_container():
     names = {port["name"] for port in container()["ports"]}
-    probes = {kind: container()[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    probes = {kind: container()[kind]["httpGet"] for kind in PROBES}
     assert all(probe["port"] in names for probe in probes.values()), probes
     assert probes["livenessProbe"]["path"] == "/v2/health/live"  # not ready: a stub restart must not kill the pod
     assert probes["readinessProbe"]["path"] == probes["startupProbe"]["path"] == "/v2/health/ready"
@@ -67,3 +67,9 @@ def test_shared_memory_is_a_memory_volume_at_dev_shm():
     mounts = {mount["mountPath"]: mount["name"] for mount in container()["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in resources()["Deployment"]["spec"]["template"]["spec"]["volumes"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_liveness_allows_what_the_kubelet_allows():
+    """The reliability test's reading of its probes: a minute of failures (6 x 10 s) restarts."""
+    assert not would_restart([(0.0, 200), (1.0, 0), (30.0, 503), (59.0, 0), (60.0, 200)])
+    assert would_restart([(0.0, 200), (1.0, 0), (30.0, 503), (61.0, 0)])
