@@ -9,7 +9,8 @@ import json
 from dataclasses import replace
 
 import numpy as np
-from triton_omni_tools.bench import PRESETS, openloop
+from PIL import Image
+from triton_omni_tools.bench import PRESETS, openloop, openloop_plot
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
@@ -31,3 +32,5 @@ def test_open_loop_bench_measures_both_modes_and_mixed_traffic(tmp_path):
         assert all(c["solo_ms"] > 0 for c in mixed["by_class"].values())
     assert report["peak_per_s"] > 0
     assert json.loads((tmp_path / "open-loop.json").read_text())["requests"] == 12
+    with Image.open(tmp_path / "open-loop.png") as plot:  # both panels: load points and mixed traffic
+        assert plot.format == "PNG" and plot.width == 2 * openloop_plot.PANEL_W

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from triton_omni_tools.bench.openloop_plot import plot
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
@@ -300,7 +301,9 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     report |= {"preset": preset_name, "device": device_name(), "requests": requests}
     path = out_dir / "open-loop.json"
     path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {path}")
+    plot(json.loads(path.read_text()), out_dir / "open-loop.png",  # as saved: the loads' keys are strings
+         f"open loop, {preset_name} preset, {report['device']}, {requests} requests per point")
+    print(f"wrote {path} and open-loop.png")
     return report
 
 

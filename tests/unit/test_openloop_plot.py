@@ -1,0 +1,38 @@
+"""The open-loop report's plot, drawn from a saved report (as docs/ keeps them)."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+from triton_omni_tools.bench import openloop_plot
+
+MIXED = {mode: {"load": 0.5, "by_class": {name: {"p50_over_solo": ratio} for name, ratio in
+                                          (("10 steps 512px", 1.4), ("50 steps 384px", 1.7))}}
+         for mode in ("step", "step_round_robin")}
+LOADS = {"0.5": {mode: {"p50_ms": 400.0, "p99_ms": 1000.0} for mode in ("request", "step")}}
+
+
+@pytest.mark.parametrize(("report", "panels"), [({"mixed": MIXED}, 1),
+                                                ({"loads": LOADS, "peak_per_s": 7.0, "mixed": MIXED}, 2)])
+def test_one_panel_per_part_of_the_report(tmp_path, report, panels):
+    openloop_plot.main([str(_saved(tmp_path, report)), str(tmp_path / "plot.png")])
+    with Image.open(tmp_path / "plot.png") as image:
+        assert image.width == panels * openloop_plot.PANEL_W
+
+
+def test_a_report_with_nothing_to_plot_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="neither"):
+        openloop_plot.plot({"loads": {}, "mixed": None}, tmp_path / "plot.png", "empty")
+
+
+def test_classes_run_by_size_then_steps():
+    names = ["50 steps 384px", "10 steps 512px", "10 steps 384px"]
+    assert sorted(names, key=openloop_plot._size_then_steps) == ["10 steps 384px", "50 steps 384px", "10 steps 512px"]
+
+
+def _saved(tmp_path, report: dict):
+    import json
+
+    path = tmp_path / "open-loop.json"
+    path.write_text(json.dumps(report))
+    return path
