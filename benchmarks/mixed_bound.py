@@ -46,6 +46,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+from triton_omni.diffusion.steps import STARVE_AFTER  # shortest_first's bound, the engine's own
 
 STEPS = (10, 20, 50)
 SIZES = (384, 512)
@@ -54,7 +55,6 @@ FIXED_S = {512: 0.032, 384: 0.023}  # a request's cost outside its steps
 STEP_SOLO_S = {512: 0.0120, 384: 0.0098}  # one step alone, from the solo times
 SIZE_RATIO = STEP_SOLO_S[384] / STEP_SOLO_S[512]  # 0.82
 MAX_IN_FLIGHT = 16
-STARVE_AFTER = 8  # shortest_first's bound, as in the engine
 ORDERS = ("round_robin", "shortest_first", "most_behind", "one_pass", "one_pass_2", "one_pass_4", "one_pass_8")
 TARGET = 1.5
 

@@ -3,6 +3,7 @@ a GET of the probe's path, success being a status from 200 to 399."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import urllib.error
@@ -15,10 +16,20 @@ MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes.yaml"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
+@functools.cache
+def resources() -> dict[str, dict]:
+    """The manifest's resources by kind, read once (the prober asks several times a second)."""
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def container() -> dict:
+    """The Deployment's one container."""
+    return resources()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
 def manifest_probe(kind: str) -> dict:
-    """The Deployment's probe ``kind``: ``httpGet``, ``periodSeconds``, ``timeoutSeconds``, ..."""
-    deployment = next(doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc["kind"] == "Deployment")
-    return deployment["spec"]["template"]["spec"]["containers"][0][kind]
+    """The container's probe ``kind``: ``httpGet``, ``periodSeconds``, ``timeoutSeconds``, ..."""
+    return container()[kind]
 
 
 def kubelet_get(http_url: str, kind: str) -> int:

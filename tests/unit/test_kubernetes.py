@@ -10,21 +10,12 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 from triton_omni_tools.launcher import EXIT_TIMEOUT_S, STOP_TIMEOUT_S
 
-from tests.support.probes import MANIFEST, PROBES, would_restart
+from tests.support.probes import PROBES, container, resources, would_restart
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")  # an older cluster and a recent one
-
-
-def resources() -> dict[str, dict]:
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
-
-
-def container() -> dict:
-    return resources()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)

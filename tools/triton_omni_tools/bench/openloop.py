@@ -301,7 +301,7 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     report |= {"preset": preset_name, "device": device_name(), "requests": requests}
     path = out_dir / "open-loop.json"
     path.write_text(json.dumps(report, indent=2, default=str))
-    plot(json.loads(path.read_text()), out_dir / "open-loop.png",  # as saved: the loads' keys are strings
+    plot(report, out_dir / "open-loop.png",
          f"open loop, {preset_name} preset, {report['device']}, {requests} requests per point")
     print(f"wrote {path} and open-loop.png")
     return report

@@ -54,8 +54,8 @@ def _loads_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float)
             _bar(canvas, left + b * bar_w, bar_w, y0 + h, h * value / top, COLOURS[mode], light)
             canvas.text((left + b * bar_w, y0 + h - h * value / top - 12), f"{value:.0f}", fill="gray")
         canvas.text((left + group_w * 0.3, y0 + h + 6), f"{float(load):.0%} load", fill="black")
-    _legend(canvas, x0, y0 + h + 24, [("request p50", COLOURS["request"], False), ("step p50", COLOURS["step"], False),
-                                      ("p99: lighter", "#cccccc", False)])
+    _legend(canvas, x0, y0 + h + 24, [("request p50", COLOURS["request"]), ("step p50", COLOURS["step"]),
+                                      ("p99: lighter", "#cccccc")])
 
 
 def _mixed_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float) -> None:
@@ -77,11 +77,11 @@ def _mixed_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float)
         left = x0 + g * group_w + group_w * 0.1
         for b, mode in enumerate(modes):
             value = ratios[mode, name]
-            _bar(canvas, left + b * bar_w, bar_w, y0 + h, h * value / top, _colour(mode), False)
+            _bar(canvas, left + b * bar_w, bar_w, y0 + h, h * value / top, _colour(mode))
         steps, size = name.split(" steps ")
         canvas.text((left, y0 + h + 6), f"{steps} st", fill="black")
         canvas.text((left, y0 + h + 18), size, fill="black")
-    _legend(canvas, x0, y0 + h + 36, [(_label(mode), _colour(mode), False) for mode in modes])
+    _legend(canvas, x0, y0 + h + 36, [(_label(mode), _colour(mode)) for mode in modes])
 
 
 def _size_then_steps(name: str) -> tuple[int, int]:  # "20 steps 512px"
@@ -103,7 +103,7 @@ def _frame(canvas, x0: float, y0: float, w: float, h: float, title: str, top: fl
     canvas.text((x0 - 50, y0), f"{top:.0f}" if top >= 10 else f"{top:.1f}", fill="gray")
 
 
-def _bar(canvas, left: float, width: float, bottom: float, height: float, colour: str, light: bool) -> None:
+def _bar(canvas, left: float, width: float, bottom: float, height: float, colour: str, light: bool = False) -> None:
     fill = _lighter(colour) if light else colour
     canvas.rectangle([left + 1, bottom - height, left + width - 1, bottom], fill=fill)
 
@@ -113,9 +113,9 @@ def _lighter(colour: str) -> str:
     return "#" + "".join(f"{(c + 2 * 255) // 3:02x}" for c in rgb)
 
 
-def _legend(canvas, x: float, y: float, entries: list[tuple[str, str, bool]]) -> None:
-    for label, colour, light in entries:
-        canvas.rectangle([x, y + 2, x + 10, y + 12], fill=_lighter(colour) if light else colour)
+def _legend(canvas, x: float, y: float, entries: list[tuple[str, str]]) -> None:
+    for label, colour in entries:
+        canvas.rectangle([x, y + 2, x + 10, y + 12], fill=colour)
         canvas.text((x + 14, y), label, fill="black")
         x += 14 + 7 * len(label) + 16
 
