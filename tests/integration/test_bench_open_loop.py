@@ -25,12 +25,17 @@ def test_open_loop_bench_measures_both_modes_and_mixed_traffic(tmp_path):
     for mode in openloop.MODES:
         point = report["loads"][0.5][mode]
         assert point["requests"] == 12 and point["p99_ms"] >= point["p50_ms"] > 0
-    for mode in openloop.MIXED_MODES:  # step batching's group orders side by side
-        mixed = report["mixed"][mode]
-        assert set(mixed["by_class"]) == {"1 steps 32px", "1 steps 64px", "3 steps 32px", "3 steps 64px"}
-        assert sum(c["requests"] for c in mixed["by_class"].values()) == 12
-        assert all(c["solo_ms"] > 0 for c in mixed["by_class"].values())
+    readings = report["mixed"]
+    # every mode at request batching's peak; the step modes (their group orders) again at their own
+    assert list(readings["by_request_peak"]) == list(openloop.MIXED_MODES)
+    assert list(readings["by_own_peak"]) == [mode for mode in openloop.MIXED_MODES if mode != "request"]
+    for reading, results in readings.items():
+        for mixed in results.values():
+            assert mixed["peak_of"] == ("request" if reading == "by_request_peak" else "step")
+            assert set(mixed["by_class"]) == {"1 steps 32px", "1 steps 64px", "3 steps 32px", "3 steps 64px"}
+            assert sum(c["requests"] for c in mixed["by_class"].values()) == 12
+            assert all(c["solo_ms"] > 0 for c in mixed["by_class"].values())
     assert report["peak_per_s"] > 0
     assert json.loads((tmp_path / "open-loop.json").read_text())["requests"] == 12
-    with Image.open(tmp_path / "open-loop.png") as plot:  # both panels: load points and mixed traffic
-        assert plot.format == "PNG" and plot.width == 2 * openloop_plot.PANEL_W
+    with Image.open(tmp_path / "open-loop.png") as plot:  # three panels: load points, mixed traffic twice
+        assert plot.format == "PNG" and plot.width == 3 * openloop_plot.PANEL_W

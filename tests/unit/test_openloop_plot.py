@@ -6,18 +6,32 @@ import pytest
 from PIL import Image
 from triton_omni_tools.bench import openloop_plot
 
-MIXED = {mode: {"load": 0.5, "by_class": {name: {"p50_over_solo": ratio} for name, ratio in
-                                          (("10 steps 512px", 1.4), ("50 steps 384px", 1.7))}}
-         for mode in ("step", "step_round_robin")}
+
+def _mixed(peak_of: str | None) -> dict:
+    result = {"load": 0.5, "peak_per_s": 6.3, "by_class": {name: {"p50_over_solo": ratio} for name, ratio in
+                                                          (("10 steps 512px", 1.4), ("50 steps 384px", 1.7))}}
+    return {mode: result | ({"peak_of": peak_of} if peak_of else {}) for mode in ("step", "step_round_robin")}
+
+
+MIXED = {"by_request_peak": _mixed("request"), "by_own_peak": _mixed("step")}
+OLD_MIXED = _mixed(None)  # reports before the two readings: one dict of modes, each at its own peak
 LOADS = {"0.5": {mode: {"p50_ms": 400.0, "p99_ms": 1000.0} for mode in ("request", "step")}}
 
 
-@pytest.mark.parametrize(("report", "panels"), [({"mixed": MIXED}, 1),
-                                                ({"loads": LOADS, "peak_per_s": 7.0, "mixed": MIXED}, 2)])
+@pytest.mark.parametrize(("report", "panels"), [({"mixed": MIXED}, 2),
+                                                ({"loads": LOADS, "peak_per_s": 7.0, "mixed": MIXED}, 3),
+                                                ({"mixed": {"by_request_peak": _mixed("request"),
+                                                            "by_own_peak": {}}}, 1),
+                                                ({"loads": LOADS, "peak_per_s": 7.0, "mixed": OLD_MIXED}, 2)])
 def test_one_panel_per_part_of_the_report(tmp_path, report, panels):
     openloop_plot.main([str(_saved(tmp_path, report)), str(tmp_path / "plot.png")])
     with Image.open(tmp_path / "plot.png") as image:
         assert image.width == panels * openloop_plot.PANEL_W
+
+
+def test_an_old_report_reads_as_each_mode_at_its_own_peak():
+    assert openloop_plot.mixed_readings({"mixed": OLD_MIXED}) == {"by_own_peak": OLD_MIXED}
+    assert openloop_plot.mixed_readings({"mixed": None}) == {}
 
 
 def test_a_report_with_nothing_to_plot_is_refused(tmp_path):

@@ -1,10 +1,11 @@
 """The plot of ``bench --open-loop``'s report (``open-loop.json``), PIL only.
 
-Two panels, each drawn when the report has its part:
+A panel for each part the report has:
 - Poisson load points: p50 and p99 latency of request and step batching at
   each load, as bars;
-- mixed traffic: each class's p50 over its latency alone, one bar per mode,
-  with the target (1.5) and 1.0 as lines.
+- mixed traffic, one panel per reading of the load (at request batching's
+  peak, at step batching's own): each class's p50 over its latency alone,
+  one bar per mode, with the target (1.5) and 1.0 as lines.
 
 ``bench --open-loop`` writes ``open-loop.png`` beside the JSON; to redraw a
 saved report::
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 MIXED_TARGET = 1.5  # issue 12: no class slower than 1.5x alone at 50 % load
@@ -27,18 +29,29 @@ PANEL_W, PANEL_H, MARGIN, TOP = 560, 330, 60, 48
 def plot(report: dict, path: Path, title: str) -> None:
     from PIL import Image, ImageDraw
 
-    panels = [draw for key, draw in (("loads", _loads_panel), ("mixed", _mixed_panel)) if report.get(key)]
+    panels = [partial(_loads_panel, report)] if report.get("loads") else []
+    panels += [partial(_mixed_panel, results) for results in mixed_readings(report).values()]
     if not panels:
         raise ValueError("the report has neither load points nor mixed traffic to plot")
     image = Image.new("RGB", (PANEL_W * len(panels), PANEL_H + TOP), "white")
     canvas = ImageDraw.Draw(image)
     canvas.text((10, 8), title, fill="black")
     for k, draw_panel in enumerate(panels):
-        draw_panel(canvas, report, x0=k * PANEL_W + MARGIN, y0=TOP + 24, w=PANEL_W - MARGIN - 20, h=PANEL_H - 90)
+        draw_panel(canvas, k * PANEL_W + MARGIN, TOP + 24, PANEL_W - MARGIN - 20, PANEL_H - 90)
     image.save(path)
 
 
-def _loads_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float) -> None:
+def mixed_readings(report: dict) -> dict[str, dict]:
+    """The report's mixed-traffic runs by reading of the load (``measure_mixed``), each a dict of
+    mode -> result, empty ones left out. Reports written before 2026-11-24's second reading held
+    one dict of modes, each at its own peak: they read as ``by_own_peak``."""
+    mixed = report.get("mixed") or {}
+    if mixed and not set(mixed) & {"by_request_peak", "by_own_peak"}:
+        return {"by_own_peak": mixed}
+    return {reading: results for reading, results in mixed.items() if results}
+
+
+def _loads_panel(report: dict, canvas, x0: float, y0: float, w: float, h: float) -> None:
     """p50 and p99 (ms) of each mode at each load: a group of four bars per load."""
     loads = report["loads"]
     bars = [(f"{q}_ms", mode, q == "p99") for q in ("p50", "p99") for mode in ("request", "step")]  # p99 lighter
@@ -58,15 +71,17 @@ def _loads_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float)
                                       ("p99: lighter", "#cccccc")])
 
 
-def _mixed_panel(canvas, report: dict, x0: float, y0: float, w: float, h: float) -> None:
-    """Each class's p50 over alone, one bar per mode, with the target and 1.0 marked."""
-    mixed = report["mixed"]
+def _mixed_panel(mixed: dict, canvas, x0: float, y0: float, w: float, h: float) -> None:
+    """One reading of the mixed traffic (mode -> result): each class's p50 over alone, one bar per
+    mode, with the target and 1.0 marked."""
     modes = list(mixed)
     classes = sorted(next(iter(mixed.values()))["by_class"], key=_size_then_steps)
     ratios = {(mode, name): mixed[mode]["by_class"][name]["p50_over_solo"] for mode in modes for name in classes}
     top = max(max(ratios.values()), MIXED_TARGET) * 1.15
-    load = next(iter(mixed.values())).get("load", 0.5)
-    _frame(canvas, x0, y0, w, h, f"mixed traffic at {load:.0%} of its peak: each class's p50 / its time alone", top)
+    first = next(iter(mixed.values()))
+    basis = f"{first['peak_of']} batching's peak" if "peak_of" in first else "each mode's peak"
+    _frame(canvas, x0, y0, w, h, f"mixed, {first['load']:.0%} of {basis} "
+           f"({first['load'] * first['peak_per_s']:.2f}/s): class p50 / alone", top)
     for level, colour in ((1.0, "gray"), (MIXED_TARGET, "#d43b3b")):
         y = y0 + h - h * level / top
         canvas.line([(x0, y), (x0 + w, y)], fill=colour, width=1)
