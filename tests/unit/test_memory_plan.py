@@ -74,3 +74,19 @@ def test_shares_are_checked_for_range_and_ignored_on_cpu():
 def test_cuda_visible_devices_maps_to_the_physical_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert physical_index("cuda:1") == 1 and physical_index("cuda") == 3
+
+
+@pytest.mark.parametrize("loaded", [["diffusion", "diffusion_request"],
+                                    ["diffusion", "diffusion_request", "diffusion_shortest_first"],
+                                    ["diffusion", "diffusion_request", "diffusion_shortest_first",
+                                     "diffusion_round_robin"]])
+def test_the_open_loop_bench_fits_one_gpu_with_the_modes_it_loads(tmp_path, loaded):
+    """`bench --open-loop` loads a copy of diffusion per mode it measures (four by default) on one
+    GPU; each gets an equal part of the plan, never more than diffusion's own share."""
+    from triton_omni_tools.bench import PRESETS, openloop
+
+    repositories = openloop.repository(PRESETS["realistic"], tmp_path, len(loaded))
+    shares = memory_plan.plan(repositories, loaded, num_gpus=1)
+    assert sorted(s.model for s in shares) == sorted(loaded)
+    memory_plan.check(shares)  # no error
+    assert all(s.share == min(0.3, openloop.COPIES_SHARE / len(loaded)) for s in shares)

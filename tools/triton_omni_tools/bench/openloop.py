@@ -41,6 +41,8 @@ from triton_omni_tools.bench.presets import PROMPT, Preset
 MODES = {"request": "diffusion_request", "step": "diffusion"}
 # Mixed traffic also runs step batching with its groups (sizes) in the other orders.
 MIXED_MODES = MODES | {"step_round_robin": "diffusion_round_robin", "step_shortest_first": "diffusion_shortest_first"}
+# The GPU share that every mode's copy of ``diffusion`` splits (memory_plan.MAX_TOTAL_SHARE less a margin).
+COPIES_SHARE = 0.9
 # What each mode's copy of ``diffusion`` changes (request batching also gets the preset's window).
 MODE_PARAMETERS = {"diffusion_request": {"batching": "request"},
                    "diffusion_shortest_first": {"group_order": "shortest_first"},
@@ -290,16 +292,23 @@ def _peak_name(result: dict) -> str:
     return f"{name} ({result['load'] * result['peak_per_s']:.2f}/s offered)"
 
 
-def repository(preset: Preset, dest: Path) -> list[Path]:
+def repository(preset: Preset, dest: Path, loaded: int = len(MIXED_MODES)) -> list[Path]:
     """The bench repository (``diffusion``: step batching) plus a copy of ``diffusion`` per other mode
-    (``MODE_PARAMETERS``)."""
+    (``MODE_PARAMETERS``), of which ``loaded`` will be loaded."""
     from dataclasses import replace
 
     from triton_omni_tools.bench.harness import bench_repository
-    from triton_omni_tools.repository import copy_model
+    from triton_omni_tools.memory_plan import configured_share
+    from triton_omni_tools.repository import copy_model, edit_config, load_config
 
     repositories = bench_repository(replace(preset, diffusion_batching="step"), dest)
     variants, models = repositories[0], repositories[1]
+    # The loaded copies live at once (measured one at a time), so together they must fit the GPU
+    # memory plan: each gets an equal part of it, at most what diffusion's config asks (0.30 of an
+    # H200 for three copies; 0.225 for all four).
+    config = models / "diffusion" / "config.pbtxt"
+    share = min(configured_share(load_config(config)) or 1.0, COPIES_SHARE / loaded)
+    edit_config(config, parameters={"gpu_memory_utilization": f"{share:.3f}"})
     for name, parameters in MODE_PARAMETERS.items():
         delay = preset.diffusion_queue_delay_us if parameters.get("batching") == "request" else None
         copy_model(models, "diffusion", variants, name, parameters=parameters, max_queue_delay_us=delay)
@@ -324,7 +333,7 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"== open loop, {requests} requests per point ({device_name()})", flush=True)
     with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
-        options = ServerOptions(model_repositories=repository(preset, Path(tmp)), http_port=free_port(),
+        options = ServerOptions(model_repositories=repository(preset, Path(tmp), len(needed)), http_port=free_port(),
                                 grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
                                 model_control_mode="explicit", load_models=sorted(needed))
         with TritonServer(options) as server:
