@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from PIL import Image
 from triton_omni_tools.bench import openloop_plot
@@ -45,8 +48,24 @@ def test_classes_run_by_size_then_steps():
 
 
 def _saved(tmp_path, report: dict):
-    import json
-
     path = tmp_path / "open-loop.json"
     path.write_text(json.dumps(report))
     return path
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+@pytest.mark.parametrize("name", ["benchmarks-realistic-h200-open-loop.json",
+                                  "benchmarks-realistic-h200-mixed-two-readings-2026-11-24.json",
+                                  "benchmarks-tiny-cpu-mixed-group-order-2026-11-24.json"])
+def test_the_reports_kept_in_docs_still_print_and_plot(tmp_path, capsys, name):
+    """Reports from before and after the two readings of mixed traffic's load."""
+    from triton_omni_tools.bench import openloop
+
+    report = json.loads((DOCS / name).read_text())
+    openloop.table(report)
+    assert "worst" in capsys.readouterr().out
+    openloop_plot.plot(report, tmp_path / "plot.png", name)
+    with Image.open(tmp_path / "plot.png") as image:
+        assert image.width >= openloop_plot.PANEL_W

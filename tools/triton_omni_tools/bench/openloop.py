@@ -267,29 +267,29 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
 
 
 def table(report: dict) -> None:
-    print("\nopen loop (Poisson arrivals): request batching against step batching")
-    header = (f"{'load':>6}{'offered/s':>11}{'req p50':>10}{'step p50':>10}{'p50 x':>7}"
-              f"{'req p99':>10}{'step p99':>10}{'p99 x':>7}{'req/s':>8}{'step/s':>8}")
-    print(header + "\n" + "-" * len(header))
-    for load, modes in report["loads"].items():  # empty without load points
-        r, s = modes["request"], modes["step"]
-        print(f"{float(load):>6.0%}{float(load) * report['peak_per_s']:>11.2f}{r['p50_ms']:>10.0f}"
-              f"{s['p50_ms']:>10.0f}{r['p50_ms'] / s['p50_ms']:>7.2f}{r['p99_ms']:>10.0f}{s['p99_ms']:>10.0f}"
-              f"{r['p99_ms'] / s['p99_ms']:>7.2f}{r['per_s']:>8.2f}{s['per_s']:>8.2f}")
+    if report["loads"]:
+        _loads_table(report)
     for reading, results in mixed_readings(report).items():
         first = next(iter(results.values()))
-        print(f"\nmixed traffic at {first['load']:.0%} of {_peak_name(first)} ({reading}): "
-              "p50 of each class against it alone (ms)")
+        basis = f"{first['peak_of']} batching's peak" if "peak_of" in first else "each mode's own peak"
+        print(f"\nmixed traffic at {first['load']:.0%} of {basis} ({reading}): p50 of each class against it alone (ms)")
         for mode, result in results.items():
-            print(f"  {mode} (worst {result['worst_p50_over_solo']:.2f}): "
+            offered, worst = result["load"] * result["peak_per_s"], result["worst_p50_over_solo"]
+            print(f"  {mode} ({offered:.2f}/s offered; worst {worst:.2f}): "
                   + ", ".join(f"{name} {c['p50_ms']:.0f}/{c['solo_ms']:.0f}={c['p50_over_solo']:.2f}"
                               for name, c in result["by_class"].items()))
 
 
-def _peak_name(result: dict) -> str:
-    peak_of = result.get("peak_of")
-    name = f"{peak_of} batching's peak" if peak_of else "each mode's own peak"
-    return f"{name} ({result['load'] * result['peak_per_s']:.2f}/s offered)"
+def _loads_table(report: dict) -> None:
+    print("\nopen loop (Poisson arrivals): request batching against step batching")
+    header = (f"{'load':>6}{'offered/s':>11}{'req p50':>10}{'step p50':>10}{'p50 x':>7}"
+              f"{'req p99':>10}{'step p99':>10}{'p99 x':>7}{'req/s':>8}{'step/s':>8}")
+    print(header + "\n" + "-" * len(header))
+    for load, modes in report["loads"].items():
+        r, s = modes["request"], modes["step"]
+        print(f"{float(load):>6.0%}{float(load) * report['peak_per_s']:>11.2f}{r['p50_ms']:>10.0f}"
+              f"{s['p50_ms']:>10.0f}{r['p50_ms'] / s['p50_ms']:>7.2f}{r['p99_ms']:>10.0f}{s['p99_ms']:>10.0f}"
+              f"{r['p99_ms'] / s['p99_ms']:>7.2f}{r['per_s']:>8.2f}{s['per_s']:>8.2f}")
 
 
 def repository(preset: Preset, dest: Path, loaded: int = len(MIXED_MODES)) -> list[Path]:
