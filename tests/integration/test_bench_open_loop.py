@@ -36,6 +36,7 @@ def test_open_loop_bench_measures_both_modes_and_mixed_traffic(tmp_path):
             assert sum(c["requests"] for c in mixed["by_class"].values()) == 12
             assert all(c["solo_ms"] > 0 for c in mixed["by_class"].values())
     assert report["peak_per_s"] > 0
-    assert json.loads((tmp_path / "open-loop.json").read_text())["requests"] == 12
+    saved = json.loads((tmp_path / "open-loop.json").read_text())
+    assert saved["requests"] == 12 and saved["complete"] is True
     with Image.open(tmp_path / "open-loop.png") as plot:  # three panels: load points, mixed traffic twice
         assert plot.format == "PNG" and plot.width == 3 * openloop_plot.PANEL_W

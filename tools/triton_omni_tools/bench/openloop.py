@@ -30,6 +30,7 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,22 +185,24 @@ def solo_latency(sender: ImageSender, model: str, image: ImageClass, repeats: in
     return float(np.median([sender.one(model, image, k) for k in range(repeats)]) * 1e3)
 
 
-def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, mixed_modes: tuple[str, ...]) -> dict:
-    standard = ImageClass(preset.steps, preset.size)
+def measure(url: str, preset: Preset, loads: tuple[float, ...], requests: int, mixed_modes: tuple[str, ...],
+            report: dict, save: Callable[[], None]) -> None:
+    """Fills ``report`` point by point and calls ``save()`` after each, so that a run cut short (a time
+    limit, a machine taken back) still leaves every point it measured."""
     sender = ImageSender(url, preset)
-    report: dict = {"loads": {}, "mixed": None}
-    if loads:
-        report |= measure_loads(url, preset, sender, standard, loads, requests)
-    if mixed_modes:
-        report["mixed"] = measure_mixed(url, preset, sender, requests, mixed_modes)
-    sender.close()
-    return report
+    try:
+        if loads:
+            measure_loads(url, preset, sender, ImageClass(preset.steps, preset.size), loads, requests, report, save)
+        if mixed_modes:
+            measure_mixed(url, preset, sender, requests, mixed_modes, report, save)
+    finally:
+        sender.close()
 
 
 def measure_loads(url: str, preset: Preset, sender: ImageSender, standard: ImageClass, loads: tuple[float, ...],
-                  requests: int) -> dict:
-    """Request batching's closed-loop peak, then Poisson arrivals at each fraction of it, in both modes."""
-    report: dict = {"loads": {}}
+                  requests: int, report: dict, save: Callable[[], None]) -> None:
+    """Request batching's closed-loop peak, then Poisson arrivals at each fraction of it, in both modes
+    (into ``report["peak_per_s"]`` and ``report["loads"]``)."""
     for model in MODES.values():
         warm_up(url, preset, model, [standard], preset.max_batch_size)
     peak = closed_loop_peak(url, preset, MODES["request"], [standard], preset.max_batch_size, rounds=3)
@@ -211,13 +214,13 @@ def measure_loads(url: str, preset: Preset, sender: ImageSender, standard: Image
         for mode, model in MODES.items():
             result = run_schedule(sender, model, arrivals, [standard] * requests)
             report["loads"][load][mode] = result
+            save()
             print(f"  load {load:.0%} ({load * peak:.2f}/s offered) {mode:<8} {result['per_s']:6.2f}/s  "
                   f"p50 {result['p50_ms']:8.1f} ms  p99 {result['p99_ms']:8.1f} ms", flush=True)
-    return report
 
 
 def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, modes: tuple[str, ...],
-                  load: float = 0.5) -> dict:
+                  report: dict, save: Callable[[], None], load: float = 0.5) -> None:
     """The preset's steps counts (10/20/50) at its two sizes, interleaved, Poisson arrivals; each class's
     p50 against its latency alone in the same mode. Two readings of "``load`` of the peak":
 
@@ -250,7 +253,7 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
     print(f"  mixed traffic peaks (closed loop, concurrency {preset.max_batch_size}): request batching "
           f"{peaks['request']:.2f}/s" + (f", step batching {peaks['step']:.2f}/s" if step_modes else ""), flush=True)
     readings = {"by_request_peak": (modes, "request"), "by_own_peak": (step_modes, "step")}
-    out: dict = {}
+    out = report["mixed"] = {}
     for reading, (reading_modes, peak_of) in readings.items():
         out[reading] = {}
         for mode in reading_modes:
@@ -261,9 +264,9 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
             worst = max(stats["p50_over_solo"] for stats in result["by_class"].values())
             out[reading][mode] = result | {"peak_per_s": peak, "peak_of": peak_of, "load": load,
                                            "worst_p50_over_solo": worst}
+            save()
             print(f"  mixed {mode:<19} at {load:.0%} of {peak_of} batching's peak ({load * peak:.2f}/s offered): "
                   f"worst class p50/solo {worst:.2f}", flush=True)
-    return out
 
 
 def table(report: dict) -> None:
@@ -317,7 +320,8 @@ def repository(preset: Preset, dest: Path, loaded: int = len(MIXED_MODES)) -> li
 
 def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...] = (0.5, 0.8),
         requests: int = 200, mixed_modes: tuple[str, ...] = tuple(MIXED_MODES)) -> dict:
-    """``loads``: the Poisson points (empty: none); ``mixed_modes``: the modes mixed traffic runs (empty: none)."""
+    """``loads``: the Poisson points (empty: none); ``mixed_modes``: the modes mixed traffic runs (empty: none).
+    ``open-loop.json`` is rewritten after every point, ``"complete": false`` until the last."""
     from triton_omni.demo_models import resolve_model
 
     from triton_omni_tools.bench.report import device_name
@@ -332,16 +336,22 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     resolve_model(preset.diffusion_model)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"== open loop, {requests} requests per point ({device_name()})", flush=True)
+    path = out_dir / "open-loop.json"
+    report: dict = {"preset": preset_name, "device": device_name(), "requests": requests, "complete": False,
+                    "loads": {}, "mixed": None}
+
+    def save() -> None:
+        path.write_text(json.dumps(report, indent=2, default=str))
+
     with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
         options = ServerOptions(model_repositories=repository(preset, Path(tmp), len(needed)), http_port=free_port(),
                                 grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
                                 model_control_mode="explicit", load_models=sorted(needed))
         with TritonServer(options) as server:
-            report = measure(server.grpc_url, preset, loads, requests, mixed_modes)
+            measure(server.grpc_url, preset, loads, requests, mixed_modes, report, save)
+    report["complete"] = True
+    save()
     table(report)
-    report |= {"preset": preset_name, "device": device_name(), "requests": requests}
-    path = out_dir / "open-loop.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
     plot(report, out_dir / "open-loop.png",
          f"open loop, {preset_name} preset, {report['device']}, {requests} requests per point")
     print(f"wrote {path} and open-loop.png")
