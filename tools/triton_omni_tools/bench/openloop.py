@@ -343,6 +343,7 @@ def run(preset: Preset, preset_name: str, out_dir: Path, loads: tuple[float, ...
     def save() -> None:
         path.write_text(json.dumps(report, indent=2, default=str))
 
+    save()  # an earlier run's report in this folder is not left to pass for this one
     with tempfile.TemporaryDirectory(prefix="omni-bench-open-") as tmp:
         options = ServerOptions(model_repositories=repository(preset, Path(tmp), len(needed)), http_port=free_port(),
                                 grpc_port=free_port(), metrics_port=free_port(), log_file=out_dir / "server-open.log",
