@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from triton_omni_tools.bench import openloop_plot
+from triton_omni_tools.bench import openloop, openloop_plot
 
 
 def _mixed(peak_of: str | None) -> dict:
@@ -61,8 +61,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
                                   "benchmarks-tiny-cpu-mixed-group-order-2026-11-24.json"])
 def test_the_reports_kept_in_docs_still_print_and_plot(tmp_path, capsys, name):
     """Reports from before and after the two readings of mixed traffic's load."""
-    from triton_omni_tools.bench import openloop
-
     report = json.loads((DOCS / name).read_text())
     openloop.table(report)
     assert "worst" in capsys.readouterr().out

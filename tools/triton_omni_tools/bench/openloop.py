@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_omni_tools.bench.openloop_plot import mixed_readings, plot
+from triton_omni_tools.bench.openloop_plot import load_basis, mixed_readings, plot
 from triton_omni_tools.bench.presets import PROMPT, Preset
 
 MODES = {"request": "diffusion_request", "step": "diffusion"}
@@ -225,8 +225,8 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
     p50 against its latency alone in the same mode. Two readings of "``load`` of the peak":
 
     - ``by_request_peak``: every mode at ``load`` of request batching's closed-loop peak on the mix,
-      the same arrivals for all; the load the Poisson points use (issue 12 defines load by request
-      batching's peak), so the modes are compared at one offered rate;
+      the same arrivals for all; the load the Poisson points use, so the modes are compared at one
+      offered rate;
     - ``by_own_peak``: each step mode again at ``load`` of step batching's own peak on the mix (higher:
       about 1.8x on an H200), the stricter reading, where step batching is as busy as request
       batching is in the first.
@@ -273,9 +273,9 @@ def table(report: dict) -> None:
     if report["loads"]:
         _loads_table(report)
     for reading, results in mixed_readings(report).items():
-        first = next(iter(results.values()))
-        basis = f"{first['peak_of']} batching's peak" if "peak_of" in first else "each mode's own peak"
-        print(f"\nmixed traffic at {first['load']:.0%} of {basis} ({reading}): p50 of each class against it alone (ms)")
+        load = next(iter(results.values()))["load"]
+        print(f"\nmixed traffic at {load:.0%} of {load_basis(results)} ({reading}): "
+              "p50 of each class against it alone (ms)")
         for mode, result in results.items():
             offered, worst = result["load"] * result["peak_per_s"], result["worst_p50_over_solo"]
             print(f"  {mode} ({offered:.2f}/s offered; worst {worst:.2f}): "

@@ -51,6 +51,12 @@ def mixed_readings(report: dict) -> dict[str, dict]:
     return {reading: results for reading, results in mixed.items() if results}
 
 
+def load_basis(results: dict) -> str:
+    """What one reading's load is a share of, from its results (mode -> result)."""
+    first = next(iter(results.values()))
+    return f"{first['peak_of']} batching's peak" if "peak_of" in first else "each mode's own peak"
+
+
 def _loads_panel(report: dict, canvas, x0: float, y0: float, w: float, h: float) -> None:
     """p50 and p99 (ms) of each mode at each load: a group of four bars per load."""
     loads = report["loads"]
@@ -79,8 +85,7 @@ def _mixed_panel(mixed: dict, canvas, x0: float, y0: float, w: float, h: float) 
     ratios = {(mode, name): mixed[mode]["by_class"][name]["p50_over_solo"] for mode in modes for name in classes}
     top = max(max(ratios.values()), MIXED_TARGET) * 1.15
     first = next(iter(mixed.values()))
-    basis = f"{first['peak_of']} batching's peak" if "peak_of" in first else "each mode's peak"
-    _frame(canvas, x0, y0, w, h, f"mixed, {first['load']:.0%} of {basis} "
+    _frame(canvas, x0, y0, w, h, f"mixed, {first['load']:.0%} of {load_basis(mixed)} "
            f"({first['load'] * first['peak_per_s']:.2f}/s): class p50 / alone", top)
     for level, colour in ((1.0, "gray"), (MIXED_TARGET, "#d43b3b")):
         y = y0 + h - h * level / top
