@@ -44,6 +44,21 @@ def test_streams_every_token(generator):
     assert responses[-1].final and responses[-1].finish_reasons == ["length"]
 
 
+def test_a_prompt_joining_a_running_stream_gets_every_token(generator):
+    """One step then holds the newcomer's prompt beside the running stream's
+    decode (a mixed batch, which vLLM runs with its attention outside the CUDA graphs)."""
+    async def collect(request_id: str, max_tokens: int, delay_s: float):
+        await asyncio.sleep(delay_s)
+        return [r async for r in generator.generate(request(max_tokens), request_id)]
+
+    async def run():
+        return await asyncio.gather(collect("running", 256, 0), collect("joining", 64, 0.05))
+
+    for responses, expected in zip(generator.loop.run(run()), (256, 64), strict=True):
+        assert sum(sum(r.num_output_tokens) for r in responses) == expected
+        assert responses[-1].final and responses[-1].finish_reasons == ["length"]
+
+
 def test_cancellation_reaches_vllm_abort(generator):
     llm = generator.engine.engine  # the AsyncLLM
     aborted = []

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--ar-engine-args", metavar="JSON",
                        help="extra vLLM engine arguments of ar, the same on both sides, "
                             "e.g. '{\"stream_interval\": 4}'")
+    bench.add_argument("--encoder-engine-args", metavar="JSON",
+                       help="extra vLLM engine arguments of ar_encoder, the same on both sides")
     bench.add_argument("--client-processes", type=int, metavar="N",
                        help="the Triton side's AR clients share N processes (a thread and a connection each; "
                             "default: the preset's, 8)")
@@ -288,7 +290,8 @@ def _bench(args) -> int:
         return 0
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
-        ar_engine_args=args.ar_engine_args, client_processes=args.client_processes,
+        ar_engine_args=args.ar_engine_args, encoder_engine_args=args.encoder_engine_args,
+        client_processes=args.client_processes,
         encoder_queue_delay_us=args.encoder_queue_delay_us)
     return 0
 

@@ -128,7 +128,8 @@ class Direct:
             for workload in GENERATION_WORKLOADS if workload in needs}
         # every other workload needs embeddings (diffusion takes one precomputed prompt's)
         self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device,
-                                               gpu_memory_utilization=gpu_share("ar_encoder"))) \
+                                               gpu_memory_utilization=gpu_share("ar_encoder"),
+                                               engine_args=json.loads(preset.encoder_engine_args or "{}"))) \
             if needs - set(GENERATION_WORKLOADS) else None
         diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
                                                  batch_size=preset.max_batch_size,
@@ -577,13 +578,14 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
     ar = {"model": preset.ar_model}
     engine_args = {"engine_args": json.loads(preset.ar_engine_args)} if preset.ar_engine_args else {}
+    encoder_args = {"engine_args": json.loads(preset.encoder_engine_args)} if preset.encoder_engine_args else {}
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
                parameters=ar | {"engine": "transformers", "gpu_memory_utilization": TRANSFORMERS_SHARE})
     return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
         "ar": {"parameters": ar | engine_args},
-        "ar_encoder": {"parameters": ar, "max_batch_size": preset.encoder_max_batch_size,
+        "ar_encoder": {"parameters": ar | encoder_args, "max_batch_size": preset.encoder_max_batch_size,
                        "max_queue_delay_us": preset.encoder_queue_delay_us},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},
@@ -631,7 +633,7 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
 
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
-        pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None,
+        pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None, encoder_engine_args: str | None = None,
         client_processes: int | None = None, encoder_queue_delay_us: int | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
@@ -657,6 +659,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["diffusion_batching"] = diffusion_batching
     if ar_engine_args:
         overrides["ar_engine_args"] = ar_engine_args
+    if encoder_engine_args:
+        overrides["encoder_engine_args"] = encoder_engine_args
     if client_processes:
         overrides["client_processes"] = client_processes
     if encoder_queue_delay_us is not None:

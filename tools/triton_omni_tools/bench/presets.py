@@ -39,6 +39,8 @@ class Preset:
     ar_rounds: tuple[tuple[str, int], ...] = (("ar", 12), ("ar_transformers", 4), ("ar_encoder", 128))
     # Extra vLLM engine arguments of `ar` (JSON), the same on both sides: e.g. '{"stream_interval": 4}'.
     ar_engine_args: str = ""
+    # The same for `ar_encoder`, e.g. '{"compilation_config": {"cudagraph_mode": "FULL"}}'.
+    encoder_engine_args: str = ""
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
     # ar_encoder's batching window on the Triton side (microseconds); None: the repository's.
