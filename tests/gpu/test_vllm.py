@@ -1,6 +1,7 @@
-"""The AR stage on vLLM on a GPU: streaming, cancellation reaching vLLM's
-``abort``, and ``ar_encoder``'s embeddings equal to the transformers
-engine's for the same weights. GPU only (docs/gpu.md)."""
+"""The AR stage on vLLM on a GPU: streaming (a prompt joining a running
+stream included), cancellation reaching vLLM's ``abort``, ``ar_encoder``'s
+embeddings equal to the transformers engine's for the same weights, and two
+runners in front of one engine core. GPU only (docs/gpu.md)."""
 
 from __future__ import annotations
 
