@@ -36,9 +36,7 @@ def measure(direct, concurrency: int, requests_per_client: int, busy: int) -> di
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    summary = point.summary()
-    return {"tokens_per_s": point.throughput, "itl_p50_ms": summary["itl_p50_ms"],
-            "host_cores": (point.cores or {}).get("host")}
+    return {"tokens_per_s": point.throughput, "itl_p50_ms": point.summary()["itl_p50_ms"]}
 
 
 def main() -> int:

@@ -92,6 +92,19 @@ def test_the_ar_engine_args_reach_the_servers_ar_as_they_reach_the_direct_side(t
     assert json.loads(config.parameters["engine_args"].string_value) == {"stream_interval": 4}
 
 
+def test_the_encoder_engine_args_reach_the_servers_ar_encoder_only(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from triton_omni_tools.bench import PRESETS
+
+    preset = replace(PRESETS["tiny"], encoder_engine_args='{"max_num_seqs": 8}')
+    encoder = _bench_config(preset, tmp_path / "a", "ar_encoder")
+    assert json.loads(encoder.parameters["engine_args"].string_value) == {"max_num_seqs": 8}
+    assert "engine_args" not in _bench_config(preset, tmp_path / "b", "ar").parameters
+    assert preset.engine_args("ar_encoder") == {"max_num_seqs": 8} and preset.engine_args("ar") == {}
+
+
 def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_the_repositorys(tmp_path):
     from dataclasses import replace
 

@@ -124,12 +124,12 @@ class Direct:
         self.generators = {workload: ArRunner(ArRunnerConfig(
             preset.ar_model, "generate", engine=engines[workload], device=device,
             gpu_memory_utilization=gpu_share(workload),
-            engine_args=json.loads(preset.ar_engine_args) if workload == "ar" and preset.ar_engine_args else {}))
+            engine_args=preset.engine_args("ar") if workload == "ar" else {}))
             for workload in GENERATION_WORKLOADS if workload in needs}
         # every other workload needs embeddings (diffusion takes one precomputed prompt's)
         self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device,
                                                gpu_memory_utilization=gpu_share("ar_encoder"),
-                                               engine_args=json.loads(preset.encoder_engine_args or "{}"))) \
+                                               engine_args=preset.engine_args("ar_encoder"))) \
             if needs - set(GENERATION_WORKLOADS) else None
         diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
                                                  batch_size=preset.max_batch_size,
@@ -577,15 +577,17 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
     from triton_omni_tools.repository import copy_model, copy_repositories
 
     ar = {"model": preset.ar_model}
-    engine_args = {"engine_args": json.loads(preset.ar_engine_args)} if preset.ar_engine_args else {}
-    encoder_args = {"engine_args": json.loads(preset.encoder_engine_args)} if preset.encoder_engine_args else {}
+
+    def parameters(stage: str) -> dict:  # engine_args only where the preset sets some
+        engine_args = preset.engine_args(stage)
+        return ar | ({"engine_args": engine_args} if engine_args else {})
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
                parameters=ar | {"engine": "transformers", "gpu_memory_utilization": TRANSFORMERS_SHARE})
     return [variants, *copy_repositories(DEFAULT_REPOSITORIES, dest, {
-        "ar": {"parameters": ar | engine_args},
-        "ar_encoder": {"parameters": ar | encoder_args, "max_batch_size": preset.encoder_max_batch_size,
+        "ar": {"parameters": parameters("ar")},
+        "ar_encoder": {"parameters": parameters("ar_encoder"), "max_batch_size": preset.encoder_max_batch_size,
                        "max_queue_delay_us": preset.encoder_queue_delay_us},
         "diffusion": {
             "parameters": {"model": preset.diffusion_model, "limits": {"max_size": max(1024, preset.size)},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -51,6 +52,11 @@ class Preset:
 
     def concurrency_for(self, workload: str) -> tuple[int, ...]:
         return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
+
+    def engine_args(self, stage: str) -> dict:
+        """The extra vLLM engine arguments of ``ar`` or ``ar_encoder``, parsed ({} if none)."""
+        text = {"ar": self.ar_engine_args, "ar_encoder": self.encoder_engine_args}[stage]
+        return json.loads(text) if text else {}
 
     def rounds_for(self, workload: str) -> int:
         """Requests each client sends one after another."""
