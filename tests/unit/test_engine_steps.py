@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import threading
 import types
 from enum import Enum
 from pathlib import Path
@@ -84,3 +86,43 @@ def test_the_report_files_windows_by_side_and_concurrency(tmp_path):
     assert summary[8, "triton"]["prompt_ms"] == pytest.approx(6.0)
     assert engine_steps.engine_ratio(summary, 8) == pytest.approx(2.0 / 2.58)
     assert "0.78" in engine_steps.report(tmp_path, [1, 8, 32, 64])
+
+
+def test_a_phase_is_timed_around_each_call_even_when_it_raises(monkeypatch):
+    class Scheduler:
+        def schedule(self, fail=False):
+            if fail:
+                raise ValueError("no")
+            return "scheduled"
+
+    counter = engine_steps.StepCounter()
+    engine_steps.patch_phase(types.SimpleNamespace(Scheduler=Scheduler), "Scheduler", "schedule", "schedule", counter)
+    clock = iter([0.0, 0.001, 0.010, 0.013])
+    monkeypatch.setattr(engine_steps.time, "perf_counter", lambda: next(clock))
+    assert Scheduler().schedule() == "scheduled"
+    with pytest.raises(ValueError):
+        Scheduler().schedule(fail=True)
+    assert counter.phase_snapshot()["schedule"] == [2, pytest.approx(0.004)]
+
+
+def test_thread_times_are_read_per_thread_id_and_ancestors_name_the_side():
+    threads = engine_steps.thread_times()
+    assert len(threads[str(threading.get_native_id())]) == 4  # CPU ns, waiting ns, slices, name
+    child = subprocess.run([sys.executable, "-c", "import runpy, sys; "
+                            f"print(runpy.run_path({str(SCRIPT)!r})['_ancestors']())"],
+                           capture_output=True, text=True, check=True).stdout
+    own = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200].strip()
+    assert child.startswith(own + " < ")  # the parent first, then its ancestors
+
+
+def test_the_report_splits_a_step_into_its_parts(tmp_path):
+    lines = snapshots("/x/triton_python_backend_stub /tmp/m", [{"decode/FULL": [1000, 2.5, 8000]}])
+    lines[0] |= {"phases": {}, "threads": {"7": [0, 0, 0], "8": [0, 0, 0]}, "main_thread": "None"}
+    lines[1] |= {"phases": {"schedule": [1000, 0.3], "wait": [1000, 1.0]}, "main_thread": "7",
+                 "threads": {"7": [2_000_000_000, 100_000_000, 5000], "8": [400_000_000, 0, 10],
+                             "9": [100_000_000, 0, 3]}}  # a thread that started in the window
+    (tmp_path / "1.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    s = engine_steps.summarize(engine_steps.read_logs(tmp_path), [8])[8, "triton"]
+    assert s["phases_ms"] == {"schedule": pytest.approx(0.3), "wait": pytest.approx(1.0)}
+    assert (s["main_cpu_ms"], s["main_wait_ms"], s["others_cpu_ms"]) == pytest.approx((2.0, 0.1, 0.5))
+    assert "where a step's time goes" in engine_steps.report(tmp_path, [8])
