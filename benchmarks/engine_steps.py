@@ -52,7 +52,7 @@ ENV = "TRITON_OMNI_STEP_LOG"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 # The parts of a step timed in the engine core (vLLM 0.24): name -> (module, class, method).
 PHASES = {
-    "input": ("vllm.v1.engine.core", "EngineCoreProc", "_process_input_queue"),
+    "input": ("vllm.v1.engine.core", "EngineCoreProc", "_handle_client_request"),
     "schedule": ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
     "execute": (RUNNER_MODULE, "GPUModelRunner", "execute_model"),
     "sample": (RUNNER_MODULE, "GPUModelRunner", "sample_tokens"),
