@@ -1,8 +1,7 @@
 """The AR stage on vLLM on a GPU: streaming (a prompt joining a running
 stream included), cancellation reaching vLLM's ``abort``, ``ar_encoder``'s
 embeddings equal to the transformers engine's for the same weights, and two
-runners in front of one engine core, and a prompt held for the beat of
-``prefill_schedule_interval``. GPU only (docs/gpu.md)."""
+runners in front of one engine core. GPU only (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
 
 from triton_omni.ar import ArRunner, ArRunnerConfig, EncodeRequest, GenerateRequest
 from triton_omni.demo_models import build_all
-
-from tests.support.cadence import first_step_running_both, trace
 
 MODEL = "demo:tiny-qwen2"
 
@@ -140,13 +137,3 @@ def test_two_runners_share_one_engine_core(generator, tmp_path):
     finally:
         second.close()
         first.close()
-
-
-def test_a_prompt_joins_a_busy_engine_on_the_beat_under_asynchronous_scheduling():
-    """``prefill_schedule_interval`` on one engine (ar/prompt_cadence.py) with
-    vLLM's asynchronous scheduling, its default on a GPU."""
-    name, steps = trace(interval=4, join=6, gpu_memory_utilization=0.1)
-    assert name == "CadencedAsyncScheduler"
-    admitted = first_step_running_both(steps)
-    assert admitted % 4 == 0 and admitted > 6
-    assert any(waiting for _, _, waiting in steps)  # held on the steps between

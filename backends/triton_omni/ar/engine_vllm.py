@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
-from triton_omni.ar.prompt_cadence import with_prompt_cadence
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.errors import RequestValidationError
@@ -55,13 +53,10 @@ class VllmEngine(ArEngine):
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
-        engine_args = AsyncEngineArgs(**args)
-        config = with_prompt_cadence(engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT))
         if seat is None:
-            self.engine = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
-                                                    disable_log_stats=engine_args.disable_log_stats)
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         else:
-            self.engine = _shared_engine(config, engine_args.disable_log_stats, seat)
+            self.engine = _shared_engine(AsyncEngineArgs(**args), seat)
             if not seat.starts_engine:
                 self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
         self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
@@ -188,24 +183,26 @@ def engine_input(prompt_ids: list[int]) -> dict:
     return {"type": "token", "prompt_token_ids": prompt_ids}
 
 
-def _shared_engine(config, disable_log_stats: bool, seat: EngineSeat):
+def _shared_engine(engine_args, seat: EngineSeat):
     """An ``AsyncLLM`` on this seat's sockets; the first frontend starts the
     engine core first, with every frontend's addresses (what ``vllm serve
     --api-server-count N`` does in its parent process)."""
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
     from vllm.v1.executor import Executor
 
+    config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
     manager = None
     if seat.starts_engine:
         addresses = EngineZmqAddresses(inputs=[seat.input_address(i) for i in range(seat.frontends)],
                                        outputs=[seat.output_address(i) for i in range(seat.frontends)])
         # vLLM 0.24 yields a tuple, later releases a CoreEngineLaunch; both start with the engine manager
-        with launch_core_engines(config, Executor.get_class(config), not disable_log_stats,
+        with launch_core_engines(config, Executor.get_class(config), not engine_args.disable_log_stats,
                                  addresses) as launched:
             manager = launched[0] if isinstance(launched, tuple) else launched.engine_manager
             seat.record_engine([proc.pid for proc in manager.processes])
         # the handshake ran as the block ended: the engine core is up and connecting to every frontend
-    llm = AsyncLLM.from_vllm_config(config, disable_log_stats=disable_log_stats,
+    llm = AsyncLLM.from_vllm_config(config, disable_log_stats=engine_args.disable_log_stats,
                                     client_addresses=seat.client_addresses, client_count=seat.frontends,
                                     client_index=seat.frontend)
     if manager is not None:
