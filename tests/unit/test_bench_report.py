@@ -105,6 +105,27 @@ def test_the_encoder_engine_args_reach_the_servers_ar_encoder_only(tmp_path):
     assert preset.engine_args("ar_encoder") == {"max_num_seqs": 8} and preset.engine_args("ar") == {}
 
 
+def test_engine_cpus_reach_both_vllm_stages_and_the_bench_keeps_off_them(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    from triton_omni_tools.bench import PRESETS
+
+    preset = replace(PRESETS["tiny"], engine_cpus="0")
+    for stage in ("ar", "ar_encoder"):
+        assert _bench_config(preset, tmp_path / stage, stage).parameters["engine_cpus"].string_value == "0"
+    assert "engine_cpus" not in _bench_config(PRESETS["tiny"], tmp_path / "none", "ar").parameters
+    if len(os.sched_getaffinity(0)) > 1:  # in a process of its own: this one's CPUs stay
+        last = max(os.sched_getaffinity(0))
+        moved = subprocess.run([sys.executable, "-c", "import os; from triton_omni_tools.bench.harness import "
+                                f"keep_off; keep_off('{last}'); print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True).stdout
+        assert f"vLLM engine cores on CPUs {last}" in moved
+        assert moved.strip().splitlines()[-1] == str(sorted(os.sched_getaffinity(0) - {last}))
+
+
 def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_the_repositorys(tmp_path):
     from dataclasses import replace
 

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                             "e.g. '{\"stream_interval\": 4}'")
     bench.add_argument("--encoder-engine-args", metavar="JSON",
                        help="extra vLLM engine arguments of ar_encoder, the same on both sides")
+    bench.add_argument("--engine-cpus", metavar="LIST",
+                       help="pin every vLLM engine core of the run, both sides', to these CPUs (e.g. 7 or 6-7, as "
+                            "taskset -c takes them) and keep the server and the clients off them: both sides' "
+                            "engines then step on the same CPU (docs/benchmarks.md, \"Fourteenth pass\")")
     bench.add_argument("--client-processes", type=int, metavar="N",
                        help="the Triton side's AR clients share N processes (a thread and a connection each; "
                             "default: the preset's, 8)")
@@ -292,7 +296,7 @@ def _bench(args) -> int:
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
         ar_engine_args=args.ar_engine_args, encoder_engine_args=args.encoder_engine_args,
         client_processes=args.client_processes,
-        encoder_queue_delay_us=args.encoder_queue_delay_us)
+        encoder_queue_delay_us=args.encoder_queue_delay_us, engine_cpus=args.engine_cpus)
     return 0
 
 

@@ -29,6 +29,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
+from triton_omni.cpu_affinity import pin_process_tree
 from triton_omni.errors import RequestValidationError
 
 
@@ -36,9 +37,10 @@ class VllmEngine(ArEngine):
     name = "vllm"
 
     def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any],
-                 seat: EngineSeat | None = None):
+                 seat: EngineSeat | None = None, cpus: frozenset[int] | None = None):
         """``seat``: this instance's place in front of an engine core it
-        shares with other instances (shared_engine.py); None: its own engine."""
+        shares with other instances (shared_engine.py); None: its own engine.
+        ``cpus``: the CPUs the engine core it starts runs on (cpu_affinity.py)."""
         from transformers import AutoConfig
 
         # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
@@ -59,6 +61,8 @@ class VllmEngine(ArEngine):
             self.engine = _shared_engine(AsyncEngineArgs(**args), seat)
             if not seat.starts_engine:
                 self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
+        if cpus:
+            _pin_engine_core(self.engine, cpus)
         self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
         self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
 
@@ -210,6 +214,15 @@ def _shared_engine(engine_args, seat: EngineSeat):
         llm.engine_core.resources.engine_manager = manager
         llm.engine_core.start_engine_core_monitor()
     return llm
+
+
+def _pin_engine_core(llm, cpus: frozenset[int]) -> None:
+    """The engine core this frontend started, with every thread and worker
+    process under it, on ``cpus`` (a shared engine's other frontends started
+    none: the first one pins it)."""
+    manager = getattr(llm.engine_core.resources, "engine_manager", None)
+    for process in getattr(manager, "processes", ()):
+        pin_process_tree(process.pid, cpus)
 
 
 def _engine_gone(llm) -> None:

@@ -23,6 +23,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
 from triton_omni.ar.shared_engine import EngineSeat
+from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
@@ -49,6 +50,7 @@ class ArRunnerConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine args
     # This model's share of its GPU (gpu_memory.py); None: the engine's default (vLLM: 0.9).
     gpu_memory_utilization: float | None = None
+    engine_cpus: str = ""  # vLLM: the CPUs its engine core runs on (cpu_affinity.py); "": wherever the OS puts it
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -93,9 +95,14 @@ class ArRunner:
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat)
+            cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
+            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat,
+                              cpus)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
+        if cfg.engine_cpus:
+            raise ValueError(f"engine_cpus {cfg.engine_cpus!r} pins vLLM's engine core process; the transformers "
+                             "engine runs in the model's own process (set the server's CPUs instead: taskset)")
         from triton_omni.ar.engine_transformers import DEFAULT_MAX_NUM_SEQS, TransformersEngine
 
         if cfg.gpu_memory_utilization is not None:

@@ -62,6 +62,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         limits=limits,
         engine_args=engine_args,
         gpu_memory_utilization=gpu_share(params),
+        engine_cpus=params.get("engine_cpus", ""),
     )
     return config, placement
 

@@ -124,12 +124,14 @@ class Direct:
         self.generators = {workload: ArRunner(ArRunnerConfig(
             preset.ar_model, "generate", engine=engines[workload], device=device,
             gpu_memory_utilization=gpu_share(workload),
-            engine_args=preset.engine_args("ar") if workload == "ar" else {}))
+            engine_args=preset.engine_args("ar") if workload == "ar" else {},
+            engine_cpus=preset.engine_cpus if workload == "ar" else ""))
             for workload in GENERATION_WORKLOADS if workload in needs}
         # every other workload needs embeddings (diffusion takes one precomputed prompt's)
         self.encoder = ArRunner(ArRunnerConfig(preset.ar_model, "encode", device=device,
                                                gpu_memory_utilization=gpu_share("ar_encoder"),
-                                               engine_args=preset.engine_args("ar_encoder"))) \
+                                               engine_args=preset.engine_args("ar_encoder"),
+                                               engine_cpus=preset.engine_cpus)) \
             if needs - set(GENERATION_WORKLOADS) else None
         diffusion_config = DiffusionRunnerConfig(preset.diffusion_model, device=device,
                                                  batch_size=preset.max_batch_size,
@@ -578,9 +580,10 @@ def bench_repository(preset: Preset, dest: Path) -> list[Path]:
 
     ar = {"model": preset.ar_model}
 
-    def parameters(stage: str) -> dict:  # engine_args only where the preset sets some
+    def parameters(stage: str) -> dict:  # engine_args and engine_cpus only where the preset sets them
         engine_args = preset.engine_args(stage)
-        return ar | ({"engine_args": engine_args} if engine_args else {})
+        return (ar | ({"engine_args": engine_args} if engine_args else {})
+                | ({"engine_cpus": preset.engine_cpus} if preset.engine_cpus else {}))
     variants = dest / "variants"
     variants.mkdir(parents=True)
     copy_model(DEFAULT_REPOSITORIES[0], "ar", variants, "ar_transformers",
@@ -633,10 +636,25 @@ def _pair(direct: Direct | None, preset: Preset, workload: str, c: int, turn: in
         yield from direct_side
 
 
+def keep_off(engine_cpus: str) -> None:
+    """This process, and so the server, its stubs and the clients it starts,
+    off the engine cores' CPUs (each engine core is moved onto them as it
+    starts: model parameter ``engine_cpus``)."""
+    from triton_omni.cpu_affinity import format_cpus, parse_cpus
+
+    cpus = parse_cpus(engine_cpus, "--engine-cpus")
+    rest = os.sched_getaffinity(0) - cpus
+    if not rest:
+        raise ValueError(f"--engine-cpus {engine_cpus!r} leaves no CPU for the server and the clients")
+    os.sched_setaffinity(0, rest)
+    print(f"   vLLM engine cores on CPUs {format_cpus(cpus)}, everything else on {format_cpus(rest)}", flush=True)
+
+
 def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[str, ...] | None,
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
         pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None, encoder_engine_args: str | None = None,
-        client_processes: int | None = None, encoder_queue_delay_us: int | None = None) -> list[dict]:
+        client_processes: int | None = None, encoder_queue_delay_us: int | None = None,
+        engine_cpus: str | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -667,6 +685,9 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["client_processes"] = client_processes
     if encoder_queue_delay_us is not None:
         overrides["encoder_queue_delay_us"] = encoder_queue_delay_us
+    if engine_cpus:
+        overrides["engine_cpus"] = engine_cpus
+        keep_off(engine_cpus)
     if concurrency:  # one list for every workload
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))

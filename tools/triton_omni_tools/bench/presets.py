@@ -44,6 +44,9 @@ class Preset:
     encoder_engine_args: str = ""
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
+    # CPUs for every vLLM engine core of the run, both sides' (model parameter engine_cpus), e.g. "7";
+    # the bench's own processes (the server, its stubs, the clients) keep off them. "": no pinning.
+    engine_cpus: str = ""
     # ar_encoder's batching window on the Triton side (microseconds); None: the repository's.
     encoder_queue_delay_us: int | None = None
     # The open loop's mixed traffic: every steps count at every size, interleaved.
