@@ -2,14 +2,15 @@
 
 vLLM's engine core is one Python thread that schedules, prepares and
 launches every step, and for a small model on a fast GPU that thread, not
-the GPU, sets the pace: on an H200 it was on a CPU for 95 % or more of each
-step and waited for the GPU 0.02 ms of 2 to 4 (docs/benchmarks.md,
-"Fourteenth pass"). Its steps are then as fast as the CPU it happens to run
-on, and on a host whose cores are shared with other work (a stub, the
-server, the clients, a hypervisor's other guests) that varies: the same
-engine's decode steps took from 1.8 to 2.4 ms from one run to the next.
-Pinning the engine core, with every thread and process under it, to chosen
-CPUs keeps it where the operator put it, away from whatever else is busy.
+the GPU, sets the pace: on an H200 it was on a CPU for 92 to 98 % of each
+step and waited for the GPU about 0.02 ms of 2 to 4 (docs/benchmarks.md,
+"Fourteenth pass"). Its steps are as fast as the CPU it happens to run on,
+and what else runs beside it matters. Pinning the engine core, with every
+thread and process under it, to chosen CPUs keeps it where the operator put
+it; keeping the rest of the server off them is the operator's part
+(docs/operations.md). On a virtual machine whose CPUs share cores
+(``benchmarks/cpu_neighbours.py``) pinning cannot choose a quiet core, and
+it did not make ``ar`` faster there.
 """
 
 from __future__ import annotations
