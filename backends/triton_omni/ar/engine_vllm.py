@@ -62,7 +62,11 @@ class VllmEngine(ArEngine):
             if not seat.starts_engine:
                 self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
         if cpus:
-            _pin_engine_core(self.engine, cpus)
+            try:
+                _pin_engine_core(self.engine, cpus)
+            except ValueError:  # the kernel refused the CPUs: no engine core left behind
+                self.engine.shutdown()
+                raise
         self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
         self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
 
