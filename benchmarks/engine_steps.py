@@ -254,6 +254,12 @@ def side_of(parent: str) -> str:
     return "triton" if "triton_python_backend_stub" in parent else "direct"
 
 
+def by_kind(stats: dict) -> tuple[list, list]:
+    """A window's [steps, seconds, tokens] entries: the decode steps', the prompt steps'."""
+    return ([entry for kind, entry in stats.items() if kind.startswith("decode/")],
+            [entry for kind, entry in stats.items() if kind.startswith("prompt/")])
+
+
 class _Sums:
     """One (concurrency, side)'s windows added up."""
 
@@ -264,8 +270,7 @@ class _Sums:
         self.others_cpu = 0  # ns
 
     def add(self, stats: dict, phases: dict, threads: dict, main_thread: str | None) -> None:
-        decode = [entry for kind, entry in stats.items() if kind.startswith("decode/")]
-        prompt = [entry for kind, entry in stats.items() if kind.startswith("prompt/")]
+        decode, prompt = by_kind(stats)
         self.decode_steps += sum(entry[0] for entry in decode)
         self.decode_s += sum(entry[1] for entry in decode)
         self.prompt_steps += sum(entry[0] for entry in prompt)
@@ -300,7 +305,7 @@ def summarize(logs: dict[str, list[dict]], concurrencies: list[int], min_steps: 
         side = side_of(lines[-1]["parent"])
         parts = zip(windows(lines), windows(lines, "phases"), windows(lines, "threads"), lines[1:], strict=True)
         for stats, phases, threads, line in parts:
-            decode = [entry for kind, entry in stats.items() if kind.startswith("decode/")]
+            decode, _ = by_kind(stats)
             steps = sum(entry[0] for entry in decode)
             if steps < min_steps:
                 continue

@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from triton_omni.processes import parents
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,12 +58,8 @@ def format_cpus(cpus: Iterable[int]) -> str:
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process under it (``/proc``'s parent links)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # a process that just ended
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for child, parent in parents().items():
+        children.setdefault(parent, []).append(child)
     tree, todo = [], [pid]
     while todo:
         process = todo.pop()

@@ -26,6 +26,15 @@ def stat_fields(pid: int) -> list[str] | None:
     return stat.rsplit(")", 1)[-1].split()  # the name may hold spaces and parentheses
 
 
+def parents() -> dict[int, int]:
+    """Every running process's parent pid, by pid."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
+            found[int(entry.name)] = int(fields[1])
+    return found
+
+
 def start_ticks(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (field 22 of its stat); None when it is gone."""
     fields = stat_fields(pid)

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from triton_omni.processes import command_line, stat_fields
+from triton_omni.processes import command_line, parents, stat_fields
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -33,14 +33,11 @@ def engine_cores(root: int, children_only: bool = False) -> list[int]:
     """vLLM's engine core processes (vLLM titles them VLLM::EngineCore) among
     ``root``'s descendants, or its children only: the bench's own engines,
     not those of the server it started."""
-    parents: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
-            parents[int(entry.name)] = int(fields[1])
+    parent_of = parents()
     found = []
-    for pid, parent in parents.items():
+    for pid, parent in parent_of.items():
         while not children_only and parent not in (root, None) and parent > 1:
-            parent = parents.get(parent)
+            parent = parent_of.get(parent)
         if parent == root and command_line(pid).startswith(b"VLLM::EngineCore"):
             found.append(pid)
     return found
