@@ -139,3 +139,22 @@ def test_the_encoder_queue_delay_reaches_the_servers_ar_encoder_and_none_keeps_t
     shipped = load_config(DEFAULT_REPOSITORIES[0] / "ar_encoder" / "config.pbtxt")
     assert delay(PRESETS["tiny"], tmp_path / "a") == shipped.dynamic_batching.max_queue_delay_microseconds
     assert delay(replace(PRESETS["tiny"], encoder_queue_delay_us=750), tmp_path / "b") == 750
+
+
+def test_output_lengths_are_drawn_per_client_within_the_range_and_repeat_for_the_same_client():
+    import itertools
+    from dataclasses import replace
+
+    import pytest
+    from triton_omni_tools.bench import PRESETS
+
+    fixed = PRESETS["realistic"]
+    assert set(itertools.islice(fixed.output_lengths(3), 50)) == {128}  # default: every request max_tokens
+    spread = replace(fixed, output_range_ratio=0.5)
+    lengths = list(itertools.islice(spread.output_lengths(3), 2000))
+    assert min(lengths) >= 64 and max(lengths) <= 192 and len(set(lengths)) > 100
+    assert abs(sum(lengths) / len(lengths) - 128) < 3  # the same mean work as the fixed length
+    assert list(itertools.islice(spread.output_lengths(3), 2000)) == lengths  # both sides draw the same
+    assert list(itertools.islice(spread.output_lengths(4), 20)) != lengths[:20]  # clients differ
+    with pytest.raises(ValueError, match="output_range_ratio"):
+        replace(fixed, output_range_ratio=1.0)

@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="pin every vLLM engine core of the run, both sides', to these CPUs (e.g. 7 or 6-7, as "
                             "taskset -c takes them) and keep the server and the clients off them: both sides' "
                             "engines then step on the same CPU (docs/benchmarks.md, \"Fourteenth pass\")")
+    bench.add_argument("--output-range-ratio", type=float, metavar="R",
+                       help="text generation: each request's max_tokens drawn uniformly from "
+                            "[L*(1-R), L*(1+R)], L the preset's (128 realistic), the same lengths on both sides "
+                            "(as vLLM's benchmark's --random-range-ratio; default 0: every request L tokens)")
     bench.add_argument("--client-processes", type=int, metavar="N",
                        help="the Triton side's AR clients share N processes (a thread and a connection each; "
                             "default: the preset's, 8)")
@@ -295,7 +299,7 @@ def _bench(args) -> int:
     run(args.preset, parts(args.concurrency, int), parts(args.workloads), out,
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
         ar_engine_args=args.ar_engine_args, encoder_engine_args=args.encoder_engine_args,
-        client_processes=args.client_processes,
+        client_processes=args.client_processes, output_range_ratio=args.output_range_ratio,
         encoder_queue_delay_us=args.encoder_queue_delay_us, engine_cpus=args.engine_cpus)
     return 0
 

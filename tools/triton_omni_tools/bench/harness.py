@@ -33,6 +33,23 @@ from triton_omni_tools.bench.presets import (
 from triton_omni_tools.bench.report import device_name, plot, progress, table
 
 
+def generation_options(max_tokens: int) -> dict:
+    """A bench generation request's sampling options: exactly ``max_tokens`` tokens, on both sides."""
+    return {"max_tokens": max_tokens, "ignore_eos": True}
+
+
+class ClientLengths:
+    """Each client's next output length (``Preset.output_lengths``), by client index."""
+
+    def __init__(self, preset: Preset):
+        self.preset, self.lengths = preset, {}
+
+    def next(self, client: int) -> int:
+        if client not in self.lengths:
+            self.lengths[client] = self.preset.output_lengths(client)
+        return next(self.lengths[client])
+
+
 @dataclass
 class Point:
     workload: str
@@ -69,9 +86,9 @@ class Point:
         if self.streams is not None:
             ttft = np.array([s.ttft_s for s in self.streams]) * 1e3
             itl = np.array([gap for s in self.streams for gap in s.itl_s] or [0.0]) * 1e3
-            summary |= {"unit": "tokens", "ttft_p50_ms": float(np.percentile(ttft, 50)),
-                        "ttft_p99_ms": float(np.percentile(ttft, 99)), "itl_p50_ms": float(np.percentile(itl, 50)),
-                        "itl_p99_ms": float(np.percentile(itl, 99))}
+            summary |= {"unit": "tokens", "tokens": sum(s.tokens for s in self.streams),
+                        "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+                        "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99))}
         return summary
 
 
@@ -162,7 +179,7 @@ class Direct:
         self.diffusion.run(requests)
 
     def closed_loop_call(self, workload: str):
-        """(a coroutine function making one request, the event loop it runs on)."""
+        """(a coroutine function making client ``i``'s next request, the event loop it runs on)."""
         if workload == "ar_encoder":
             return self._encode_call(), self.encoder.loop
         return self.stream_call(workload), self.generators[workload].loop
@@ -180,7 +197,7 @@ class Direct:
 
             params = PoolingParams(task="token_embed", use_activation=False)
 
-        async def one() -> float:
+        async def one(client: int) -> float:
             start = time.perf_counter()
             if raw is None:
                 await runner.engine.encode([prompt_ids])
@@ -192,18 +209,20 @@ class Direct:
         return one
 
     def stream_call(self, workload: str):
-        """A coroutine function streaming one generation request: the raw vLLM
-        ``AsyncLLM`` (token ids in, DELTA outputs) for vLLM, the engine through
-        the runner for transformers."""
+        """A coroutine function streaming client ``i``'s next generation request
+        (its length from ``Preset.output_lengths``): the raw vLLM ``AsyncLLM``
+        (token ids in, DELTA outputs) for vLLM, the engine through the runner
+        for transformers."""
         runner = self.generators[workload]
+        lengths = ClientLengths(self.preset)
         if runner.engine_name == "vllm":
-            return self._raw_vllm_stream(runner)
+            return self._raw_vllm_stream(runner, lengths)
         from triton_omni.ar import GenerateRequest
 
-        request = GenerateRequest.from_inputs({"text_input": PROMPT, "stream": True, "sampling_parameters": json.dumps(
-            {"max_tokens": self.preset.max_tokens, "ignore_eos": True})}, runner.config.limits)
-
-        async def one() -> Stream:
+        async def one(client: int) -> Stream:
+            request = GenerateRequest.from_inputs({"text_input": PROMPT, "stream": True, "sampling_parameters":
+                                                   json.dumps(generation_options(lengths.next(client)))},
+                                                  runner.config.limits)
             start, marks = time.perf_counter(), []
             async for response in runner.generate(request, uuid.uuid4().hex):
                 marks.append((time.perf_counter(), sum(response.num_output_tokens)))
@@ -211,17 +230,16 @@ class Direct:
 
         return one
 
-    def _raw_vllm_stream(self, runner):
+    def _raw_vllm_stream(self, runner, lengths: ClientLengths):
         from triton_omni.ar.engine_vllm import engine_input  # the prompt as the stub gives it
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         llm = runner.engine.engine  # the AsyncLLM itself
         prompt_ids = runner.tokenize(PROMPT)
-        params = SamplingParams(max_tokens=self.preset.max_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
 
-        async def one() -> Stream:
+        async def one(client: int) -> Stream:
+            params = SamplingParams(**generation_options(lengths.next(client)), output_kind=RequestOutputKind.DELTA)
             start, marks = time.perf_counter(), []
             async for output in llm.generate(engine_input(prompt_ids), params, uuid.uuid4().hex):
                 marks.append((time.perf_counter(), len(output.outputs[0].token_ids)))
@@ -283,10 +301,10 @@ def measure_direct_closed_loop(direct: Direct, workload: str, concurrency: int, 
     one, loop = direct.closed_loop_call(workload)
 
     async def clients(rounds: int) -> list[Stream | float]:
-        async def client() -> list[Stream | float]:
-            return [await one() for _ in range(rounds)]
+        async def client(index: int) -> list[Stream | float]:
+            return [await one(index) for _ in range(rounds)]
 
-        return [s for streams in await asyncio.gather(*(client() for _ in range(concurrency))) for s in streams]
+        return [s for streams in await asyncio.gather(*(client(i) for i in range(concurrency))) for s in streams]
 
     loop.run(clients(1))
     cpu = CpuWindow(engine_cores(os.getpid(), children_only=True)).start()
@@ -315,7 +333,8 @@ def measure_eager(direct: Direct, concurrency: int, requests: int) -> Point:
 # -- triton: the same work through the server -------------------------------------
 
 
-def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> Callable[[], None]:
+def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray, index: int = 0) -> Callable[[], None]:
+    """One client's call (``index``: the client's, which sets its output lengths)."""
     import tritonclient.grpc as grpcclient
     from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 
@@ -343,14 +362,14 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray) -> 
         check(result, "image")
 
     if workload in GENERATION_WORKLOADS:
-        return _generation_call(client, workload, preset)
+        return _generation_call(client, workload, preset, index)
     calls = {"diffusion": diffusion, "ar_encoder": ar_encoder, "text_to_image": text_to_image, "omni": omni}
     return calls[workload]
 
 
-def _generation_call(client, model: str, preset: Preset) -> Callable[[], Stream]:
-    """Streams one request over this client's one gRPC stream, opened once
-    (as a serving client keeps its channel), and times every response."""
+def _generation_call(client, model: str, preset: Preset, index: int) -> Callable[[], Stream]:
+    """Streams client ``index``'s next request over its one gRPC stream, opened
+    once (as a serving client keeps its channel), and times every response."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -358,13 +377,17 @@ def _generation_call(client, model: str, preset: Preset) -> Callable[[], Stream]
 
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
-    inputs = omni_inputs(grpcclient, {
-        "text_input": PROMPT, "stream": True, "return_num_output_tokens": True,
-        "sampling_parameters": json.dumps({"max_tokens": preset.max_tokens, "ignore_eos": True})})
+    lengths = preset.output_lengths(index)
+
+    @functools.cache
+    def inputs(max_tokens: int) -> list:
+        return omni_inputs(grpcclient, {"text_input": PROMPT, "stream": True, "return_num_output_tokens": True,
+                                        "sampling_parameters": json.dumps(generation_options(max_tokens))})
 
     def call() -> Stream:
+        request = inputs(next(lengths))
         start, marks = time.perf_counter(), []
-        client.async_stream_infer(model, inputs)
+        client.async_stream_infer(model, request)
         while True:
             at, result, error = responses.get(timeout=600)
             if error is not None:
@@ -396,9 +419,10 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     context = multiprocessing.get_context("spawn")
     ready, results, warm, go = context.Queue(), context.Queue(), context.Event(), context.Event()
+    firsts = itertools.accumulate(clients[:-1], initial=0)  # each process's first client index
     workers = [context.Process(target=_client_process,
-                               args=(url, preset, embeds, workload, n, ready, warm, go, results))
-               for n in clients]
+                               args=(url, preset, embeds, workload, first, n, ready, warm, go, results))
+               for first, n in zip(firsts, clients, strict=True)]
     for worker in workers:
         worker.start()
     for _ in workers:  # connected: warm up together
@@ -494,9 +518,9 @@ def _stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             for name in ("queue", "compute_input", "compute_infer", "compute_output")}
 
 
-def _client_process(url, preset, embeds, workload, clients, ready, warm, go, results) -> None:
-    """``clients`` closed-loop clients, a thread and a connection each."""
-    calls = [triton_call(workload, url, preset, embeds) for _ in range(clients)]
+def _client_process(url, preset, embeds, workload, first, clients, ready, warm, go, results) -> None:
+    """``clients`` closed-loop clients (indices from ``first``), a thread and a connection each."""
+    calls = [triton_call(workload, url, preset, embeds, index) for index in range(first, first + clients)]
     ready.put(True)
     warm.wait()
     # Warm-up, all clients at once: the server meets the measured batch size (its
@@ -654,7 +678,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
         pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None, encoder_engine_args: str | None = None,
         client_processes: int | None = None, encoder_queue_delay_us: int | None = None,
-        engine_cpus: str | None = None) -> list[dict]:
+        engine_cpus: str | None = None, output_range_ratio: float | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -685,6 +709,8 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["client_processes"] = client_processes
     if encoder_queue_delay_us is not None:
         overrides["encoder_queue_delay_us"] = encoder_queue_delay_us
+    if output_range_ratio is not None:
+        overrides["output_range_ratio"] = output_range_ratio
     if engine_cpus:
         overrides["engine_cpus"] = engine_cpus
         keep_off(engine_cpus)
@@ -692,6 +718,10 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides |= {"concurrency": concurrency, "ar_concurrency": concurrency}
     preset = Preset(**(asdict(preset) | overrides))
     resolve_model(preset.ar_model), resolve_model(preset.diffusion_model)  # build demo models before timing
+    if preset.output_range_ratio:
+        lengths = preset.output_lengths(0)
+        print(f"   text generation: max_tokens {min(itertools.islice(lengths, 10_000))} to "
+              f"{max(itertools.islice(lengths, 10_000))}, the same lengths on both sides", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     points: list[Point] = []
     out_dir.mkdir(parents=True, exist_ok=True)

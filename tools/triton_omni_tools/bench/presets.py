@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -44,6 +46,11 @@ class Preset:
     encoder_engine_args: str = ""
     # The Triton side's AR clients share this many processes (a thread and a connection each).
     client_processes: int = 8
+    # Text generation's output lengths: max_tokens each (0), or drawn uniformly from
+    # [max_tokens * (1 - R), max_tokens * (1 + R)] per request (R, as vLLM's benchmark's
+    # --random-range-ratio), the same lengths on both sides. With one length, the requests that
+    # start together end together, and a side whose clients resubmit at once keeps them in step.
+    output_range_ratio: float = 0.0
     # CPUs for every vLLM engine core of the run, both sides' (model parameter engine_cpus), e.g. "7";
     # the bench's own processes (the server, its stubs, the clients) keep off them. "": no pinning.
     engine_cpus: str = ""
@@ -52,6 +59,10 @@ class Preset:
     # The open loop's mixed traffic: every steps count at every size, interleaved.
     mixed_steps: tuple[int, ...] = (10, 20, 50)
     mixed_sizes: tuple[int, ...] = (512, 384)
+
+    def __post_init__(self):
+        if not 0 <= self.output_range_ratio < 1:
+            raise ValueError(f"output_range_ratio must be in [0, 1), got {self.output_range_ratio}")
 
     def concurrency_for(self, workload: str) -> tuple[int, ...]:
         return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
@@ -64,6 +75,16 @@ class Preset:
     def rounds_for(self, workload: str) -> int:
         """Requests each client sends one after another."""
         return dict(self.ar_rounds).get(workload, self.requests_per_worker)
+
+    def output_lengths(self, client: int) -> Iterator[int]:
+        """The max_tokens of a text-generation client's requests, one after another
+        (its warm-up request first). Seeded by the client's index, so that the
+        direct side's client ``i`` and the Triton side's send the same lengths."""
+        low = max(1, round(self.max_tokens * (1 - self.output_range_ratio)))
+        high = round(self.max_tokens * (1 + self.output_range_ratio))
+        draw = random.Random(client)
+        while True:
+            yield draw.randint(low, high)
 
 
 # Text generation, each through its engine: vLLM (`ar`) and the transformers fallback.
