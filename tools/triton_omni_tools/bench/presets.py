@@ -76,12 +76,16 @@ class Preset:
         """Requests each client sends one after another."""
         return dict(self.ar_rounds).get(workload, self.requests_per_worker)
 
+    def output_range(self) -> tuple[int, int]:
+        """The shortest and longest max_tokens a text-generation request may draw."""
+        return (max(1, round(self.max_tokens * (1 - self.output_range_ratio))),
+                round(self.max_tokens * (1 + self.output_range_ratio)))
+
     def output_lengths(self, client: int) -> Iterator[int]:
         """The max_tokens of a text-generation client's requests, one after another
         (its warm-up request first). Seeded by the client's index, so that the
         direct side's client ``i`` and the Triton side's send the same lengths."""
-        low = max(1, round(self.max_tokens * (1 - self.output_range_ratio)))
-        high = round(self.max_tokens * (1 + self.output_range_ratio))
+        low, high = self.output_range()
         draw = random.Random(client)
         while True:
             yield draw.randint(low, high)
