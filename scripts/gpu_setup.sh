@@ -4,7 +4,8 @@
 # Idempotent: run it once per carried folder; each call adds what it finds.
 # The folders come from scripts/pack_offline.sh (docs/gpu.md):
 #   .offline   the Triton 2.51 bundle, diffusers, tritonclient, numpy 1.26.4
-#   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1)
+#   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1), and
+#              perf_analyzer.tar.xz (Triton's load generator: bench --load-generator perf_analyzer)
 #   .vllm1-3   vLLM 0.24.0's wheel tree, stripped, in three parts (kept in the venv until all are there)
 #   .vllm4     the wheels vLLM needs that the host lacks
 set -euo pipefail
@@ -28,6 +29,13 @@ if [ -f .offline/tritonserver.tar.xz ] && [ ! -d "$site/pytriton/tritonserver" ]
   mkdir -p "$site/pytriton"
   tar xJf .offline/tritonserver.tar.xz -C "$site/pytriton"
   mv "$site/pytriton/libs" "$site/nvidia_pytriton.libs"
+fi
+perf=$venv/opt/perf_analyzer
+if [ -f .offline2/perf_analyzer.tar.xz ] && [ -d "$site/nvidia_pytriton.libs" ] && [ ! -x "$perf/bin/perf_analyzer" ]; then
+  mkdir -p "$perf"
+  tar xJf .offline2/perf_analyzer.tar.xz -C "$perf"
+  ln -sf "$(ls "$site"/nvidia_pytriton.libs/libcudart*.so.12*)" "$perf/lib/libcudart.so.12"
+  scripts/install_perf.sh "$venv"  # its wrapper, .gpuvenv/bin/perf_analyzer
 fi
 parts=$venv/vllm-parts
 mkdir -p "$parts"

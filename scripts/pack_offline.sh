@@ -9,7 +9,8 @@
 #
 #   .offline   the Triton 2.51 server, Python backend and 3.12 stub from the nvidia-pytriton
 #              wheel (trimmed), and the diffusers, tritonclient, numpy 1.26.4 wheels (~52 MB)
-#   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1) (~40 MB)
+#   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), and
+#              perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~47 MB)
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
 #              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
 #              for other Pythons, as tar.xz in three ~45 MB parts
@@ -37,6 +38,14 @@ wheels "$tmp" nvidia-pytriton==0.7.0
 mv "$tmp/tritonserver.tar.xz" .offline/
 wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4
 wheels .offline2 scipy==1.14.1
+# perf_analyzer, as scripts/install_perf.sh installs it (bench --load-generator perf_analyzer)
+python3 -m pip download -q --no-deps tritonclient==2.51.0 --platform manylinux1_x86_64 --only-binary=:all: -d "$tmp"
+( cd "$tmp" && mkdir -p perf/bin perf/lib && python3 -m zipfile -e tritonclient-2.51.0-*.whl wheel \
+  && install -m 755 wheel/tritonclient-2.51.0.data/data/bin/perf_analyzer perf/bin/ \
+  && { apt-get download libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get download libb64-0d; }; } \
+  && dpkg -x libb64-0d_*.deb b64 && cp -a b64/usr/lib/*/libb64.so.0d* perf/lib/ \
+  && tar cJf perf_analyzer.tar.xz -C perf bin lib )
+mv "$tmp/perf_analyzer.tar.xz" .offline2/
 
 if [ "$with_vllm" = 1 ]; then
   wheels "$tmp" vllm==0.24.0
