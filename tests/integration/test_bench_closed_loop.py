@@ -33,20 +33,3 @@ def test_closed_loop_bench_measures_each_point_in_alternating_pairs(tmp_path):
     assert drawn != 2 * rounds * preset.max_tokens  # the lengths did vary
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["pairs"] == 2 and report["rows"] == [row]
-
-
-def test_perf_analyzer_drives_the_triton_side_of_the_ar_stages(tmp_path):
-    # `--load-generator perf_analyzer`: Triton's C++ load generator instead of the client processes
-    rows = run("tiny", concurrency=(2,), workloads=("ar", "ar_encoder"), out_dir=tmp_path, pairs=1,
-               output_range_ratio=0.5, load_generator="perf_analyzer")
-
-    assert [row["workload"] for row in rows] == ["ar", "ar_encoder"] and all(row["ratio"] > 0 for row in rows)
-    points = {(p["workload"], p["side"]): p for p in json.loads((tmp_path / "points.json").read_text())}
-    preset = replace(PRESETS["tiny"], output_range_ratio=0.5)
-    # every drawn length is sent once, and each response's num_output_tokens is counted
-    assert points["ar", "triton"]["tokens"] == points["ar", "direct"]["tokens"]
-    assert points["ar", "triton"]["requests"] == 2 * preset.rounds_for("ar")
-    assert points["ar", "triton"]["ttft_p50_ms"] > 0 and points["ar", "triton"]["itl_p50_ms"] > 0
-    assert points["ar_encoder", "triton"]["requests"] == 2 * preset.rounds_for("ar_encoder")
-    exports = tmp_path / "perf_analyzer"
-    assert {path.name for path in exports.glob("*-0.json")} == {"ar-c2-0.json", "ar_encoder-c2-0.json"}

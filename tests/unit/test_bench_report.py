@@ -158,22 +158,3 @@ def test_output_lengths_are_drawn_per_client_within_the_range_and_repeat_for_the
     assert list(itertools.islice(spread.output_lengths(4), 20)) != lengths[:20]  # clients differ
     with pytest.raises(ValueError, match="output_range_ratio"):
         replace(fixed, output_range_ratio=1.0)
-
-
-def test_a_perf_analyzer_export_row_reads_as_the_stream_the_client_processes_time():
-    from dataclasses import replace
-
-    import pytest
-    from triton_omni_tools.bench import PRESETS
-    from triton_omni_tools.bench.harness import analyzer_stream
-
-    ms = 1_000_000  # the export's times are in ns
-    request = {"timestamp": 100 * ms, "response_timestamps": [110 * ms, 114 * ms, 120 * ms, 121 * ms],
-               "response_outputs": [{"num_output_tokens": 1}, {"num_output_tokens": 1}, {"num_output_tokens": 2},
-                                    {}]}  # the final response: flags only, no tokens
-    stream = analyzer_stream(request)
-    assert stream.tokens == 4 and abs(stream.ttft_s - 0.010) < 1e-9
-    assert [round(gap * 1e3, 6) for gap in stream.itl_s] == [4.0, 3.0, 3.0]  # 2 tokens after 6 ms: two gaps of 3
-    assert abs(stream.latency_s - 0.020) < 1e-9  # to the last token
-    with pytest.raises(ValueError, match="load_generator"):
-        replace(PRESETS["tiny"], load_generator="locust")

@@ -103,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                        help="text generation: each request's max_tokens drawn uniformly from "
                             "[L*(1-R), L*(1+R)], L the preset's (128 realistic), the same lengths on both sides "
                             "(as vLLM's benchmark's --random-range-ratio; default 0: every request L tokens)")
-    bench.add_argument("--load-generator", choices=("python", "perf_analyzer"),
-                       help="what drives the Triton side of the AR stages: python, this package's client "
-                            "processes (default), or perf_analyzer, Triton's C++ load generator "
-                            "(scripts/install_perf.sh), whose clients take far less of the host's CPU")
     bench.add_argument("--client-processes", type=int, metavar="N",
                        help="the Triton side's AR clients share N processes (a thread and a connection each; "
                             "default: the preset's, 8)")
@@ -304,8 +300,7 @@ def _bench(args) -> int:
         diffusion_batching=args.diffusion_batching, placement=args.place, pairs=args.pairs,
         ar_engine_args=args.ar_engine_args, encoder_engine_args=args.encoder_engine_args,
         client_processes=args.client_processes, output_range_ratio=args.output_range_ratio,
-        encoder_queue_delay_us=args.encoder_queue_delay_us, engine_cpus=args.engine_cpus,
-        load_generator=args.load_generator)
+        encoder_queue_delay_us=args.encoder_queue_delay_us, engine_cpus=args.engine_cpus)
     return 0
 
 

@@ -93,28 +93,17 @@ def perf_analyzer(url: str, run: PerfRun, out_dir: Path, concurrency: int = 2, r
 
     ``--request-count`` measures a fixed number of requests instead of waiting
     for a stable window, which a shared CPU machine may never give."""
+    binary = binary or venv_bin() / "perf_analyzer"
     out_dir.mkdir(parents=True, exist_ok=True)
     data_file = out_dir / f"{run.data}.input.json"
     data_file.write_text(json.dumps({"data": [INPUT_DATA[run.data]]}))
-    options = ["--concurrency-range", str(concurrency), "--request-count", str(request_count)]
+    report = out_dir / f"{run.data}.perf_analyzer.json"
+    command = [str(binary), "-m", run.model, "-u", url, "-i", "grpc", "--input-data", str(data_file),
+               "--concurrency-range", str(concurrency), "--request-count", str(request_count),
+               "--profile-export-file", str(report)]
     if run.streaming:
-        options.append("--streaming")
-    requests = profile(url, run.model, data_file, out_dir / f"{run.data}.perf_analyzer", options, binary)
-    throughput, p50, p99 = _request_stats(requests)
-    return PerfResult("perf_analyzer", run.model, run.data, concurrency, len(requests), throughput, "requests/s",
-                      p50, p99, str(out_dir / f"{run.data}.perf_analyzer.json"))
-
-
-def profile(url: str, model: str, data_file: Path, stem: Path, options: list[str],
-            binary: Path | None = None) -> list[dict]:
-    """Run perf_analyzer over gRPC with ``--input-data data_file`` and
-    ``options``; its per-request export (``stem``.json: each request's send
-    time, response times and outputs) is returned and kept, its output
-    appended to ``stem``.log."""
-    binary = binary or venv_bin() / "perf_analyzer"
-    report, log = Path(f"{stem}.json"), Path(f"{stem}.log")
-    command = [str(binary), "-m", model, "-u", url, "-i", "grpc", "--input-data", str(data_file),
-               "--profile-export-file", str(report), *options]
+        command.append("--streaming")
+    log = out_dir / f"{run.data}.perf_analyzer.log"
     log.write_text("")
     for attempt in range(1, EXPORT_ATTEMPTS + 1):
         report.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite its export
@@ -122,8 +111,13 @@ def profile(url: str, model: str, data_file: Path, stem: Path, options: list[str
         with log.open("a") as file:
             file.write(f"--- attempt {attempt}\n{output}")
         if report.exists() and report.stat().st_size > 0:
-            return json.loads(report.read_text())["experiments"][0]["requests"]
-    raise PerfError(f"perf_analyzer wrote an empty {report.name} {EXPORT_ATTEMPTS} times:\n{output[-3000:]}")
+            break
+    else:
+        raise PerfError(f"perf_analyzer wrote an empty {report.name} {EXPORT_ATTEMPTS} times:\n{output[-3000:]}")
+    requests = json.loads(report.read_text())["experiments"][0]["requests"]
+    throughput, p50, p99 = _request_stats(requests)
+    return PerfResult("perf_analyzer", run.model, run.data, concurrency, len(requests), throughput, "requests/s",
+                      p50, p99, str(report))
 
 
 def _request_stats(requests: list[dict]) -> tuple[float, float, float]:

@@ -408,33 +408,56 @@ def _generation_call(client, model: str, preset: Preset, index: int) -> Callable
 
 
 def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int,
-                   metrics_url: str, server_pid: int | None = None, out_dir: Path | None = None) -> Point:
-    """``concurrency`` closed-loop clients against the server, warmed up
-    first, then timed with the server's own figures around them: Triton's
-    statistics, the batch-size metrics, and (``server_pid``) the stubs' CPU
-    use in the window (``Point.stub_cores``) and the host's (``Point.cores``).
-    The clients are this package's client processes or, for the AR stages
-    with ``preset.load_generator`` "perf_analyzer", Triton's own C++ load
-    generator (its files under ``out_dir``)."""
+                   metrics_url: str, server_pid: int | None = None) -> Point:
+    """``concurrency`` closed-loop clients, each with its own connection, in
+    client *processes*: one per client for the image workloads (threads in one
+    process would serialise on the GIL decoding images and make the load
+    generator the bottleneck), at most ``preset.client_processes`` for the AR
+    stages, whose responses are small but many (64 processes of gRPC threads
+    took CPU time from vLLM's engine loop on a 16-core host). ``server_pid``:
+    the stubs' CPU use in the window is measured too (``Point.stub_cores``)."""
+    import multiprocessing
+
     from triton_omni_tools.supervisor import stub_cpu_seconds
 
     if workload not in AR_WORKLOADS and preset.diffusion_batching == "step":
         warm_step_counts(url, preset, embeds, workload, concurrency)
-    if preset.load_generator == "perf_analyzer" and workload in AR_WORKLOADS:
-        clients = AnalyzerClients(url, preset, workload, concurrency, (out_dir or Path(".")) / "perf_analyzer")
-    else:
-        clients = ProcessClients(url, preset, embeds, workload, concurrency)
-    clients.warm_up()
+    processes = min(concurrency, preset.client_processes) if workload in AR_WORKLOADS else concurrency
+    clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    context = multiprocessing.get_context("spawn")
+    ready, results, warm, go = context.Queue(), context.Queue(), context.Event(), context.Event()
+    firsts = itertools.accumulate(clients[:-1], initial=0)  # each process's first client index
+    workers = [context.Process(target=_client_process,
+                               args=(url, preset, embeds, workload, first, n, ready, warm, go, results))
+               for first, n in zip(firsts, clients, strict=True)]
+    for worker in workers:
+        worker.start()
+    for _ in workers:  # connected: warm up together
+        ready.get()
+    warm.set()
+    for _ in workers:  # warmed up
+        ready.get()
     metrics_before, stats_before = _metrics_text(metrics_url), _server_stats(url, workload)
     cpu_before = stub_cpu_seconds(server_pid) if server_pid else {}
     cpu = CpuWindow(engine_cores(server_pid), server_pid).start() if server_pid else None
     start = time.time()
-    point = clients.measure(start)
+    go.set()
+    outcomes = [results.get() for _ in workers]
     cpu_after, window = stub_cpu_seconds(server_pid) if server_pid else {}, time.time() - start
-    point.cores = cpu.stop() if cpu else None
+    cores = cpu.stop() if cpu else None
+    for worker in workers:
+        worker.join()
+    errors = [error for *_, error in outcomes if error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} {workload} client process(es) failed; first: {errors[0]}")
+    latencies = [latency for lat, *_ in outcomes for latency in lat]
+    streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
+    point = Point(workload, concurrency, "triton", len(latencies), max(end for *_, end, _ in outcomes) - start,
+                  latencies, streams=streams if workload in GENERATION_WORKLOADS else None)
     metrics_after = _metrics_text(metrics_url)
     point.mean_batch = _mean_batch(_batch_counts(metrics_before, workload), _batch_counts(metrics_after, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
+    point.cores = cores
     if server_pid:
         point.stub_cores = {model: (cpu_after[model] - cpu_before.get(model, 0.0)) / window
                             for model in sorted(cpu_after)}
@@ -442,116 +465,6 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
         before, after = _diffusion_counters(metrics_before), _diffusion_counters(metrics_after)
         point.counters = {key: after[key] - before.get(key, 0.0) for key in after}
     return point
-
-
-class ProcessClients:
-    """Closed-loop clients in client *processes*, each client a thread with its
-    own connection: one process per client for the image workloads (threads in
-    one process would serialise on the GIL decoding images and make the load
-    generator the bottleneck), at most ``preset.client_processes`` for the AR
-    stages, whose responses are small but many (64 processes of gRPC threads
-    took CPU time from vLLM's engine loop on a 16-core host)."""
-
-    def __init__(self, url: str, preset: Preset, embeds: np.ndarray, workload: str, concurrency: int):
-        import multiprocessing
-
-        self.workload, self.concurrency = workload, concurrency
-        processes = min(concurrency, preset.client_processes) if workload in AR_WORKLOADS else concurrency
-        clients = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-        context = multiprocessing.get_context("spawn")
-        self.ready, self.results, self.warm, self.go = context.Queue(), context.Queue(), context.Event(), \
-            context.Event()
-        firsts = itertools.accumulate(clients[:-1], initial=0)  # each process's first client index
-        self.workers = [context.Process(target=_client_process, args=(url, preset, embeds, workload, first, n,
-                                                                      self.ready, self.warm, self.go, self.results))
-                        for first, n in zip(firsts, clients, strict=True)]
-
-    def warm_up(self) -> None:
-        for worker in self.workers:
-            worker.start()
-        for _ in self.workers:  # connected: warm up together
-            self.ready.get()
-        self.warm.set()
-        for _ in self.workers:  # warmed up
-            self.ready.get()
-
-    def measure(self, start: float) -> Point:
-        self.go.set()
-        outcomes = [self.results.get() for _ in self.workers]
-        for worker in self.workers:
-            worker.join()
-        errors = [error for *_, error in outcomes if error]
-        if errors:
-            raise RuntimeError(f"{len(errors)} {self.workload} client process(es) failed; first: {errors[0]}")
-        latencies = [latency for lat, *_ in outcomes for latency in lat]
-        streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
-        return Point(self.workload, self.concurrency, "triton", len(latencies),
-                     max(end for *_, end, _ in outcomes) - start, latencies,
-                     streams=streams if self.workload in GENERATION_WORKLOADS else None)
-
-
-class AnalyzerClients:
-    """The same closed loop driven by ``perf_analyzer`` (Triton's C++ load
-    generator, which genai-perf runs too): ``concurrency`` requests in flight,
-    each client's ``rounds`` requests, every response timed in its
-    per-request export. Why: the Python client processes keep one to two
-    cores of the host busy at 64 streams, beside the engine core that sets
-    the pace (docs/benchmarks.md, "Sixteenth pass"); a serving deployment's
-    clients are elsewhere. Text generation's lengths are the clients' draws
-    (``Preset.output_lengths``) as rows of its input data, which it hands
-    out in its own order, not client by client; every figure counts the
-    tokens each response carried."""
-
-    def __init__(self, url: str, preset: Preset, workload: str, concurrency: int, folder: Path):
-        self.url, self.workload, self.concurrency = url, workload, concurrency
-        self.rounds = preset.rounds_for(workload)
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        name = f"{workload}-c{concurrency}"
-        self.stem = folder / f"{name}-{len(list(folder.glob(f'{name}-*.timed.input.json')))}"  # one per pair
-        lengths = [preset.output_lengths(client) for client in range(concurrency)]
-        self.warm_rows = self._rows("warm", [[next(each) for each in lengths]])  # each client's warm-up request
-        self.rows = self._rows("timed", [[next(each) for each in lengths] for _ in range(self.rounds)])
-
-    def _rows(self, name: str, lengths: list[list[int]]) -> Path:
-        """An input-data file: one row per request, round by round."""
-        if self.workload in GENERATION_WORKLOADS:
-            rows = [{"text_input": [PROMPT], "stream": [True], "return_num_output_tokens": [True],
-                     "sampling_parameters": [json.dumps(generation_options(n))]} for round_ in lengths for n in round_]
-        else:
-            rows = [{"text_input": [PROMPT]}] * sum(map(len, lengths))
-        path = Path(f"{self.stem}.{name}.input.json")
-        path.write_text(json.dumps({"data": rows}))
-        return path
-
-    def _run(self, data: Path, requests: int, stem: Path) -> list[dict]:
-        from triton_omni_tools.perf import profile
-
-        options = ["--concurrency-range", str(self.concurrency), "--request-count", str(requests)]
-        if self.workload in GENERATION_WORKLOADS:
-            options.append("--streaming")
-        return profile(self.url, self.workload, data, stem, options)
-
-    def warm_up(self) -> None:
-        self._run(self.warm_rows, self.concurrency, Path(f"{self.stem}-warm"))
-
-    def measure(self, start: float) -> Point:
-        del start  # the export's own send and response times make the window
-        requests = self._run(self.rows, self.concurrency * self.rounds, self.stem)
-        first = min(r["timestamp"] for r in requests)
-        last = max(r["response_timestamps"][-1] for r in requests)
-        latencies = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e9 for r in requests]
-        streams = [analyzer_stream(r) for r in requests] if self.workload in GENERATION_WORKLOADS else None
-        return Point(self.workload, self.concurrency, "triton", len(requests), (last - first) / 1e9, latencies,
-                     streams=streams)
-
-
-def analyzer_stream(request: dict) -> Stream:
-    """One streamed request of perf_analyzer's export (times in ns; each
-    response's ``num_output_tokens``, asked for by the request) as a Stream."""
-    marks = [(at / 1e9, int(np.sum(output.get("num_output_tokens", 0))))
-             for at, output in zip(request["response_timestamps"], request["response_outputs"], strict=True)]
-    return Stream.from_marks(request["timestamp"] / 1e9, marks)
 
 
 def _diffusion_counters(text: str) -> dict[str, float]:
@@ -772,8 +685,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         out_dir: Path, diffusion_batching: str | None = None, placement: list[str] | None = None,
         pairs: int = DEFAULT_PAIRS, ar_engine_args: str | None = None, encoder_engine_args: str | None = None,
         client_processes: int | None = None, encoder_queue_delay_us: int | None = None,
-        engine_cpus: str | None = None, output_range_ratio: float | None = None,
-        load_generator: str | None = None) -> list[dict]:
+        engine_cpus: str | None = None, output_range_ratio: float | None = None) -> list[dict]:
     """Measure every point of the preset on both sides and report them.
 
     Where the direct side's runners fit on the GPU beside the server's (on
@@ -806,8 +718,6 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
         overrides["encoder_queue_delay_us"] = encoder_queue_delay_us
     if output_range_ratio is not None:
         overrides["output_range_ratio"] = output_range_ratio
-    if load_generator:
-        overrides["load_generator"] = load_generator
     if engine_cpus:
         overrides["engine_cpus"] = engine_cpus
         keep_off(engine_cpus)
@@ -852,7 +762,7 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
                 for workload in preset.workloads:
                     for c in preset.concurrency_for(workload):
                         triton = functools.partial(measure_triton, server.grpc_url, preset, embeds, workload, c,
-                                                   server.metrics_url, server.process.pid, out_dir)
+                                                   server.metrics_url, server.process.pid)
                         for turn in range(pairs):
                             for point in _pair(direct, preset, workload, c, turn, triton):
                                 point.turn = turn

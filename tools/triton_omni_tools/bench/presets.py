@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
-LOAD_GENERATORS = ("python", "perf_analyzer")  # what drives the Triton side of the AR stages
 
 
 @dataclass(frozen=True)
@@ -52,10 +51,6 @@ class Preset:
     # --random-range-ratio), the same lengths on both sides. With one length, the requests that
     # start together end together, and a side whose clients resubmit at once keeps them in step.
     output_range_ratio: float = 0.0
-    # What drives the Triton side of the AR stages: "python", this package's client processes
-    # (`client_processes`), or "perf_analyzer", Triton's C++ load generator, whose clients cost
-    # the host a fraction of the CPU. The image workloads always use the client processes.
-    load_generator: str = "python"
     # CPUs for every vLLM engine core of the run, both sides' (model parameter engine_cpus), e.g. "7";
     # the bench's own processes (the server, its stubs, the clients) keep off them. "": no pinning.
     engine_cpus: str = ""
@@ -68,8 +63,6 @@ class Preset:
     def __post_init__(self):
         if not 0 <= self.output_range_ratio < 1:
             raise ValueError(f"output_range_ratio must be in [0, 1), got {self.output_range_ratio}")
-        if self.load_generator not in LOAD_GENERATORS:
-            raise ValueError(f"load_generator must be one of {', '.join(LOAD_GENERATORS)}, got {self.load_generator!r}")
 
     def concurrency_for(self, workload: str) -> tuple[int, ...]:
         return self.ar_concurrency if workload in AR_WORKLOADS else self.concurrency
