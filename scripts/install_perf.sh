@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Triton's own measuring tools, for the bundled Triton 2.51 server.
 #
-#   scripts/install_perf.sh [VENV] [--genai-perf]      (`make install` / `make perf` call this)
+#   scripts/install_perf.sh [VENV] [--genai-perf]      (`make install` / `make perf` call this; on an
+#   offline GPU host scripts/gpu_setup.sh unpacks the binary first, then calls it for the wrapper)
 #
 # perf_analyzer: from the tritonclient==2.51.0 wheel, the client release that
 #   matches the server (later tritonclient wheels no longer ship it; the

@@ -10,7 +10,7 @@
 #   .offline   the Triton 2.51 server, Python backend and 3.12 stub from the nvidia-pytriton
 #              wheel (trimmed), and the diffusers, tritonclient, numpy 1.26.4 wheels (~52 MB)
 #   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), and
-#              perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~47 MB)
+#              perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~45 MB)
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
 #              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
 #              for other Pythons, as tar.xz in three ~45 MB parts
