@@ -1,7 +1,7 @@
 """How far apart do two identical vLLM engines measure on this host? The
-bench's direct side of `ar` twice (engines A and B: the same model, the same
-arguments, both in this process), in pairs, the order alternating, as the
-bench pairs direct with Triton.
+bench's direct side of `ar` (or of `ar_encoder`) twice (engines A and B: the
+same model, the same arguments, both in this process), in pairs, the order
+alternating, as the bench pairs direct with Triton.
 
 Why: `ar` through Triton is held against a 0.95 ratio to direct vLLM, and
 the passes in docs/benchmarks.md trace what is left of the gap to the
@@ -9,9 +9,11 @@ engine core's CPU: each engine core is a Python loop that steps as fast as
 the vCPU under it, and on these VMs vCPUs differ and slow each other. Two
 engines with nothing between them and their clients but which vCPUs they
 got give the ratio this host can resolve. Printed per concurrency: each
-pair's B / A output tokens/s, their median, and each side's ITL p50.
+pair's B / A throughput (output tokens/s; prompts/s for `ar_encoder`),
+their median, and each side's ITL p50 (text generation).
 
-    python benchmarks/engine_aa.py [--preset realistic] [--concurrency 8,32,64] [--pairs 3] [--out FILE]
+    python benchmarks/engine_aa.py [--workload ar|ar_encoder] [--preset realistic] [--concurrency 8,32,64]
+        [--pairs 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,15 +26,22 @@ import sys
 from dataclasses import replace
 
 
-def measure(direct, concurrency: int, rounds: int) -> dict[str, float]:
+def measure(direct, workload: str, concurrency: int, rounds: int) -> dict[str, float]:
     from triton_omni_tools.bench.harness import measure_direct_closed_loop
 
-    summary = measure_direct_closed_loop(direct, "ar", concurrency, rounds).summary()
-    return {key: summary[key] for key in ("throughput_per_s", "itl_p50_ms", "ttft_p50_ms", "cores")}
+    summary = measure_direct_closed_loop(direct, workload, concurrency, rounds).summary()
+    return {key: summary[key] for key in ("throughput_per_s", "itl_p50_ms", "ttft_p50_ms", "p50_ms", "cores")
+            if key in summary}
+
+
+def describe(figures: dict[str, float], unit: str) -> str:
+    detail = f"ITL p50 {figures['itl_p50_ms']:.2f} ms" if "itl_p50_ms" in figures else f"p50 {figures['p50_ms']:.1f} ms"
+    return f"{figures['throughput_per_s']:,.0f} {unit} ({detail})"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("ar", "ar_encoder"), default="ar")
     parser.add_argument("--preset", default="realistic")
     parser.add_argument("--concurrency", default="8,32,64")
     parser.add_argument("--pairs", type=int, default=3)
@@ -47,7 +56,8 @@ def main() -> int:
 
     for key, value in vllm_gpu_env().items():
         os.environ.setdefault(key, value)
-    preset = replace(PRESETS[args.preset], workloads=("ar",))
+    preset = replace(PRESETS[args.preset], workloads=(args.workload,))
+    unit = "tok/s" if args.workload == "ar" else "prompts/s"
     resolve_model(preset.ar_model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = {"A": Direct(preset, device), "B": Direct(preset, device)}
@@ -57,13 +67,13 @@ def main() -> int:
             ratios = []
             for turn in range(args.pairs):
                 order = ("A", "B") if turn % 2 == 0 else ("B", "A")
-                pair = {name: measure(engines[name], concurrency, preset.rounds_for("ar")) for name in order}
+                pair = {name: measure(engines[name], args.workload, concurrency, preset.rounds_for(args.workload))
+                        for name in order}
                 ratios.append(pair["B"]["throughput_per_s"] / pair["A"]["throughput_per_s"])
                 records.append({"concurrency": concurrency, "turn": turn, "order": order, **pair})
                 print(f"c={concurrency} pair {turn + 1} ({' then '.join(order)}): "
-                      f"A {pair['A']['throughput_per_s']:,.0f} tok/s (ITL p50 {pair['A']['itl_p50_ms']:.2f} ms), "
-                      f"B {pair['B']['throughput_per_s']:,.0f} tok/s (ITL p50 {pair['B']['itl_p50_ms']:.2f} ms), "
-                      f"B / A {ratios[-1]:.2f}", flush=True)
+                      f"A {describe(pair['A'], unit)}, B {describe(pair['B'], unit)}, B / A {ratios[-1]:.2f}",
+                      flush=True)
             print(f"c={concurrency}: B / A median {statistics.median(ratios):.2f}, "
                   f"range {min(ratios):.2f} to {max(ratios):.2f}", flush=True)
     finally:

@@ -1,5 +1,5 @@
 """``benchmarks/engine_aa.py`` end to end on CPU: two identical vLLM engines
-(the bench's direct side of ``ar`` twice) measured in pairs, the order
+(the bench's direct side of ``ar``, or of ``ar_encoder``, twice) measured in pairs, the order
 alternating. Only the report's shape is checked, never a ratio: the figure
 docs/benchmarks.md quotes is what a GPU host can resolve."""
 
@@ -11,13 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_identical_engines_are_measured_in_alternating_pairs(tmp_path):
+@pytest.mark.parametrize("workload", ["ar", "ar_encoder"])
+def test_two_identical_engines_are_measured_in_alternating_pairs(tmp_path, workload):
     out_file = tmp_path / "aa.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_aa.py"), "--preset", "tiny",
-                             "--concurrency", "2", "--pairs", "2", "--out", str(out_file)],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_aa.py"), "--workload", workload,
+                             "--preset", "tiny", "--concurrency", "2", "--pairs", "2", "--out", str(out_file)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     pairs = re.findall(r"^c=2 pair (\d) \((A then B|B then A)\): .* B / A ([\d.]+)$", result.stdout, re.MULTILINE)
