@@ -38,7 +38,7 @@ wheels "$tmp" nvidia-pytriton==0.7.0
 mv "$tmp/tritonserver.tar.xz" .offline/
 wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4
 wheels .offline2 scipy==1.14.1
-# perf_analyzer, as scripts/install_perf.sh installs it (bench --load-generator perf_analyzer)
+# perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)
 python3 -m pip download -q --no-deps tritonclient==2.51.0 --platform manylinux1_x86_64 --only-binary=:all: -d "$tmp"
 ( cd "$tmp" && mkdir -p perf/bin perf/lib && python3 -m zipfile -e tritonclient-2.51.0-*.whl wheel \
   && install -m 755 wheel/tritonclient-2.51.0.data/data/bin/perf_analyzer perf/bin/ \
