@@ -34,8 +34,7 @@ perf=$venv/opt/perf_analyzer
 if [ -f .offline2/perf_analyzer.tar.xz ] && [ -d "$site/nvidia_pytriton.libs" ] && [ ! -x "$perf/bin/perf_analyzer" ]; then
   mkdir -p "$perf"
   tar xJf .offline2/perf_analyzer.tar.xz -C "$perf"
-  ln -sf "$(ls "$site"/nvidia_pytriton.libs/libcudart*.so.12*)" "$perf/lib/libcudart.so.12"
-  scripts/install_perf.sh "$venv"  # its wrapper, .gpuvenv/bin/perf_analyzer
+  scripts/install_perf.sh "$venv"  # the libcudart link and the wrapper, .gpuvenv/bin/perf_analyzer
 fi
 parts=$venv/vllm-parts
 mkdir -p "$parts"

@@ -2,7 +2,7 @@
 # Triton's own measuring tools, for the bundled Triton 2.51 server.
 #
 #   scripts/install_perf.sh [VENV] [--genai-perf]      (`make install` / `make perf` call this; on an
-#   offline GPU host scripts/gpu_setup.sh unpacks the binary first, then calls it for the wrapper)
+#   offline GPU host scripts/gpu_setup.sh unpacks the binary first, then calls it for the rest)
 #
 # perf_analyzer: from the tritonclient==2.51.0 wheel, the client release that
 #   matches the server (later tritonclient wheels no longer ship it; the
@@ -23,17 +23,11 @@ tools="$venv/opt/perf_analyzer"
 pip_q=(--disable-pip-version-check -q)
 
 if [ ! -x "$tools/bin/perf_analyzer" ]; then
-    tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-    mkdir -p "$tools/bin" "$tools/lib"
-    "$venv/bin/python" -m pip download "${pip_q[@]}" --no-deps tritonclient==2.51.0 -d "$tmp"
-    (cd "$tmp" && "$venv/bin/python" -m zipfile -e tritonclient-2.51.0-*.whl wheel)
-    install -m 755 "$tmp"/wheel/tritonclient-2.51.0.data/data/bin/perf_analyzer "$tools/bin/"
-    (cd "$tmp" && apt-get download libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get download libb64-0d; })
-    dpkg -x "$tmp"/libb64-0d_*.deb "$tmp/b64"
-    cp -a "$tmp"/b64/usr/lib/*/libb64.so.0d* "$tools/lib/"
-    cudart=$(find "$venv"/lib/python3*/site-packages/nvidia_pytriton.libs -name 'libcudart*.so.12*' | head -1)
-    ln -sf "$(realpath "$cudart")" "$tools/lib/libcudart.so.12"
+    scripts/fetch_perf_analyzer.sh "$tools" "$venv/bin/python"
 fi
+# perf_analyzer loads libcudart even on a CPU machine: the one nvidia-pytriton bundles
+cudart=$(find "$venv"/lib/python3*/site-packages/nvidia_pytriton.libs -name 'libcudart*.so.12*' | head -1)
+ln -sf "$(realpath "$cudart")" "$tools/lib/libcudart.so.12"
 cat > "$venv/bin/perf_analyzer" <<WRAPPER
 #!/usr/bin/env bash
 export LD_LIBRARY_PATH="$(realpath "$tools/lib")\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"

@@ -39,12 +39,7 @@ mv "$tmp/tritonserver.tar.xz" .offline/
 wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4
 wheels .offline2 scipy==1.14.1
 # perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)
-python3 -m pip download -q --no-deps tritonclient==2.51.0 --platform manylinux1_x86_64 --only-binary=:all: -d "$tmp"
-( cd "$tmp" && mkdir -p perf/bin perf/lib && python3 -m zipfile -e tritonclient-2.51.0-*.whl wheel \
-  && install -m 755 wheel/tritonclient-2.51.0.data/data/bin/perf_analyzer perf/bin/ \
-  && { apt-get download libb64-0d >/dev/null 2>&1 || { apt-get update -qq && apt-get download libb64-0d; }; } \
-  && dpkg -x libb64-0d_*.deb b64 && cp -a b64/usr/lib/*/libb64.so.0d* perf/lib/ \
-  && tar cJf perf_analyzer.tar.xz -C perf bin lib )
+scripts/fetch_perf_analyzer.sh "$tmp/perf" && tar cJf "$tmp/perf_analyzer.tar.xz" -C "$tmp/perf" bin lib
 mv "$tmp/perf_analyzer.tar.xz" .offline2/
 
 if [ "$with_vllm" = 1 ]; then
