@@ -10,8 +10,10 @@ FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-vllm-python-py3
 
 WORKDIR /opt/triton-omni
 COPY pyproject.toml README.md ./
+COPY protocol protocol
 COPY backends backends
 COPY clients clients
+COPY tools tools
 COPY model_repository model_repository
 COPY ensemble ensemble
 

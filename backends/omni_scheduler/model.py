@@ -53,6 +53,7 @@ class TritonPythonModel:
         labels = self.metrics.labels
         embeds_gauge = routed(family("omni_embeds_bytes_in_flight", "Bytes of prompt embeddings admitted and not "
                                      "yet diffused", GAUGE).Metric(labels=labels), self.responses.call)
+        embeds_gauge.set(0)  # what a killed predecessor admitted is gone with it (StageMetrics.in_flight)
         self.loop = EventLoopThread("omni-scheduler")
         self.progress = self.loop.run(ProgressListener().start())
         self.stages = TritonStages(settings.ar_model, settings.encoder_model, settings.diffusion_model,

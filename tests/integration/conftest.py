@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 from triton_omni.demo_models import build_all
-from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, PROJECT_ROOT, ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import (
+    DEFAULT_REPOSITORIES,
+    PROJECT_ROOT,
+    ServerOptions,
+    TritonServer,
+    free_port,
+    mapped_shared_memory,
+)
 from triton_omni_tools.repository import copy_model
 
 from tests.support.server import assert_group_gone, process_group, require_alive
@@ -60,9 +67,13 @@ def server(tmp_path_factory):
     triton = TritonServer(options).start()
     yield triton
     pgid = triton.process.pid
-    assert len(process_group(pgid)) > 1, "expected the server and its stubs in one process group"
+    group = process_group(pgid)
+    assert len(group) > 1, "expected the server and its stubs in one process group"
+    segments = mapped_shared_memory(group)
+    assert any(segment.name.startswith("psm_") for segment in segments), "expected vLLM's shared memory"
     triton.stop()
     assert_group_gone(pgid)
+    assert not [segment for segment in segments if segment.exists()], "shared memory left in /dev/shm"
     shutil.copy(log_file, PROJECT_ROOT / ".cache" / "last-test-server.log")
     # Every stub shuts down cleanly (metric families destroyed at interpreter exit crashed them).
     assert "Segfault encountered" not in log_file.read_text(errors="replace"), "a stub crashed at shutdown"

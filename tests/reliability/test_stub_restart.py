@@ -113,6 +113,7 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
     assert bystander.errors == [] and bystander.succeeded == bystander.sent > 0
     assert victim.sent == victim.succeeded + len(victim.errors)  # every request answered, none hanging
     assert metric_value(supervised, "omni_stage_restarts_total", model=model) == restarts_before + 1
+    assert_nothing_in_flight(supervised, model)
     with urllib.request.urlopen(f"http://{supervised.http_url}/v2/health/ready", timeout=5) as response:
         assert response.status == 200
 
@@ -147,6 +148,18 @@ def test_an_omni_image_waiting_on_a_dying_diffusion_fails_fast(supervised):
     assert not thread.is_alive(), "the omni request hung"
     assert outcome == ["UNAVAILABLE"] and answered < 10, (outcome, answered)
     wait_until_ready(supervised, "diffusion")  # back, for the tests after this one
+
+
+STAGE = {"diffusion": "diffusion", "ar_encoder": "ar", "ar": "ar", "omni": "scheduler"}
+
+
+def assert_nothing_in_flight(server, model: str, timeout_s: float = 5) -> None:
+    """The requests the killed stub held left its in-flight gauge with it (metric updates are asynchronous)."""
+    name = f"omni_{STAGE[model]}_requests_in_flight"
+    deadline = time.monotonic() + timeout_s
+    while (value := metric_value(server, name, model=model)) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert value == 0, f"{name}{{model={model}}} is {value} with no request in flight"
 
 
 def kill_and_watch(server, model: str, pid: int, timeout_s: float = 120) -> tuple[float, float]:

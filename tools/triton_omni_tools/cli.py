@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                             "instances in front of one vLLM engine); docs/gpu.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
+    serve.add_argument("--no-restart", action="store_true",
+                       help="exit when tritonserver dies instead of starting it again (at most 5 times in "
+                            "10 minutes); for a supervisor of your own (docs/operations.md)")
     serve.set_defaults(run=_serve)
 
     build = commands.add_parser("build-demo-models", help="build the tiny demo models into the cache")
@@ -171,14 +174,16 @@ def _key_value(text: str) -> tuple[str, object]:
 
 def _serve(args) -> int:
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
+    from triton_omni_tools.restarts import RestartPolicy
 
-    return serve(ServerOptions(
+    options = ServerOptions(
         model_repositories=args.model_repository or list(DEFAULT_REPOSITORIES),
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
         placement=args.place,
-    ))
+    )
+    return serve(options, restarts=None if args.no_restart else RestartPolicy())
 
 
 def _build_demo_models(args) -> int:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Literal
 
 from triton_omni_tools import memory_plan, placement
-from triton_omni_tools.supervisor import RepositoryApi, Supervisor, remove_regions, server_stubs
+from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
+from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +265,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.supervisor: Supervisor | None = None
         self._log = None
+        self._segments: set[Path] = set()  # /dev/shm files its processes map (mapped_shared_memory)
         # This server's own folder: progress sockets, restart counts (TRITON_OMNI_RUN_DIR in its stubs)
         self.run_dir = Path(tempfile.mkdtemp(prefix="triton-omni-run-"))
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
@@ -292,6 +295,10 @@ class TritonServer:
         one machine with Triton's default names crash or hang (Triton's python_backend README);
         here a bench server started beside the test suite's aborted during startup."""
         return "triton_omni_" + self.run_dir.name.removeprefix("triton-omni-run-") + "_"
+
+    def own_regions(self) -> set[Path]:
+        """The Python backend's regions of this server's stubs, found by its own prefix."""
+        return set(Path("/dev/shm").glob(self.shm_prefix + "*"))
 
     @property
     def control(self) -> tuple[str, list[str]]:
@@ -360,6 +367,8 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        # Seen now, while every engine runs: a server that dies takes its stubs' view of them along.
+        self._segments = mapped_shared_memory(process_group(self.process.pid))
         if self.options.supervise:
             api = RepositoryApi(self.http_url, ADMIN_HEADER, self.admin_key)
             self.supervisor = Supervisor(self.process.pid, api, self.run_dir).start()
@@ -389,7 +398,8 @@ class TritonServer:
         if self.process is None:
             return None
         pgid = self.process.pid
-        stubs = server_stubs(pgid)  # their shared memory is removed below if a kill left it behind
+        # The shared memory of the group's processes, removed below if a kill left it behind.
+        segments = self._segments | mapped_shared_memory(process_group(pgid)) | self.own_regions()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -399,7 +409,9 @@ class TritonServer:
         _kill_group(pgid)
         self.process.wait()
         _wait_group_gone(pgid)
-        remove_regions(stubs)
+        for segment in segments:  # what a process killed above had no chance to unlink
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
         if self._log:
             self._log.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -435,6 +447,25 @@ def process_group(pgid: int) -> list[int]:
     return pids
 
 
+def mapped_shared_memory(pids: list[int]) -> set[Path]:
+    """The files directly in /dev/shm that these processes map: Python's
+    ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.*``) that
+    vLLM's engine core opens, the Python backend's regions. Only the group's
+    own processes map them, so once the group is gone whatever is left of them
+    is garbage (a process that exits cleanly unlinks its own)."""
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue  # exited meanwhile
+        for line in lines:
+            path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)") if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/") and path.count("/") == 3:
+                found.add(Path(path))
+    return found
+
+
 def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
     """SIGKILL is delivered at once but a process with gigabytes mapped (a vLLM
     engine) takes a moment to exit: stop() returns once nothing is left."""
@@ -445,7 +476,7 @@ def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
         logger.warning("processes %s of the server's group still exit after %.0f s", left, timeout_s)
 
 
-def access_summary(options: ServerOptions) -> str:
+def access_summary(options: ServerOptions, restarts: RestartPolicy | None = None) -> str:
     """What the server exposes, and to whom: said at startup."""
     loopback = " (loopback only; --bind 0.0.0.0 to serve other hosts)" if options.bind.startswith("127.") else ""
     has_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY")
@@ -453,32 +484,79 @@ def access_summary(options: ServerOptions) -> str:
         "closed: set TRITON_OMNI_ADMIN_KEY to open them with that header"
     supervised = "\n  supervised: a model whose stub dies is unloaded and loaded again" if options.supervise else ""
     placed = f"\n  placement: {' '.join(options.placement)}" if options.placement else ""
+    if restarts is not None:
+        supervised += (f"\n  restarted: tritonserver, if it dies, at most {restarts.max_restarts} times in "
+                       f"{restarts.window_s / 60:.0f} min")
     return (f"  bound to {options.bind}{loopback}{supervised}{placed}\n"
             f"  open: inference, health, metadata, model config, statistics\n"
             f"  restricted: {', '.join(RESTRICTED_APIS)} (header {ADMIN_HEADER}; {admin})")
 
 
-def serve(options: ServerOptions) -> int:
-    """Run until Ctrl-C / SIGTERM, then stop the server and everything it started."""
+def serve(options: ServerOptions, restarts: RestartPolicy | None = None) -> int:
+    """Run until Ctrl-C / SIGTERM, then stop the server and everything it started.
+
+    ``restarts``: a server that dies unasked (a signal, an abort, an error
+    status) is stopped for good (its process group, its shared memory) and
+    started again under this policy; ``None`` ends ``serve`` with it instead."""
     from triton_omni.demo_models import build_all
 
     server = TritonServer(options)  # a placement it cannot serve fails here, before any work
     build_all()
     # Until the server is ready, Ctrl-C raises KeyboardInterrupt and start() cleans up.
     server.start()
-    stop_requested = False
+    stop_requested = threading.Event()
+    starting_again = threading.Event()
 
     def request_stop(signum, frame):
-        nonlocal stop_requested
-        stop_requested = True
+        stop_requested.set()
+        if starting_again.is_set():  # a restart's start() waits for readiness: cut it short
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     print(f"triton-omni is ready:\n  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
-          f"  metrics  {server.metrics_url}\n{access_summary(options)}\nPress Ctrl-C to stop.", flush=True)
+          f"  metrics  {server.metrics_url}\n{access_summary(options, restarts)}\nPress Ctrl-C to stop.", flush=True)
     try:
-        while not stop_requested and server.process.poll() is None:
-            time.sleep(0.5)
+        while True:
+            while not stop_requested.is_set() and server.process.poll() is None:
+                stop_requested.wait(0.5)
+            if stop_requested.is_set() or restarts is None or not died_abnormally(server.process.returncode):
+                break
+            replacement = _restart(server, options, restarts, stop_requested, starting_again)
+            if replacement is None:
+                break
+            server = replacement
+    except KeyboardInterrupt:  # Ctrl-C during a restart; start() has cleaned up after itself
+        pass
     finally:
         code = server.stop()
-    return 0 if stop_requested else (code or 1)
+    return 0 if stop_requested.is_set() else (code or 1)
+
+
+def _restart(dead: TritonServer, options: ServerOptions, restarts: RestartPolicy,
+             stop_requested: threading.Event, starting: threading.Event) -> TritonServer | None:
+    """A new server in place of ``dead`` (readiness is false meanwhile: nothing listens);
+    ``None`` when the policy's budget is spent or a stop was asked for."""
+    code = dead.process.returncode
+    while (delay := restarts.next_delay()) is not None:
+        logger.error("tritonserver %s; restarting it in %.0f s (restart %d of at most %d in %.0f min)",
+                     describe_exit(code), delay, restarts.recent, restarts.max_restarts, restarts.window_s / 60)
+        dead.stop()
+        if stop_requested.wait(delay):
+            return None
+        started = time.monotonic()
+        server = TritonServer(options)
+        starting.set()
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("tritonserver failed to start again: %s", exc)
+            dead, code = server, server.process.returncode if server.process else 1
+            continue
+        finally:
+            starting.clear()
+        logger.warning("tritonserver is serving again, %.1f s after its restart began", time.monotonic() - started)
+        return server
+    logger.error("tritonserver %s; not restarting it: %d restarts within %.0f min already", describe_exit(code),
+                 restarts.max_restarts, restarts.window_s / 60)
+    return None

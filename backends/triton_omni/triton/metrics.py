@@ -160,6 +160,9 @@ class StageMetrics:
         self._submit = submit
         self.in_flight = routed(family(f"omni_{stage}_requests_in_flight", f"Requests the {stage} stage is working on",
                                        GAUGE).Metric(labels=self.labels), submit)
+        # A killed stub never takes its requests off the gauge, and the server hands the same series to the
+        # stub that replaces it: a model's instances start with nothing in flight, so they say so.
+        self.in_flight.set(0)
         self._requests = family(f"omni_{stage}_requests_total",
                                 f"Requests finished by the {stage} stage, by outcome", COUNTER)
         self._rejected = family("omni_rejected_requests_total", "Requests refused by admission control, by reason",

@@ -1,0 +1,118 @@
+"""`omni-triton serve` brings tritonserver back when it dies: Triton 2.51 aborts
+on its own now and then (a `lock_exception` after a stub is killed). SIGABRT
+stands in for that abort; the server must be ready again within 120 s and
+answer every model, and the launcher must say what it did."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+from triton_omni_client import OmniClient
+from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
+from triton_omni_tools.launcher import free_port
+
+from tests.support.server import assert_group_gone, children
+
+FAST = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0}
+
+
+def ready(http: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def tritonserver_of(launcher: int) -> int:
+    [server] = [pid for pid in children(launcher)
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"tritonserver")]
+    return server
+
+
+def every_model_answers(grpc: str) -> None:
+    client = OmniClient(grpc)
+    assert client.encode("a red fox").shape[0] > 0
+    assert client.generate_image(prompt="a red fox", seed=1, **FAST).shape == (32, 32, 3)
+    with grpcclient.InferenceServerClient(grpc) as raw:
+        inputs = batched_inputs(grpcclient, text_input="a red fox", negative_prompt="", seed=1, **FAST)
+        assert raw.infer("text_to_image", inputs).as_numpy("image").shape == (1, 32, 32, 3)
+    for model, values in (("ar", {"text_input": "a red fox", "max_tokens": 4}),
+                          ("omni", {"text_input": "a red fox", "modalities": ["text"], "max_tokens": 4})):
+        assert list(stream_infer(grpc, model, omni_inputs(grpcclient, values))), model
+
+
+def wait_until_serving(launcher: subprocess.Popen, log_path: Path) -> None:
+    """The launcher's own word, not the server's readiness: it starts watching the server then."""
+    deadline = time.monotonic() + 600
+    while b"triton-omni is ready" not in log_path.read_bytes():
+        assert launcher.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "serve did not become ready"
+        time.sleep(0.5)
+
+
+def no_core_dumps() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGABRT would otherwise leave a core file
+
+
+def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    cli = Path(sys.executable).parent / "omni-triton"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            [str(cli), "serve", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=no_core_dumps)
+    try:
+        wait_until_serving(launcher, log_path)
+        first = tritonserver_of(launcher.pid)
+        os.kill(first, signal.SIGABRT)
+
+        aborted = time.monotonic()
+        seen_not_ready = False
+        while not (ready(http) and seen_not_ready):
+            seen_not_ready |= not ready(http)
+            assert launcher.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() - aborted < 120, "not ready again within 120 s:\n" + log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        assert tritonserver_of(launcher.pid) != first
+        every_model_answers(f"localhost:{grpc}")
+
+        output = log_path.read_text(errors="replace")
+        assert "tritonserver killed by SIGABRT; restarting it" in output, output[-3000:]
+        assert "tritonserver is serving again" in output, output[-3000:]
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert_group_gone(launcher.pid)
+
+
+def test_no_restart_exits_with_the_server(tmp_path):
+    """`--no-restart`: the launcher ends with the server, for a supervisor of the user's own."""
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    cli = Path(sys.executable).parent / "omni-triton"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            [str(cli), "serve", "--no-restart", "--model-control-mode=explicit", "--load-model=ar_encoder",
+             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=no_core_dumps)
+    try:
+        wait_until_serving(launcher, log_path)
+        os.kill(tritonserver_of(launcher.pid), signal.SIGABRT)
+        assert launcher.wait(timeout=120) != 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert_group_gone(launcher.pid)
+    assert "restarting it" not in log_path.read_text(errors="replace")
