@@ -4,9 +4,8 @@ same model, the same arguments, both in this process), in pairs, the order
 alternating, as the bench pairs direct with Triton.
 
 Why: `ar` through Triton is held against a 0.95 ratio to direct vLLM, and
-the passes in docs/benchmarks.md trace what is left of the gap to the
-engine core's CPU: each engine core is a Python loop that steps as fast as
-the vCPU under it, and on these VMs vCPUs differ and slow each other. Two
+each engine core is a Python loop that steps as fast as the vCPU under it;
+on shared VMs vCPUs differ and slow each other. Two
 engines with nothing between them and their clients but which vCPUs they
 got give the ratio this host can resolve. Printed per concurrency: each
 pair's B / A throughput (output tokens/s; prompts/s for `ar_encoder`),

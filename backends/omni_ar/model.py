@@ -12,9 +12,8 @@ How ``ar_encoder`` meets its engine depends on who batches:
   through the request's response sender (Triton allows that for a
   non-decoupled model: exactly one final response per request). Triton then
   keeps feeding the engine while it runs, and concurrent callers share its
-  steps, as they do calling vLLM directly. A blocking ``execute`` made
-  closed-loop callers split into two half-batches that took turns (0.45 of
-  direct at 8 to 64 callers on an H200).
+  steps, as they do calling vLLM directly (a blocking ``execute`` made
+  closed-loop callers split into two half-batches that took turns).
 - The transformers engine encodes one batch per call, so ``execute`` blocks
   on it and Triton's dynamic batcher collects the next batch meanwhile.
 """

@@ -2,15 +2,12 @@
 
 vLLM's engine core is one Python thread that schedules, prepares and
 launches every step, and for a small model on a fast GPU that thread, not
-the GPU, sets the pace: on an H200 it was on a CPU for 92 to 98 % of each
-step and waited for the GPU about 0.02 ms of 2 to 4 (docs/benchmarks.md,
-"Fourteenth pass"). Its steps are as fast as the CPU it happens to run on,
-and what else runs beside it matters. Pinning the engine core, with every
-thread and process under it, to chosen CPUs keeps it where the operator put
-it; keeping the rest of the server off them is the operator's part
-(docs/operations.md). On a virtual machine whose CPUs share cores
-(``benchmarks/cpu_neighbours.py``) pinning cannot choose a quiet core, and
-it did not make ``ar`` faster there.
+the GPU, sets the pace: its steps are as fast as the CPU it happens to run
+on, and what else runs beside it matters. Pinning the engine core, with
+every thread and process under it, to chosen CPUs keeps it where the
+operator put it; keeping the rest of the server off them is the operator's
+part (docs/operations.md). On a virtual machine whose CPUs share cores,
+pinning cannot choose a quiet core.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--engine-cpus", metavar="LIST",
                        help="pin every vLLM engine core of the run, both sides', to these CPUs (e.g. 7 or 6-7, as "
                             "taskset -c takes them) and keep the server and the clients off them: both sides' "
-                            "engines then step on the same CPU (docs/benchmarks.md, \"Fourteenth pass\")")
+                            "engines then step on the same CPU")
     bench.add_argument("--output-range-ratio", type=float, metavar="R",
                        help="text generation: each request's max_tokens drawn uniformly from "
                             "[L*(1-R), L*(1+R)], L the preset's (128 realistic), the same lengths on both sides "

@@ -161,9 +161,8 @@ def libpython_dir() -> Path:
     Not the interpreter's whole ``LIBDIR``: on a distribution Python that is
     ``/usr/lib/x86_64-linux-gnu``, where a system cuDNN may live. cuDNN loads
     its engine libraries by name, so through ``LD_LIBRARY_PATH`` the stub's
-    torch got the system's engines beside its own ``libcudnn.so.9``, and SD
-    convolutions ran 10% slower in Triton than in a plain process (H200,
-    docs/benchmarks.md).
+    torch got the system's engines beside its own ``libcudnn.so.9``, and
+    convolutions ran slower in Triton than in a plain process.
     """
     libdir = Path(sysconfig.get_config_var("LIBDIR"))
     names = {sysconfig.get_config_var(k) for k in ("INSTSONAME", "LDLIBRARY")} - {None}

@@ -47,8 +47,8 @@ class VllmEngine(ArEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # disable_log_stats: vLLM's own statistics (its Prometheus registry, its periodic throughput
         # log line) live in this process, which serves no /metrics: nobody reads them, and updating
-        # them per engine step took 14 % of the ar stub's GIL at 64 streams on an H200, the GIL that
-        # bounds it (docs/benchmarks.md). Triton's metrics (triton/metrics.py) count what they counted.
+        # them per engine step costs the stub's GIL, which bounds it under load. Triton's metrics
+        # (triton/metrics.py) count what they counted.
         args: dict[str, Any] = {"model": model, "dtype": dtype, "max_model_len": max_model_len,
                                 "disable_log_stats": True}
         if mode == "encode":

@@ -2,9 +2,8 @@
 
 Why: an ``ar`` instance is one stub process, and one Python interpreter
 runs all of its per-request work (vLLM's output processing and
-detokenization, then our responses and their IPC to Triton) under one GIL.
-On an H200 that interpreter is the limit from 32 concurrent streams
-(docs/benchmarks.md). vLLM's own answer to a busy frontend is several
+detokenization, then our responses and their IPC to Triton) under one GIL,
+and at high concurrency that interpreter can become the limit. vLLM's own answer to a busy frontend is several
 API-server processes that share one engine core (``--api-server-count``);
 this is that, with Triton instances as the frontends.
 

@@ -4,8 +4,8 @@ replayed at every step.
 Why: an SD1.5 UNet step is about a thousand kernels, each launched from
 Python. At small batches the GPU finishes them faster than eager PyTorch can
 issue them, so the step time follows the interpreter. A replayed graph
-launches the whole forward in one call: on an H200, 512x512, it took batch 1
-from 2.80 to 3.76 img/s, batch 4 +5%, batch 16 +1% (docs/benchmarks.md).
+launches the whole forward in one call; the gain is largest at batch 1 and
+fades as batches grow.
 
 What is graphed: ``unet(sample, timestep, encoder_hidden_states,
 return_dict=False)`` with no extra conditioning, which is every step of the
@@ -86,7 +86,7 @@ class GraphedDenoiser:
         if not torch.is_tensor(timestep):
             timestep = torch.tensor(timestep, device=sample.device)
         # Streams and captures belong to the thread's current device, GPU 0 unless set: a
-        # runner on cuda:1 without this captured no graph at all (two H200s, graph-captures metric).
+        # runner on cuda:1 without this captures no graph at all.
         with torch.cuda.device(sample.device):
             return self._graphed((sample, timestep, encoder_hidden_states))
 

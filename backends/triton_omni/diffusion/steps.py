@@ -6,73 +6,33 @@ one denoising step: a request joins the running batch at the next step
 boundary and leaves when its own steps are done, so at low load a request
 starts at once and at high load the UNet still sees full batches.
 
-Each request keeps what makes its image its own:
-- its latents, drawn from its own seeded generator;
-- its own copy of the scheduler (timesteps, step index, solver history), so
-  no state leaks between requests; steps counts may differ within a batch,
-  since the UNet takes one timestep per row;
-- its classifier-free-guidance rows, kept together (uncond, cond), and its
-  own guidance scale;
-- its VAE decode when its last step is done: together with the other
-  requests of its size that finished at the same step (alone with
-  ``exact``), then one device-to-host copy for all of them.
+Each request keeps what makes its image its own: its latents (from its own
+seeded generator), its own copy of the scheduler (so step counts may differ
+within a batch), its classifier-free-guidance rows and scale, and its VAE
+decode when its last step is done.
 
-On a GPU the engine's thread never waits for the GPU to finish the work it
-has just queued, at a step, at admission or at a decode: a wait drains the
-GPU while Python issues the next kernels. It does wait for older work: with
-``steps_ahead`` steps queued (the default 2: one running, one ready behind
-it), it waits for the oldest before queuing another. With CUDA graphs,
-queuing a step is one replay and a few small kernels per request, while the
-GPU runs it for 13 ms (one request, H200, 512x512) to about 100 ms (sixteen);
-without the bound the thread ran many steps ahead of the GPU, and a request
-that arrived joined the batch many steps after its "next step": on an H200
-under mixed open traffic (docs/benchmarks.md) the slowest class's median fell
-from 2.3x to 1.8-1.9x its time alone with the bound, and the closed loop
-stayed within 0.97 to 1.01 of the best request-level batch. The engine
-waits for that room before it takes new requests in and chooses the group
-to step, so a request that arrives while it waits joins the very next step
-(waiting after the choice made it miss that step and join the one after).
-
-Timesteps and prompt embeddings go up from pinned memory without blocking
-(a copy from pageable memory waits for the stream first); decoded images
-come down into pinned memory, and a second thread waits for each copy and
-resolves its requests' futures.
-
-The engine's thread runs every torch operation of its runner: loading the
-pipeline (``call``), encoding a request's prompt (``StepJob.prepare``, at
-admission), the steps and the decode. On a CPU, PyTorch's OpenMP runtime
-gives each thread that runs parallel work its own team of workers; two teams
-on a small machine make libgomp throttle their spin-waits, and one image
-took 20% longer (1.84 s against 1.51 s, 64x64 demo pipeline, 2 cores) when
-the pipeline was loaded on one thread and run on another.
+On a GPU the engine's thread never waits for the work it has just queued (a
+wait drains the GPU while Python issues the next kernels), but keeps at most
+``steps_ahead`` steps queued, so that a request that arrives joins the very
+next step instead of one queued long before. Copies go through pinned
+memory; a second thread waits for each batch of images. The engine's thread
+runs every torch operation of its runner: on a CPU, two threads running
+parallel torch work each get an OpenMP team, and the teams slow each other.
 
 Requests that cannot share a forward pass (latent size, token count) form
-groups, and the engine steps one group at a time. ``group_order`` says
-which next: ``most_behind`` (the default: the group holding the request
-furthest behind its own time alone, the time since it was submitted over
-its steps times what one step of its group costs alone, as "highest
-response ratio next" schedules; a short request passes a long one soon
-after it arrives, and a long one that has waited passes new short ones, so
-the slowdown evens out across classes), ``round_robin`` (one step each, in
-turn) or ``shortest_first`` (the group whose next request to finish needs
-the least work, its steps left times its latent area, as SRPT schedules).
-What a step costs alone is measured (``StepCosts``): it is not its pixels
-(an H200 runs a step at 384x384 in 0.82 of the time at 512x512, not 0.56),
-and ordering by pixels left the larger size the slowest class. On an H200
-under mixed traffic (docs/benchmarks.md) the slowest class's median was
-1.59-1.64x its time alone in three runs, against 1.74-1.89x in turn and
-1.62-1.68x shortest first.
-No group starves: under ``shortest_first`` one passed over
-``STARVE_AFTER`` steps in a row runs the next; under ``most_behind`` a
-waiting request's ratio grows until it is the highest. Rows in flight
-are bounded (``max_rows``); beyond it, admission waits (FIFO) or rejects,
-as configured. A cancelled request leaves at the next step.
+groups, stepped one at a time in the ``group_order``: ``most_behind`` (the
+default: the group holding the request furthest behind its time alone, as
+"highest response ratio next" schedules, so the slowdown evens out across
+classes), ``round_robin`` or ``shortest_first`` (least work left, as SRPT,
+with a bound on starvation). A step's cost alone is measured per group
+(``StepCosts``), not guessed from its pixels. Rows in flight are bounded
+(``max_rows``); beyond it admission waits (FIFO) or rejects. A cancelled
+request leaves at the next step.
 
-Determinism: a row's output depends on the batch size the UNet ran at only
-through kernel choice (the low bits). ``exact=True`` pads every step to
-``max_rows``, so a request's image is bit-identical alone or in company;
-otherwise the step is padded to the next of ``buckets`` (one CUDA graph per
-bucket) and images agree within the tolerance the tests state.
+Determinism: a row's output depends on the batch size only through kernel
+choice (the low bits). ``exact=True`` pads every step to ``max_rows`` for
+bit-identical images; otherwise steps are padded to ``buckets`` (one CUDA
+graph each) and images agree within the tolerance the tests state.
 """
 
 from __future__ import annotations
@@ -96,9 +56,7 @@ logger = logging.getLogger(__name__)
 
 # Rows a step is padded to. Past a few rows an SD UNet step on a GPU costs in
 # proportion to its rows, so a padding row is pure waste: above 8 the buckets
-# are 4 rows (two requests with guidance) apart, not a power of two (H200,
-# 512x512: 9 requests padded to 32 rows ran as slowly as 16, and under 80 %
-# open load the queue grew until p50 was 2.3 s).
+# are 4 rows (two requests with guidance) apart, not a power of two.
 BUCKETS = (1, 2, 4, 6, 8, *range(12, 65, 4))
 GROUP_ORDERS = ("most_behind", "round_robin", "shortest_first")
 # shortest_first: a group passed over this many steps in a row runs the next one (bounded waiting;

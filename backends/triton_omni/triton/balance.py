@@ -24,10 +24,7 @@ wait. A model with one instance (its config says so: ``instance_count``)
 skips all of it: no record written per request, no listing per
 ``execute``. Each of those is a system call that lets the stub's other
 threads take the GIL, and ``execute`` then waits to get it back; Triton
-hands an instance its next request only when ``execute`` returns. On the
-2-core CPU machine at 8 streams, skipping them took ``ar``'s ``execute``
-from 2.1-2.4 to 1.4-1.8 ms and its queue time from 2.4-3.0 to 1.3-1.5 ms
-(docs/benchmarks.md, "Eighth pass").
+hands an instance its next request only when ``execute`` returns.
 
 A full instance (its engine would queue the next request: ``full``) keeps
 ``execute`` too, even when it is the least loaded, until a request of its
@@ -35,9 +32,8 @@ own finishes: the next request then waits in Triton's queue, where
 whichever instance frees a place first takes it, rather than in one engine
 behind a whole image while a sibling has room. Why: the choice above is
 made when ``execute`` returns, and an idle instance thread cannot take it
-back. On two H200s at concurrency 32 (16 per GPU, 16 per engine) a GPU now
-and then got a 17th request just before the other finished one, and that
-request waited a whole image (p99 3.4 s against a p50 of 2.3 s).
+back. Without it a full engine now and then took one more request just
+before a sibling finished one, and that request waited a whole image.
 
 The load is a request count: requests of one model cost alike to first
 order (same sizes and steps under a bench; a mix evens out over many).

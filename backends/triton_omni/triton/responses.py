@@ -22,9 +22,9 @@ its own response.
 Two lanes: a stream's first response and every request's final one go
 first (``urgent``), the responses in between wait in the other lane. Under
 load each send waits for the GIL (the engine loop computes meanwhile), and
-the thread sends a response of each of 64 streams in turn, tens of ms a
-round on an H200: the first token and the final response waited that round
-in one queue, lengthening time to first token and, for a closed-loop client,
+the thread sends a response of each stream in turn, a long round at high
+concurrency: the first token and the final response waited that round in one
+queue, lengthening time to first token and, for a closed-loop client,
 the gap before its next request, which left the engine fewer requests to
 batch. The middle of a stream only merges more. A response never overtakes
 one queued before it for the same request: those move to the urgent lane

@@ -74,9 +74,9 @@ def string_tensor(name: str, value: str | list[str], batched: bool = False):
 
 def python_tensor(name: str, value: int | float | list, dtype: type, batched: bool = False):
     """A Python number or list, as a NumPy array: what a streamed response's
-    token count is, built for every response the stub sends. 4 us against
-    12 us through torch and DLPack in a Triton 2.51 stub
-    (benchmarks/stub_tensors.py), whose GIL bounds ``ar`` under load. NumPy outputs
+    token count is, built for every response the stub sends: for a small value
+    NumPy is a few times cheaper than torch and DLPack, and the stub's GIL bounds
+    ``ar`` under load. NumPy outputs
     need NumPy 1 in a 2.51 stub, as its text outputs always have (docs/operations.md)."""
     array = np.array(value if isinstance(value, list) else [value], dtype=dtype)
     return pb_utils.Tensor(name, array[None] if batched else array)

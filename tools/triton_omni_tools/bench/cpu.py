@@ -1,9 +1,8 @@
 """Where the CPU goes during a timed window (Linux ``/proc``): the whole
 host, vLLM's engine core processes, the tritonserver process itself.
 
-Why: through Triton, vLLM's engine steps were slower than direct at the same
-concurrency (ITL p50 2.17 against 1.71 ms at 8 streams on an H200), with the
-same engine code on the same GPU. An engine core is a Python busy loop that
+Why: through Triton, vLLM's engine steps can run slower than direct at the
+same concurrency, with the same engine code on the same GPU. An engine core is a Python busy loop that
 needs a core of its own; these figures show what else runs beside it."""
 
 from __future__ import annotations

@@ -691,10 +691,9 @@ def run(preset_name: str, concurrency: tuple[int, ...] | None, workloads: tuple[
     Where the direct side's runners fit on the GPU beside the server's (on
     CPU, always), each point is measured as ``pairs`` direct/triton pairs,
     back to back, the order alternating (direct first, then triton first, ...),
-    and the report takes the median of the pairs' ratios. Why: this host's
-    throughput drifts by 10-35 % over minutes (docs/benchmarks.md), so a
-    direct figure taken a quarter of an hour before its Triton figure made
-    single ratios move by +-15 % between runs. Otherwise (a full realistic
+    and the report takes the median of the pairs' ratios. Why: a shared
+    host's throughput drifts over minutes, so a direct figure taken a quarter
+    of an hour before its Triton figure is not side by side. Otherwise (a full realistic
     run: every stage twice does not fit one GPU) the direct side runs first
     and is freed before the server starts."""
     import torch

@@ -227,8 +227,8 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
     - ``by_request_peak``: every mode at ``load`` of request batching's closed-loop peak on the mix,
       the same arrivals for all; the load the Poisson points use, so the modes are compared at one
       offered rate;
-    - ``by_own_peak``: each step mode again at ``load`` of step batching's own peak on the mix (higher:
-      about 1.8x on an H200), the stricter reading, where step batching is as busy as request
+    - ``by_own_peak``: each step mode again at ``load`` of step batching's own peak on the mix (higher),
+      the stricter reading, where step batching is as busy as request
       batching is in the first.
     """
     classes = [ImageClass(steps, size) for steps in preset.mixed_steps for size in preset.mixed_sizes]
@@ -242,8 +242,7 @@ def measure_mixed(url: str, preset: Preset, sender: ImageSender, requests: int, 
         warm_up(url, preset, model, classes, preset.max_batch_size)
         solo[mode] = {image.name: solo_latency(sender, model, image) for image in classes}
     # One peak per batching, measured once: an order changes which group steps, not the work, and
-    # peaks measured apart differed by up to 16 % on an H200, which moved the offered load more than
-    # the orders differ.
+    # peaks measured apart differ by more than the orders do, and would move the offered load.
     if "request" not in modes:
         warm_up(url, preset, MIXED_MODES["request"], classes, preset.max_batch_size)
     step_modes = [mode for mode in modes if mode != "request"]
@@ -307,8 +306,7 @@ def repository(preset: Preset, dest: Path, loaded: int = len(MIXED_MODES)) -> li
     repositories = bench_repository(replace(preset, diffusion_batching="step"), dest)
     variants, models = repositories[0], repositories[1]
     # The loaded copies live at once (measured one at a time), so together they must fit the GPU
-    # memory plan: each gets an equal part of it, at most what diffusion's config asks (0.30 of an
-    # H200 for three copies; 0.225 for all four).
+    # memory plan: each gets an equal part of it, at most what diffusion's config asks.
     config = models / "diffusion" / "config.pbtxt"
     share = min(configured_share(load_config(config)) or 1.0, COPIES_SHARE / loaded)
     edit_config(config, parameters={"gpu_memory_utilization": f"{share:.3f}"})

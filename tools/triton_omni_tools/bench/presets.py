@@ -36,9 +36,7 @@ class Preset:
     ar_concurrency: tuple[int, ...] = (1, 8, 16, 32, 64)
     encoder_max_batch_size: int = 64  # ar_encoder's, so that direct and Triton batch alike at every concurrency
     # Closed-loop requests per client of the AR workloads, on both sides: enough work that one
-    # hiccup does not make the figure (four 128-token streams at concurrency 1, 0.8 s, moved by
-    # a third between runs on the H200). ar_encoder: 128 prompts, 2 to 7 s a point on the H200
-    # (32 made 1 to 2 s points whose pairs spread from 0.45 to 0.96).
+    # hiccup does not make the figure (points of a second or less moved by a third between runs).
     ar_rounds: tuple[tuple[str, int], ...] = (("ar", 12), ("ar_transformers", 4), ("ar_encoder", 128))
     # Extra vLLM engine arguments of `ar` (JSON), the same on both sides: e.g. '{"stream_interval": 4}'.
     ar_engine_args: str = ""
