@@ -1,4 +1,4 @@
-"""The open-loop report's plot, drawn from a saved report (as docs/ keeps them)."""
+"""The open-loop report's plot, drawn from a saved report (as benchmarks/records/ keeps them)."""
 
 from __future__ import annotations
 
@@ -53,15 +53,15 @@ def _saved(tmp_path, report: dict):
     return path
 
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "records" / "data"
 
 
 @pytest.mark.parametrize("name", ["benchmarks-realistic-h200-open-loop.json",
                                   "benchmarks-realistic-h200-mixed-two-readings-2026-11-24.json",
                                   "benchmarks-tiny-cpu-mixed-group-order-2026-11-24.json"])
-def test_the_reports_kept_in_docs_still_print_and_plot(tmp_path, capsys, name):
+def test_the_reports_kept_in_the_records_still_print_and_plot(tmp_path, capsys, name):
     """Reports from before and after the two readings of mixed traffic's load."""
-    report = json.loads((DOCS / name).read_text())
+    report = json.loads((RECORDS / name).read_text())
     openloop.table(report)
     assert "worst" in capsys.readouterr().out
     openloop_plot.plot(report, tmp_path / "plot.png", name)
