@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 DEMO_PREFIX = "demo:"
 AR_DEMO = "tiny-qwen2"
 DIFFUSION_DEMO = "tiny-sd"
+# LLM-conditioned DiTs, shaped like diffusers' own pipeline tests: Qwen-Image (a Qwen2.5-VL text
+# encoder, an MMDiT, true CFG) and Z-Image (a Qwen3 text encoder, a single-stream DiT).
+QWEN_IMAGE_DEMO = "tiny-qwen-image"
+Z_IMAGE_DEMO = "tiny-z-image"
 # Real sizes, random weights: for benchmarks on a GPU (omni-triton bench --preset realistic).
 AR_REALISTIC = "realistic-qwen2"
 DIFFUSION_REALISTIC = "realistic-sd"
@@ -88,6 +92,8 @@ def resolve_model(model: str) -> str:
         DIFFUSION_DEMO: build_diffusion_pipeline,
         AR_REALISTIC: lambda out: build_ar_model(out, AR_REALISTIC_SHAPE),
         DIFFUSION_REALISTIC: lambda out: build_diffusion_pipeline(out, AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15),
+        QWEN_IMAGE_DEMO: build_qwen_image_pipeline,
+        Z_IMAGE_DEMO: build_z_image_pipeline,
     }
     if name not in builders:
         raise ValueError(f"unknown demo model {model!r}; known: {sorted(DEMO_PREFIX + n for n in builders)}")
@@ -121,7 +127,18 @@ def ensure_built(name: str, builder) -> Path:
     return target
 
 
-def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"]):
+# The chat markers of the Qwen family, and a chat template shaped like Qwen3's (Z-Image renders its
+# prompts with it; Qwen-Image writes the same markers into its own template string).
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"],
+                    chat: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -130,14 +147,14 @@ def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
+        special_tokens=["<|endoftext|>", "<|pad|>", *(CHAT_TOKENS if chat else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
-        model_max_length=max_length,
+        model_max_length=max_length, **({"chat_template": CHAT_TEMPLATE} if chat else {}),
     )
     fast.save_pretrained(out)
     return fast
@@ -194,6 +211,77 @@ def build_diffusion_pipeline(out: Path, ar_shape: dict = AR_SHAPE, unet_shape: d
         unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
+    pipeline.save_pretrained(out)
+
+
+def build_qwen_image_pipeline(out: Path) -> None:
+    """A ``QwenImagePipeline`` at the shape of diffusers' pipeline test: a
+    Qwen2.5-VL text encoder (hidden 16), an MMDiT, Qwen-Image's VAE and
+    flow-matching scheduler. Its text encoder's hidden size is 64 wide here
+    (head_dim 32), so that the same checkpoint also loads as ``ar_encoder``."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    hidden = 64
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=hidden, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": AR_SHAPE["vocab_size"],
+                     "rope_scaling": {"mrope_section": [4, 6, 6], "rope_type": "default", "type": "default"},
+                     "rope_theta": 1000000.0},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": hidden},
+        vocab_size=AR_SHAPE["vocab_size"], vision_start_token_id=AR_SHAPE["vocab_size"] - 3,
+        vision_end_token_id=AR_SHAPE["vocab_size"] - 2, vision_token_id=AR_SHAPE["vocab_size"] - 1,
+    )).eval()
+    pipeline = QwenImagePipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                 text_encoder=text_encoder, tokenizer=tokenizer)
+    pipeline.save_pretrained(out)
+
+
+def build_z_image_pipeline(out: Path) -> None:
+    """A ``ZImagePipeline`` at the shape of diffusers' pipeline test: a Qwen3
+    text encoder (its second-to-last hidden state conditions), a single-stream
+    DiT, a 16-channel VAE and a flow-matching scheduler."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    hidden = 64
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=hidden, rope_theta=256.0,
+        t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), layers_per_block=1,
+                        latent_channels=16, norm_num_groups=32, sample_size=32, scaling_factor=0.3611,
+                        shift_factor=0.1159)
+    torch.manual_seed(0)
+    text_encoder = Qwen3Model(Qwen3Config(
+        hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=AR_SHAPE["vocab_size"], max_position_embeddings=1024,
+    )).eval()
+    pipeline = ZImagePipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                              text_encoder=text_encoder, tokenizer=tokenizer)
     pipeline.save_pretrained(out)
 
 

@@ -19,6 +19,10 @@ def tracked() -> list[str]:
     return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
 
 
+def folders_under_tests(files: list[str]) -> set[str]:
+    return {"/".join(path.split("/")[:2]) for path in files if path.startswith("tests/") and path.count("/") > 1}
+
+
 def table_cells(markdown: str) -> list[str]:
     return [cell.strip() for line in markdown.splitlines() if line.startswith("|") for cell in line.split("|")[1:-1]]
 
@@ -52,14 +56,14 @@ def test_readme_layout_names_every_folder():
     readme = (ROOT / "README.md").read_text()
     files = tracked()
     folders = {path.split("/")[0] for path in files if "/" in path}
-    test_folders = {"/".join(path.split("/")[:2]) for path in files if path.startswith("tests/") and path.count("/") > 1}
+    test_folders = folders_under_tests(files)
     missing = [folder for folder in sorted(folders | test_folders) if f"`{folder}" not in readme]
     assert not missing, missing
 
 
 def test_architecture_lists_every_test_folder():
     architecture = (ROOT / "ARCHITECTURE.md").read_text()
-    test_folders = {"/".join(path.split("/")[:2]) for path in tracked() if path.startswith("tests/") and path.count("/") > 1}
+    test_folders = folders_under_tests(tracked())
     assert not [folder for folder in sorted(test_folders) if f"`{folder}`" not in architecture]
 
 

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                             "instances in front of one vLLM engine); docs/gpu.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
+    serve.add_argument("--demo", choices=["sd", "qwen-image", "z-image"], default="sd",
+                       help="the family of the demo image models: Stable Diffusion (a UNet), Qwen-Image or Z-Image "
+                            "(LLM-conditioned DiTs); ar_encoder runs that family's text recipe (docs/models.md)")
     serve.add_argument("--no-restart", action="store_true",
                        help="exit when tritonserver dies instead of starting it again (at most 5 times in "
                             "10 minutes); for a supervisor of your own (docs/operations.md)")
@@ -181,7 +184,7 @@ def _serve(args) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
-        placement=args.place,
+        placement=args.place, demo=args.demo,
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from triton_omni_tools import memory_plan, placement
+from triton_omni_tools.demos import demo_edits
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
 from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
@@ -70,6 +71,8 @@ class ServerOptions:
     # Which GPUs each stage uses, ``STAGE=GPUS[xN]`` or ``STAGE=tp:GPUS`` (placement.py): the
     # server then loads a copy of the repositories with those instance groups.
     placement: list[str] = field(default_factory=list)
+    # The demo models' family (demos.py): "sd", "qwen-image" or "z-image".
+    demo: str = "sd"
 
 
 @dataclass(frozen=True)
@@ -271,7 +274,8 @@ class TritonServer:
         # What the server loads: the options' repositories, or their copies with the placement applied.
         try:
             self.repositories = placement.place_repositories(options.model_repositories, options.placement,
-                                                             gpu_count(), self.run_dir / "repositories")
+                                                             gpu_count(), self.run_dir / "repositories",
+                                                             demo_edits(options.demo))
         except Exception:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
@@ -483,6 +487,8 @@ def access_summary(options: ServerOptions, restarts: RestartPolicy | None = None
         "closed: set TRITON_OMNI_ADMIN_KEY to open them with that header"
     supervised = "\n  supervised: a model whose stub dies is unloaded and loaded again" if options.supervise else ""
     placed = f"\n  placement: {' '.join(options.placement)}" if options.placement else ""
+    if options.demo != "sd":
+        placed += f"\n  demo family: {options.demo} (ar_encoder and diffusion)"
     if restarts is not None:
         supervised += (f"\n  restarted: tritonserver, if it dies, at most {restarts.max_restarts} times in "
                        f"{restarts.window_s / 60:.0f} min")

@@ -123,12 +123,15 @@ def spread(num_gpus: int, stages: tuple[str, ...] = ("diffusion",)) -> list[str]
     return [f"{stage}=" + ",".join(str(g) for g in range(num_gpus)) for stage in stages]
 
 
-def place_repositories(repositories: list[Path], specs: list[str], num_gpus: int | None, dest: Path) -> list[Path]:
-    """Copies of ``repositories`` under ``dest`` with ``specs`` applied; the
-    repositories themselves when there is no spec."""
-    if not specs:
+def place_repositories(repositories: list[Path], specs: list[str], num_gpus: int | None, dest: Path,
+                       other_edits: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+    """Copies of ``repositories`` under ``dest`` with ``specs`` applied (and
+    ``other_edits``, e.g. a demo family's); the repositories themselves when
+    there is nothing to change."""
+    if not specs and not other_edits:
         return list(repositories)
-    from triton_omni_tools.repository import copy_repositories
+    from triton_omni_tools.repository import copy_repositories, merge_edits
 
     models = {path.parent.name for repository in repositories for path in Path(repository).glob("*/config.pbtxt")}
-    return copy_repositories(list(repositories), dest, edits(parse_all(specs, num_gpus, models)))
+    placed = edits(parse_all(specs, num_gpus, models))
+    return copy_repositories(list(repositories), dest, merge_edits(other_edits or {}, placed))

@@ -71,6 +71,20 @@ def copy_model(source_repository: Path, model: str, dest_repository: Path, name:
     return target
 
 
+def merge_edits(first: dict[str, dict[str, Any]], then: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Two sets of ``copy_repositories`` edits as one: ``then`` wins a field both set,
+    and model parameters merge key by key."""
+    merged = {model: dict(changes) for model, changes in first.items()}
+    for model, changes in then.items():
+        target = merged.setdefault(model, {})
+        for field_name, value in changes.items():
+            if field_name == "parameters":
+                target["parameters"] = target.get("parameters", {}) | value
+            else:
+                target[field_name] = value
+    return merged
+
+
 def copy_repositories(sources: list[Path], dest: Path, edits: dict[str, dict[str, Any]]) -> list[Path]:
     """Whole repositories copied under ``dest``, with ``edits[model]`` applied to each model named there."""
     copies = []

@@ -72,8 +72,8 @@ class ArEngine(ABC):
         """Stop working on a request; a no-op when it has already finished."""
 
     @abstractmethod
-    async def encode(self, batch: list[list[int]]) -> list[torch.Tensor]:
-        """Last hidden states ``[num_tokens, hidden]`` for each prompt."""
+    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
+        """Hidden states ``[num_tokens, hidden]`` of ``layer`` (-1: the last) for each prompt."""
 
     async def shutdown(self) -> None:  # noqa: B027 - engines without resources need nothing
         """Release engine resources (processes, threads, device memory)."""

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from triton_omni.ar.batching import Sequence, StepBatcher
 from triton_omni.ar.engine import ArEngine, Delta
@@ -32,12 +32,17 @@ DEFAULT_MAX_NUM_SEQS = 32  # rows decoded together; vLLM's name for the same bou
 class TransformersEngine(ArEngine):
     name = "transformers"
 
-    def __init__(self, model: str, device: str, dtype: torch.dtype, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
+    def __init__(self, model: str, device: str, dtype: torch.dtype, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 encoder: bool = False):
+        """``encoder``: the model only encodes (``ar_encoder``): its base model, no LM head, no
+        batcher; any text model transformers knows, the text encoders of diffusion pipelines too."""
         self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(self.device).eval()
-        self.hidden_size = self.model.config.hidden_size
-        self.batcher = StepBatcher(self.model, self.device, max_num_seqs)
+        load = AutoModel if encoder else AutoModelForCausalLM
+        self.model = load.from_pretrained(model, dtype=dtype).to(self.device).eval()
+        self.hidden_size = self.model.config.get_text_config().hidden_size
+        self.batcher = None if encoder else StepBatcher(self.model, self.device, max_num_seqs)
+        if not encoder:
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-encode")
         self._sequences: dict[str, Sequence] = {}
 
@@ -87,10 +92,10 @@ class TransformersEngine(ArEngine):
         if sequence is not None:
             sequence.cancel()
 
-    async def encode(self, batch: list[list[int]]) -> list[torch.Tensor]:
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, batch)
+    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, batch, layer)
 
-    def _encode_blocking(self, batch: list[list[int]]) -> list[torch.Tensor]:
+    def _encode_blocking(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
         """One padded forward pass for the whole batch; right padding keeps
         each prompt's positions identical to an unbatched run."""
         lengths = [len(ids) for ids in batch]
@@ -102,11 +107,12 @@ class TransformersEngine(ArEngine):
         with torch.inference_mode():
             out = self.model(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                              output_hidden_states=True)
-        last = out.hidden_states[-1]
-        return [last[row, :length] for row, length in enumerate(lengths)]
+        hidden = out.hidden_states[layer]
+        return [hidden[row, :length] for row, length in enumerate(lengths)]
 
     async def shutdown(self) -> None:
-        self.batcher.stop()
+        if self.batcher is not None:
+            self.batcher.stop()
         self._encoder.shutdown(wait=True)
 
 

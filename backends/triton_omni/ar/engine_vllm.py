@@ -138,8 +138,11 @@ class VllmEngine(ArEngine):
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    async def encode(self, batch: list[list[int]]) -> list[torch.Tensor]:
-        """All prompts go to the engine at once; its scheduler batches them."""
+    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
+        """All prompts go to the engine at once; its scheduler batches them.
+        vLLM's pooling runner returns the last layer only (the runner never asks for another)."""
+        if layer != -1:
+            raise ValueError(f"vLLM returns the last hidden layer only, not layer {layer}")
         if len(batch) == 1:  # the stub's one prompt per call: no task of its own
             return [await self._encode_one(batch[0], 0)]
         return list(await asyncio.gather(*(self._encode_one(ids, i) for i, ids in enumerate(batch))))

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
+from triton_omni.ar.recipes import EncoderRecipe, recipe
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
@@ -51,12 +53,15 @@ class ArRunnerConfig:
     # This model's share of its GPU (gpu_memory.py); None: the engine's default (vLLM: 0.9).
     gpu_memory_utilization: float | None = None
     engine_cpus: str = ""  # vLLM: the CPUs its engine core runs on (cpu_affinity.py); "": wherever the OS puts it
+    # encode mode: the diffusion pipeline's text-encoding recipe (recipes.py)
+    recipe: str = "last_hidden_state"
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
             raise ValueError(f"mode must be 'generate' or 'encode', got {self.mode!r}")
         if self.engine not in ("auto", "vllm", "transformers"):
             raise ValueError(f"engine must be 'auto', 'vllm' or 'transformers', got {self.engine!r}")
+        recipe(self.recipe)  # a name it does not know fails the load, naming the parameter
 
     def resolved_engine(self) -> str:
         if self.engine != "auto":
@@ -79,14 +84,34 @@ class ArRunner:
         """``seat``: a vLLM engine core shared with other instances (shared_engine.py)."""
         self.config = config
         self.seat = seat
-        self.model_path = resolve_model(config.model)
-        self.engine_name = config.resolved_engine()
-        self._token_ids = _token_ids_of(AutoTokenizer.from_pretrained(self.model_path))
+        self.recipe: EncoderRecipe = recipe(config.recipe)
+        self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model))
+        self.engine_name = self._choose_engine()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self._token_ids = _token_ids_of(self.tokenizer)
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
         self.engine: ArEngine = self.loop.run(self._build_engine())
-        logger.info("AR runner ready: model=%s engine=%s mode=%s", self.model_path, self.engine_name, config.mode)
+        logger.info("AR runner ready: model=%s engine=%s mode=%s%s", self.model_path, self.engine_name, config.mode,
+                    f" recipe={self.recipe.name}" if config.mode == "encode" else "")
+
+    def _choose_engine(self) -> str:
+        """The configured engine, except where vLLM cannot run this recipe: its pooling
+        runner returns the last layer of a causal LM, not another layer nor a text
+        encoder inside a diffusion pipeline's folder. Then the transformers engine, said so."""
+        engine = self.config.resolved_engine()
+        if self.config.mode != "encode" or engine != "vllm":
+            return engine
+        reason = (f"it needs hidden layer {self.recipe.layer}" if self.recipe.layer != -1 else
+                  "the text encoder is part of a diffusers pipeline" if self.model_path.name == "text_encoder" else
+                  None)
+        if reason is None:
+            return engine
+        if self.config.engine == "vllm":
+            raise ValueError(f"recipe {self.recipe.name!r} cannot run on vLLM ({reason}); set engine 'transformers'")
+        logger.warning("recipe %s runs on the transformers engine: vLLM cannot run it (%s)", self.recipe.name, reason)
+        return "transformers"
 
     async def _build_engine(self) -> ArEngine:
         cfg = self.config
@@ -96,8 +121,8 @@ class ArRunner:
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
-            return VllmEngine(self.model_path, cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args, self.seat,
-                              cpus)
+            return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args,
+                              self.seat, cpus)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
         if cfg.engine_cpus:
@@ -110,18 +135,21 @@ class ArRunner:
 
         # vLLM's name for the bound on sequences decoded together, read by both engines
         max_num_seqs = int(cfg.engine_args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
-        return TransformersEngine(self.model_path, cfg.device, cfg.torch_dtype(), max_num_seqs)
+        return TransformersEngine(str(self.model_path), cfg.device, cfg.torch_dtype(), max_num_seqs,
+                                  encoder=cfg.mode == "encode")
 
     @property
     def hidden_size(self) -> int:
         return self.engine.hidden_size
 
     def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of a prompt, rejecting prompts the model cannot take."""
-        ids = self._token_ids(prompt)
+        """Token ids of a prompt (rendered by the recipe when encoding),
+        rejecting prompts the model cannot take."""
+        encoding = self.config.mode == "encode"
+        ids = self._token_ids(self.recipe.render(self.tokenizer, prompt) if encoding else prompt)
         allowed = self.config.max_model_len - 1  # leave room for at least one new token
-        if self.config.mode == "encode" and self.config.limits.max_prompt_tokens is not None:
-            allowed = min(allowed, self.config.limits.max_prompt_tokens)
+        if encoding and self.config.limits.max_prompt_tokens is not None:  # the tokens that leave, template's aside
+            allowed = min(allowed, self.config.limits.max_prompt_tokens + self.recipe.dropped)
         if len(ids) > allowed:
             raise RequestValidationError(
                 "text_input", f"prompt has {len(ids)} tokens; this model allows at most {allowed}",
@@ -191,14 +219,23 @@ class ArRunner:
                 results.append(None)  # filled below
             except RequestValidationError as exc:
                 results.append(exc)
-        hidden = iter(await self.engine.encode(token_ids)) if token_ids else iter(())
-        return [Embedding(next(hidden).to(dtype)) if r is None else r for r in results]
+        hidden = iter(await self.engine.encode(token_ids, self.recipe.layer)) if token_ids else iter(())
+        return [Embedding(self.recipe.select(next(hidden)).to(dtype)) if r is None else r for r in results]
 
     def close(self) -> None:
         try:
             self.loop.run(self.engine.shutdown(), timeout=60)
         finally:
             self.loop.stop()
+
+
+def _encoder_paths(path: str) -> tuple[Path, Path]:
+    """(model, tokenizer) folders: a diffusers pipeline's ``text_encoder`` and
+    ``tokenizer`` when ``path`` is one (``model_index.json``), else ``path`` twice."""
+    root = Path(path)
+    if (root / "model_index.json").exists():
+        return root / "text_encoder", root / "tokenizer"
+    return root, root
 
 
 def _token_ids_of(tokenizer) -> Callable[[str], list[int]]:

@@ -31,6 +31,7 @@ class DiffusionLimits:
     max_embeds_tokens: int = 512
     max_embeds_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 10_000
+    size_multiple: int = 8  # the VAE's factor, times the patch for a DiT (families.py)
 
 
 @dataclass
@@ -120,5 +121,5 @@ def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits, min_t
 def _image_side(name: str, value: Any, limits: DiffusionLimits) -> int:
     side = as_int(name, value)
     in_range(name, side, limits.min_size, limits.max_size)
-    require(side % 8 == 0, name, "must be a multiple of 8", side)
+    require(side % limits.size_multiple == 0, name, f"must be a multiple of {limits.size_multiple}", side)
     return side

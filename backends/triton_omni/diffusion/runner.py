@@ -1,4 +1,8 @@
-"""``DiffusionRunner``: any diffusers text-to-image pipeline, batched exactly.
+"""``DiffusionRunner``: a diffusers text-to-image pipeline, batched exactly.
+
+Stable Diffusion, Qwen-Image and Z-Image pipelines, each through its family
+adapter (``families.py``): the pipeline's own text recipe for a ``prompt``,
+its own guidance rule, its own ``__call__``.
 
 Exact batching, as a recipe:
 1. every text prompt is encoded on its own (batch 1), so its embeddings never
@@ -32,6 +36,7 @@ import torch
 
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
+from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
@@ -81,12 +86,13 @@ class _Job:
     index: int
     request: DiffusionRequest
     cond: torch.Tensor  # [T, H]
-    uncond: torch.Tensor | None  # [T, H] when guidance is on
+    uncond: torch.Tensor | None  # [T', H] when guidance is on
 
     def group_key(self) -> tuple:
         r = self.request
-        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if r.uses_guidance else 0.0,
-                self.cond.shape[0])
+        guided = self.uncond is not None
+        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided else 0.0,
+                self.cond.shape[0], self.uncond.shape[0] if guided else 0)
 
 
 class DiffusionRunner:
@@ -107,9 +113,10 @@ class DiffusionRunner:
         self.pipeline = self._on_torch_thread(
             lambda: DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device))
         self.pipeline.set_progress_bar_config(disable=True)
-        denoiser = getattr(self.pipeline, "unet", None) or self.pipeline.transformer
-        hidden = getattr(denoiser.config, "cross_attention_dim", None) or denoiser.config.joint_attention_dim
-        self.limits = DiffusionLimits(hidden_size=int(hidden), **config.limits)
+        self.family = family_of(self.pipeline)
+        hidden = self.family.hidden_size()
+        self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple()}
+                                         | config.limits))
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
             # step batching: a graph per (bucket, size, token count) in use
@@ -121,9 +128,9 @@ class DiffusionRunner:
                 raise ValueError(f"step batching needs a UNet pipeline of the Stable Diffusion family; "
                                  f"{type(self.pipeline).__name__} is not one (use batching 'request')")
             self.steps.pipeline = self.pipeline
-        logger.info("Diffusion runner ready: %s (%s) on %s, %s, hidden %d, CUDA graphs %s, %s batching", path,
-                    type(self.pipeline).__name__, self.device, self.dtype, hidden, "on" if self.graphs else "off",
-                    config.batching)
+        logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
+                    path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
+                    "on" if self.graphs else "off", config.batching)
 
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config
@@ -204,38 +211,39 @@ class DiffusionRunner:
         cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
         cond = to_device(cond, self.device, self.dtype)
         uncond = None
-        if request.uses_guidance:
+        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
+        if self.family.uses_guidance(request.guidance_scale, has_negative):
             if request.negative_prompt_embeds is not None:
                 uncond = request.negative_prompt_embeds
             elif request.negative_prompt is not None or request.prompt is not None:
                 uncond = self._encode_text(request.negative_prompt or "")
             else:  # embeddings from another model and no negative: the null condition
                 uncond = torch.zeros_like(cond)
-            cond, uncond = _same_length(cond, to_device(uncond, self.device, self.dtype))
+            uncond = to_device(uncond, self.device, self.dtype)
+            if self.family.cfg_in_one_batch:
+                cond, uncond = _same_length(cond, uncond)
         return _Job(index, request, cond, uncond)
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
         with torch.inference_mode():
-            embeds, _ = self.pipeline.encode_prompt(prompt, self.device, 1, False)
-        return embeds[0]
+            return self.family.encode(prompt, self.device)
 
     def _run_chunk(self, jobs: list[_Job], on_step, is_cancelled) -> list[torch.Tensor | Exception]:
         first = jobs[0].request
         padding = self.config.batch_size - len(jobs) if self.config.exact_batching else 0
         rows = jobs + [jobs[0]] * padding  # padding rows repeat a real row; their output is dropped
         generators = [self._generator(job.request.seed) for job in jobs] + [self._generator(0)] * padding
-        kwargs: dict[str, Any] = {
-            "prompt_embeds": torch.stack([job.cond for job in rows]),
+        guided = jobs[0].uncond is not None
+        kwargs: dict[str, Any] = self.family.call_kwargs(
+            [job.cond for job in rows], [job.uncond for job in rows] if guided else None, first.guidance_scale)
+        kwargs |= {
             "num_inference_steps": first.num_inference_steps,
-            "guidance_scale": first.guidance_scale,
             "height": first.height,
             "width": first.width,
             "generator": generators,
             "output_type": "pt",
             "callback_on_step_end": self._step_callback(jobs, on_step, is_cancelled),
         }
-        if first.uses_guidance:
-            kwargs["negative_prompt_embeds"] = torch.stack([job.uncond for job in rows])
         started = time.perf_counter()
         with torch.inference_mode():
             images = self.pipeline(**kwargs).images[: len(jobs)]

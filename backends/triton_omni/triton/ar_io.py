@@ -63,6 +63,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         engine_args=engine_args,
         gpu_memory_utilization=gpu_share(params),
         engine_cpus=params.get("engine_cpus", ""),
+        recipe=params.get("recipe", "last_hidden_state"),
     )
     return config, placement
 

@@ -1,0 +1,69 @@
+"""The LLM-conditioned DiT families served end to end (`omni-triton serve
+--demo qwen-image|z-image`): `diffusion` with a prompt, and `text_to_image`
+(`ar_encoder` running the family's text recipe, then `diffusion`), each
+image equal to the family's own diffusers pipeline with the same inputs and
+seed, within 1/255 per pixel (the server's CPU threads are not the test's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.steps import to_pixels
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+from tests.support.server import text_to_image
+
+FAMILIES = {"qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image"}
+OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 3.0, "seed": 7}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_server(request, tmp_path_factory):
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_control_mode="explicit", load_models=["ar_encoder", "diffusion", "text_to_image"],
+                            demo=request.param, log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
+    with TritonServer(options) as server:
+        yield request.param, server
+
+
+def reference(family: str, prompt: str, negative: str | None) -> np.ndarray:
+    pipeline = DiffusionPipeline.from_pretrained(resolve_model(FAMILIES[family]))
+    guidance = {"true_cfg_scale" if family == "qwen-image" else "guidance_scale": OPTIONS["guidance_scale"]}
+    with torch.inference_mode():
+        images = pipeline(prompt=prompt, negative_prompt=negative, num_inference_steps=OPTIONS["num_inference_steps"],
+                          height=OPTIONS["height"], width=OPTIONS["width"], output_type="pt",
+                          generator=torch.Generator().manual_seed(OPTIONS["seed"]), **guidance).images
+    return to_pixels(images)[0].numpy()
+
+
+def assert_close(image: np.ndarray, expected: np.ndarray) -> None:
+    assert image.shape == expected.shape
+    assert np.abs(image.astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_a_prompt_to_diffusion_gives_the_pipelines_image(family_server):
+    family, server = family_server
+    image = OmniClient(server.grpc_url).generate_image(prompt="a red fox", negative_prompt="blurry", **OPTIONS)
+    assert_close(image, reference(family, "a red fox", "blurry"))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_text_to_image_gives_the_pipelines_image(family_server, protocol):
+    """ar_encoder's recipe output conditions diffusion as the pipeline's own encoding would."""
+    family, server = family_server
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    image = text_to_image(url, protocol, "a watercolor lighthouse", "blurry", **OPTIONS)
+    assert_close(image, reference(family, "a watercolor lighthouse", "blurry"))
+
+
+def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
+    _, server = family_server
+    with pytest.raises(OmniError, match="height") as caught:
+        OmniClient(server.grpc_url).generate_image(prompt="a red fox", **(OPTIONS | {"height": 34}))
+    assert caught.value.status == "INVALID_ARG"
