@@ -26,7 +26,8 @@ OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale"
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_server(request, tmp_path_factory):
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control_mode="explicit", load_models=["ar_encoder", "diffusion", "text_to_image"],
+                            model_control_mode="explicit",
+                            load_models=["ar", "ar_encoder", "diffusion", "text_to_image", "omni"],
                             demo=request.param, log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     with TritonServer(options) as server:
         yield request.param, server
@@ -60,6 +61,23 @@ def test_text_to_image_gives_the_pipelines_image(family_server, protocol):
     url = server.grpc_url if protocol == "grpc" else server.http_url
     image = text_to_image(url, protocol, "a watercolor lighthouse", "blurry", **OPTIONS)
     assert_close(image, reference(family, "a watercolor lighthouse", "blurry"))
+
+
+def test_omni_routes_work_with_the_family(family_server):
+    """omni's image route encodes through ar_encoder and diffuses as text_to_image does; prompt
+    enhancement (ar rewrites the prompt first) and the hybrid route end in an image too."""
+    family, server = family_server
+    client = OmniClient(server.grpc_url)
+
+    def image_of(**kwargs) -> np.ndarray:
+        images = [event.image for event in client.generate("a red fox", **kwargs) if event.image is not None]
+        assert len(images) == 1 and images[0].shape[0] == 1
+        return images[0][0]
+
+    plain = image_of(modalities=["image"], negative_prompt="blurry", **OPTIONS)
+    assert_close(plain, reference(family, "a red fox", "blurry"))
+    assert image_of(modalities=["image"], enhance_prompt=True, max_tokens=8, **OPTIONS).shape == plain.shape
+    assert image_of(modalities=["text", "image"], max_tokens=4, **OPTIONS).shape == plain.shape
 
 
 def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
