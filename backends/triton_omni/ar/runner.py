@@ -242,9 +242,8 @@ def _token_ids_of(tokenizer) -> Callable[[str], list[int]]:
     """How a prompt becomes token ids: the tokenizer's call, or, for a fast
     tokenizer, its Rust backend directly, with the ids the call gives.
 
-    Why: the call wraps the backend in about 45 us of Python per prompt (70
-    against 24 us, Qwen2's tokenizer), on the event loop whose GIL bounds a
-    busy stub, and its batch call releases the GIL, which a contended thread
+    Why: the call wraps the backend in several times its own cost in Python,
+    on the event loop whose GIL bounds a busy stub, and its batch call releases the GIL, which a contended thread
     waits for to get back. One call first sets the backend as every call
     with these arguments sets it (no truncation, no padding, special tokens
     kept whole), and nothing changes it afterwards."""

@@ -25,9 +25,8 @@ logging.basicConfig(level=os.environ.get("TRITON_OMNI_LOG_LEVEL", "INFO"),
 # and the stub's own receiving of requests) releases the GIL while it waits
 # and must get it back afterwards. While another thread computes (the vLLM
 # output handler under load, a denoising loop), that takes until the busy
-# thread yields, every switch interval: 5 ms by default. Measured in a stub
-# beside a thread that only computes: 7,700 sends/s alone, 180/s at 5 ms,
-# 1,860/s at 0.2 ms, the busy thread losing ~15 %. TRITON_OMNI_GIL_SWITCH_S
-# overrides it.
+# thread yields, every switch interval: 5 ms by default, which throttles a
+# stub's sends to a few hundred a second. A shorter interval costs the busy
+# thread a little. TRITON_OMNI_GIL_SWITCH_S overrides it.
 GIL_SWITCH_S = float(os.environ.get("TRITON_OMNI_GIL_SWITCH_S", "0.0002"))
 sys.setswitchinterval(GIL_SWITCH_S)
