@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -114,6 +115,7 @@ def test_a_killed_stub_is_noticed_and_its_model_serves_again(supervised, model):
     assert victim.sent == victim.succeeded + len(victim.errors)  # every request answered, none hanging
     assert metric_value(supervised, "omni_stage_restarts_total", model=model) == restarts_before + 1
     assert_nothing_in_flight(supervised, model)
+    assert_reaped(stub.pid)
     with urllib.request.urlopen(f"http://{supervised.http_url}/v2/health/ready", timeout=5) as response:
         assert response.status == 200
 
@@ -160,6 +162,21 @@ def assert_nothing_in_flight(server, model: str, timeout_s: float = 5) -> None:
     while (value := metric_value(server, name, model=model)) != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert value == 0, f"{name}{{model={model}}} is {value} with no request in flight"
+
+
+def assert_reaped(pid: int, timeout_s: float = 5) -> None:
+    """The killed stub is gone from the process table, not a zombie of tritonserver's until it stops."""
+    deadline = time.monotonic() + timeout_s
+    while (state := process_state(pid)) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert state is None, f"the killed stub {pid} is still in the process table (state {state})"
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def kill_and_watch(server, model: str, pid: int, timeout_s: float = 120) -> tuple[float, float]:

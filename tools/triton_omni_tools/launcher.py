@@ -364,7 +364,8 @@ class TritonServer:
         # Own process group: stop() can then reach the stubs and their engine processes.
         env = server_env(install) | {"TRITON_OMNI_RUN_DIR": str(self.run_dir)}
         self.process = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT
-                                        if output else None, start_new_session=True)
+                                        if output else None, start_new_session=True,
+                                        preexec_fn=_reap_children_of_the_server)
         try:
             self.wait_ready()
         except BaseException:
@@ -425,6 +426,19 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _reap_children_of_the_server() -> None:
+    """Runs in the server's process before exec: its dead children are reaped by the kernel.
+
+    Why: Triton 2.51 waits for a stub's exit only when it unloads that stub's
+    instance, and an instance whose stub was killed mid-request is never
+    unloaded (Triton keeps it for the request it forgot), so the dead stub
+    stayed a zombie until the server stopped. An ignored SIGCHLD survives
+    exec; Triton's own waits still return once a stub is gone. The stubs set
+    it back to the default as they start (``triton_omni.triton``), so that
+    Python's process handling in them works as usual."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
 
 def _kill_group(pgid: int) -> None:

@@ -9,12 +9,24 @@ response thread, one metrics helper, shared by every stage.
 import locale
 import logging
 import os
+import signal
 import sys
 
 # The stub embeds Python without PEP 538 C-locale coercion, so text files
 # (torch's kernel templates, tokenizer files) would be read as ASCII.
 if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+# The launcher starts tritonserver with SIGCHLD ignored, so that the kernel reaps a
+# killed stub; ignored dispositions survive exec, so the stub inherits it. Python's
+# subprocess and multiprocessing (vLLM's engine core) need the default back.
+if signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # imported off the main thread: the disposition is the process's all the same
+        import ctypes
+
+        ctypes.CDLL(None).signal(signal.SIGCHLD, signal.SIG_DFL)
 
 # Every stage logs the same way; TRITON_OMNI_LOG_LEVEL=DEBUG adds, e.g.,
 # the diffusion backend's per-batch timing.
