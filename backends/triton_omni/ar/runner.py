@@ -64,9 +64,19 @@ class ArRunnerConfig:
         recipe(self.recipe)  # a name it does not know fails the load, naming the parameter
 
     def resolved_engine(self) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        """The configured engine; ``auto``: vLLM when importable, except for an
+        encoding recipe vLLM cannot run (then the transformers engine, said in the log)."""
+        engine = self.engine if self.engine != "auto" else \
+            "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        if self.mode != "encode" or engine != "vllm":
+            return engine
+        reason = _vllm_cannot_encode(recipe(self.recipe), self.model)
+        if reason is None:
+            return engine
+        if self.engine == "vllm":
+            raise ValueError(f"recipe {self.recipe!r} cannot run on vLLM ({reason}); set engine 'transformers'")
+        logger.warning("recipe %s runs on the transformers engine: vLLM cannot run it (%s)", self.recipe, reason)
+        return "transformers"
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.bfloat16)
@@ -86,7 +96,7 @@ class ArRunner:
         self.seat = seat
         self.recipe: EncoderRecipe = recipe(config.recipe)
         self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model))
-        self.engine_name = self._choose_engine()
+        self.engine_name = config.resolved_engine()
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self._token_ids = _token_ids_of(self.tokenizer)
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
@@ -96,22 +106,6 @@ class ArRunner:
         logger.info("AR runner ready: model=%s engine=%s mode=%s%s", self.model_path, self.engine_name, config.mode,
                     f" recipe={self.recipe.name}" if config.mode == "encode" else "")
 
-    def _choose_engine(self) -> str:
-        """The configured engine, except where vLLM cannot run this recipe: its pooling
-        runner returns the last layer of a causal LM, not another layer nor a text
-        encoder inside a diffusion pipeline's folder. Then the transformers engine, said so."""
-        engine = self.config.resolved_engine()
-        if self.config.mode != "encode" or engine != "vllm":
-            return engine
-        reason = (f"it needs hidden layer {self.recipe.layer}" if self.recipe.layer != -1 else
-                  "the text encoder is part of a diffusers pipeline" if self.model_path.name == "text_encoder" else
-                  None)
-        if reason is None:
-            return engine
-        if self.config.engine == "vllm":
-            raise ValueError(f"recipe {self.recipe.name!r} cannot run on vLLM ({reason}); set engine 'transformers'")
-        logger.warning("recipe %s runs on the transformers engine: vLLM cannot run it (%s)", self.recipe.name, reason)
-        return "transformers"
 
     async def _build_engine(self) -> ArEngine:
         cfg = self.config
@@ -227,6 +221,17 @@ class ArRunner:
             self.loop.run(self.engine.shutdown(), timeout=60)
         finally:
             self.loop.stop()
+
+
+def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
+    """Why vLLM cannot run this recipe on this model, or None: its pooling runner
+    returns the last layer of a causal LM, not another layer, nor a text encoder
+    inside a diffusion pipeline's folder."""
+    if encoding.layer != -1:
+        return f"it needs hidden layer {encoding.layer}"
+    if model and _encoder_paths(resolve_model(model))[0].name == "text_encoder":
+        return "the text encoder is part of a diffusers pipeline"
+    return None
 
 
 def _encoder_paths(path: str) -> tuple[Path, Path]:

@@ -46,7 +46,9 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         max_logprobs=int(params.get("max_logprobs", ArLimits.max_logprobs)),
         max_prompt_tokens=int(params["max_prompt_tokens"]) if params.get("max_prompt_tokens") else None,
     )
-    engine = ArRunnerConfig(model="", engine=params.get("engine", "auto")).resolved_engine()  # type: ignore[arg-type]
+    engine = ArRunnerConfig(model=params.get("model", "demo:tiny-qwen2"), mode=params.get("mode", "generate"),  # type: ignore[arg-type]
+                            engine=params.get("engine", "auto"),  # type: ignore[arg-type]
+                            recipe=params.get("recipe", "last_hidden_state")).resolved_engine()
     placement = place_instance(args, params, spans_gpus=engine == "vllm")
     engine_args = json_parameter(params, "engine_args")
     if engine == "vllm" and len(placement.gpus) > 1:
