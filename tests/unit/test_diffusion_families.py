@@ -84,3 +84,10 @@ def test_a_size_the_model_cannot_take_names_it(runner):
     multiple = runner.limits.size_multiple
     with pytest.raises(RequestValidationError, match=f"height.*multiple of {multiple}"):
         runner.parse({"prompt": "a red fox", "height": SIZE + multiple // 2 or 1, "width": SIZE})
+
+
+@pytest.mark.parametrize("model", ["demo:tiny-qwen-image", "demo:tiny-z-image"])
+def test_step_batching_of_a_dit_fails_the_load_naming_request_batching(model):
+    """Step batching drives UNet pipelines only for now; a DiT says what to use instead."""
+    with pytest.raises(ValueError, match="use batching 'request'"):
+        DiffusionRunner(DiffusionRunnerConfig(model, batching="step"))
