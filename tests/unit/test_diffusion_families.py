@@ -86,8 +86,33 @@ def test_a_size_the_model_cannot_take_names_it(runner):
         runner.parse({"prompt": "a red fox", "height": SIZE + multiple // 2 or 1, "width": SIZE})
 
 
-@pytest.mark.parametrize("model", ["demo:tiny-qwen-image", "demo:tiny-z-image"])
-def test_step_batching_of_a_dit_fails_the_load_naming_request_batching(model):
-    """Step batching drives UNet pipelines only for now; a DiT says what to use instead."""
-    with pytest.raises(ValueError, match="use batching 'request'"):
-        DiffusionRunner(DiffusionRunnerConfig(model, batching="step"))
+@pytest.fixture(scope="module", params=list(MODELS))
+def stepper(request) -> DiffusionRunner:
+    """Step batching: requests join and leave the running batch at every step."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS[request.param], batching="step", batch_size=4))
+    yield runner
+    runner.close()
+
+
+def test_step_batched_alone_equals_the_pipelines_own_call(stepper):
+    [image] = served(stepper, {"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "seed": 3})
+    assert (image.int() - reference(stepper, "a red fox", 3, 4.0, "blurry").int()).abs().max() <= 1
+
+
+def test_step_batched_beside_other_steps_sizes_and_guidance(stepper):
+    """Requests of other step counts, sizes and guidance in the running batch: each request's
+    image within one level of its pipeline's call alone."""
+    requests = [({"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "seed": 3}, 2, SIZE),
+                ({"prompt": "a red fox", "guidance_scale": 0.0, "seed": 9, "num_inference_steps": 4}, 4, SIZE),
+                ({"prompt": "a lighthouse", "negative_prompt": "dark", "guidance_scale": 2.5, "seed": 5,
+                  "height": 2 * SIZE}, 2, 2 * SIZE)]
+    futures = [stepper.submit(stepper.parse({"num_inference_steps": STEPS, "height": SIZE, "width": SIZE} | values))
+               for values, _, _ in requests]
+    for future, (values, steps, height) in zip(futures, requests, strict=True):
+        guidance_key = "true_cfg_scale" if stepper.family.name == "qwen_image" else "guidance_scale"
+        with torch.inference_mode():
+            expected = to_pixels(stepper.pipeline(
+                prompt=values["prompt"], negative_prompt=values.get("negative_prompt"), num_inference_steps=steps,
+                height=height, width=SIZE, generator=torch.Generator().manual_seed(values["seed"]),
+                output_type="pt", **{guidance_key: values["guidance_scale"]}).images)[0]
+        assert (future.result(timeout=300).int() - expected.int()).abs().max() <= 1, values

@@ -3,9 +3,8 @@
 Every family keeps the public contract (the same models, tensors and
 pipelines); what changes is what `ar_encoder` and `diffusion` load: a tiny
 random-weight pipeline of that family, built locally, and the text-encoding
-recipe that pipeline uses. Qwen-Image and Z-Image are diffusion
-transformers, served with request batching (step batching drives UNet
-pipelines only).
+recipe that pipeline uses; step batching drives every family's denoising
+loop (``triton_omni.diffusion.denoisers``).
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ DEMOS: dict[str, dict[str, dict[str, Any]]] = {
     "sd": {},  # the repositories as they are: demo:tiny-sd and the AR model's last hidden state
     "qwen-image": {
         "ar_encoder": {"parameters": {"model": "demo:tiny-qwen-image", "recipe": "qwen_image"}},
-        "diffusion": {"parameters": {"model": "demo:tiny-qwen-image", "batching": "request"},
-                      "preferred_batch_size": [], "max_queue_delay_us": 20_000},
+        "diffusion": {"parameters": {"model": "demo:tiny-qwen-image"}},
     },
     "z-image": {
         "ar_encoder": {"parameters": {"model": "demo:tiny-z-image", "recipe": "z_image"}},
-        "diffusion": {"parameters": {"model": "demo:tiny-z-image", "batching": "request"},
-                      "preferred_batch_size": [], "max_queue_delay_us": 20_000},
+        "diffusion": {"parameters": {"model": "demo:tiny-z-image"}},
     },
 }
 

@@ -36,6 +36,7 @@ import torch
 
 from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
+from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
@@ -123,10 +124,11 @@ class DiffusionRunner:
             self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
         if self.steps is not None:
-            if not hasattr(self.pipeline, "unet") or not hasattr(self.pipeline, "prepare_extra_step_kwargs"):
+            try:
+                self.steps.denoiser = denoiser_of(self.pipeline, self.steps.device, self.dtype)
+            except ValueError:
                 self.steps.stop()
-                raise ValueError(f"step batching needs a UNet pipeline of the Stable Diffusion family; "
-                                 f"{type(self.pipeline).__name__} is not one (use batching 'request')")
+                raise
             self.steps.pipeline = self.pipeline
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
@@ -150,8 +152,9 @@ class DiffusionRunner:
             job = self._prepare(0, request)
             return job.cond, job.uncond
 
-        step_job = StepJob(prepare, 2 if request.uses_guidance else 1,
-                           request.guidance_scale if request.uses_guidance else 1.0,
+        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
+        guided = self.family.uses_guidance(request.guidance_scale, has_negative)
+        step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale if guided else 1.0,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled)
         return self.steps.submit(step_job)

@@ -1,10 +1,11 @@
-"""Step-level (continuous) batching of a UNet pipeline's denoising loop.
+"""Step-level (continuous) batching of a pipeline's denoising loop (the
+family's part of it, from noise to decode, lives in ``denoisers.py``).
 
 Request-level batching runs a batch from its first step to its last; a
 request that arrives meanwhile waits for all of it. Here the unit of work is
 one denoising step: a request joins the running batch at the next step
 boundary and leaves when its own steps are done, so at low load a request
-starts at once and at high load the UNet still sees full batches.
+starts at once and at high load the denoiser still sees full batches.
 
 Each request keeps what makes its image its own: its latents (from its own
 seeded generator), its own copy of the scheduler (so step counts may differ
@@ -37,7 +38,6 @@ graph each) and images agree within the tolerance the tests state.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import threading
@@ -71,7 +71,7 @@ class StepJob:
     """One request in the engine: its inputs, and the state owned here."""
 
     prepare: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]  # (cond, uncond), run at admission
-    rows: int  # UNet rows per step: 2 with guidance (uncond, cond), else 1
+    rows: int  # denoiser rows per step: 2 with guidance (prompt and negative), else 1
     guidance_scale: float
     steps: int
     height: int
@@ -90,10 +90,11 @@ class StepJob:
     latents: torch.Tensor | None = None
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
+    key: tuple | None = None  # its group, as its family's denoiser says
 
     def group(self) -> tuple:
         """What rows must share to run in one forward pass."""
-        return self.height, self.width, self.cond.shape[0]
+        return self.key if self.key is not None else (self.height, self.width, self.cond.shape[0])
 
     def work_left(self) -> int:
         """Its remaining steps times its latent area: what a step costs grows with the pixels."""
@@ -174,6 +175,7 @@ class StepEngine:
         self.costs = StepCosts(device) if group_order == "most_behind" else None
         self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
         self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
+        self.denoiser: Any = None  # the pipeline family's adapter (denoisers.py), set with it
         self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
         self.on_batch = on_batch
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
@@ -275,18 +277,9 @@ class StepEngine:
         """The job's prompt encoded, its own scheduler, timesteps and initial noise; it joins its group."""
         try:
             job.cond, job.uncond = job.prepare()
-            scheduler = copy.deepcopy(self.pipeline.scheduler)
-            # The scheduler keeps its timesteps on the CPU and gets them as ints: its tables live
-            # there, and indexing them with a device tensor (DDIM does it three times a step) waits
-            # for the GPU to drain, once per request per step. Only the UNet needs them on the device.
-            scheduler.set_timesteps(job.steps, device="cpu")
-            job.scheduler, job.schedule = scheduler, scheduler.timesteps.tolist()
-            job.timesteps = to_device(scheduler.timesteps, self.device)
-            factor = self.pipeline.vae_scale_factor
-            shape = (1, self.pipeline.unet.config.in_channels, job.height // factor, job.width // factor)
-            noise = torch.randn(shape, generator=job.generator, device=self.device, dtype=self.dtype)
-            job.latents = noise * scheduler.init_noise_sigma
-            job.step_kwargs = self.pipeline.prepare_extra_step_kwargs(job.generator, 0.0)
+            with torch.inference_mode():
+                self.denoiser.start(job)
+            job.key = self.denoiser.group(job)
         except Exception as exc:
             job.future.set_exception(exc)
             return
@@ -355,39 +348,15 @@ class StepEngine:
         """One denoising step of every job: queued on the GPU, never waiting for it, so that
         the next step's kernels are issued while this one runs (tests/gpu checks it)."""
         with torch.inference_mode():
-            noise = self._denoise(jobs)
+            noise = self.denoiser.predict(jobs, self._rows_padded)
             for job, pred in zip(jobs, noise, strict=True):
-                job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, **job.step_kwargs,
-                                                 return_dict=False)[0]
+                self.denoiser.step(job, pred)
                 job.done += 1
 
-    def _denoise(self, jobs: list[StepJob]) -> list[torch.Tensor]:
-        """One UNet forward for every row of ``jobs``: each job's guided noise prediction."""
-        samples, timesteps, embeds = [], [], []
-        for job in jobs:
-            x = job.scheduler.scale_model_input(job.latents, job.schedule[job.done])
-            rows = [job.uncond, job.cond] if job.uncond is not None else [job.cond]
-            samples += [x] * len(rows)
-            timesteps += [job.timesteps[job.done]] * len(rows)
-            embeds += rows
-        n = len(samples)
-        size = self.max_rows if self.exact else next(b for b in self.buckets if b >= n)
-        pad = size - n  # padding rows repeat the last real row; their output is dropped
-        self.max_rows_seen = max(self.max_rows_seen, n)
-        sample = torch.cat(samples + [samples[-1]] * pad)
-        timestep = torch.stack(timesteps + [timesteps[-1]] * pad)
-        hidden = torch.stack(embeds + [embeds[-1]] * pad)
-        out = self.pipeline.unet(sample, timestep, encoder_hidden_states=hidden, return_dict=False)[0][:n]
-        preds, row = [], 0
-        for job in jobs:
-            if job.uncond is None:
-                preds.append(out[row : row + 1])
-                row += 1
-            else:
-                uncond, cond = out[row : row + 1], out[row + 1 : row + 2]
-                preds.append(uncond + job.guidance_scale * (cond - uncond))
-                row += 2
-        return preds
+    def _rows_padded(self, rows: int) -> int:
+        """What a forward pass of ``rows`` real rows is padded to: ``max_rows`` with ``exact``, else its bucket."""
+        self.max_rows_seen = max(self.max_rows_seen, rows)
+        return self.max_rows if self.exact else next(b for b in self.buckets if b >= rows)
 
     def _drop_if_cancelled(self, job: StepJob) -> bool:
         if job.cancelled is not None and job.cancelled():
@@ -402,10 +371,7 @@ class StepEngine:
         for batch in ([[job] for job in jobs] if self.exact else [jobs] if jobs else []):
             try:
                 with torch.inference_mode():
-                    vae = self.pipeline.vae
-                    latents = torch.cat([job.latents for job in batch]) / vae.config.scaling_factor
-                    images = vae.decode(latents, return_dict=False)[0]
-                    pixels, copied = pixels_to_host((images / 2 + 0.5).clamp(0, 1))
+                    pixels, copied = pixels_to_host(self.denoiser.decode(batch))
             except Exception as exc:
                 logger.exception("Decoding %d images failed", len(batch))
                 for job in batch:

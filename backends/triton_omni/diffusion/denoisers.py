@@ -1,0 +1,226 @@
+"""What the step engine (``steps.py``) needs of a pipeline family, one adapter each:
+a request's starting state (its scheduler copy, timesteps and noise, drawn as
+the pipeline draws them), one guided prediction for every request of a group
+in shared forward passes, a scheduler step, and the decode.
+
+Each adapter follows its pipeline's own ``__call__`` line by line, so that a
+request stepped in any company gives the image of that call: the UNet of the
+Stable Diffusion family (prompt and negative as rows of one batch), Qwen-Image's
+MMDiT (packed latents, a resolution-dependent shift, true CFG in two passes with
+its norm rescale) and Z-Image's DiT (latents as a list, the flow reversed, CFG
+above a scale of 0).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+# A step's rows padded up to this count (a bucket): (real rows) -> padded rows
+PadTo = Callable[[int], int]
+
+
+def _pad(rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """Padding rows repeat the last real row; their outputs are dropped."""
+    return rows + [rows[-1]] * (size - len(rows))
+
+
+def _flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigmas) -> None:
+    """A flow-matching request's scheduler copy, set as its pipeline sets it (the shift ``mu``
+    follows the image's token count)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+    scheduler = copy.deepcopy(pipeline.scheduler)
+    config = scheduler.config
+    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(scheduler, job.steps, device, sigmas=sigmas, mu=mu)
+    scheduler.set_begin_index(0)
+    job.scheduler, job.timesteps, job.schedule = scheduler, timesteps, list(timesteps)
+
+
+class UNetDenoiser:
+    """The Stable Diffusion family: DDIM-style schedulers, CFG rows (uncond, cond) in one batch."""
+
+    rows_share_text_length = True
+
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
+        self.pipeline, self.device, self.dtype = pipeline, device, dtype
+
+    def group(self, job) -> tuple:
+        return job.height, job.width, job.cond.shape[0]
+
+    def start(self, job) -> None:
+        from triton_omni.diffusion.steps import to_device
+
+        scheduler = copy.deepcopy(self.pipeline.scheduler)
+        # The scheduler keeps its timesteps on the CPU and gets them as ints: its tables live
+        # there, and indexing them with a device tensor (DDIM does it three times a step) waits
+        # for the GPU to drain, once per request per step. Only the UNet needs them on the device.
+        scheduler.set_timesteps(job.steps, device="cpu")
+        job.scheduler, job.schedule = scheduler, scheduler.timesteps.tolist()
+        job.timesteps = to_device(scheduler.timesteps, self.device)
+        factor = self.pipeline.vae_scale_factor
+        shape = (1, self.pipeline.unet.config.in_channels, job.height // factor, job.width // factor)
+        noise = torch.randn(shape, generator=job.generator, device=self.device, dtype=self.dtype)
+        job.latents = noise * scheduler.init_noise_sigma
+        job.step_kwargs = self.pipeline.prepare_extra_step_kwargs(job.generator, 0.0)
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        """One UNet forward for every row of ``jobs``: each job's guided noise prediction."""
+        samples, timesteps, embeds = [], [], []
+        for job in jobs:
+            x = job.scheduler.scale_model_input(job.latents, job.schedule[job.done])
+            rows = [job.uncond, job.cond] if job.uncond is not None else [job.cond]
+            samples += [x] * len(rows)
+            timesteps += [job.timesteps[job.done]] * len(rows)
+            embeds += rows
+        n = len(samples)
+        size = pad_to(n)
+        out = self.pipeline.unet(torch.cat(_pad(samples, size)), torch.stack(_pad(timesteps, size)),
+                                 encoder_hidden_states=torch.stack(_pad(embeds, size)), return_dict=False)[0][:n]
+        preds, row = [], 0
+        for job in jobs:
+            if job.uncond is None:
+                preds.append(out[row : row + 1])
+                row += 1
+            else:
+                uncond, cond = out[row : row + 1], out[row + 1 : row + 2]
+                preds.append(uncond + job.guidance_scale * (cond - uncond))
+                row += 2
+        return preds
+
+    def step(self, job, pred: torch.Tensor) -> None:
+        job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, **job.step_kwargs,
+                                         return_dict=False)[0]
+
+    def decode(self, jobs: list) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = torch.cat([job.latents for job in jobs]) / vae.config.scaling_factor
+        return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
+
+class QwenImageDenoiser(UNetDenoiser):
+    """Qwen-Image's MMDiT: packed latents, the prompt and its negative in two passes, each with
+    its own text length, combined with true CFG and rescaled to the prompt's norm."""
+
+    rows_share_text_length = False
+
+    def group(self, job) -> tuple:
+        return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+
+    def start(self, job) -> None:
+        pipeline = self.pipeline
+        channels = pipeline.transformer.config.in_channels // 4
+        job.latents = pipeline.prepare_latents(1, channels, job.height, job.width, job.cond.dtype, self.device,
+                                               job.generator)
+        _flow_schedule(pipeline, job, self.device, job.latents.shape[1],
+                       np.linspace(1.0, 1 / job.steps, job.steps))
+        factor = pipeline.vae_scale_factor
+        job.step_kwargs = {"img_shape": (1, job.height // factor // 2, job.width // factor // 2)}
+
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo) -> torch.Tensor:
+        n = len(jobs)
+        size = pad_to(n)
+        latents = _pad([job.latents for job in jobs], size)
+        timesteps = _pad([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs], size)
+        return self.pipeline.transformer(
+            hidden_states=torch.cat(latents), timestep=torch.cat(timesteps) / 1000, guidance=None,
+            encoder_hidden_states_mask=None, encoder_hidden_states=torch.stack(_pad(embeds, size)),
+            img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size, return_dict=False)[0][:n]
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        cond = self._forward(jobs, [job.cond for job in jobs], pad_to)
+        guided = [job for job in jobs if job.uncond is not None]
+        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to) if guided else ())
+        preds = []
+        for job, pred in zip(jobs, cond, strict=True):
+            pred = pred[None]
+            if job.uncond is not None:
+                negative = next(uncond)[None]
+                combined = negative + job.guidance_scale * (pred - negative)
+                pred = combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+            preds.append(pred)
+        return preds
+
+    def step(self, job, pred: torch.Tensor) -> None:
+        job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, return_dict=False)[0]
+
+    def decode(self, jobs: list) -> torch.Tensor:
+        pipeline, vae = self.pipeline, self.pipeline.vae
+        latents = torch.cat([pipeline._unpack_latents(job.latents, job.height, job.width, pipeline.vae_scale_factor)
+                             for job in jobs]).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                           latents.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                              latents.dtype)
+        images = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        return (images / 2 + 0.5).clamp(0, 1)
+
+
+class ZImageDenoiser(UNetDenoiser):
+    """Z-Image's DiT: latents handed over as a list, the prompt and its negative as rows of one
+    call (each its own text length), the model's output negated into the flow's velocity."""
+
+    rows_share_text_length = False
+
+    def group(self, job) -> tuple:
+        return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+
+    def start(self, job) -> None:
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
+        pipeline = self.pipeline
+        job.latents = pipeline.prepare_latents(1, pipeline.transformer.in_channels, job.height, job.width,
+                                               torch.float32, self.device, job.generator)
+        image_seq_len = (job.latents.shape[2] // 2) * (job.latents.shape[3] // 2)
+        _flow_schedule(pipeline, job, self.device, image_seq_len, get_default_z_image_sigmas(job.steps))
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        dtype = self.pipeline.transformer.dtype
+        guided = [job for job in jobs if job.uncond is not None]
+        latents = [job.latents.to(dtype) for job in jobs] + [job.latents.to(dtype) for job in guided]
+        timesteps = [(1000 - job.schedule[job.done].expand(1)) / 1000 for job in jobs + guided]
+        embeds = [job.cond for job in jobs] + [job.uncond for job in guided]
+        n = len(latents)
+        size = pad_to(n)
+        out = self.pipeline.transformer([x[0].unsqueeze(1) for x in _pad(latents, size)],
+                                        torch.cat(_pad(timesteps, size)), _pad(embeds, size), return_dict=False)[0][:n]
+        negative = iter(out[len(jobs):])
+        preds = []
+        for job, pos in zip(jobs, out[: len(jobs)], strict=True):
+            pos = pos.float()
+            if job.uncond is not None:
+                neg = next(negative).float()
+                pos = pos + job.guidance_scale * (pos - neg)
+            preds.append(-pos.squeeze(1)[None])
+        return preds
+
+    def step(self, job, pred: torch.Tensor) -> None:
+        job.latents = job.scheduler.step(pred.to(torch.float32), job.schedule[job.done], job.latents,
+                                         return_dict=False)[0]
+
+    def decode(self, jobs: list) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = torch.cat([job.latents for job in jobs]).to(vae.dtype)
+        images = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+        return (images / 2 + 0.5).clamp(0, 1)
+
+
+DENOISERS: dict[str, type[UNetDenoiser]] = {"QwenImagePipeline": QwenImageDenoiser,
+                                            "ZImagePipeline": ZImageDenoiser}
+
+
+def denoiser_of(pipeline, device: torch.device, dtype: torch.dtype) -> UNetDenoiser:
+    """The adapter for ``pipeline``; the UNet's for the Stable Diffusion family. Anything else
+    (no UNet, no adapter) is refused: step batching must know the loop it replaces."""
+    kind = DENOISERS.get(type(pipeline).__name__)
+    if kind is None and not (hasattr(pipeline, "unet") and hasattr(pipeline, "prepare_extra_step_kwargs")):
+        raise ValueError(f"step batching does not know {type(pipeline).__name__}'s denoising loop "
+                         "(use batching 'request')")
+    return (kind or UNetDenoiser)(pipeline, device, dtype)
+
+
