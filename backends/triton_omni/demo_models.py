@@ -285,6 +285,48 @@ def build_z_image_pipeline(out: Path) -> None:
     pipeline.save_pretrained(out)
 
 
+# Real shapes, random weights, built on the GPU in memory (the DiTs do not fit a GPU host's disk
+# as files, and need not): diffusers' class defaults are Qwen-Image's 20.4 B MMDiT and Z-Image's
+# 6 B DiT. No text encoder: these serve `prompt_embeds` (ar_encoder's, or a benchmark's).
+IN_MEMORY = {"demo:realistic-qwen-image", "demo:realistic-z-image"}
+
+
+def build_in_memory(model: str, device, dtype):
+    """The pipeline ``model`` names (one of ``IN_MEMORY``), built on ``device`` in ``dtype``."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype directly: an fp32 build of the 20 B DiT fills an 80 GB GPU
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            if model == "demo:realistic-qwen-image":
+                scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler_config.json
+                    base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                    shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+                return QwenImagePipeline(transformer=QwenImageTransformer2DModel(), vae=AutoencoderKLQwenImage(),
+                                         scheduler=scheduler, text_encoder=None, tokenizer=None)
+            vae = AutoencoderKL(  # FLUX.1's autoencoder, which Z-Image uses
+                in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
+                use_quant_conv=False, use_post_quant_conv=False)
+            return ZImagePipeline(transformer=ZImageTransformer2DModel(), vae=vae,
+                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
+                                  text_encoder=None, tokenizer=None)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def build_all() -> dict[str, str]:
     return {name: resolve_model(DEMO_PREFIX + name) for name in (AR_DEMO, DIFFUSION_DEMO)}
 

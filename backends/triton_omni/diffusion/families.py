@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from triton_omni.errors import RequestValidationError
+
 
 class Family:
     """Stable Diffusion's shape, which the other families refine."""
@@ -42,16 +44,24 @@ class Family:
         return int(self.denoiser.config.cross_attention_dim)
 
     def size_multiple(self) -> int:
-        """Height and width must be multiples of this (the VAE's factor, times the patch for a DiT)."""
-        return int(self.pipeline.vae_scale_factor)
+        """Height and width must be multiples of this: 8, as the pipeline's own ``check_inputs``
+        asks (a small VAE's factor is below it); the VAE's factor times the patch for a DiT."""
+        return max(8, int(self.pipeline.vae_scale_factor))
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         return guidance_scale > 1.0
 
     def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
         """One prompt alone, as the pipeline encodes it: ``[num_tokens, hidden]``."""
+        self.require_text_encoder()
         embeds, _ = self.pipeline.encode_prompt(prompt, device, 1, False)
         return embeds[0]
+
+    def require_text_encoder(self) -> None:
+        """A pipeline built without its text encoder (the realistic GPU presets) takes embeddings only."""
+        if getattr(self.pipeline, "text_encoder", None) is None:
+            raise RequestValidationError("prompt", "this model has no text encoder: send prompt_embeds "
+                                         "(text_to_image and omni do)", None, show_value=False)
 
     def call_kwargs(self, conds: list[torch.Tensor], unconds: list[torch.Tensor] | None,
                     guidance_scale: float) -> dict[str, Any]:
@@ -77,6 +87,7 @@ class QwenImage(Family):
         return guidance_scale > 1.0 and has_negative
 
     def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
+        self.require_text_encoder()
         embeds, mask = self.pipeline.encode_prompt(prompt=prompt, device=device, num_images_per_prompt=1)
         return embeds[0] if mask is None else embeds[0][mask[0].bool()]
 
@@ -104,6 +115,7 @@ class ZImage(Family):
         return guidance_scale > 0.0
 
     def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
+        self.require_text_encoder()
         [embeds] = self.pipeline._encode_prompt(prompt=prompt, device=device)
         return embeds
 

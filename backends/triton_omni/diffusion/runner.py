@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from triton_omni.demo_models import resolve_model
+from triton_omni.demo_models import IN_MEMORY, build_in_memory, resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
@@ -106,13 +106,15 @@ class DiffusionRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
-        path = resolve_model(config.model)
+        in_memory = config.model in IN_MEMORY
+        path = config.model if in_memory else resolve_model(config.model)
         if config.gpu_memory_utilization is not None:
             cap_torch(config.gpu_memory_utilization, config.device)
         # step batching: the engine's thread runs every torch operation, the load included (steps.py)
         self.steps = self._step_engine(on_batch) if config.batching == "step" else None
         self.pipeline = self._on_torch_thread(
-            lambda: DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device))
+            lambda: build_in_memory(config.model, self.device, self.dtype) if in_memory
+            else DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device))
         self.pipeline.set_progress_bar_config(disable=True)
         self.family = family_of(self.pipeline)
         hidden = self.family.hidden_size()
