@@ -116,3 +116,12 @@ def test_step_batched_beside_other_steps_sizes_and_guidance(stepper):
                 height=height, width=SIZE, generator=torch.Generator().manual_seed(values["seed"]),
                 output_type="pt", **{guidance_key: values["guidance_scale"]}).images)[0]
         assert (future.result(timeout=300).int() - expected.int()).abs().max() <= 1, values
+
+
+def test_a_pipeline_without_its_text_encoder_takes_embeddings_only():
+    """The realistic GPU presets are built without text encoders: a text prompt gets a typed error."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS["qwen_image"], exact_batching=False))
+    runner.pipeline.text_encoder = None
+    [result] = runner.run([runner.parse({"prompt": "a red fox", "num_inference_steps": STEPS, "height": SIZE,
+                                         "width": SIZE})])
+    assert isinstance(result, RequestValidationError) and "prompt_embeds" in str(result)
