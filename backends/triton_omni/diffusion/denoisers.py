@@ -45,8 +45,6 @@ def _flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigm
 class UNetDenoiser:
     """The Stable Diffusion family: DDIM-style schedulers, CFG rows (uncond, cond) in one batch."""
 
-    rows_share_text_length = True
-
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline, self.device, self.dtype = pipeline, device, dtype
 
@@ -103,14 +101,20 @@ class UNetDenoiser:
         return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
 
-class QwenImageDenoiser(UNetDenoiser):
-    """Qwen-Image's MMDiT: packed latents, the prompt and its negative in two passes, each with
-    its own text length, combined with true CFG and rescaled to the prompt's norm."""
-
-    rows_share_text_length = False
+class FlowDenoiser(UNetDenoiser):
+    """What the flow-matching DiTs share: a prompt and its negative keep their own text lengths
+    (both are part of the group), and a plain scheduler step on the velocity."""
 
     def group(self, job) -> tuple:
         return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+
+    def step(self, job, pred: torch.Tensor) -> None:
+        job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, return_dict=False)[0]
+
+
+class QwenImageDenoiser(FlowDenoiser):
+    """Qwen-Image's MMDiT: packed latents, the prompt and its negative in two passes, each with
+    its own text length, combined with true CFG and rescaled to the prompt's norm."""
 
     def start(self, job) -> None:
         pipeline = self.pipeline
@@ -146,9 +150,6 @@ class QwenImageDenoiser(UNetDenoiser):
             preds.append(pred)
         return preds
 
-    def step(self, job, pred: torch.Tensor) -> None:
-        job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, return_dict=False)[0]
-
     def decode(self, jobs: list) -> torch.Tensor:
         pipeline, vae = self.pipeline, self.pipeline.vae
         latents = torch.cat([pipeline._unpack_latents(job.latents, job.height, job.width, pipeline.vae_scale_factor)
@@ -161,14 +162,10 @@ class QwenImageDenoiser(UNetDenoiser):
         return (images / 2 + 0.5).clamp(0, 1)
 
 
-class ZImageDenoiser(UNetDenoiser):
+class ZImageDenoiser(FlowDenoiser):
     """Z-Image's DiT: latents handed over as a list, the prompt and its negative as rows of one
-    call (each its own text length), the model's output negated into the flow's velocity."""
-
-    rows_share_text_length = False
-
-    def group(self, job) -> tuple:
-        return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+    call (each its own text length), the model's output negated into the flow's velocity (in
+    float32, as the pipeline steps it)."""
 
     def start(self, job) -> None:
         from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
@@ -199,10 +196,6 @@ class ZImageDenoiser(UNetDenoiser):
             preds.append(-pos.squeeze(1)[None])
         return preds
 
-    def step(self, job, pred: torch.Tensor) -> None:
-        job.latents = job.scheduler.step(pred.to(torch.float32), job.schedule[job.done], job.latents,
-                                         return_dict=False)[0]
-
     def decode(self, jobs: list) -> torch.Tensor:
         vae = self.pipeline.vae
         latents = torch.cat([job.latents for job in jobs]).to(vae.dtype)
@@ -210,17 +203,13 @@ class ZImageDenoiser(UNetDenoiser):
         return (images / 2 + 0.5).clamp(0, 1)
 
 
-DENOISERS: dict[str, type[UNetDenoiser]] = {"QwenImagePipeline": QwenImageDenoiser,
-                                            "ZImagePipeline": ZImageDenoiser}
-
-
-def denoiser_of(pipeline, device: torch.device, dtype: torch.dtype) -> UNetDenoiser:
-    """The adapter for ``pipeline``; the UNet's for the Stable Diffusion family. Anything else
-    (no UNet, no adapter) is refused: step batching must know the loop it replaces."""
-    kind = DENOISERS.get(type(pipeline).__name__)
-    if kind is None and not (hasattr(pipeline, "unet") and hasattr(pipeline, "prepare_extra_step_kwargs")):
+def denoiser_of(family, device: torch.device, dtype: torch.dtype) -> UNetDenoiser:
+    """The step-batching adapter of a pipeline's family (``families.py``). A pipeline no family
+    names is taken for Stable Diffusion's only if it has a UNet and its step arguments: step
+    batching must know the loop it replaces."""
+    pipeline = family.pipeline
+    if family.step_adapter is UNetDenoiser and not (hasattr(pipeline, "unet")
+                                                and hasattr(pipeline, "prepare_extra_step_kwargs")):
         raise ValueError(f"step batching does not know {type(pipeline).__name__}'s denoising loop "
                          "(use batching 'request')")
-    return (kind or UNetDenoiser)(pipeline, device, dtype)
-
-
+    return family.step_adapter(pipeline, device, dtype)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from triton_omni.diffusion.denoisers import QwenImageDenoiser, UNetDenoiser, ZImageDenoiser
 from triton_omni.errors import RequestValidationError
 
 
@@ -32,6 +33,7 @@ class Family:
     name = "stable_diffusion"
     # CFG runs the prompt and its negative as rows of one batch, so both need one token count
     cfg_in_one_batch = True
+    step_adapter = UNetDenoiser  # its loop, for step batching (denoisers.py)
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -75,6 +77,7 @@ class Family:
 class QwenImage(Family):
     name = "qwen_image"
     cfg_in_one_batch = False  # two forward passes, each with its own text mask
+    step_adapter = QwenImageDenoiser
 
     def hidden_size(self) -> int:
         return int(self.denoiser.config.joint_attention_dim)
@@ -103,6 +106,7 @@ class QwenImage(Family):
 class ZImage(Family):
     name = "z_image"
     cfg_in_one_batch = False  # per-prompt embeddings of their own lengths
+    step_adapter = ZImageDenoiser
 
     def hidden_size(self) -> int:
         return int(self.denoiser.config.cap_feat_dim)

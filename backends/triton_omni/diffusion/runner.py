@@ -127,7 +127,7 @@ class DiffusionRunner:
                                           on_capture=on_capture)
         if self.steps is not None:
             try:
-                self.steps.denoiser = denoiser_of(self.pipeline, self.steps.device, self.dtype)
+                self.steps.denoiser = denoiser_of(self.family, self.steps.device, self.dtype)
             except ValueError:
                 self.steps.stop()
                 raise
@@ -154,8 +154,7 @@ class DiffusionRunner:
             job = self._prepare(0, request)
             return job.cond, job.uncond
 
-        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
-        guided = self.family.uses_guidance(request.guidance_scale, has_negative)
+        guided = self._guided(request)
         step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale if guided else 1.0,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled)
@@ -216,8 +215,7 @@ class DiffusionRunner:
         cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
         cond = to_device(cond, self.device, self.dtype)
         uncond = None
-        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
-        if self.family.uses_guidance(request.guidance_scale, has_negative):
+        if self._guided(request):
             if request.negative_prompt_embeds is not None:
                 uncond = request.negative_prompt_embeds
             elif request.negative_prompt is not None or request.prompt is not None:
@@ -228,6 +226,11 @@ class DiffusionRunner:
             if self.family.cfg_in_one_batch:
                 cond, uncond = _same_length(cond, uncond)
         return _Job(index, request, cond, uncond)
+
+    def _guided(self, request: DiffusionRequest) -> bool:
+        """Whether the request runs classifier-free guidance, by its family's rule."""
+        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
+        return self.family.uses_guidance(request.guidance_scale, has_negative)
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
         with torch.inference_mode():
