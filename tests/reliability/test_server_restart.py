@@ -5,6 +5,7 @@ answer every model, and the launcher must say what it did."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -63,16 +64,28 @@ def no_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGABRT would otherwise leave a core file
 
 
-def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
+@contextlib.contextmanager
+def serving(tmp_path: Path, *flags: str):
+    """`omni-triton serve FLAGS` on free ports, once it says it is ready: (launcher, HTTP port, gRPC
+    port, log path). Afterwards nothing of its process group is left."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     log_path = tmp_path / "serve.log"
     cli = Path(sys.executable).parent / "omni-triton"
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(
-            [str(cli), "serve", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+            [str(cli), "serve", *flags, f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=no_core_dumps)
     try:
         wait_until_serving(launcher, log_path)
+        yield launcher, http, grpc, log_path
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert_group_gone(launcher.pid)
+
+
+def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
+    with serving(tmp_path) as (launcher, http, grpc, log_path):
         first = tritonserver_of(launcher.pid)
         os.kill(first, signal.SIGABRT)
 
@@ -91,28 +104,12 @@ def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
         assert "tritonserver is serving again" in output, output[-3000:]
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=120) == 0
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    assert_group_gone(launcher.pid)
 
 
 def test_no_restart_exits_with_the_server(tmp_path):
     """`--no-restart`: the launcher ends with the server, for a supervisor of the user's own."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    log_path = tmp_path / "serve.log"
-    cli = Path(sys.executable).parent / "omni-triton"
-    with open(log_path, "wb") as log:
-        launcher = subprocess.Popen(
-            [str(cli), "serve", "--no-restart", "--model-control-mode=explicit", "--load-model=ar_encoder",
-             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=no_core_dumps)
-    try:
-        wait_until_serving(launcher, log_path)
+    with serving(tmp_path, "--no-restart", "--model-control-mode=explicit", "--load-model=ar_encoder") as (
+            launcher, _, _, log_path):
         os.kill(tritonserver_of(launcher.pid), signal.SIGABRT)
         assert launcher.wait(timeout=120) != 0
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    assert_group_gone(launcher.pid)
     assert "restarting it" not in log_path.read_text(errors="replace")
