@@ -15,7 +15,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 def test_every_queried_metric_is_documented_or_triton_own():
-    dashboard = json.loads((PROJECT_ROOT / "docs" / "grafana" / "triton-omni-dashboard.json").read_text())
+    dashboard = json.loads((PROJECT_ROOT / "deploy" / "grafana-dashboard.json").read_text())
     documented = documented_metrics()
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"\b((?:omni|nv)_\w+)", target["expr"])}
