@@ -37,7 +37,8 @@ from tests.support.server import assert_group_gone, process_group, require_alive
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
 
 
-@pytest.fixture(scope="session")
+# Package scope: it stops when the integration tests end, before the reliability suite starts servers of its own.
+@pytest.fixture(scope="package")
 def server(tmp_path_factory):
     build_all()
     variants = tmp_path_factory.mktemp("variants")

@@ -51,11 +51,18 @@ def every_model_answers(grpc: str) -> None:
         assert list(stream_infer(grpc, model, omni_inputs(grpcclient, values))), model
 
 
+def what_went_wrong(log_path: Path) -> str:
+    """Triton's error lines and the models it could not load, then the log's tail."""
+    text = log_path.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if line.startswith("E") or "UNAVAILABLE" in line]
+    return "\n".join(errors[-20:]) + "\n...\n" + text[-2000:]
+
+
 def wait_until_serving(launcher: subprocess.Popen, log_path: Path) -> None:
     """The launcher's own word, not the server's readiness: it starts watching the server then."""
     deadline = time.monotonic() + 600
     while b"triton-omni is ready" not in log_path.read_bytes():
-        assert launcher.poll() is None, log_path.read_text()[-3000:]
+        assert launcher.poll() is None, what_went_wrong(log_path)
         assert time.monotonic() < deadline, "serve did not become ready"
         time.sleep(0.5)
 
@@ -93,8 +100,8 @@ def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
         seen_not_ready = False
         while not (ready(http) and seen_not_ready):
             seen_not_ready |= not ready(http)
-            assert launcher.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() - aborted < 120, "not ready again within 120 s:\n" + log_path.read_text()[-3000:]
+            assert launcher.poll() is None, what_went_wrong(log_path)
+            assert time.monotonic() - aborted < 120, "not ready again within 120 s:\n" + what_went_wrong(log_path)
             time.sleep(0.5)
         assert tritonserver_of(launcher.pid) != first
         every_model_answers(f"localhost:{grpc}")

@@ -92,6 +92,9 @@ ADMIN_HEADER = "omni-admin-key"
 # (--exit-timeout-secs), then unloads the models; whatever is left after STOP_TIMEOUT_S
 # is killed. A container's grace period must cover both (deploy/kubernetes.yaml).
 EXIT_TIMEOUT_S = 15
+# How long Triton waits for a new stub process to answer (its default is 30 s). On a busy host
+# (another server loading beside it, two cores) a stub's start took longer, and the model failed to load.
+STUB_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30.0
 
 
@@ -331,6 +334,7 @@ class TritonServer:
             f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--backend-config=python,stub-timeout-seconds={STUB_TIMEOUT_S}",
         ]
         cmd += [f"--load-model={name}" for name in load_models]
         return cmd + opts.extra_args
