@@ -32,7 +32,7 @@ Z_IMAGE_DEMO = "tiny-z-image"
 AR_REALISTIC = "realistic-qwen2"
 DIFFUSION_REALISTIC = "realistic-sd"
 # Bump when a builder changes, so stale caches are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 AR_SHAPE = {
     "vocab_size": 512,
@@ -165,6 +165,9 @@ def build_ar_model(out: Path, shape: dict = AR_SHAPE) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"])
+    # A chat template for /v1/chat/completions; its markers are plain text to this vocabulary.
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
     torch.manual_seed(0)
     config = Qwen2Config(
         **shape,

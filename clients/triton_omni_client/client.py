@@ -191,7 +191,7 @@ class OmniClient:
             try:
                 result = client.infer(model, batched_inputs(client_module, text_input=prompt))
             except Exception as exc:
-                raise _as_omni_error(exc) from None
+                raise as_omni_error(exc) from None
             return result.as_numpy("prompt_embeds")[0]
 
 
@@ -210,7 +210,7 @@ class OmniClient:
             try:
                 result = client.infer(model, inputs)
             except Exception as exc:
-                raise _as_omni_error(exc) from None
+                raise as_omni_error(exc) from None
             return result.as_numpy("image")[0]
 
     def stream_image(self, prompt: str | None = None, *, model: str = "diffusion_stream",
@@ -300,7 +300,7 @@ def stream_infer(url: str, model: str, inputs, request_id: str = "",
                     raise TimeoutError(f"no response from '{model}' in {timeout_s} s") from None
                 if error is not None:
                     ended = True
-                    raise _as_omni_error(error)
+                    raise as_omni_error(error)
                 ended = result.get_response().parameters["triton_final_response"].bool_param
                 if result.get_response().outputs:
                     yield result
@@ -368,7 +368,7 @@ _CORE_INPUT_ERRORS = re.compile(
 )
 
 
-def _as_omni_error(exc) -> OmniError:
+def as_omni_error(exc) -> OmniError:
     status = exc.status() if hasattr(exc, "status") else None
     tagged, message = parse_status(exc.message() if hasattr(exc, "message") else str(exc))
     if status is not None:

@@ -4,6 +4,7 @@ process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ from tests.support.server import assert_group_gone
 
 
 def test_serve_ready_then_ctrl_c_leaves_nothing_behind(tmp_path):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, openai = free_port(), free_port(), free_port(), free_port()
     cli = Path(sys.executable).parent / "omni-triton"
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
     process = subprocess.Popen(
-        [str(cli), "serve", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+        [str(cli), "serve", f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
+         f"--openai-port={openai}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -34,6 +36,9 @@ def test_serve_ready_then_ctrl_c_leaves_nothing_behind(tmp_path):
         for model in ("ar", "ar_encoder"):
             with urllib.request.urlopen(f"http://localhost:{http}/v2/models/{model}/ready") as response:
                 assert response.status == 200
+        assert f"OpenAI   http://127.0.0.1:{openai}/v1 (no API key)" in (tmp_path / "serve.log").read_text()
+        with urllib.request.urlopen(f"http://localhost:{openai}/v1/models") as response:  # the OpenAI gateway
+            assert {"ar", "omni", "text_to_image"} <= {model["id"] for model in json.loads(response.read())["data"]}
         children = _descendants(process.pid)
         assert children, "expected tritonserver and its stubs"
         process.send_signal(signal.SIGINT)  # Ctrl-C

@@ -25,9 +25,9 @@ from tests.support.server import assert_group_gone, children
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0}
 
 
-def ready(http: int) -> bool:
+def ready(http: int, path: str = "/v2/health/ready") -> bool:
     try:
-        with urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://localhost:{http}{path}", timeout=2) as response:
             return response.status == 200
     except OSError:
         return False
@@ -75,16 +75,17 @@ def no_core_dumps() -> None:
 def serving(tmp_path: Path, *flags: str):
     """`omni-triton serve FLAGS` on free ports, once it says it is ready: (launcher, HTTP port, gRPC
     port, log path). Afterwards nothing of its process group is left."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, openai = free_port(), free_port(), free_port(), free_port()
     log_path = tmp_path / "serve.log"
     cli = Path(sys.executable).parent / "omni-triton"
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(
-            [str(cli), "serve", *flags, f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
+            [str(cli), "serve", *flags, f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
+             f"--openai-port={openai}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=no_core_dumps)
     try:
         wait_until_serving(launcher, log_path)
-        yield launcher, http, grpc, log_path
+        yield launcher, http, grpc, openai, log_path
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -92,19 +93,21 @@ def serving(tmp_path: Path, *flags: str):
 
 
 def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
-    with serving(tmp_path) as (launcher, http, grpc, log_path):
+    with serving(tmp_path) as (launcher, http, grpc, openai, log_path):
         first = tritonserver_of(launcher.pid)
         os.kill(first, signal.SIGABRT)
 
         aborted = time.monotonic()
-        seen_not_ready = False
+        seen_not_ready = gateway_said_so = False
         while not (ready(http) and seen_not_ready):
             seen_not_ready |= not ready(http)
+            gateway_said_so |= not ready(openai, "/health")  # the OpenAI gateway stays up and answers 503
             assert launcher.poll() is None, what_went_wrong(log_path)
             assert time.monotonic() - aborted < 120, "not ready again within 120 s:\n" + what_went_wrong(log_path)
             time.sleep(0.5)
         assert tritonserver_of(launcher.pid) != first
         every_model_answers(f"localhost:{grpc}")
+        assert gateway_said_so and ready(openai, "/health")
 
         output = log_path.read_text(errors="replace")
         assert "tritonserver killed by SIGABRT; restarting it" in output, output[-3000:]
@@ -116,7 +119,7 @@ def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
 def test_no_restart_exits_with_the_server(tmp_path):
     """`--no-restart`: the launcher ends with the server, for a supervisor of the user's own."""
     with serving(tmp_path, "--no-restart", "--model-control-mode=explicit", "--load-model=ar_encoder") as (
-            launcher, _, _, log_path):
+            launcher, _, _, _, log_path):
         os.kill(tritonserver_of(launcher.pid), signal.SIGABRT)
         assert launcher.wait(timeout=120) != 0
     assert "restarting it" not in log_path.read_text(errors="replace")

@@ -29,6 +29,7 @@ PACKAGES = {
     "protocol": ROOT / "protocol" / "triton_omni_protocol",
     "runtime": ROOT / "backends",
     "client": ROOT / "clients" / "triton_omni_client",
+    "gateway": ROOT / "gateway" / "triton_omni_gateway",
     "tools": ROOT / "tools" / "triton_omni_tools",
 }
 HEAVY = ("torch", "diffusers", "transformers", "vllm")
@@ -55,12 +56,25 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
 
 
 def test_the_runtime_never_imports_the_client_or_the_tools():
-    assert offenders("runtime", ("triton_omni_client", "triton_omni_tools")) == {}
+    assert offenders("runtime", ("triton_omni_client", "triton_omni_gateway", "triton_omni_tools")) == {}
 
 
 def test_the_client_imports_neither_the_runtime_nor_the_tools_nor_ml_libraries():
-    assert offenders("client", ("triton_omni_tools", "triton_omni.", *HEAVY)) == {}
+    assert offenders("client", ("triton_omni_tools", "triton_omni_gateway", "triton_omni.", *HEAVY)) == {}
     assert not any("triton_omni" in names for names in imported_modules(PACKAGES["client"]).values())
+
+
+def test_the_gateway_imports_neither_the_runtime_nor_the_tools_nor_model_code():
+    """The tokenizer (transformers) is the one library of the models it loads: for chat templates."""
+    assert offenders("gateway", ("triton_omni_tools", "triton_omni.", "torch", "diffusers", "vllm")) == {}
+    assert not any("triton_omni" in names for names in imported_modules(PACKAGES["gateway"]).values())
+
+
+def test_importing_the_gateway_loads_no_ml_library():
+    code = ("import sys, triton_omni_gateway.app, triton_omni_gateway.__main__; "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_protocol_needs_only_the_standard_library_and_numpy():

@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--demo", choices=["sd", "qwen-image", "z-image"], default="sd",
                        help="the family of the demo image models: Stable Diffusion (a UNet), Qwen-Image or Z-Image "
                             "(LLM-conditioned DiTs); ar_encoder runs that family's text recipe (docs/models.md)")
+    serve.add_argument("--openai-port", type=int, default=9000,
+                       help="port of the OpenAI-compatible API (/v1/images/generations, /v1/chat/completions, ...); "
+                       "0 turns it off")
+    serve.add_argument("--api-key", help="the key OpenAI clients must send (Authorization: Bearer KEY); "
+                       "default: $TRITON_OMNI_API_KEY, and no key when that is unset")
     serve.add_argument("--no-restart", action="store_true",
                        help="exit when tritonserver dies instead of starting it again (at most 5 times in "
                             "10 minutes); for a supervisor of your own (docs/operations.md)")
@@ -184,7 +189,8 @@ def _serve(args) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
-        placement=args.place, demo=args.demo,
+        placement=args.place, demo=args.demo, openai_port=args.openai_port,
+        api_key=args.api_key,
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())
 

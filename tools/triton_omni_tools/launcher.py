@@ -34,6 +34,7 @@ from typing import Literal
 
 from triton_omni_tools import memory_plan, placement
 from triton_omni_tools.demos import demo_edits
+from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
 from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
@@ -73,6 +74,10 @@ class ServerOptions:
     placement: list[str] = field(default_factory=list)
     # The demo models' family (demos.py): "sd", "qwen-image" or "z-image".
     demo: str = "sd"
+    # `serve` also runs the OpenAI-compatible gateway on this port (gateway.py); 0: no gateway.
+    openai_port: int = 0
+    # The key its clients must send (Authorization: Bearer); None: $TRITON_OMNI_API_KEY, else no key.
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -527,6 +532,15 @@ def serve(options: ServerOptions, restarts: RestartPolicy | None = None) -> int:
     build_all()
     # Until the server is ready, Ctrl-C raises KeyboardInterrupt and start() cleans up.
     server.start()
+    gateway = None
+    if options.openai_port:
+        gateway = Gateway(options.openai_port, options.bind, server.grpc_url,
+                          text_model_tokenizers(server.repositories), options.api_key)
+        try:
+            gateway.start()
+        except BaseException:
+            server.stop()
+            raise
     stop_requested = threading.Event()
     starting_again = threading.Event()
 
@@ -537,8 +551,11 @@ def serve(options: ServerOptions, restarts: RestartPolicy | None = None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    keyed = " (API key required)" if options.api_key or os.environ.get(API_KEY_ENV) else " (no API key)"
+    openai = f"  OpenAI   http://{gateway.url}/v1{keyed}\n" if gateway else ""
     print(f"triton-omni is ready:\n  HTTP     http://{server.http_url}\n  gRPC     {server.grpc_url}\n"
-          f"  metrics  {server.metrics_url}\n{access_summary(options, restarts)}\nPress Ctrl-C to stop.", flush=True)
+          f"  metrics  {server.metrics_url}\n{openai}{access_summary(options, restarts)}\nPress Ctrl-C to stop.",
+          flush=True)
     try:
         while True:
             while not stop_requested.is_set() and server.process.poll() is None:
@@ -552,6 +569,8 @@ def serve(options: ServerOptions, restarts: RestartPolicy | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C during a restart; start() has cleaned up after itself
         pass
     finally:
+        if gateway is not None:
+            gateway.stop()
         code = server.stop()
     return 0 if stop_requested.is_set() else (code or 1)
 

@@ -1,0 +1,188 @@
+"""The gateway's routes: OpenAI's paths, each a few lines over ``images.py`` and ``text.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError
+from triton_omni_gateway.images import ImageModels
+from triton_omni_gateway.metrics import GatewayMetrics
+from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
+from triton_omni_gateway.templates import ChatTemplates
+from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, whole
+from triton_omni_gateway.triton import Triton
+
+logger = logging.getLogger("triton_omni_gateway")
+API_KEY_ENV = "TRITON_OMNI_API_KEY"
+
+
+@dataclass
+class GatewaySettings:
+    triton_url: str = "localhost:8001"  # Triton's gRPC endpoint
+    api_key: str | None = None  # None: $TRITON_OMNI_API_KEY, and no key at all when that is unset too
+    tokenizers: dict[str, str] = field(default_factory=dict)  # text model -> its tokenizer (chat templates)
+    max_body_bytes: int = 4 * 2**20
+
+    @property
+    def key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    triton = Triton(settings.triton_url)
+    images = ImageModels(triton)
+    templates = ChatTemplates(settings.tokenizers)
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await triton.close()
+
+    app = FastAPI(title="triton-omni OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    async def body_of(request: Request, kind) -> Any:
+        """The request, authorized and parsed; a body past the size limit is refused unread."""
+        authorize(request, settings.key)
+        size = 0
+        chunks = []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise OpenAIError(413, f"The body is larger than {settings.max_body_bytes} bytes",
+                                  code="body_too_large")
+            chunks.append(chunk)
+        return parse(kind, b"".join(chunks))
+
+    async def unless_disconnected(request: Request, work: Awaitable) -> Any:
+        """``work``, cancelled (and its Triton request with it) if the client goes away first."""
+        task = asyncio.ensure_future(work)
+
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await task
+        finally:
+            watcher.cancel()
+
+    @app.post("/v1/images/generations")
+    async def generate_images(request: Request):
+        body = await body_of(request, ImageRequest)
+        return await unless_disconnected(request, images.generate(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request, ChatRequest)
+        try:
+            prompt = await templates.render(body.model, body.chat())
+        except OpenAIError as error:
+            if error.param == "model" and body.model not in await triton.models():
+                raise OpenAIError(404, f"The model '{body.model}' does not exist or is not ready", param="model",
+                                  code="model_not_found") from None
+            raise
+        return await text_response(request, body, chat_endpoint(body), prompt)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        body = await body_of(request, CompletionRequest)
+        return await text_response(request, body, completion_endpoint(body), body.text())
+
+    async def text_response(request: Request, body, endpoint, prompt: str):
+        stream = deltas(triton, body.model, prompt, body.sampling())
+        if not body.stream:
+            return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
+        # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
+        first = await anext(stream)
+
+        async def replayed():
+            yield first
+            async for delta in stream:
+                yield delta
+
+        return StreamingResponse(events(endpoint, body.model, replayed(), body.n, body.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request, settings.key)
+        return {"object": "list", "data": [_model(name) for name in await triton.models()]}
+
+    @app.get("/v1/models/{name}")
+    async def model(request: Request, name: str):
+        authorize(request, settings.key)
+        if name not in await triton.models():
+            raise OpenAIError(404, f"The model '{name}' does not exist or is not ready", param="model",
+                              code="model_not_found")
+        return _model(name)
+
+    @app.get("/health")
+    async def health():
+        """Triton's readiness, as a load balancer or a Kubernetes probe reads it."""
+        if await triton.ready():
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        if error.status == 404 and error.param == "model" and not await triton.ready():
+            error = OpenAIError(503, "Triton is not ready (starting or restarting); try again shortly",
+                                code="not_ready")
+        metrics.error(request.url.path, ERROR_TYPES.get(error.status, "server_error"))
+        return error.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        message = "Unknown path" if error.status_code == 404 else str(error.detail)
+        return await openai_error(request, OpenAIError(error.status_code, f"{message}: {request.method} "
+                                                       f"{request.url.path}", code="unknown_path"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logger.exception("unexpected failure answering %s", request.url.path)
+        return await openai_error(request, OpenAIError(500, f"internal error: {type(error).__name__}"))
+
+    app.add_middleware(_Measured, metrics=metrics)
+    return app
+
+
+class _Measured:
+    """The metrics middleware, in the shape ``add_middleware`` takes."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.measured = metrics.middleware(app)
+
+    async def __call__(self, scope, receive, send):
+        await self.measured(scope, receive, send)
+
+
+def authorize(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "triton-omni"}

@@ -1,0 +1,117 @@
+"""``/v1/images/generations`` on the image models.
+
+Which inputs a model takes follows from its config, read once per model:
+an ensemble (``text_to_image``) takes ``text_input``, the ``omni`` scheduler
+takes its own request and makes ``n`` images in one request, the
+``diffusion`` stage takes ``prompt``. ``n`` images from a batched model are
+``n`` requests sent together, so that Triton batches them; with a ``seed``,
+image ``i`` uses ``seed + i``, and the same request always gives the same
+images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from triton_omni_gateway.errors import OpenAIError
+from triton_omni_gateway.requests import ImageRequest
+from triton_omni_gateway.triton import Triton, first
+
+SIZE_PARAMETERS = {"height": "size", "width": "size", "num_images": "n"}  # a model's name -> the API's
+
+
+class ImageModels:
+    def __init__(self, triton: Triton):
+        self.triton = triton
+        self._kinds: dict[str, str] = {}
+
+    async def kind(self, model: str) -> str:
+        """``ensemble`` | ``omni`` | ``diffusion``, from the model's config."""
+        if model not in self._kinds:
+            try:
+                config = (await self.triton.client.get_model_config(model, as_json=True))["config"]
+            except Exception:
+                raise OpenAIError(404, f"The model '{model}' does not exist or is not ready", param="model",
+                                  code="model_not_found") from None
+            backend = config.get("backend", "")
+            if config.get("platform") == "ensemble":
+                self._kinds[model] = "ensemble"
+            elif backend == "omni_scheduler":
+                self._kinds[model] = "omni"
+            elif backend == "omni_diffusion":
+                self._kinds[model] = "diffusion"
+            else:
+                raise OpenAIError(400, f"model '{model}' does not make images (try text_to_image, omni or "
+                                  "diffusion)", param="model", code="not_an_image_model")
+        return self._kinds[model]
+
+    async def generate(self, request: ImageRequest) -> dict:
+        kind = await self.kind(request.model)
+        options = _options(request)
+        if kind == "omni":
+            images, revised = await self._omni(request, options)
+        else:
+            prompt = {"text_input": request.prompt, "negative_prompt": request.negative_prompt or ""} \
+                if kind == "ensemble" else {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+            images = await asyncio.gather(*(self._one(request.model, prompt | _seeded(options, i))
+                                            for i in range(request.n)))
+            revised = None
+        return {"created": int(time.time()),
+                "data": [{"b64_json": png(image)} | ({"revised_prompt": revised} if revised else {})
+                         for image in images]}
+
+    async def _one(self, model: str, values: dict[str, Any]) -> np.ndarray:
+        try:
+            result = await self.triton.infer(model, values)
+        except OpenAIError as error:
+            raise _in_api_terms(error) from None
+        return result.as_numpy("image")[0]
+
+    async def _omni(self, request: ImageRequest, options: dict[str, Any]) -> tuple[list[np.ndarray], str | None]:
+        values = {"text_input": request.prompt, "modalities": ["image"], "stream": False, "num_images": request.n,
+                  "negative_prompt": request.negative_prompt, "enhance_prompt": request.enhance_prompt, **options}
+        images, revised = [], None
+        try:
+            # not streaming: one response, with every image
+            async for result in self.triton.stream(request.model, values, lambda result: True):
+                batch = result.as_numpy("image")
+                if batch is not None:
+                    images.extend(batch)
+                revised = first(result, "enhanced_prompt") or revised
+        except OpenAIError as error:
+            raise _in_api_terms(error) from None
+        return images, revised
+
+
+def _options(request: ImageRequest) -> dict[str, Any]:
+    values = {"num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance(),
+              "seed": request.seed}
+    size = request.dimensions()
+    if size is not None:
+        values["width"], values["height"] = size
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _seeded(options: dict[str, Any], index: int) -> dict[str, Any]:
+    return options | {"seed": options["seed"] + index} if "seed" in options else options
+
+
+def _in_api_terms(error: OpenAIError) -> OpenAIError:
+    """A model's refusal of ``height`` is the API's refusal of ``size``."""
+    if error.param in SIZE_PARAMETERS:
+        error.message = f"{SIZE_PARAMETERS[error.param]}: {error.message}"
+        error.param = SIZE_PARAMETERS[error.param]
+    return error
+
+
+def png(image: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()

@@ -1,0 +1,56 @@
+"""The gateway's Prometheus metrics, per endpoint, served on its own ``/metrics``.
+
+Measured as ASGI middleware around the whole app: a request's status is the
+one it was answered with, and its duration runs until its last byte left (a
+streamed answer's included), which is what a client waits for.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+ENDPOINTS = ("/v1/images/generations", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("omni_gateway_requests", "Requests answered by the OpenAI gateway, by endpoint "
+                                "and HTTP status", ["endpoint", "status"], registry=self.registry)
+        self.errors = Counter("omni_gateway_errors", "Requests the OpenAI gateway answered with an error "
+                              "(4xx or 5xx), by endpoint and OpenAI error type", ["endpoint", "type"],
+                              registry=self.registry)
+        self.duration = Histogram("omni_gateway_request_duration_seconds", "From a request's arrival to its "
+                                  "answer's last byte, by endpoint", ["endpoint"], buckets=BUCKETS,
+                                  registry=self.registry)
+        self.in_flight = Gauge("omni_gateway_requests_in_flight", "Requests the OpenAI gateway is answering",
+                               ["endpoint"], registry=self.registry)
+
+    def middleware(self, app):
+        async def measured(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            if scope["path"].startswith("/v1/models/"):
+                endpoint = "/v1/models"
+            started, status = time.monotonic(), [500]
+
+            async def send_and_note(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            self.in_flight.labels(endpoint).inc()
+            try:
+                await app(scope, receive, send_and_note)
+            finally:
+                self.in_flight.labels(endpoint).dec()
+                self.requests.labels(endpoint, str(status[0])).inc()
+                self.duration.labels(endpoint).observe(time.monotonic() - started)
+        return measured
+
+    def error(self, endpoint: str, error_type: str) -> None:
+        self.errors.labels(endpoint if endpoint in ENDPOINTS else "other", error_type).inc()

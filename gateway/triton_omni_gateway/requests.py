@@ -1,0 +1,197 @@
+"""The OpenAI request bodies the gateway accepts, and how each is checked.
+
+Unknown fields are refused (as OpenAI does), and so are fields OpenAI
+defines that these models cannot honour, each by name: a client never gets
+an answer that silently ignored part of its request. Fields past OpenAI's
+own are the extensions vLLM's and vLLM-Omni's servers accept, so that the
+same client code drives all three.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+
+from triton_omni_gateway.errors import OpenAIError, invalid
+
+MAX_IMAGES = 10  # OpenAI's own limit on `n` for images
+MAX_CHOICES = 4  # the `ar` model's limit on completions per request
+MAX_SIDE = 4096
+MAX_TEXT_CHARS = 100_000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Body):
+    """What the chat and completion endpoints share: vLLM's sampling options."""
+
+    model: StrictStr = "ar"
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # an end-user id for the caller's own records; nothing to honour
+    # vLLM's extensions, which benchmarks send
+    ignore_eos: StrictBool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    top_k: int | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop):
+        if isinstance(stop, list) and len(stop) > 8:
+            raise ValueError("at most 8 stop sequences")
+        return stop
+
+    def sampling(self) -> dict[str, Any]:
+        """vLLM's ``SamplingParams`` fields for the ``ar`` model's ``sampling_parameters``."""
+        keys = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "ignore_eos",
+                "min_tokens", "top_k", "min_p", "repetition_penalty")
+        values = {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+        if self.stop is not None:
+            values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.max_tokens is not None:
+            values["max_tokens"] = self.max_tokens
+        return values
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        values = super().sampling()
+        if self.max_completion_tokens is not None:
+            values["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            values["logprobs"] = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return values
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as a chat template reads them (``developer`` is OpenAI's newer ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False
+
+    def sampling(self) -> dict[str, Any]:
+        values = super().sampling()
+        if self.logprobs is not None:
+            values["logprobs"] = self.logprobs
+        return values
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ImageRequest(_Body):
+    prompt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+    model: StrictStr = "text_to_image"
+    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    size: StrictStr | None = None
+    response_format: Literal["b64_json"] = "b64_json"
+    quality: Literal["auto", "standard"] | None = None
+    style: StrictStr | None = None  # DALL-E 3's vivid/natural: these models have no such switch
+    background: Literal["auto"] | None = None
+    output_format: Literal["png"] | None = None
+    user: StrictStr | None = None
+    # the extensions vLLM-Omni and SGLang accept
+    seed: int | None = None
+    num_inference_steps: Annotated[int, Field(ge=1)] | None = None
+    guidance_scale: Annotated[float, Field(ge=0)] | None = None
+    true_cfg_scale: Annotated[float, Field(ge=0)] | None = None
+    negative_prompt: StrictStr | None = None
+    enhance_prompt: StrictBool | None = None  # the omni model's prompt rewrite
+
+    @field_validator("style")
+    @classmethod
+    def _no_style(cls, style):
+        if style is not None:
+            raise ValueError("these models have no style setting; describe the style in the prompt")
+        return style
+
+    def dimensions(self) -> tuple[int, int] | None:
+        """``size`` ("WIDTHxHEIGHT") as (width, height); None for the model's default."""
+        if self.size is None or self.size == "auto":
+            return None
+        width, x, height = self.size.partition("x")
+        if not (x and width.isdigit() and height.isdigit()):
+            raise invalid("size", f"must be WIDTHxHEIGHT (e.g. 512x512) or auto, got {self.size!r}")
+        width, height = int(width), int(height)
+        if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
+            raise invalid("size", f"each side must be between 1 and {MAX_SIDE}, got {self.size!r}")
+        return width, height
+
+    def guidance(self) -> float | None:
+        if self.guidance_scale is not None and self.true_cfg_scale is not None:
+            raise invalid("true_cfg_scale", "give guidance_scale or true_cfg_scale, not both")
+        return self.true_cfg_scale if self.true_cfg_scale is not None else self.guidance_scale
+
+
+def _union_member(part: int | str) -> bool:
+    """Pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``): not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+def parse(kind: type[_Body], raw: bytes) -> Any:
+    """The body as ``kind``, or a 400 naming the first field at fault."""
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise OpenAIError(400, "The body is not valid UTF-8", code="invalid_json") from None
+    except json.JSONDecodeError as error:
+        raise OpenAIError(400, f"The body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The body must be a JSON object", code="invalid_json")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"] if not _union_member(part)) or None
+        reason = "unknown field (not part of this API)" if first["type"] == "extra_forbidden" else first["msg"]
+        shown = "" if first["type"] in ("missing", "extra_forbidden") else f", got {first.get('input')!r:.80}"
+        raise OpenAIError(400, f"{param}: {reason}{shown}", param=param, code="invalid_value") from None

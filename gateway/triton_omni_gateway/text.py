@@ -1,0 +1,210 @@
+"""``/v1/chat/completions`` and ``/v1/completions`` on the ``ar`` model.
+
+Every request streams from Triton (one gRPC stream, the prompt never echoed
+back): a streamed answer passes each delta on as a server-sent event, a
+whole answer is the deltas joined. Sampling options go to the model as
+vLLM's ``sampling_parameters``, so the model validates them and names any
+value it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from triton_omni_gateway.errors import OpenAIError
+from triton_omni_gateway.requests import ChatRequest, CompletionRequest
+from triton_omni_gateway.triton import Triton, every, first
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass
+class Choice:
+    """What one completion (``index`` of ``n``) has produced so far."""
+
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Delta:
+    """One response of the ``ar`` model, per completion: the new text and log probabilities."""
+
+    texts: list[str]
+    tokens: list[int]
+    logprobs: list[list[dict] | None]
+    finish_reasons: list[str] | None
+    prompt_tokens: int | None
+
+
+def ar_values(prompt: str, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The ``ar`` model's inputs for one streamed request."""
+    return {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(sampling), "return_finish_reason": True,
+            "return_num_input_tokens": True, "return_num_output_tokens": True,
+            "return_logprobs": "logprobs" in sampling}
+
+
+async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
+    # The last response carries the finish reasons (of all `n` completions).
+    finished = lambda result: result.as_numpy("finish_reason") is not None  # noqa: E731
+    async for result in triton.stream(model, ar_values(prompt, sampling), finished):
+        logprobs = every(result, "logprobs")
+        texts = every(result, "text_output") or []
+        yield Delta(texts=texts, tokens=every(result, "num_output_tokens") or [0] * len(texts),
+                    logprobs=[None if v is None else json.loads(v) for v in logprobs] if logprobs
+                    else [None] * len(texts),
+                    finish_reasons=every(result, "finish_reason"), prompt_tokens=first(result, "num_input_tokens"))
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion = sum(c.tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+# -- log probabilities: the model's per-position candidates (the sampled token first) -> OpenAI's shapes
+
+def _candidates(position: dict) -> list[tuple[str, float, int]]:
+    return [(c["decoded_token"], c["logprob"], c["rank"]) for c in position.values()]
+
+
+def chat_logprobs(positions: list[dict], top: int) -> list[dict]:
+    def entry(token, logprob):
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = []
+    for position in positions:
+        sampled, *_ = candidates = _candidates(position)
+        ranked = sorted({(rank, token, lp) for token, lp, rank in candidates if rank <= top})
+        content.append(entry(sampled[0], sampled[1]) | {"top_logprobs": [entry(t, lp) for _, t, lp in ranked]})
+    return content
+
+
+def completion_logprobs(positions: list[dict], top: int, offset: int) -> dict:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for position in positions:
+        sampled, *_ = candidates = _candidates(position)
+        tokens.append(sampled[0])
+        token_logprobs.append(sampled[1])
+        tops.append({token: lp for token, lp, rank in candidates if rank <= top} if top else None)
+        offsets.append(offset)
+        offset += len(sampled[0])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+# -- the two endpoints
+
+@dataclass
+class TextEndpoint:
+    """What differs between chat and completions: the object names and a choice's shape."""
+
+    object: str  # "chat.completion" | "text_completion"
+    id_prefix: str
+    whole_choice: Callable[[int, Choice], dict]
+    chunk_choice: Callable[[int, str, list[dict] | None, str | None, bool], dict]
+
+
+def _chat_whole(request: ChatRequest) -> Callable[[int, Choice], dict]:
+    def choice(index: int, c: Choice) -> dict:
+        logprobs = {"content": chat_logprobs(c.logprobs, request.top_logprobs or 0)} if request.logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+    return choice
+
+
+def _chat_chunk(request: ChatRequest) -> Callable:
+    def choice(index: int, text: str, positions, finish_reason, first_chunk: bool) -> dict:
+        delta = {"role": "assistant", "content": text} if first_chunk else ({"content": text} if text else {})
+        logprobs = ({"content": chat_logprobs(positions or [], request.top_logprobs or 0)}
+                    if request.logprobs and positions else None)
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return choice
+
+
+def _completion_whole(request: CompletionRequest) -> Callable[[int, Choice], dict]:
+    echo = request.text() if request.echo else ""
+
+    def choice(index: int, c: Choice) -> dict:
+        logprobs = (completion_logprobs(c.logprobs, request.logprobs, len(echo))
+                    if request.logprobs is not None else None)
+        return {"index": index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return choice
+
+
+def _completion_chunk(request: CompletionRequest) -> Callable:
+    def choice(index: int, text: str, positions, finish_reason, first_chunk: bool) -> dict:
+        if first_chunk and request.echo:
+            text = request.text() + text
+        logprobs = (completion_logprobs(positions or [], request.logprobs, 0)
+                    if request.logprobs is not None and positions else None)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return choice
+
+
+def chat_endpoint(request: ChatRequest) -> TextEndpoint:
+    return TextEndpoint("chat.completion", "chatcmpl", _chat_whole(request), _chat_chunk(request))
+
+
+def completion_endpoint(request: CompletionRequest) -> TextEndpoint:
+    return TextEndpoint("text_completion", "cmpl", _completion_whole(request), _completion_chunk(request))
+
+
+async def whole(endpoint: TextEndpoint, model: str, stream: AsyncIterator[Delta], n: int) -> dict:
+    """Every delta joined into one response."""
+    choices = [Choice() for _ in range(n)]
+    prompt_tokens = 0
+    async for delta in stream:
+        prompt_tokens = delta.prompt_tokens or prompt_tokens
+        for i, choice in enumerate(choices):
+            choice.text += delta.texts[i]
+            choice.tokens += delta.tokens[i]
+            choice.logprobs += delta.logprobs[i] or []
+        for i, reason in enumerate(delta.finish_reasons or []):
+            choices[i].finish_reason = FINISH_REASONS.get(reason, "stop")
+    return {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "object": endpoint.object, "created": int(time.time()),
+            "model": model, "choices": [endpoint.whole_choice(i, c) for i, c in enumerate(choices)],
+            "usage": usage(prompt_tokens, choices)}
+
+
+async def events(endpoint: TextEndpoint, model: str, stream: AsyncIterator[Delta], n: int,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta and completion, a last chunk with every finish reason,
+    the usage chunk when asked for, then ``[DONE]``. An error after the first event is sent as an event
+    (the status line has gone out already)."""
+    ident, created = f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+    chunk_object = f"{endpoint.object}.chunk" if endpoint.object == "chat.completion" else endpoint.object
+
+    def chunk(choices: list[dict], **extra) -> str:
+        body = {"id": ident, "object": chunk_object, "created": created, "model": model, "choices": choices}
+        body |= {"usage": None} if include_usage else {}
+        return f"data: {json.dumps(body | extra)}\n\n"
+
+    choices = [Choice() for _ in range(n)]
+    started = [False] * n
+    prompt_tokens = 0
+    try:
+        async for delta in stream:
+            prompt_tokens = delta.prompt_tokens or prompt_tokens
+            reasons = delta.finish_reasons or [None] * n
+            for i in range(n):
+                choices[i].tokens += delta.tokens[i]
+                if delta.texts[i] or not started[i]:
+                    yield chunk([endpoint.chunk_choice(i, delta.texts[i], delta.logprobs[i], None, not started[i])])
+                    started[i] = True
+            if delta.finish_reasons:
+                yield chunk([endpoint.chunk_choice(i, "", None, FINISH_REASONS.get(r, "stop"), False)
+                             for i, r in enumerate(reasons)])
+    except OpenAIError as error:
+        yield f"data: {json.dumps(error.body())}\n\n"
+    else:
+        if include_usage:
+            yield chunk([], usage=usage(prompt_tokens, choices))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,111 @@
+"""Triton, as the gateway reaches it: one asyncio gRPC client for every request.
+
+A streamed request is one gRPC stream; leaving its iterator early (the HTTP
+client went away) cancels the stream, and Triton then cancels the request in
+the model (the ``ar`` model counts it as ``outcome="cancelled"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from triton_omni_client.client import as_omni_error, batched_inputs, omni_inputs
+from tritonclient.utils import InferenceServerException
+
+from triton_omni_gateway.errors import from_triton
+
+
+class Triton:
+    def __init__(self, url: str):
+        self.url = url
+        self._client: aioclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> aioclient.InferenceServerClient:
+        if self._client is None:  # made on the server's event loop, at the first request
+            self._client = aioclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready(client_timeout=2)
+        except InferenceServerException:
+            return False
+
+    async def models(self) -> list[str]:
+        """The models Triton serves now, by name: those it keeps statistics for (the repository
+        index would say the same, but it is an admin API, closed to the gateway)."""
+        try:
+            statistics = await self.client.get_inference_statistics(as_json=True, client_timeout=5)
+        except InferenceServerException as error:
+            raise from_triton(as_omni_error(error), "") from None
+        return sorted({m["name"] for m in statistics.get("model_stats", [])})
+
+    async def model_parameters(self, model: str) -> dict[str, str]:
+        config = (await self.client.get_model_config(model, as_json=True))["config"]
+        return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+
+    async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
+        """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
+        try:
+            return await self.client.infer(model, batched_inputs(grpcclient, **values))
+        except InferenceServerException as error:
+            raise from_triton(as_omni_error(error), model) from None
+
+    async def stream(self, model: str, values: dict[str, Any],
+                     is_last: Callable[[grpcclient.InferResult], bool]) -> AsyncIterator[grpcclient.InferResult]:
+        """The responses of one request to a decoupled model (``ar``, ``omni``), up to the final one:
+        Triton flags it, or ``is_last`` says so. (A final response without outputs would never
+        arrive: asking for it, ``enable_empty_final_response``, is a ``triton_`` request parameter,
+        which the asyncio client refuses; ``is_last`` knows the model's last response instead.)"""
+        answered = asyncio.Event()
+
+        async def one_request():
+            yield {"model_name": model, "inputs": omni_inputs(grpcclient, values)}
+            await answered.wait()  # the stream stays open until the answer is in
+
+        responses = self.client.stream_infer(one_request())
+        last = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    last = True
+                    raise from_triton(as_omni_error(error), model)
+                last = result.get_response().parameters["triton_final_response"].bool_param or is_last(result)
+                yield result
+                if last:
+                    return
+        except InferenceServerException as error:
+            last = True
+            raise from_triton(as_omni_error(error), model) from None
+        finally:
+            answered.set()
+            if not last:  # the caller left early: Triton cancels the request
+                responses.cancel()
+
+
+def first(result: grpcclient.InferResult, name: str) -> Any:
+    """The first element of output ``name`` (text decoded), None when the response lacks it."""
+    array = result.as_numpy(name)
+    if array is None or array.size == 0:
+        return None
+    value = np.ravel(array)[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value.item()
+
+
+def every(result: grpcclient.InferResult, name: str) -> list[Any] | None:
+    """Every element of output ``name`` (one per completion), None when the response lacks it."""
+    array = result.as_numpy(name)
+    if array is None:
+        return None
+    return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v.item() for v in np.ravel(array)]
+

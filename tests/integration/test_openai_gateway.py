@@ -1,0 +1,286 @@
+"""The OpenAI-compatible gateway, driven by the `openai` SDK (sync and async) and by raw HTTP.
+
+Its answers equal Triton's own for the same request (an image from
+`text_to_image` over gRPC, a completion from `ar`), its errors are OpenAI's
+typed errors naming the field, and a client that goes away cancels its
+request in the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import time
+import urllib.request
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from triton_omni_client import OmniClient
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
+from triton_omni_tools.launcher import free_port
+
+from tests.support.server import metric_value, text_to_image
+
+FAST = {"num_inference_steps": 2}
+KEY = "sk-test-gateway"
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories)).start()
+    yield f"http://{gateway.url}"
+    gateway.stop()
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+
+
+def decoded(image: openai.types.Image) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(image.b64_json))).convert("RGB"))
+
+
+def levels(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+# -- images
+
+def test_images_equal_triton_s_own_for_the_same_seeds(client, server):
+    response = client.images.generate(model="text_to_image", prompt="a red fox", n=2, size="32x32",
+                                      response_format="b64_json", extra_body={"seed": 7, **FAST})
+    images = [decoded(image) for image in response.data]
+    assert [image.shape for image in images] == [(32, 32, 3)] * 2
+    for i, image in enumerate(images):  # image i is seed + i; step-batched side by side: within a level
+        direct = text_to_image(server.grpc_url, "grpc", "a red fox", seed=7 + i, height=32, width=32, **FAST)
+        assert levels(image, direct) <= 1
+
+
+@pytest.mark.parametrize("model", ["omni", "diffusion"])
+def test_every_image_model_answers(client, model):
+    response = client.images.generate(model=model, prompt="a red fox", n=2, size="48x32",
+                                      extra_body={"seed": 1, "guidance_scale": 1.0, **FAST})
+    assert [decoded(image).shape for image in response.data] == [(32, 48, 3)] * 2
+
+
+def test_omni_images_equal_text_to_image_s(client):
+    def one(model):
+        response = client.images.generate(model=model, prompt="a red fox", size="32x32", extra_body={"seed": 3, **FAST})
+        return decoded(response.data[0])
+
+    assert levels(one("omni"), one("text_to_image")) <= 1
+
+
+# -- text
+
+def test_a_completion_equals_the_ar_model_s(client, server):
+    response = client.completions.create(model="ar", prompt="hello there", max_tokens=8, seed=11)
+    [direct] = OmniClient(server.grpc_url).generate_text("hello there", max_tokens=8, seed=11,
+                                                         exclude_input_in_output=True)
+    assert response.choices[0].text == direct.text
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 8 and response.usage.prompt_tokens > 0
+
+
+def test_chat_streamed_and_whole_agree(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="ar", messages=messages, max_completion_tokens=8, seed=3)
+    chunks = list(client.chat.completions.create(model="ar", messages=messages, max_tokens=8, seed=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+
+
+def test_chat_n_choices_logprobs_and_stop(client):
+    response = client.chat.completions.create(model="ar", messages=[{"role": "user", "content": "hi"}], n=2,
+                                              max_tokens=5, logprobs=True, top_logprobs=2, seed=1,
+                                              extra_body={"ignore_eos": True})
+    assert [choice.index for choice in response.choices] == [0, 1]
+    for choice in response.choices:
+        tokens = choice.logprobs.content
+        assert len(tokens) == 5 and all(t.logprob <= 0 and len(t.top_logprobs) <= 2 for t in tokens)
+    assert response.usage.completion_tokens == 10
+    stopped = client.completions.create(model="ar", prompt="hello", max_tokens=30, seed=2, stop=["e"])
+    assert "e" not in stopped.choices[0].text
+
+
+def test_the_async_client_streams_chat_beside_images(gateway):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(model="ar", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=6, stream=True)
+
+        async def text():
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        image = client.images.generate(prompt="a fox", size="32x32", extra_body=FAST)
+        joined, images = await asyncio.gather(text(), image)
+        await client.close()
+        return joined, images
+
+    joined, images = asyncio.run(run())
+    assert joined and decoded(images.data[0]).shape == (32, 32, 3)
+
+
+def test_models_are_listed_and_retrieved(client):
+    ids = {model.id for model in client.models.list()}
+    assert {"ar", "ar_encoder", "diffusion", "omni", "text_to_image"} <= ids
+    assert client.models.retrieve("text_to_image").id == "text_to_image"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no_such_model")
+
+
+# -- errors, as the SDK raises them
+
+def test_errors_are_typed_and_name_the_field(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="ar", messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
+    assert refused.value.body["param"] == "max_tokens"  # refused by the model itself
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a fox", size="33x32")
+    assert refused.value.body["param"] == "size" and "multiple of 8" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a fox", response_format="url")
+    assert refused.value.body["param"] == "response_format"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no_such_model", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(model="no_such_model", prompt="a fox")
+    with pytest.raises(openai.BadRequestError) as refused:  # a model that makes no images
+        client.images.generate(model="ar", prompt="a fox")
+    assert refused.value.body["param"] == "model"
+
+
+def test_an_api_key_is_required_once_set(server):
+    keyed = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}, api_key=KEY).start()
+    try:
+        base = f"http://{keyed.url}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
+        missing = httpx.post(f"{base}/chat/completions", json=CHAT)
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        assert openai.OpenAI(base_url=base, api_key=KEY, max_retries=0).models.list().data
+        with urllib.request.urlopen(f"http://{keyed.url}/health") as response:  # probes need no key
+            assert response.status == 200
+    finally:
+        keyed.stop()
+
+
+def test_without_triton_every_answer_is_503(server):
+    orphan = Gateway(free_port(), "127.0.0.1", f"localhost:{free_port()}", {}).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{orphan.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            client.images.generate(prompt="a fox")
+        assert unavailable.value.status_code == 503
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            client.models.list()
+        assert unavailable.value.status_code == 503
+        assert httpx.get(f"http://{orphan.url}/health").status_code == 503
+    finally:
+        orphan.stop()
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(gateway, server):
+    cancelled = metric_value(server, "omni_ar_requests_total", model="ar", outcome="cancelled")
+    body = {"model": "ar", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30  # closed after one chunk of 900 tokens: the model stops
+    while metric_value(server, "omni_ar_requests_total", model="ar", outcome="cancelled") <= cancelled:
+        assert time.monotonic() < deadline, "the request was not cancelled in the model"
+        time.sleep(0.2)
+
+
+def test_metrics_count_requests_and_errors_per_endpoint(client, gateway):
+    client.models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.images.generate(prompt="")
+    text = httpx.get(f"{gateway}/metrics").text
+    def value(pattern):
+        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", text, flags=re.M))
+    assert value(r'omni_gateway_requests_total\{endpoint="/v1/models",status="200"\}') >= 1
+    assert value(r'omni_gateway_errors_total\{endpoint="/v1/images/generations",type="invalid_request_error"\}') >= 1
+    assert value(r'omni_gateway_request_duration_seconds_count\{endpoint="/v1/images/generations"\}') >= 1
+
+
+# -- bad input: each a 4xx in OpenAI's shape naming the field, the gateway healthy after it
+
+CHAT = {"model": "ar", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+IMAGE = {"prompt": "a fox", "size": "32x32", "num_inference_steps": 2}
+BAD_INPUTS = [
+    # (path, body (bytes are sent as they are), status, the field named)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b'{"messages": "\xff\xfe"}', 400, None),
+    ("/v1/chat/completions", {"model": "ar"}, 400, "messages"),
+    ("/v1/chat/completions", CHAT | {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", CHAT | {"temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", CHAT | {"temperature": 9}, 400, "temperature"),
+    ("/v1/chat/completions", CHAT | {"top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", CHAT | {"n": 1000}, 400, "n"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"stop": ["a"] * 20}, 400, "stop"),
+    ("/v1/chat/completions", CHAT | {"stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", CHAT | {"top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", CHAT | {"stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", CHAT | {"model": "no_such_model"}, 404, "model"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/images/generations", {}, 400, "prompt"),
+    ("/v1/images/generations", IMAGE | {"prompt": ""}, 400, "prompt"),
+    ("/v1/images/generations", IMAGE | {"n": 10**9}, 400, "n"),
+    ("/v1/images/generations", IMAGE | {"n": 0}, 400, "n"),
+    ("/v1/images/generations", IMAGE | {"size": "32"}, 400, "size"),
+    ("/v1/images/generations", IMAGE | {"size": "99999x99999"}, 400, "size"),
+    ("/v1/images/generations", IMAGE | {"size": "-32x32"}, 400, "size"),
+    ("/v1/images/generations", IMAGE | {"size": "30x32"}, 400, "size"),
+    ("/v1/images/generations", IMAGE | {"response_format": "url"}, 400, "response_format"),
+    ("/v1/images/generations", IMAGE | {"style": "vivid"}, 400, "style"),
+    ("/v1/images/generations", IMAGE | {"colour": "red"}, 400, "colour"),
+    ("/v1/images/generations", IMAGE | {"num_inference_steps": 0}, 400, "num_inference_steps"),
+    ("/v1/images/generations", IMAGE | {"num_inference_steps": 10**6}, 400, "num_inference_steps"),
+    ("/v1/images/generations", IMAGE | {"guidance_scale": 1, "true_cfg_scale": 2}, 400, "true_cfg_scale"),
+    ("/v1/images/generations", IMAGE | {"seed": "abc"}, 400, "seed"),
+    ("/v1/images/generations", IMAGE | {"model": "no_such_model"}, 404, "model"),
+    ("/v1/images/generations", b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}', 413, None),
+    ("/v1/no_such_endpoint", CHAT, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_INPUTS,
+                         ids=[f"{i}-{path.rsplit('/', 1)[-1]}-{param}" for i, (path, _, _, param) in
+                              enumerate(BAD_INPUTS)])
+def test_bad_input(gateway, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{gateway}{path}", content=content, headers={"Content-Type": "application/json"},
+                          timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert httpx.get(f"{gateway}/health").status_code == 200

@@ -1,0 +1,85 @@
+"""``serve``'s OpenAI-compatible gateway: its own process beside tritonserver.
+
+It outlives a restart of tritonserver (it answers 503 meanwhile and its gRPC
+client reconnects), so the launcher starts it once the server is first
+ready and stops it last. The chat templates it needs are the tokenizers of
+the text-generation models in the repositories, found here because only the
+tools may resolve a ``demo:`` model to its folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from triton_omni_tools.repository import load_config
+
+logger = logging.getLogger(__name__)
+API_KEY_ENV = "TRITON_OMNI_API_KEY"  # the gateway's own variable (triton_omni_gateway.app)
+TEXT_BACKEND = "omni_ar"
+
+
+def text_model_tokenizers(repositories: list[Path]) -> dict[str, str]:
+    """Each text-generation model (``omni_ar``, not in encode mode) -> where its tokenizer is."""
+    from triton_omni.demo_models import resolve_model
+
+    found = {}
+    for repository in repositories:
+        for config_path in sorted(repository.glob("*/config.pbtxt")):
+            config = load_config(config_path)
+            parameters = {key: value.string_value for key, value in config.parameters.items()}
+            if config.backend == TEXT_BACKEND and parameters.get("mode", "generate") == "generate" \
+                    and "model" in parameters:
+                found[config.name or config_path.parent.name] = resolve_model(parameters["model"])
+    return found
+
+
+class Gateway:
+    def __init__(self, port: int, bind: str, grpc_url: str, tokenizers: dict[str, str],
+                 api_key: str | None = None, startup_timeout_s: float = 60.0):
+        self.url = f"{bind}:{port}"
+        # In the environment, not on the command line, where `ps` would show it.
+        self.env = os.environ | ({API_KEY_ENV: api_key} if api_key else {})
+        self.command = [sys.executable, "-m", "triton_omni_gateway", f"--triton-url={grpc_url}", f"--host={bind}",
+                        f"--port={port}", *(f"--tokenizer={model}={path}" for model, path in tokenizers.items())]
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Gateway:
+        self.process = subprocess.Popen(self.command, env=self.env)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._listening():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the OpenAI gateway exited with code {self.process.returncode} at startup")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the OpenAI gateway did not listen on {self.url} in {self.startup_timeout_s} s")
+            time.sleep(0.2)
+        return self
+
+    def _listening(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.url}/health", timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # 503: listening, Triton not ready
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            logger.warning("the OpenAI gateway did not stop in 10 s; killing it")
+            self.process.kill()
+            self.process.wait()
