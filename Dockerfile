@@ -4,7 +4,7 @@
 # repositories the launcher serves locally (`omni-triton serve --server system`).
 #
 #   docker build -t triton-omni .
-#   docker run --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-omni
+#   docker run --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 triton-omni
 ARG TRITON_VERSION=25.10
 FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-vllm-python-py3
 
@@ -13,12 +13,13 @@ COPY pyproject.toml README.md ./
 COPY protocol protocol
 COPY backends backends
 COPY clients clients
+COPY gateway gateway
 COPY tools tools
 COPY model_repository model_repository
 COPY ensemble ensemble
 
 # --no-deps: keep the image's torch/vLLM/NumPy (its Triton supports NumPy 2).
-RUN pip install --no-cache-dir diffusers "tritonclient[all]" \
+RUN pip install --no-cache-dir diffusers "tritonclient[all]" fastapi uvicorn prometheus-client \
  && pip install --no-cache-dir --no-deps -e .
 
 # Demo models are built into the image; real models come from the hub or a
@@ -26,5 +27,6 @@ RUN pip install --no-cache-dir diffusers "tritonclient[all]" \
 ENV TRITON_OMNI_CACHE=/opt/triton-omni/.cache
 RUN omni-triton build-demo-models
 
-EXPOSE 8000 8001 8002
+# 9000: the OpenAI-compatible API (its own metrics at /metrics)
+EXPOSE 8000 8001 8002 9000
 CMD ["omni-triton", "serve", "--server", "system", "--bind", "0.0.0.0"]

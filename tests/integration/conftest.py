@@ -10,7 +10,8 @@ batching padded to a fixed size (the default is step batching),
 ``diffusion_stream``, the default ``diffusion`` decoupled (per-step progress),
 ``ar_shared`` and ``ar_encoder_shared``, two instances in front of one vLLM engine core, and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
-one prompt's embeddings. Helpers live in
+one prompt's embeddings. The OpenAI-compatible gateway (``gateway``) runs
+in front of it on demand. Helpers live in
 ``tests/support/server.py``.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from triton_omni.demo_models import build_all
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import (
     DEFAULT_REPOSITORIES,
     PROJECT_ROOT,
@@ -78,6 +80,14 @@ def server(tmp_path_factory):
     shutil.copy(log_file, PROJECT_ROOT / ".cache" / "last-test-server.log")
     # Every stub shuts down cleanly (metric families destroyed at interpreter exit crashed them).
     assert "Segfault encountered" not in log_file.read_text(errors="replace"), "a stub crashed at shutdown"
+
+
+@pytest.fixture(scope="package")
+def gateway(server) -> str:
+    """The OpenAI-compatible gateway in front of the server, as `omni-triton serve` runs it: its base URL."""
+    gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories)).start()
+    yield f"http://{gateway.url}"
+    gateway.stop()
 
 
 @pytest.fixture(autouse=True)

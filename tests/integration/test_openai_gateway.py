@@ -22,20 +22,13 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient
-from triton_omni_tools.gateway import Gateway, text_model_tokenizers
+from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import free_port
 
-from tests.support.server import metric_value, text_to_image
+from tests.support.server import documented_metrics, metric_value, text_to_image
 
 FAST = {"num_inference_steps": 2}
 KEY = "sk-test-gateway"
-
-
-@pytest.fixture(scope="module")
-def gateway(server):
-    gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories)).start()
-    yield f"http://{gateway.url}"
-    gateway.stop()
 
 
 @pytest.fixture
@@ -216,6 +209,10 @@ def test_metrics_count_requests_and_errors_per_endpoint(client, gateway):
     assert value(r'omni_gateway_requests_total\{endpoint="/v1/models",status="200"\}') >= 1
     assert value(r'omni_gateway_errors_total\{endpoint="/v1/images/generations",type="invalid_request_error"\}') >= 1
     assert value(r'omni_gateway_request_duration_seconds_count\{endpoint="/v1/images/generations"\}') >= 1
+    documented = documented_metrics(gateway=True)
+    assert len(documented) == 4
+    for name, kind in documented.items():  # every one in docs/metrics.md is served
+        assert re.search(rf"^{name}{'_count' if kind == 'histogram' else ''}\{{", text, flags=re.M), name
 
 
 # -- bad input: each a 4xx in OpenAI's shape naming the field, the gateway healthy after it

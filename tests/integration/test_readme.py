@@ -1,6 +1,6 @@
 """The README's examples, run the way a reader runs them: the `tritonclient`
-snippet as a script (it must print the stream and exit), and the CLI's image
-commands (they must not write into the checkout)."""
+and `openai` snippets as scripts (they must print the stream and exit), and
+the CLI's image commands (they must not write into the checkout)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ def test_the_tritonclient_snippet_runs_as_a_script_and_exits(server, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), "the stream printed nothing"
+
+
+def test_the_openai_snippet_makes_an_image_and_streams_chat(gateway, tmp_path):
+    [snippet] = [block for block in python_blocks() if "from openai import OpenAI" in block]
+    script = tmp_path / "snippet.py"
+    snippet = snippet.replace("http://localhost:9000", gateway).replace("/tmp/fox.png", str(tmp_path / "fox.png"))
+    script.write_text(snippet)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip(), "the chat stream printed nothing"
+    assert (tmp_path / "fox.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_image_commands_write_outside_the_checkout(server, tmp_path):

@@ -65,9 +65,14 @@ def metric_value(server: TritonServer, name: str, **labels: str) -> float:
     return total
 
 
-def documented_metrics() -> dict[str, str]:
-    """name -> kind, from the table in docs/metrics.md."""
-    table = (PROJECT_ROOT / "docs" / "metrics.md").read_text()
+GATEWAY_METRICS_HEADING = "## The OpenAI gateway's metrics"
+
+
+def documented_metrics(gateway: bool = False) -> dict[str, str]:
+    """name -> kind, from the tables in docs/metrics.md: the server's, or (``gateway``) the
+    OpenAI gateway's, which it serves on its own port."""
+    server, _, gateway_part = (PROJECT_ROOT / "docs" / "metrics.md").read_text().partition(GATEWAY_METRICS_HEADING)
+    table = gateway_part if gateway else server
     return dict(re.findall(r"^\| `(omni_\w+)` \| (counter|gauge|histogram) \|", table, flags=re.M))
 
 

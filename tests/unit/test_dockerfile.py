@@ -56,7 +56,8 @@ def test_the_image_build_context_installs_and_starts_the_entry_point(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "serve" in done.stdout
     served = subprocess.run([str(venv / "bin" / "omni-triton"), "serve", "--help"], capture_output=True, text=True)
-    assert served.returncode == 0 and "--no-restart" in served.stdout, served.stderr
+    assert served.returncode == 0 and "--no-restart" in served.stdout and "--openai-port" in served.stdout, \
+        served.stderr
 
 
 def test_the_dockerfile_copies_every_package_root_of_the_project():

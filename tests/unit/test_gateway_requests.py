@@ -1,0 +1,82 @@
+"""The OpenAI gateway's pieces without a server: request bodies checked and
+turned into the models' inputs, Triton's errors mapped onto OpenAI's, log
+probabilities reshaped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from triton_omni_client import OmniError
+from triton_omni_gateway.errors import OpenAIError, from_triton
+from triton_omni_gateway.images import _options, _seeded
+from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
+from triton_omni_gateway.text import ar_values, chat_logprobs, completion_logprobs
+
+
+def refused(kind, body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as error:
+        parse(kind, json.dumps(body).encode() if not isinstance(body, bytes) else body)
+    assert error.value.status == 400
+    return error.value
+
+
+def test_chat_sampling_uses_vllm_s_names():
+    request = parse(ChatRequest, json.dumps({
+        "messages": [{"role": "developer", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 7, "temperature": 0.5, "stop": "x", "seed": 3, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 2}).encode())
+    assert request.sampling() == {"n": 1, "temperature": 0.5, "seed": 3, "ignore_eos": True, "stop": ["x"],
+                                  "max_tokens": 7, "logprobs": 2}
+    assert request.chat() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+    values = ar_values("prompt", request.sampling())
+    assert values["stream"] and values["exclude_input_in_output"] and values["return_logprobs"]
+    assert json.loads(values["sampling_parameters"])["max_tokens"] == 7
+
+
+def test_errors_name_the_field_without_pydantic_s_union_members():
+    assert refused(ChatRequest, {"messages": [{"role": "user", "content": 5}]}).param == "messages.0.content"
+    assert refused(CompletionRequest, {"prompt": "a", "stop": 5}).param == "stop"
+    assert refused(CompletionRequest, {"prompt": "a", "bogus": 1}).message == "bogus: unknown field (not part of " \
+        "this API)"
+    assert refused(ImageRequest, {"prompt": "a", "style": "vivid"}).param == "style"
+    assert refused(ImageRequest, b"\xff").code == "invalid_json"
+
+
+def test_image_size_seeds_and_guidance():
+    request = parse(ImageRequest, b'{"prompt": "a", "size": "64x32", "seed": 5, "true_cfg_scale": 4}')
+    options = _options(request)
+    assert options == {"width": 64, "height": 32, "seed": 5, "guidance_scale": 4.0}
+    assert [_seeded(options, i)["seed"] for i in range(3)] == [5, 6, 7]
+    assert _options(parse(ImageRequest, b'{"prompt": "a", "size": "auto"}')) == {}
+    for size in ("64", "64x", "x64", "0x64", "64x5000", "axb"):
+        with pytest.raises(OpenAIError) as error:
+            _options(parse(ImageRequest, json.dumps({"prompt": "a", "size": size}).encode()))
+        assert error.value.param == "size"
+
+
+def test_triton_errors_become_openai_errors():
+    refusal = from_triton(OmniError("INVALID_ARG", "invalid `temperature`: must be in [0.0, 100.0], got -1"), "ar")
+    assert (refusal.status, refusal.param) == (400, "temperature")
+    missing = from_triton(OmniError("UNKNOWN", "Request for unknown model: 'x' is not found"), "x")
+    assert (missing.status, missing.param) == (404, "model")
+    assert from_triton(OmniError("UNAVAILABLE", "connect failed"), "ar").status == 503
+    assert from_triton(OmniError("INTERNAL", "boom"), "ar").body()["error"]["type"] == "server_error"
+
+
+POSITIONS = [  # the model's shape: the sampled token first, then the top candidates
+    {"7": {"logprob": -2.0, "rank": 3, "decoded_token": "c"}, "1": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+     "2": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}},
+    {"1": {"logprob": -0.1, "rank": 1, "decoded_token": "de"}},
+]
+
+
+def test_log_probabilities_in_openai_s_shapes():
+    chat = chat_logprobs(POSITIONS, top=2)
+    assert [entry["token"] for entry in chat] == ["c", "de"]
+    assert [t["token"] for t in chat[0]["top_logprobs"]] == ["a", "b"]
+    assert chat[1]["bytes"] == list(b"de")
+    legacy = completion_logprobs(POSITIONS, top=1, offset=4)
+    assert legacy == {"tokens": ["c", "de"], "token_logprobs": [-2.0, -0.1],
+                      "top_logprobs": [{"a": -0.5}, {"de": -0.1}], "text_offset": [4, 5]}
