@@ -30,7 +30,8 @@ else
     "${pip[@]}" --no-deps -r requirements/cpu.lock
 fi
 "${pip[@]}" --no-deps --no-build-isolation -e .
-scripts/install_perf.sh "$venv"  # perf_analyzer, for the tests' smoke runs and `make perf`
+# perf_analyzer and AIPerf, for the tests' smoke runs and `make perf`
+scripts/install_perf.sh "$venv" --aiperf
 "$venv/bin/python" -c "import numpy, torch, transformers, diffusers, tritonclient.grpc; \
 assert numpy.__version__.startswith('1.'), numpy.__version__; print('triton-omni installed:', \
 'torch', torch.__version__, '| numpy', numpy.__version__)"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Triton's own measuring tools, for the bundled Triton 2.51 server.
 #
-#   scripts/install_perf.sh [VENV] [--genai-perf]      (`make install` / `make perf` call this; on an
-#   offline GPU host scripts/gpu_setup.sh unpacks the binary first, then calls it for the rest)
+#   scripts/install_perf.sh [VENV] [--genai-perf] [--aiperf]   (`make install` / `make perf` call this; on
+#   an offline GPU host scripts/gpu_setup.sh unpacks the binary first, then calls it for the rest)
 #
 # perf_analyzer: from the tritonclient==2.51.0 wheel, the client release that
 #   matches the server (later tritonclient wheels no longer ship it; the
@@ -12,6 +12,8 @@
 #   libb64-0d, unpacked without root) and libcudart.so.12 (a link to the one
 #   nvidia-pytriton bundles; perf_analyzer loads it even on a CPU machine).
 #   Installed as $VENV/bin/perf_analyzer, a wrapper that sets LD_LIBRARY_PATH.
+# --aiperf: AIPerf 0.13 (NVIDIA's successor to genai-perf; it speaks OpenAI's API, which the
+#   gateway serves) in its own virtualenv ($VENV-aiperf): its pins are not the server's.
 # --genai-perf: genai-perf 0.0.16 in its own virtualenv ($VENV-genai-perf): it
 #   pins tritonclient 2.51 and, with NumPy 1, needs pandas<2.3; neither belongs
 #   in the serving environment.
@@ -36,7 +38,16 @@ WRAPPER
 chmod +x "$venv/bin/perf_analyzer"
 "$venv/bin/perf_analyzer" --version | head -1
 
-if [ "${2:-}" = "--genai-perf" ]; then
+if [[ " ${*:2} " == *" --aiperf "* ]]; then
+    aiperf="$venv-aiperf"
+    [ -x "$aiperf/bin/aiperf" ] || {
+        "$python" -m venv "$aiperf"
+        "$aiperf/bin/python" -m pip install "${pip_q[@]}" "aiperf==0.13.0"
+    }
+    echo "AIPerf $("$aiperf/bin/aiperf" --version 2>/dev/null | tail -1)"
+fi
+
+if [[ " ${*:2} " == *" --genai-perf "* ]]; then
     genai="$venv-genai-perf"
     [ -x "$genai/bin/genai-perf" ] || {
         "$python" -m venv "$genai"

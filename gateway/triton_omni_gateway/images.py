@@ -63,9 +63,10 @@ class ImageModels:
             images = await asyncio.gather(*(self._one(request.model, prompt | _seeded(options, i))
                                             for i in range(request.n)))
             revised = None
+        # PNG encoding takes milliseconds per image: off the event loop, which keeps serving the other requests
+        encoded = await asyncio.gather(*(asyncio.to_thread(png, image) for image in images))
         return {"created": int(time.time()),
-                "data": [{"b64_json": png(image)} | ({"revised_prompt": revised} if revised else {})
-                         for image in images]}
+                "data": [{"b64_json": data} | ({"revised_prompt": revised} if revised else {}) for data in encoded]}
 
     async def _one(self, model: str, values: dict[str, Any]) -> np.ndarray:
         try:

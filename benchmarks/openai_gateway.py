@@ -1,0 +1,227 @@
+"""The OpenAI gateway against Triton's gRPC API on the same server, same requests.
+
+Two workloads, each run in rounds that alternate the two sides (gateway,
+direct, gateway, ...), so that drift on a shared host hits both alike; the
+ratio printed is the median of the rounds' ratios:
+
+* images: `text_to_image` at concurrency 16 (closed loop), the preset's image
+  work (`--preset tiny`: 32x32, 2 steps; `realistic`: 512x512, 20 steps, SD 1.5's size): images/s through
+  `/v1/images/generations` (PNG, base64) against `tritonclient.grpc.aio`'s
+  `infer` (raw uint8);
+* chat: `ar` at concurrency 64, streamed, `ignore_eos` so every request makes
+  the preset's number of tokens (16; 128): output tokens/s through `/v1/chat/completions`
+  (server-sent events) against the gRPC stream with the same rendered prompt.
+
+`--aa` runs the direct side against itself: the spread of those ratios is
+the finest difference this host can resolve.
+
+By default it starts its own server and gateway (the demo models); give
+`--grpc-url` and `--openai-url` to measure a running `omni-triton serve`
+(a GPU host, `--demo`, real models).
+
+    .venv/bin/python benchmarks/openai_gateway.py --json .cache/openai-gateway.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from triton_omni_client.client import batched_inputs, omni_inputs
+from triton_omni_tools.bench.harness import bench_repository
+from triton_omni_tools.bench.presets import PRESETS, Preset
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+PROMPT = "a lighthouse on a cliff at dusk"
+MESSAGES = [{"role": "user", "content": "Describe a lighthouse on a cliff at dusk."}]
+
+
+async def closed_loop(concurrency: int, requests: int, call) -> tuple[float, list[float], int]:
+    """``requests`` calls by ``concurrency`` workers: (seconds, latencies, units counted by ``call``)."""
+    todo = iter(range(requests))
+    latencies: list[float] = []
+    units = 0
+
+    async def worker():
+        nonlocal units
+        for _ in todo:
+            started = time.perf_counter()
+            units += await call()
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - started, latencies, units
+
+
+class Images:
+    name, unit = "images", "images/s"
+
+    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, options: dict):
+        self.grpc, self.http, self.options = grpc, http, options
+
+    async def direct(self) -> int:
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **self.options)
+        result = await self.grpc.infer("text_to_image", inputs)
+        assert result.as_numpy("image").shape[0] == 1
+        return 1
+
+    async def gateway(self) -> int:
+        size = f"{self.options['width']}x{self.options['height']}"
+        body = {"prompt": PROMPT, "size": size, "seed": self.options["seed"],
+                "num_inference_steps": self.options["num_inference_steps"],
+                "guidance_scale": self.options["guidance_scale"]}
+        response = await self.http.post("/v1/images/generations", json=body)
+        response.raise_for_status()
+        return len(response.json()["data"])
+
+
+class Chat:
+    name, unit = "chat", "output tokens/s"
+
+    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, prompt: str, tokens: int):
+        self.grpc, self.http, self.prompt, self.tokens = grpc, http, prompt, tokens
+
+    async def direct(self) -> int:
+        sampling = json.dumps({"max_tokens": self.tokens, "ignore_eos": True})
+        values = {"text_input": self.prompt, "stream": True, "exclude_input_in_output": True,
+                  "sampling_parameters": sampling, "return_num_output_tokens": True}
+        done = asyncio.Event()
+
+        async def one_request():
+            yield {"model_name": "ar", "inputs": omni_inputs(grpcclient, values)}
+            await done.wait()
+
+        tokens = 0
+        async for result, error in self.grpc.stream_infer(one_request()):
+            assert error is None, error
+            tokens += int(result.as_numpy("num_output_tokens")[0])
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        done.set()
+        return tokens
+
+    async def gateway(self) -> int:
+        body = {"model": "ar", "messages": MESSAGES, "max_tokens": self.tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"usage": {' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+
+async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bool = False) -> dict:
+    """Warm-up, then ``rounds`` pairs (their order alternating): each side's rate and the median ratio.
+    ``aa``: the direct side against itself, the finest ratio this host resolves."""
+    sides = {"gateway": workload.direct if aa else workload.gateway, "direct": workload.direct}
+    for call in sides.values():
+        await closed_loop(concurrency, concurrency, call)
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    p50s: dict[str, list[float]] = {side: [] for side in sides}
+    for index in range(rounds):
+        order = ("gateway", "direct") if index % 2 == 0 else ("direct", "gateway")
+        for side in order:
+            seconds, latencies, units = await closed_loop(concurrency, requests, sides[side])
+            rates[side].append(units / seconds)
+            p50s[side].append(float(np.percentile(latencies, 50)))
+    ratios = [g / d for g, d in zip(rates["gateway"], rates["direct"], strict=True)]
+    return {"workload": workload.name + (" A/A" if aa else ""), "unit": workload.unit, "concurrency": concurrency,
+            "requests": requests, "rounds": rounds, "gateway": statistics.median(rates["gateway"]),
+            "direct": statistics.median(rates["direct"]), "ratio": statistics.median(ratios), "ratios": ratios,
+            "p50_s": {side: statistics.median(values) for side, values in p50s.items()}}
+
+
+async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
+    options = {"num_inference_steps": args.steps, "height": args.size, "width": args.size, "seed": 1,
+               "guidance_scale": args.guidance}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with aioclient.InferenceServerClient(grpc_url) as grpc, \
+            httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
+        prompt = rendered_prompt(args.tokenizer)
+        images, chat = Images(grpc, http, options), Chat(grpc, http, prompt, args.tokens)
+        return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa),
+                await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa)]
+
+
+def rendered_prompt(tokenizer_path: str) -> str:
+    """The prompt text the gateway sends for MESSAGES: the same chat template, applied here."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+def report(results: list[dict]) -> None:
+    print(f"{'workload':<8} {'conc':>4} {'gateway':>12} {'direct':>12} {'ratio':>6}  p50 gateway / direct (s)")
+    for r in results:
+        print(f"{r['workload']:<8} {r['concurrency']:>4} {r['gateway']:>12.2f} {r['direct']:>12.2f} "
+              f"{r['ratio']:>6.3f}  {r['p50_s']['gateway']:.3f} / {r['p50_s']['direct']:.3f}   ({r['unit']}; "
+              f"rounds' ratios {' '.join(f'{x:.3f}' for x in r['ratios'])})")
+
+
+@contextlib.contextmanager
+def own_server(preset: Preset):
+    """The preset's models (bench's presets) on a server of this run's own, and a gateway in front of it."""
+    with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
+            model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(), grpc_port=free_port(),
+            metrics_port=free_port())) as server:
+        tokenizers = text_model_tokenizers(server.repositories)
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers).start()
+        try:
+            yield server.grpc_url, f"http://{gateway.url}", tokenizers["ar"]
+        finally:
+            gateway.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grpc-url", help="a running server's gRPC address (with --openai-url)")
+    parser.add_argument("--openai-url", help="its gateway, e.g. http://localhost:9000")
+    parser.add_argument("--tokenizer", help="the ar model's tokenizer (with --grpc-url; for the direct side's "
+                        "prompt, rendered with the same chat template)")
+    parser.add_argument("--image-concurrency", type=int, default=16)
+    parser.add_argument("--image-requests", type=int, default=64, help="per side and round")
+    parser.add_argument("--chat-concurrency", type=int, default=64)
+    parser.add_argument("--chat-requests", type=int, default=128, help="per side and round")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="the models and image work of `omni-triton bench`'s preset (realistic: on a GPU)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--aa", action="store_true", help="direct against direct: the spread this host "
+                        "shows with no gateway at all (run it first on a new host)")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    args.steps, args.size, args.guidance, args.tokens = preset.steps, preset.size, preset.guidance, preset.max_tokens
+
+    if args.grpc_url:
+        results = asyncio.run(run(args.grpc_url, args.openai_url, args))
+    else:
+        from triton_omni.demo_models import build_all
+
+        build_all()
+        with own_server(preset) as (grpc_url, openai_url, tokenizer):
+            args.tokenizer = args.tokenizer or tokenizer
+            results = asyncio.run(run(grpc_url, openai_url, args))
+    report(results)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"host": platform.node(), "results": results}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
