@@ -17,7 +17,7 @@ if [ ! -x "$venv/bin/python" ]; then
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # .pth files load in name order: the host's packages come after this venv's own.
   "$host" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/zz_host.pth"
-  printf '%s\n' "$PWD/protocol" "$PWD/backends" "$PWD/clients" "$PWD/tools" "$PWD" > "$site/omni.pth"
+  printf '%s\n' "$PWD/protocol" "$PWD/backends" "$PWD/clients" "$PWD/gateway" "$PWD/tools" "$PWD" > "$site/omni.pth"
 fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 for dir in .offline .offline2 .vllm4; do
