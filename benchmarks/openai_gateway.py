@@ -58,7 +58,8 @@ async def closed_loop(concurrency: int, requests: int, call) -> tuple[float, lis
         nonlocal units
         for _ in todo:
             started = time.perf_counter()
-            units += await call()
+            made = await call()  # not `units += await call()`: that reads `units` before the await
+            units += made
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -208,6 +209,10 @@ def main() -> None:
     preset = PRESETS[args.preset]
     args.steps, args.size, args.guidance, args.tokens = preset.steps, preset.size, preset.guidance, preset.max_tokens
 
+    with contextlib.suppress(ImportError):  # the clients' loop: uvloop where installed, as the gateway's is
+        import uvloop
+
+        uvloop.install()
     if args.grpc_url:
         results = asyncio.run(run(args.grpc_url, args.openai_url, args))
     else:
