@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -41,7 +42,7 @@ import tritonclient.grpc.aio as aioclient
 from triton_omni_client.client import batched_inputs, omni_inputs
 from triton_omni_tools.bench.harness import bench_repository
 from triton_omni_tools.bench.presets import PRESETS, Preset
-from triton_omni_tools.gateway import Gateway, text_model_tokenizers
+from triton_omni_tools.gateway import Gateway, default_workers, text_model_tokenizers
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
 PROMPT = "a lighthouse on a cliff at dusk"
@@ -126,25 +127,49 @@ class Chat:
         return tokens
 
 
-async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bool = False) -> dict:
-    """Warm-up, then ``rounds`` pairs (their order alternating): each side's rate and the median ratio.
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time a process and its children (the gateway's workers) have used; 0 when unknown."""
+    if pid is None:
+        return 0.0
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(entry.name) == pid or int(fields[1]) == pid:
+                total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bool = False,
+                  gateway_pid: int | None = None) -> dict:
+    """Warm-up, then ``rounds`` pairs (their order alternating): each side's rate and the median ratio,
+    and the cores that the gateway's process and this one (the clients) kept busy meanwhile.
     ``aa``: the direct side against itself, the finest ratio this host resolves."""
     sides = {"gateway": workload.direct if aa else workload.gateway, "direct": workload.direct}
     for call in sides.values():
         await closed_loop(concurrency, concurrency, call)
     rates: dict[str, list[float]] = {side: [] for side in sides}
     p50s: dict[str, list[float]] = {side: [] for side in sides}
+    cores: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}  # (gateway, clients)
     for index in range(rounds):
         order = ("gateway", "direct") if index % 2 == 0 else ("direct", "gateway")
         for side in order:
+            gateway_cpu, client_cpu = cpu_seconds(gateway_pid), time.process_time()
             seconds, latencies, units = await closed_loop(concurrency, requests, sides[side])
+            cores[side].append(((cpu_seconds(gateway_pid) - gateway_cpu) / seconds,
+                                (time.process_time() - client_cpu) / seconds))
             rates[side].append(units / seconds)
             p50s[side].append(float(np.percentile(latencies, 50)))
     ratios = [g / d for g, d in zip(rates["gateway"], rates["direct"], strict=True)]
     return {"workload": workload.name + (" A/A" if aa else ""), "unit": workload.unit, "concurrency": concurrency,
             "requests": requests, "rounds": rounds, "gateway": statistics.median(rates["gateway"]),
             "direct": statistics.median(rates["direct"]), "ratio": statistics.median(ratios), "ratios": ratios,
-            "p50_s": {side: statistics.median(values) for side, values in p50s.items()}}
+            "p50_s": {side: statistics.median(values) for side, values in p50s.items()},
+            "cores": {side: [statistics.median(c[i] for c in values) for i in (0, 1)]
+                      for side, values in cores.items()}}
 
 
 async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
@@ -155,8 +180,10 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
             httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
         prompt = rendered_prompt(args.tokenizer)
         images, chat = Images(grpc, http, options), Chat(grpc, http, prompt, args.tokens)
-        return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa),
-                await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa)]
+        return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa,
+                              args.gateway_pid),
+                await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa,
+                              args.gateway_pid)]
 
 
 def rendered_prompt(tokenizer_path: str) -> str:
@@ -173,18 +200,21 @@ def report(results: list[dict]) -> None:
         print(f"{r['workload']:<8} {r['concurrency']:>4} {r['gateway']:>12.2f} {r['direct']:>12.2f} "
               f"{r['ratio']:>6.3f}  {r['p50_s']['gateway']:.3f} / {r['p50_s']['direct']:.3f}   ({r['unit']}; "
               f"rounds' ratios {' '.join(f'{x:.3f}' for x in r['ratios'])})")
+        gateway, direct = r["cores"]["gateway"], r["cores"]["direct"]
+        print(f"{'':<8} cores busy, gateway process / clients: {gateway[0]:.2f} / {gateway[1]:.2f} on the gateway "
+              f"side, {direct[0]:.2f} / {direct[1]:.2f} on the direct side")
 
 
 @contextlib.contextmanager
-def own_server(preset: Preset):
+def own_server(preset: Preset, workers: int):
     """The preset's models (bench's presets) on a server of this run's own, and a gateway in front of it."""
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
             model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(), grpc_port=free_port(),
             metrics_port=free_port())) as server:
         tokenizers = text_model_tokenizers(server.repositories)
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers).start()
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers, workers=workers).start()
         try:
-            yield server.grpc_url, f"http://{gateway.url}", tokenizers["ar"]
+            yield server.grpc_url, f"http://{gateway.url}", tokenizers["ar"], gateway.process.pid
         finally:
             gateway.stop()
 
@@ -193,8 +223,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", help="a running server's gRPC address (with --openai-url)")
     parser.add_argument("--openai-url", help="its gateway, e.g. http://localhost:9000")
+    parser.add_argument("--gateway-pid", type=int, help="the gateway's process (with --openai-url): its CPU use "
+                        "is reported")
     parser.add_argument("--tokenizer", help="the ar model's tokenizer (with --grpc-url; for the direct side's "
                         "prompt, rendered with the same chat template)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="the gateway's processes (as `omni-triton serve` picks them by default)")
     parser.add_argument("--image-concurrency", type=int, default=16)
     parser.add_argument("--image-requests", type=int, default=64, help="per side and round")
     parser.add_argument("--chat-concurrency", type=int, default=64)
@@ -219,8 +253,8 @@ def main() -> None:
         from triton_omni.demo_models import build_all
 
         build_all()
-        with own_server(preset) as (grpc_url, openai_url, tokenizer):
-            args.tokenizer = args.tokenizer or tokenizer
+        with own_server(preset, args.workers) as (grpc_url, openai_url, tokenizer, gateway_pid):
+            args.tokenizer, args.gateway_pid = args.tokenizer or tokenizer, args.gateway_pid or gateway_pid
             results = asyncio.run(run(grpc_url, openai_url, args))
     report(results)
     if args.json:

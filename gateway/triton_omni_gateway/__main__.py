@@ -6,11 +6,15 @@ any Triton that serves these models."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
+import os
+import tempfile
 
 import uvicorn
 
-from triton_omni_gateway.app import API_KEY_ENV, GatewaySettings, create_app
+from triton_omni_gateway.app import API_KEY_ENV, SETTINGS_ENV, GatewaySettings, create_app
 
 
 def tokenizer_pair(text: str) -> tuple[str, str]:
@@ -26,12 +30,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    parser.add_argument("--workers", type=int, default=1, help="processes answering requests: one process's "
+                        "event loop bounds the tokens a second it can stream; more spread the work over cores")
     parser.add_argument("--tokenizer", type=tokenizer_pair, action="append", default=[], metavar="MODEL=PATH",
                         help="the tokenizer whose chat template /v1/chat/completions uses for MODEL")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     settings = GatewaySettings(triton_url=args.triton_url, api_key=args.api_key, tokenizers=dict(args.tokenizer))
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning", access_log=False)
+    server = {"host": args.host, "port": args.port, "log_level": "warning", "access_log": False}
+    if args.workers <= 1:
+        uvicorn.run(create_app(settings), **server)
+        return
+    # Each worker is a fresh interpreter: settings and the metrics' shared folder go through the environment.
+    with tempfile.TemporaryDirectory(prefix="triton-omni-gateway-metrics-") as metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
+        uvicorn.run("triton_omni_gateway.app:app_from_environment", factory=True, workers=args.workers, **server)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 from collections.abc import Awaitable
@@ -13,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError
@@ -26,6 +27,7 @@ from triton_omni_gateway.triton import Triton
 
 logger = logging.getLogger("triton_omni_gateway")
 API_KEY_ENV = "TRITON_OMNI_API_KEY"
+SETTINGS_ENV = "TRITON_OMNI_GATEWAY_SETTINGS"  # how the worker processes get their settings
 
 
 @dataclass
@@ -38,6 +40,11 @@ class GatewaySettings:
     @property
     def key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process, its settings from ``$TRITON_OMNI_GATEWAY_SETTINGS`` (``__main__``)."""
+    return create_app(GatewaySettings(**json.loads(os.environ[SETTINGS_ENV])))
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -140,7 +147,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError):

@@ -2,14 +2,19 @@
 
 Measured as ASGI middleware around the whole app: a request's status is the
 one it was answered with, and its duration runs until its last byte left (a
-streamed answer's included), which is what a client waits for.
+streamed answer's included), which is what a client waits for. With several
+worker processes (``--workers``), each writes its values under
+``$PROMETHEUS_MULTIPROC_DIR`` and ``/metrics`` adds them up, whichever worker
+answers it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 ENDPOINTS = ("/v1/images/generations", "/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -27,7 +32,15 @@ class GatewayMetrics:
                                   "answer's last byte, by endpoint", ["endpoint"], buckets=BUCKETS,
                                   registry=self.registry)
         self.in_flight = Gauge("omni_gateway_requests_in_flight", "Requests the OpenAI gateway is answering",
-                               ["endpoint"], registry=self.registry)
+                               ["endpoint"], registry=self.registry, multiprocess_mode="livesum")
+
+    def exposition(self) -> bytes:
+        """The text ``/metrics`` serves: every worker's values, added up."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
 
     def middleware(self, app):
         async def measured(scope, receive, send):

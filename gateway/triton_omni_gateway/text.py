@@ -18,7 +18,7 @@ from typing import Any
 
 from triton_omni_gateway.errors import OpenAIError
 from triton_omni_gateway.requests import ChatRequest, CompletionRequest
-from triton_omni_gateway.triton import Triton, every, first
+from triton_omni_gateway.triton import Triton, outputs
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -54,14 +54,14 @@ def ar_values(prompt: str, sampling: dict[str, Any]) -> dict[str, Any]:
 
 async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
-    finished = lambda result: result.as_numpy("finish_reason") is not None  # noqa: E731
+    finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
     async for result in triton.stream(model, ar_values(prompt, sampling), finished):
-        logprobs = every(result, "logprobs")
-        texts = every(result, "text_output") or []
-        yield Delta(texts=texts, tokens=every(result, "num_output_tokens") or [0] * len(texts),
-                    logprobs=[None if v is None else json.loads(v) for v in logprobs] if logprobs
-                    else [None] * len(texts),
-                    finish_reasons=every(result, "finish_reason"), prompt_tokens=first(result, "num_input_tokens"))
+        found = outputs(result)
+        texts = found.get("text_output", [])
+        logprobs = found.get("logprobs")
+        yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
+                    logprobs=[json.loads(v) for v in logprobs] if logprobs else [None] * len(texts),
+                    finish_reasons=found.get("finish_reason"), prompt_tokens=(found.get("num_input_tokens") or [0])[0])
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:

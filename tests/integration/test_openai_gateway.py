@@ -15,6 +15,7 @@ import json
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,7 +23,7 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient
-from triton_omni_tools.gateway import Gateway
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import free_port
 
 from tests.support.server import documented_metrics, metric_value, text_to_image
@@ -213,6 +214,37 @@ def test_metrics_count_requests_and_errors_per_endpoint(client, gateway):
     assert len(documented) == 4
     for name, kind in documented.items():  # every one in docs/metrics.md is served
         assert re.search(rf"^{name}{'_count' if kind == 'histogram' else ''}\{{", text, flags=re.M), name
+
+
+def test_several_workers_answer_on_one_port_and_add_up_their_metrics(server):
+    gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories),
+                      workers=2).start()
+    try:
+        base = f"http://{gateway.url}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        for _ in range(6):
+            assert client.completions.create(model="ar", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        workers = {pid for pid in _children(gateway.process.pid)}
+        assert len(workers) >= 2, workers
+        text = httpx.get(f"{base}/metrics").text
+        answered = re.search(r'^omni_gateway_requests_total\{endpoint="/v1/completions",status="200"\} (\S+)$', text,
+                             flags=re.M)
+        assert answered and float(answered.group(1)) == 6, text[:2000]
+    finally:
+        gateway.stop()
+    assert gateway.process.poll() is not None
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
 
 
 # -- bad input: each a 4xx in OpenAI's shape naming the field, the gateway healthy after it

@@ -80,3 +80,27 @@ def test_log_probabilities_in_openai_s_shapes():
     legacy = completion_logprobs(POSITIONS, top=1, offset=4)
     assert legacy == {"tokens": ["c", "de"], "token_logprobs": [-2.0, -0.1],
                       "top_logprobs": [{"a": -0.5}, {"de": -0.1}], "text_offset": [4, 5]}
+
+
+def test_outputs_read_from_the_raw_bytes_as_as_numpy_would():
+    import struct
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from triton_omni_gateway.triton import outputs
+    from tritonclient.grpc import service_pb2
+
+    response = service_pb2.ModelInferResponse()
+    for name, datatype, raw in (
+            ("text_output", "BYTES", b"".join(struct.pack("<I", len(t)) + t for t in (b" fox", b"", "é".encode()))),
+            ("num_output_tokens", "UINT32", np.array([2, 0, 1], np.uint32).tobytes()),
+            ("cumulative_logprob", "FP32", np.array([-1.5, 0, -2], np.float32).tobytes())):
+        output = response.outputs.add()
+        output.name, output.datatype = name, datatype
+        output.shape.append(3)
+        response.raw_output_contents.append(raw)
+    result = grpcclient.InferResult(response)
+    found = outputs(result)
+    assert found == {"text_output": [" fox", "", "é"], "num_output_tokens": [2, 0, 1],
+                     "cumulative_logprob": [-1.5, 0.0, -2.0]}
+    assert [v.decode() for v in result.as_numpy("text_output")] == found["text_output"]

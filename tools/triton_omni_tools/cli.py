@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--openai-port", type=int, default=9000,
                        help="port of the OpenAI-compatible API (/v1/images/generations, /v1/chat/completions, ...); "
                        "0 turns it off")
+    serve.add_argument("--openai-workers", type=int,
+                       help="the gateway's processes (default: one per four cores, at most four)")
     serve.add_argument("--api-key", help="the key OpenAI clients must send (Authorization: Bearer KEY); "
                        "default: $TRITON_OMNI_API_KEY, and no key when that is unset")
     serve.add_argument("--no-restart", action="store_true",
@@ -181,6 +183,7 @@ def _key_value(text: str) -> tuple[str, object]:
 
 
 def _serve(args) -> int:
+    from triton_omni_tools.gateway import default_workers
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
     from triton_omni_tools.restarts import RestartPolicy
 
@@ -190,7 +193,7 @@ def _serve(args) -> int:
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
         placement=args.place, demo=args.demo, openai_port=args.openai_port,
-        api_key=args.api_key,
+        api_key=args.api_key, openai_workers=args.openai_workers or default_workers(),
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())
 

@@ -41,14 +41,21 @@ def text_model_tokenizers(repositories: list[Path]) -> dict[str, str]:
     return found
 
 
+def default_workers() -> int:
+    """One gateway process per four cores, at most four: a streamed token costs the gateway's event
+    loop far more than it costs the engine, and a small host keeps its cores for the models."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 class Gateway:
     def __init__(self, port: int, bind: str, grpc_url: str, tokenizers: dict[str, str],
-                 api_key: str | None = None, startup_timeout_s: float = 60.0):
+                 api_key: str | None = None, workers: int = 1, startup_timeout_s: float = 60.0):
         self.url = f"{bind}:{port}"
         # In the environment, not on the command line, where `ps` would show it.
         self.env = os.environ | ({API_KEY_ENV: api_key} if api_key else {})
         self.command = [sys.executable, "-m", "triton_omni_gateway", f"--triton-url={grpc_url}", f"--host={bind}",
-                        f"--port={port}", *(f"--tokenizer={model}={path}" for model, path in tokenizers.items())]
+                        f"--port={port}", f"--workers={workers}",
+                        *(f"--tokenizer={model}={path}" for model, path in tokenizers.items())]
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
 

@@ -78,6 +78,7 @@ class ServerOptions:
     openai_port: int = 0
     # The key its clients must send (Authorization: Bearer); None: $TRITON_OMNI_API_KEY, else no key.
     api_key: str | None = None
+    openai_workers: int = 1  # the gateway's processes
 
 
 @dataclass(frozen=True)
@@ -535,7 +536,7 @@ def serve(options: ServerOptions, restarts: RestartPolicy | None = None) -> int:
     gateway = None
     if options.openai_port:
         gateway = Gateway(options.openai_port, options.bind, server.grpc_url,
-                          text_model_tokenizers(server.repositories), options.api_key)
+                          text_model_tokenizers(server.repositories), options.api_key, options.openai_workers)
         try:
             gateway.start()
         except BaseException:
