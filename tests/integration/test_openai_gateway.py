@@ -15,7 +15,6 @@ import json
 import re
 import time
 import urllib.request
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,7 +25,7 @@ from triton_omni_client import OmniClient
 from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import free_port
 
-from tests.support.server import documented_metrics, metric_value, text_to_image
+from tests.support.server import children, documented_metrics, metric_value, text_to_image
 
 FAST = {"num_inference_steps": 2}
 KEY = "sk-test-gateway"
@@ -224,7 +223,7 @@ def test_several_workers_answer_on_one_port_and_add_up_their_metrics(server):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         for _ in range(6):
             assert client.completions.create(model="ar", prompt="hi", max_tokens=2).usage.completion_tokens == 2
-        workers = {pid for pid in _children(gateway.process.pid)}
+        workers = children(gateway.process.pid)
         assert len(workers) >= 2, workers
         text = httpx.get(f"{base}/metrics").text
         answered = re.search(r'^omni_gateway_requests_total\{endpoint="/v1/completions",status="200"\} (\S+)$', text,
@@ -233,18 +232,6 @@ def test_several_workers_answer_on_one_port_and_add_up_their_metrics(server):
     finally:
         gateway.stop()
     assert gateway.process.poll() is not None
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError):
-                continue
-    return found
 
 
 # -- bad input: each a 4xx in OpenAI's shape naming the field, the gateway healthy after it
