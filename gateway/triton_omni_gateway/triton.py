@@ -20,6 +20,16 @@ from tritonclient.utils import InferenceServerException
 
 from triton_omni_gateway.errors import from_triton
 
+# gRPC waits longer and longer between attempts to reach a server that is down (up to 2 min by
+# default): after tritonserver restarts, the gateway would answer 503 for that long. One second at most.
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 class Triton:
     def __init__(self, url: str):
@@ -29,7 +39,7 @@ class Triton:
     @property
     def client(self) -> aioclient.InferenceServerClient:
         if self._client is None:  # made on the server's event loop, at the first request
-            self._client = aioclient.InferenceServerClient(self.url)
+            self._client = aioclient.InferenceServerClient(self.url, channel_args=CHANNEL_ARGS)
         return self._client
 
     async def close(self) -> None:

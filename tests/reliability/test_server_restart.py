@@ -87,8 +87,12 @@ def serving(tmp_path: Path, *flags: str):
         wait_until_serving(launcher, log_path)
         yield launcher, http, grpc, openai, log_path
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        if launcher.poll() is None:  # a failed test: stop it as Ctrl-C does, so that it cleans up after itself
+            launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
     assert_group_gone(launcher.pid)
 
 
@@ -107,7 +111,11 @@ def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
             time.sleep(0.5)
         assert tritonserver_of(launcher.pid) != first
         every_model_answers(f"localhost:{grpc}")
-        assert gateway_said_so and ready(openai, "/health")
+        assert gateway_said_so
+        back = time.monotonic() + 10  # its gRPC channel retries at least every second
+        while not ready(openai, "/health"):
+            assert time.monotonic() < back, "the OpenAI gateway did not see Triton again"
+            time.sleep(0.2)
 
         output = log_path.read_text(errors="replace")
         assert "tritonserver killed by SIGABRT; restarting it" in output, output[-3000:]
