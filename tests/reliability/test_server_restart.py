@@ -33,9 +33,15 @@ def ready(http: int, path: str = "/v2/health/ready") -> bool:
         return False
 
 
+def _is_tritonserver(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"tritonserver")
+    except OSError:
+        return False
+
+
 def tritonserver_of(launcher: int) -> int:
-    [server] = [pid for pid in children(launcher)
-                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"tritonserver")]
+    [server] = [pid for pid in children(launcher) if _is_tritonserver(pid)]
     return server
 
 
@@ -88,11 +94,15 @@ def serving(tmp_path: Path, *flags: str):
         yield launcher, http, grpc, openai, log_path
     finally:
         if launcher.poll() is None:  # a failed test: stop it as Ctrl-C does, so that it cleans up after itself
+            servers = [pid for pid in children(launcher.pid) if _is_tritonserver(pid)]
             launcher.send_signal(signal.SIGINT)
             try:
                 launcher.wait(timeout=90)
             except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
+                # tritonserver has a process group of its own: killing the launcher's would orphan it
+                for group in [*servers, launcher.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(group, signal.SIGKILL)
     assert_group_gone(launcher.pid)
 
 
