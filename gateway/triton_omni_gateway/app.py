@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError
+from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
 from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
 from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
@@ -100,8 +100,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             prompt = await templates.render(body.model, body.chat())
         except OpenAIError as error:
             if error.param == "model" and body.model not in await triton.models():
-                raise OpenAIError(404, f"The model '{body.model}' does not exist or is not ready", param="model",
-                                  code="model_not_found") from None
+                raise model_not_found(body.model) from None
             raise
         return await text_response(request, body, chat_endpoint(body), prompt)
 
@@ -134,8 +133,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def model(request: Request, name: str):
         authorize(request, settings.key)
         if name not in await triton.models():
-            raise OpenAIError(404, f"The model '{name}' does not exist or is not ready", param="model",
-                              code="model_not_found")
+            raise model_not_found(name)
         return _model(name)
 
     @app.get("/health")

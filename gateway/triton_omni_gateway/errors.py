@@ -57,13 +57,17 @@ def invalid(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model '{model}' does not exist or is not ready", param="model",
+                       code="model_not_found")
+
+
 def from_triton(error: OmniError, model: str) -> OpenAIError:
     """Triton's failure as OpenAI's; the model's own message, which names its parameter, is kept."""
     status = TRITON_STATUS.get(error.status, 500)
     message = str(error)
     if error.status == "NOT_FOUND" or "unknown model" in message.lower():
-        return OpenAIError(404, f"The model '{model}' does not exist or is not ready", param="model",
-                           code="model_not_found")
+        return model_not_found(model)
     return OpenAIError(status, message, param=_named_parameter(message), code=error.status.lower())
 
 

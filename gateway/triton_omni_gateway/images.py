@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from triton_omni_gateway.errors import OpenAIError
+from triton_omni_gateway.errors import OpenAIError, model_not_found
 from triton_omni_gateway.requests import ImageRequest
 from triton_omni_gateway.triton import Triton, first
 
@@ -38,8 +38,7 @@ class ImageModels:
             try:
                 config = (await self.triton.client.get_model_config(model, as_json=True))["config"]
             except Exception:
-                raise OpenAIError(404, f"The model '{model}' does not exist or is not ready", param="model",
-                                  code="model_not_found") from None
+                raise model_not_found(model) from None
             backend = config.get("backend", "")
             if config.get("platform") == "ensemble":
                 self._kinds[model] = "ensemble"

@@ -61,10 +61,6 @@ class Triton:
             raise from_triton(as_omni_error(error), "") from None
         return sorted({m["name"] for m in statistics.get("model_stats", [])})
 
-    async def model_parameters(self, model: str) -> dict[str, str]:
-        config = (await self.client.get_model_config(model, as_json=True))["config"]
-        return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
-
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
         try:
