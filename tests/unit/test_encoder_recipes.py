@@ -1,10 +1,13 @@
 """`ar_encoder`'s recipes give what each diffusion pipeline's own
 `encode_prompt` gives for the same weights: the template, the layer, the
-dropped template tokens (tiny random-weight models, float32, transformers engine)."""
+dropped template tokens (tiny random-weight models, float32): on the
+transformers engine within 1e-4, on vLLM (Qwen-Image's, through its text
+encoder's language model) with a cosine of at least 0.999 per token."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +45,38 @@ def test_a_batch_of_prompts_equals_the_pipelines_encoding(encoder):
         expected = pipeline_embeds(CASES[recipe], prompt)
         assert result.hidden_states.shape == expected.shape, prompt
         assert (result.hidden_states - expected).abs().max() <= 1e-4, prompt
+
+
+def test_qwen_image_on_vllm_equals_the_pipelines_encoding_per_token(caplog):
+    """vLLM runs Qwen-Image's recipe on the language model of its Qwen2.5-VL text encoder."""
+    pytest.importorskip("vllm")
+    with caplog.at_level(logging.INFO):
+        runner = ArRunner(ArRunnerConfig(CASES["qwen_image"], mode="encode", engine="auto", recipe="qwen_image"))
+    try:
+        assert runner.engine_name == "vllm" and "vLLM encodes with the language model of" in caplog.text
+        results = runner.loop.run(runner.encode([EncodeRequest(prompt) for prompt in PROMPTS]))
+    finally:
+        runner.close()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected = pipeline_embeds(CASES["qwen_image"], prompt)
+        assert result.hidden_states.shape == expected.shape, prompt
+        cosine = torch.nn.functional.cosine_similarity(result.hidden_states.float(), expected.float(), dim=-1)
+        assert cosine.min() >= 0.999, (prompt, cosine.min())
+
+
+def test_the_language_model_taken_out_equals_the_vision_language_encoder():
+    """The Qwen2 folder vLLM loads gives, under transformers, the text encoder's own last layer."""
+    from transformers import AutoModel, AutoTokenizer
+    from triton_omni.ar.language_model import language_model
+
+    root = Path(resolve_model(CASES["qwen_image"]))
+    folder = language_model(root / "text_encoder", root / "tokenizer")
+    assert language_model(root / "text_encoder", root / "tokenizer") == folder  # built once
+    ids = AutoTokenizer.from_pretrained(folder)("a red fox", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        ours = AutoModel.from_pretrained(folder).eval()(ids).last_hidden_state
+        theirs = AutoModel.from_pretrained(root / "text_encoder").eval()(ids).last_hidden_state
+    assert (ours - theirs).abs().max() <= 1e-5
 
 
 def test_auto_engine_takes_transformers_for_a_pipelines_encoder_and_says_so(caplog):

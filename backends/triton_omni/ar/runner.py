@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
+from triton_omni.ar.language_model import architecture, has_language_model, language_model
 from triton_omni.ar.recipes import EncoderRecipe, recipe
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
@@ -97,6 +98,9 @@ class ArRunner:
         self.recipe: EncoderRecipe = recipe(config.recipe)
         self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model))
         self.engine_name = config.resolved_engine()
+        if self.engine_name == "vllm" and has_language_model(self.model_path):
+            self.model_path = language_model(self.model_path, tokenizer_path)
+            logger.info("vLLM encodes with the language model of %s (%s)", config.model, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self._token_ids = _token_ids_of(self.tokenizer)
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
@@ -225,12 +229,14 @@ class ArRunner:
 
 def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
     """Why vLLM cannot run this recipe on this model, or None: its pooling runner
-    returns the last layer of a causal LM, not another layer, nor a text encoder
-    inside a diffusion pipeline's folder."""
+    returns the last layer of a causal LM, not another layer; a pipeline's text
+    encoder only where it is a vision-language model whose language model it
+    can load (language_model.py)."""
     if encoding.layer != -1:
         return f"it needs hidden layer {encoding.layer}"
-    if model and _encoder_paths(resolve_model(model))[0].name == "text_encoder":
-        return "the text encoder is part of a diffusers pipeline"
+    path = _encoder_paths(resolve_model(model))[0] if model else None
+    if path is not None and path.name == "text_encoder" and not has_language_model(path):
+        return f"the pipeline's text encoder ({architecture(path) or 'no config'}) is not a causal LM vLLM loads"
     return None
 
 

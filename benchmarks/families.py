@@ -1,0 +1,231 @@
+"""Qwen-Image or Z-Image through Triton against diffusers' own pipeline, on one
+machine, with the same weights, embeddings and seeds.
+
+* direct: the family's pipeline in this process; concurrency ``c`` is one
+  ``__call__`` with a batch of ``c`` (diffusers' best), latency and images/s;
+* triton: ``diffusion`` on a server of this run's own (step batching, the
+  default), ``c`` clients sending one request each over gRPC.
+
+The embeddings stand in for the text encoder's (the realistic presets have
+none: their random-weight DiTs are built on the GPU in memory), so both sides
+run exactly the denoiser and the VAE. A real-shape Qwen-Image DiT and a copy
+of it do not both fit one 80 GB GPU, so the direct side runs first and is
+freed before the server starts. The first request at each concurrency is a
+warm-up on both sides. At concurrency 1 it also prints how far the served
+image is from the pipeline's (0: bit-exact).
+
+    .venv/bin/python benchmarks/families.py --family qwen-image                     # CPU, tiny models
+    python benchmarks/families.py --family qwen-image --preset realistic          # GPU: 1024², 50 steps, CFG 4
+    python benchmarks/families.py --family z-image --preset realistic             # GPU: 1024², 8 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from triton_omni.demo_models import build_in_memory, resolve_model
+from triton_omni.diffusion.steps import to_pixels
+from triton_omni_client import OmniClient
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
+from triton_omni_tools.repository import copy_repositories
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    size: int
+    steps: int
+    guidance: float  # Qwen-Image: true CFG scale (with a negative); Z-Image: guidance_scale (0: turbo)
+    concurrency: tuple[int, ...]
+    tokens: int = 64  # prompt tokens; the negative has 3/4 as many
+
+
+SETUPS = {
+    ("qwen-image", "tiny"): Setup("demo:tiny-qwen-image", 32, 2, 4.0, (1, 4)),
+    ("z-image", "tiny"): Setup("demo:tiny-z-image", 32, 2, 0.0, (1, 4)),
+    ("qwen-image", "realistic"): Setup("demo:realistic-qwen-image", 1024, 50, 4.0, (1, 4)),
+    ("z-image", "realistic"): Setup("demo:realistic-z-image", 1024, 8, 0.0, (1, 16)),
+}
+
+
+def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, hidden, generator=generator) * 0.5).numpy()
+
+
+class Requests:
+    """Request ``i``'s embeddings and seed, the same on both sides."""
+
+    def __init__(self, family: str, setup: Setup, hidden: int):
+        self.family, self.setup, self.hidden = family, setup, hidden
+        self.guided = setup.guidance > (1.0 if family == "qwen-image" else 0.0)
+
+    def prompt(self, i: int) -> np.ndarray:
+        return embeds(self.hidden, 1000 + i, self.setup.tokens)
+
+    def negative(self, i: int) -> np.ndarray | None:
+        return embeds(self.hidden, 2000 + i, self.setup.tokens * 3 // 4) if self.guided else None
+
+    def seed(self, i: int) -> int:
+        return 7 + i
+
+
+def pipeline_of(setup: Setup, device: str, dtype: torch.dtype):
+    if setup.model.startswith("demo:realistic-"):
+        return build_in_memory(setup.model, device, dtype)
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(resolve_model(setup.model), torch_dtype=dtype).to(device)
+
+
+def hidden_size(pipeline) -> int:
+    config = pipeline.transformer.config
+    return int(config.joint_attention_dim if hasattr(config, "joint_attention_dim") else config.cap_feat_dim)
+
+
+def direct_call(pipeline, requests: Requests, first: int, count: int, device: str, dtype: torch.dtype) -> np.ndarray:
+    """One pipeline call for requests ``first`` .. ``first + count - 1``: their images, uint8."""
+    setup, qwen = requests.setup, requests.family == "qwen-image"
+    indices = range(first, first + count)
+
+    def tensors(arrays):
+        as_torch = [torch.from_numpy(a).to(device, dtype) for a in arrays]
+        return torch.stack(as_torch) if qwen else as_torch
+
+    negative = tensors([requests.negative(i) for i in indices]) if requests.guided else None
+    kwargs = {"true_cfg_scale" if qwen else "guidance_scale": setup.guidance}
+    with torch.inference_mode():
+        images = pipeline(prompt_embeds=tensors([requests.prompt(i) for i in indices]), negative_prompt_embeds=negative,
+                          num_inference_steps=setup.steps, height=setup.size, width=setup.size, output_type="pt",
+                          generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
+                          **kwargs).images
+    return to_pixels(images).numpy()
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_direct(pipeline, requests: Requests, concurrency: int, rounds: int, device: str,
+                   dtype: torch.dtype) -> tuple[dict, np.ndarray]:
+    """(figures, request 0's image): a warm-up call, then ``rounds`` calls of ``concurrency``."""
+    first_image = direct_call(pipeline, requests, 0, concurrency, device, dtype)[0]
+    latencies = []
+    for _ in range(rounds):
+        synchronize(device)
+        started = time.perf_counter()
+        direct_call(pipeline, requests, 0, concurrency, device, dtype)
+        synchronize(device)
+        latencies.append(time.perf_counter() - started)
+    return figures(latencies, concurrency), first_image
+
+
+def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rounds: int) -> tuple[dict, np.ndarray]:
+    """The same work as ``measure_direct``: ``concurrency`` requests at once, a warm-up round first."""
+    setup = requests.setup
+    options = {"num_inference_steps": setup.steps, "height": setup.size, "width": setup.size,
+               "guidance_scale": setup.guidance}
+
+    def one(i: int) -> np.ndarray:
+        return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
+                                     seed=requests.seed(i), **options)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        first_image, *_ = pool.map(one, range(concurrency))
+        latencies = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            list(pool.map(one, range(concurrency)))
+            latencies.append(time.perf_counter() - started)
+    return figures(latencies, concurrency), first_image
+
+
+def figures(latencies: list[float], concurrency: int) -> dict:
+    p50 = statistics.median(latencies)
+    return {"latency_s": p50, "images_per_s": concurrency / p50, "rounds_s": latencies}
+
+
+def server_repositories(setup: Setup, device: str, dest: Path) -> list[Path]:
+    """The default repositories with ``diffusion`` serving the setup's model (step batching)."""
+    batch = max(8, max(setup.concurrency))
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return copy_repositories(DEFAULT_REPOSITORIES, dest, {"diffusion": {
+        "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
+                       "gpu_memory_utilization": "0.90" if device == "cuda" else "0.30"},
+        "max_batch_size": batch}})
+
+
+def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None) -> dict:
+    setup = SETUPS[(family, preset)]
+    levels = concurrency or setup.concurrency
+    device = "cuda" if preset == "realistic" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pipeline = pipeline_of(setup, device, dtype)
+    requests = Requests(family, setup, hidden_size(pipeline))
+    direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
+    del pipeline
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server's copy takes this GPU next
+    with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
+            model_repositories=server_repositories(setup, device, Path(tmp)), http_port=free_port(),
+            grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
+            load_models=["diffusion"], log_file=Path(tmp) / "tritonserver.log")) as server:
+        client = OmniClient(server.grpc_url)
+        triton = {c: measure_triton(client, requests, c, rounds) for c in levels}
+    points = []
+    for c in levels:
+        (d, d_image), (t, t_image) = direct[c], triton[c]
+        points.append({"concurrency": c, "direct": d, "triton": t,
+                       "latency_ratio": t["latency_s"] / d["latency_s"],
+                       "throughput_ratio": t["images_per_s"] / d["images_per_s"],
+                       "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max())})
+    return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
+            "date": time.strftime("%Y-%m-%d"), "points": points}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+
+
+def report(result: dict) -> None:
+    s = result["setup"]
+    print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
+          f"on {result['device']}, {result['rounds']} rounds")
+    print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
+          f"{'img/s triton':>13} {'throughput t/d':>15} {'image diff':>10}")
+    for p in result["points"]:
+        print(f"{p['concurrency']:>4} {p['direct']['latency_s']:>9.3f} {p['triton']['latency_s']:>9.3f} "
+              f"{p['latency_ratio']:>12.3f} {p['direct']['images_per_s']:>13.3f} {p['triton']['images_per_s']:>13.3f} "
+              f"{p['throughput_ratio']:>15.3f} {p['first_image_max_diff']:>10}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["qwen-image", "z-image"], required=True)
+    parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
+    parser.add_argument("--rounds", type=int, default=2, help="measured calls per side and concurrency")
+    parser.add_argument("--concurrency", help="comma-separated (default: the setup's)")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+    result = run(args.family, args.preset, args.rounds, levels)
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
