@@ -10,9 +10,10 @@ The embeddings stand in for the text encoder's (the realistic presets have
 none: their random-weight DiTs are built on the GPU in memory), so both sides
 run exactly the denoiser and the VAE. A real-shape Qwen-Image DiT and a copy
 of it do not both fit one 80 GB GPU, so the direct side runs first and is
-freed before the server starts. The first request at each concurrency is a
-warm-up on both sides. At concurrency 1 it also prints how far the served
-image is from the pipeline's (0: bit-exact).
+freed before the server starts. Each concurrency starts with a warm-up of
+two steps on both sides (kernels chosen, memory allocated). It also prints
+how far request 0's served image is from the pipeline's (0: bit-exact; at
+concurrency 1 it is).
 
     .venv/bin/python benchmarks/families.py --family qwen-image                     # CPU, tiny models
     python benchmarks/families.py --family qwen-image --preset realistic          # GPU: 1024², 50 steps, CFG 4
@@ -94,10 +95,14 @@ def hidden_size(pipeline) -> int:
     return int(config.joint_attention_dim if hasattr(config, "joint_attention_dim") else config.cap_feat_dim)
 
 
-def direct_call(pipeline, requests: Requests, first: int, count: int, device: str, dtype: torch.dtype) -> np.ndarray:
-    """One pipeline call for requests ``first`` .. ``first + count - 1``: their images, uint8."""
+WARM_UP_STEPS = 2
+
+
+def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: torch.dtype,
+                steps: int) -> np.ndarray:
+    """One pipeline call for requests 0 .. ``count - 1``: their images, uint8."""
     setup, qwen = requests.setup, requests.family == "qwen-image"
-    indices = range(first, first + count)
+    indices = range(count)
 
     def tensors(arrays):
         as_torch = [torch.from_numpy(a).to(device, dtype) for a in arrays]
@@ -107,7 +112,7 @@ def direct_call(pipeline, requests: Requests, first: int, count: int, device: st
     kwargs = {"true_cfg_scale" if qwen else "guidance_scale": setup.guidance}
     with torch.inference_mode():
         images = pipeline(prompt_embeds=tensors([requests.prompt(i) for i in indices]), negative_prompt_embeds=negative,
-                          num_inference_steps=setup.steps, height=setup.size, width=setup.size, output_type="pt",
+                          num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
                           generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
                           **kwargs).images
     return to_pixels(images).numpy()
@@ -121,35 +126,34 @@ def synchronize(device: str) -> None:
 def measure_direct(pipeline, requests: Requests, concurrency: int, rounds: int, device: str,
                    dtype: torch.dtype) -> tuple[dict, np.ndarray]:
     """(figures, request 0's image): a warm-up call, then ``rounds`` calls of ``concurrency``."""
-    first_image = direct_call(pipeline, requests, 0, concurrency, device, dtype)[0]
-    latencies = []
+    direct_call(pipeline, requests, concurrency, device, dtype, min(WARM_UP_STEPS, requests.setup.steps))
+    latencies, images = [], []
     for _ in range(rounds):
         synchronize(device)
         started = time.perf_counter()
-        direct_call(pipeline, requests, 0, concurrency, device, dtype)
+        images.append(direct_call(pipeline, requests, concurrency, device, dtype, requests.setup.steps))
         synchronize(device)
         latencies.append(time.perf_counter() - started)
-    return figures(latencies, concurrency), first_image
+    return figures(latencies, concurrency), images[0][0]
 
 
 def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rounds: int) -> tuple[dict, np.ndarray]:
     """The same work as ``measure_direct``: ``concurrency`` requests at once, a warm-up round first."""
     setup = requests.setup
-    options = {"num_inference_steps": setup.steps, "height": setup.size, "width": setup.size,
-               "guidance_scale": setup.guidance}
+    options = {"height": setup.size, "width": setup.size, "guidance_scale": setup.guidance}
 
-    def one(i: int) -> np.ndarray:
+    def one(i: int, steps: int) -> np.ndarray:
         return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
-                                     seed=requests.seed(i), **options)
+                                     seed=requests.seed(i), num_inference_steps=steps, **options)
 
     with ThreadPoolExecutor(concurrency) as pool:
-        first_image, *_ = pool.map(one, range(concurrency))
-        latencies = []
+        list(pool.map(one, range(concurrency), [min(WARM_UP_STEPS, setup.steps)] * concurrency))
+        latencies, images = [], []
         for _ in range(rounds):
             started = time.perf_counter()
-            list(pool.map(one, range(concurrency)))
+            images.append(list(pool.map(one, range(concurrency), [setup.steps] * concurrency)))
             latencies.append(time.perf_counter() - started)
-    return figures(latencies, concurrency), first_image
+    return figures(latencies, concurrency), images[0][0]
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:
