@@ -32,6 +32,7 @@ from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
 from triton_omni.triton.metrics import (
     COUNTER,
+    HISTOGRAM,
     DeferredCounter,
     StageMetrics,
     family,
@@ -46,6 +47,7 @@ from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 logger = logging.getLogger(__name__)
 OUTPUTS = Outputs(diffusion_outputs())
+SKIPPED_SHARE_BUCKETS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
 class TritonPythonModel:
@@ -80,6 +82,14 @@ class TritonPythonModel:
                                    COUNTER).Metric(labels=self.metrics.labels), submit)
         captures = routed(family("omni_diffusion_graph_captures_total", "CUDA graphs of the denoiser captured",
                                  COUNTER).Metric(labels=self.metrics.labels), submit)
+        # step caching (step batching, DiT families): steps that ran every block, steps that reused them
+        cached_steps = family("omni_diffusion_cached_steps_total",
+                              "Denoising steps of step-cached requests, computed or skipped", COUNTER)
+        self.cached_steps = {outcome: routed(cached_steps.Metric(labels=self.metrics.labels | {"outcome": outcome}),
+                                             submit) for outcome in ("computed", "skipped")}
+        self.skipped_share = routed(family(
+            "omni_diffusion_skipped_step_ratio", "Per step-cached request: its steps skipped, over its steps",
+            HISTOGRAM).Metric(labels=self.metrics.labels, buckets=SKIPPED_SHARE_BUCKETS), submit)
         # step batching: the batch size is the requests of each denoising step
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n),
                                       on_capture=lambda: captures.increment(1))
@@ -161,13 +171,18 @@ class TritonPythonModel:
         self.metrics.in_flight.increment(1)
         self.loads.add(1)
         try:
-            future = self.runner.submit(parsed, on_step, cancelled.is_set)
+            future = self.runner.submit(parsed, on_step, cancelled.is_set, on_cached=self._count_cached)
         except Exception as exc:  # prepared inputs refused (too long a prompt), or the engine full
             self.loads.add(-1)
             self.metrics.in_flight.increment(-1)
             self.responses.fail(sender, exc, self.context, self.metrics, started)
             return
         future.add_done_callback(done)
+
+    def _count_cached(self, computed: int, skipped: int) -> None:
+        self.cached_steps["computed"].increment(computed)
+        self.cached_steps["skipped"].increment(skipped)
+        self.skipped_share.observe(skipped / max(1, computed + skipped))
 
     def _response(self, result, started: float):
         if isinstance(result, Exception):

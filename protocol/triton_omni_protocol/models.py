@@ -72,6 +72,8 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("height", "TYPE_INT32"),
         TensorSpec("width", "TYPE_INT32"),
         TensorSpec("seed", "TYPE_INT64"),
+        # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
+        TensorSpec("step_cache", "TYPE_STRING"),
     ]
 
 

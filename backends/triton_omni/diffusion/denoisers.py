@@ -13,6 +13,7 @@ above a scale of 0).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -44,6 +45,8 @@ def _flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigm
 
 class UNetDenoiser:
     """The Stable Diffusion family: DDIM-style schedulers, CFG rows (uncond, cond) in one batch."""
+
+    caches = False  # step caching (step_cache.py) skips a DiT's blocks; a UNet has none to skip
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline, self.device, self.dtype = pipeline, device, dtype
@@ -103,7 +106,34 @@ class UNetDenoiser:
 
 class FlowDenoiser(UNetDenoiser):
     """What the flow-matching DiTs share: a prompt and its negative keep their own text lengths
-    (both are part of the group), and a plain scheduler step on the velocity."""
+    (both are part of the group), a plain scheduler step on the velocity, and step caching per
+    request (step_cache.py), which UNets lack."""
+
+    caches = True  # step caching per request (step_cache.py)
+
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipeline, device, dtype)
+        self._step_cache = None  # the hooks, installed when a request first asks for them
+
+    def start_cache(self, job, passes: tuple[str, ...]) -> None:
+        """The job's passes' cache state, where it asked for step caching."""
+        from triton_omni.diffusion.step_cache import FirstBlockCache, PassCache
+
+        if job.step_cache is None or not job.step_cache.on:
+            return
+        if self._step_cache is None:
+            self._step_cache = FirstBlockCache(self.pipeline.transformer)
+        job.cache = {name: PassCache(job.step_cache.threshold) for name in passes}
+
+    def cached(self, rows: list) -> contextlib.AbstractContextManager:
+        """Around a forward pass whose row ``i`` is ``rows[i]``'s (a PassCache, or None)."""
+        return contextlib.nullcontext() if self._step_cache is None else self._step_cache.passes(rows)
+
+    @staticmethod
+    def count_skips(jobs: list) -> None:
+        for job in jobs:
+            if job.cache is not None and not any(state.computed for state in job.cache.values()):
+                job.steps_skipped += 1
 
     def group(self, job) -> tuple:
         return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
@@ -125,21 +155,25 @@ class QwenImageDenoiser(FlowDenoiser):
                        np.linspace(1.0, 1 / job.steps, job.steps))
         factor = pipeline.vae_scale_factor
         job.step_kwargs = {"img_shape": (1, job.height // factor // 2, job.width // factor // 2)}
+        # the pipeline's cache contexts: the prompt's pass and the negative's keep apart states
+        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo) -> torch.Tensor:
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
         n = len(jobs)
         size = pad_to(n)
         latents = _pad([job.latents for job in jobs], size)
         timesteps = _pad([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs], size)
-        return self.pipeline.transformer(
-            hidden_states=torch.cat(latents), timestep=torch.cat(timesteps) / 1000, guidance=None,
-            encoder_hidden_states_mask=None, encoder_hidden_states=torch.stack(_pad(embeds, size)),
-            img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size, return_dict=False)[0][:n]
+        with self.cached([job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)):
+            return self.pipeline.transformer(
+                hidden_states=torch.cat(latents), timestep=torch.cat(timesteps) / 1000, guidance=None,
+                encoder_hidden_states_mask=None, encoder_hidden_states=torch.stack(_pad(embeds, size)),
+                img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size, return_dict=False)[0][:n]
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
-        cond = self._forward(jobs, [job.cond for job in jobs], pad_to)
+        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
         guided = [job for job in jobs if job.uncond is not None]
-        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to) if guided else ())
+        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
+        self.count_skips(jobs)
         preds = []
         for job, pred in zip(jobs, cond, strict=True):
             pred = pred[None]
@@ -175,6 +209,7 @@ class ZImageDenoiser(FlowDenoiser):
                                                torch.float32, self.device, job.generator)
         image_seq_len = (job.latents.shape[2] // 2) * (job.latents.shape[3] // 2)
         _flow_schedule(pipeline, job, self.device, image_seq_len, get_default_z_image_sigmas(job.steps))
+        self.start_cache(job, ("all",))  # the prompt's row and the negative's share one forward, one state
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         dtype = self.pipeline.transformer.dtype
@@ -184,8 +219,12 @@ class ZImageDenoiser(FlowDenoiser):
         embeds = [job.cond for job in jobs] + [job.uncond for job in guided]
         n = len(latents)
         size = pad_to(n)
-        out = self.pipeline.transformer([x[0].unsqueeze(1) for x in _pad(latents, size)],
-                                        torch.cat(_pad(timesteps, size)), _pad(embeds, size), return_dict=False)[0][:n]
+        owners = [job.cache and job.cache["all"] for job in jobs + guided]
+        with self.cached(owners + [None] * (size - n)):
+            out = self.pipeline.transformer([x[0].unsqueeze(1) for x in _pad(latents, size)],
+                                            torch.cat(_pad(timesteps, size)), _pad(embeds, size),
+                                            return_dict=False)[0][:n]
+        self.count_skips(jobs)
         negative = iter(out[len(jobs):])
         preds = []
         for job, pos in zip(jobs, out[: len(jobs)], strict=True):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from triton_omni.diffusion.step_cache import StepCacheConfig, parse_step_cache
 from triton_omni.errors import RequestValidationError
 from triton_omni.validation import as_float, as_int, as_str, in_range, require
 
@@ -45,6 +46,7 @@ class DiffusionRequest:
     height: int
     width: int
     seed: int | None
+    step_cache: StepCacheConfig | None = None  # None: the model's (step_cache.py)
 
     @property
     def uses_guidance(self) -> bool:
@@ -68,7 +70,13 @@ class DiffusionRequest:
         height, width = (_image_side(name, values[name], limits) for name in ("height", "width"))
         seed = values.get("seed")
         seed = None if seed is None or as_int("seed", seed) < 0 else as_int("seed", seed)
-        return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed)
+        step_cache = values.get("step_cache")
+        if step_cache is not None:
+            try:
+                step_cache = parse_step_cache(as_str("step_cache", step_cache))
+            except ValueError as exc:
+                raise RequestValidationError("step_cache", str(exc), step_cache) from None
+        return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache)
 
 
 def _one_of(values, text_name: str, embeds_name: str, limits: DiffusionLimits, required: bool):

@@ -39,6 +39,7 @@ from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
+from triton_omni.diffusion.step_cache import parse_step_cache
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
@@ -73,10 +74,19 @@ class DiffusionRunnerConfig:
     group_order: str = "most_behind"
     # step batching on a GPU: steps queued before the engine waits for the oldest (0: no bound; steps.py)
     steps_ahead: int = STEPS_AHEAD
+    # step batching, DiT families: every request's step cache unless it says otherwise (step_cache.py)
+    step_cache: str = "off"
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")
+        try:
+            parse_step_cache(self.step_cache)
+        except ValueError as exc:
+            raise ValueError(f"model parameter step_cache {self.step_cache!r}: {exc}") from None
+        if parse_step_cache(self.step_cache).on and self.batching != "step":
+            raise ValueError("model parameter step_cache needs batching 'step' (the cache is kept per request "
+                             "between its steps)")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -104,6 +114,7 @@ class DiffusionRunner:
         from diffusers import DiffusionPipeline
 
         self.config = config
+        self.step_cache = parse_step_cache(config.step_cache)  # the model's default
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         in_memory = config.model in IN_MEMORY
@@ -128,6 +139,9 @@ class DiffusionRunner:
         if self.steps is not None:
             try:
                 self.steps.denoiser = denoiser_of(self.family, self.steps.device, self.dtype)
+                if self.step_cache.on and not self.steps.denoiser.caches:
+                    raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
+                                     "family has no step cache (it skips a diffusion transformer's blocks)")
             except ValueError:
                 self.steps.stop()
                 raise
@@ -147,9 +161,11 @@ class DiffusionRunner:
         return fn() if self.steps is None else self.steps.call(fn).result()
 
     def submit(self, request: DiffusionRequest, on_step: Callable[[int, int], None] | None = None,
-               is_cancelled: Callable[[], bool] | None = None) -> Future:
+               is_cancelled: Callable[[], bool] | None = None,
+               on_cached: Callable[[int, int], None] | None = None) -> Future:
         """Step batching: one request into the running batch. The future
-        resolves to its image ``[H, W, 3]`` uint8 (or its error)."""
+        resolves to its image ``[H, W, 3]`` uint8 (or its error). ``on_cached``:
+        (steps computed, steps skipped) when it ends, if it used the step cache."""
         def prepare() -> tuple[torch.Tensor, torch.Tensor | None]:  # on the engine's thread, at admission
             job = self._prepare(0, request)
             return job.cond, job.uncond
@@ -157,7 +173,8 @@ class DiffusionRunner:
         guided = self._guided(request)
         step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale if guided else 1.0,
                            request.num_inference_steps, request.height, request.width,
-                           self._generator(request.seed), on_step, is_cancelled)
+                           self._generator(request.seed), on_step, is_cancelled,
+                           step_cache=request.step_cache or self.step_cache, on_cached=on_cached)
         return self.steps.submit(step_job)
 
     def close(self) -> None:
@@ -165,7 +182,15 @@ class DiffusionRunner:
             self.steps.stop()
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
-        return DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        if request.step_cache is not None and request.step_cache.on:
+            if self.steps is None:
+                raise RequestValidationError("step_cache", "needs a model with batching 'step' (the cache is kept "
+                                             "per request between its steps)", str(request.step_cache))
+            if not self.steps.denoiser.caches:
+                raise RequestValidationError("step_cache", f"the {self.family.name} family has no step cache (it "
+                                             "skips a diffusion transformer's blocks)", str(request.step_cache))
+        return request
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:

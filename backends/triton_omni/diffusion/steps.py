@@ -79,6 +79,8 @@ class StepJob:
     generator: torch.Generator
     on_step: Callable[[int, int], None] | None = None  # (step done, total)
     cancelled: Callable[[], bool] | None = None
+    step_cache: Any = None  # its StepCacheConfig (step_cache.py) when it caches, else None
+    on_cached: Callable[[int, int], None] | None = None  # (steps computed, steps skipped), when it ends
     future: Future = field(default_factory=Future)
     submitted: float = 0.0  # time.monotonic() when the engine got it (most_behind)
     # set when admitted
@@ -91,6 +93,8 @@ class StepJob:
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
     key: tuple | None = None  # its group, as its family's denoiser says
+    cache: dict | None = None  # its passes' step-cache state (step_cache.PassCache), set by its denoiser
+    steps_skipped: int = 0  # steps whose passes all reused the cache
 
     def group(self) -> tuple:
         """What rows must share to run in one forward pass."""
@@ -341,6 +345,8 @@ class StepEngine:
         finished = [job for job in live if job.done == job.steps]
         for job in finished:
             jobs.remove(job)
+            if job.on_cached is not None and job.cache is not None:
+                job.on_cached(job.steps - job.steps_skipped, job.steps_skipped)
         self._finish(finished)
         self._running = {key: group for key, group in self._running.items() if group}
 

@@ -38,4 +38,5 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         on_full=params.get("on_full", "wait"),
         group_order=params.get("group_order", "most_behind"),
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
+        step_cache=params.get("step_cache", "off"),
     ), placement
