@@ -58,12 +58,13 @@ def run(runner: DiffusionRunner, concurrency: int, setup: tuple, step_cache: str
 
 def quality(cached: torch.Tensor, plain: torch.Tensor) -> tuple[float, float]:
     """(PSNR in dB, mean absolute difference of 255) of a cached image against the uncached one."""
-    mse = float(((cached.float() - plain.float()) ** 2).mean())
-    return (math.inf if mse == 0 else 10 * math.log10(255**2 / mse)), float((cached.float() - plain.float()).abs().mean())
+    difference = cached.float() - plain.float()
+    mse = float((difference**2).mean())
+    return (math.inf if mse == 0 else 10 * math.log10(255**2 / mse)), float(difference.abs().mean())
 
 
 def measure(runner: DiffusionRunner, concurrency: int, setup: tuple, method: str) -> dict:
-    run(runner, concurrency, setup[:2] + (2,) + setup[3:], "off")  # warm-up: kernels chosen, memory allocated
+    run(runner, concurrency, (*setup[:2], 2, *setup[3:]), "off")  # warm-up: kernels chosen, memory allocated
     off_s, plain, _ = run(runner, concurrency, setup, "off")
     on_s, cached, counts = run(runner, concurrency, setup, method)
     qualities = [quality(c, p) for c, p in zip(cached, plain, strict=True)]
