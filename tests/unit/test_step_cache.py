@@ -43,7 +43,8 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> int:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("off", StepCacheConfig()), ("first_block", StepCacheConfig("first_block", DEFAULT_THRESHOLD)),
-    ("first_block:0.12", StepCacheConfig("first_block", 0.12)), (" first_block:1 ", StepCacheConfig("first_block", 1.0)),
+    ("first_block:0.12", StepCacheConfig("first_block", 0.12)),
+    (" first_block:1 ", StepCacheConfig("first_block", 1.0)),
 ])
 def test_step_cache_values_parse(text, expected):
     assert parse_step_cache(text) == expected
@@ -116,12 +117,12 @@ def test_step_cache_off_by_request_on_a_cached_model():
 def test_families_without_a_step_cache_refuse_it_by_name():
     sd = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", batching="step"))
     try:
-        with pytest.raises(RequestValidationError, match="step_cache.*has no step cache"):
+        with pytest.raises(RequestValidationError, match=r"step_cache.*has no step cache"):
             sd.parse({"prompt": "x", "step_cache": "first_block"})
         assert sd.parse({"prompt": "x", "step_cache": "off"}).step_cache == StepCacheConfig()
     finally:
         sd.close()
-    with pytest.raises(ValueError, match="step_cache 'first_block'.*has no step cache"):
+    with pytest.raises(ValueError, match=r"step_cache 'first_block'.*has no step cache"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", batching="step", step_cache="first_block"))
 
 
@@ -129,7 +130,7 @@ def test_request_batching_refuses_a_step_cache():
     with pytest.raises(ValueError, match="step_cache needs batching 'step'"):
         DiffusionRunnerConfig(FAMILIES["qwen_image"], batching="request", step_cache="first_block")
     runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES["qwen_image"], batching="request"))
-    with pytest.raises(RequestValidationError, match="step_cache.*batching 'step'"):
+    with pytest.raises(RequestValidationError, match=r"step_cache.*batching 'step'"):
         runner.parse(REQUEST | {"step_cache": "first_block"})
 
 
