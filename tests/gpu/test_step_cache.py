@@ -1,0 +1,68 @@
+"""Step caching per request at real shapes (random weights, bf16) on a GPU:
+a cached request step-batched beside others (cached or not, other steps and
+seeds) against the same request alone with the same method. Alone the cache
+takes the decisions it takes; in company its rows run in smaller batches,
+whose bf16 kernels differ in the low bits, and the test states how far that
+carries (printed), as test_model_families does for the uncached engine.
+GPU only (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image"}
+SIZE, STEPS = 512, 8
+# Thresholds at which these random-weight DiTs skip some steps (benchmarks/step_cache.py)
+METHOD = "first_block:1.0"
+# As test_model_families' company tolerance: levels of 255 per pixel channel, max and mean
+COMPANY_TOLERANCE = 16
+COMPANY_MEAN_TOLERANCE = 2.0
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def step(request):
+    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[request.param], device="cuda", dtype="bfloat16",
+                                                   batching="step", batch_size=4, exact_batching=False))
+    yield runner
+    runner.close()
+    del runner
+    torch.cuda.empty_cache()
+
+
+def values(runner: DiffusionRunner, seed: int, step_cache: str, steps: int = STEPS) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = runner.limits.hidden_size
+    guidance = 4.0 if runner.family.name == "qwen_image" else 0.0
+    request = {"prompt_embeds": (torch.randn(32, hidden, generator=generator) * 0.5).to(torch.bfloat16),
+               "guidance_scale": guidance, "seed": seed, "num_inference_steps": steps, "height": SIZE,
+               "width": SIZE, "step_cache": step_cache}
+    if guidance:
+        request["negative_prompt_embeds"] = (torch.randn(24, hidden, generator=generator) * 0.5).to(torch.bfloat16)
+    return request
+
+
+def run(runner: DiffusionRunner, requests: list[dict]) -> tuple[list[torch.Tensor], list]:
+    counts: list = [None] * len(requests)
+    futures = [runner.submit(runner.parse(r), on_cached=lambda c, s, i=i: counts.__setitem__(i, (c, s)))
+               for i, r in enumerate(requests)]
+    return [future.result() for future in futures], counts
+
+
+def test_a_cached_request_in_company_is_near_its_image_alone(step):
+    [alone], [alone_counts] = run(step, [values(step, 1, METHOD)])
+    [plain], _ = run(step, [values(step, 1, "off")])
+    company, counts = run(step, [values(step, 1, METHOD), values(step, 2, "off"),
+                                 values(step, 3, METHOD, steps=STEPS + 3), values(step, 4, METHOD)])
+    difference = (company[0].int() - alone.int()).abs()
+    print(f"{step.family.name}: alone {alone_counts} (computed, skipped); in company {counts}; against alone: max "
+          f"{int(difference.max())}, mean {float(difference.float().mean()):.3f}; cached against uncached alone: "
+          f"mean {float((alone.float() - plain.float()).abs().mean()):.3f}")
+    assert alone_counts[1] > 0, "the method should skip steps at this threshold"
+    assert counts[1] is None and sum(counts[0]) == STEPS
+    assert int(difference.max()) <= COMPANY_TOLERANCE and float(difference.float().mean()) <= COMPANY_MEAN_TOLERANCE
