@@ -109,6 +109,7 @@ OMNI_INPUTS = [
     TensorSpec("height", "TYPE_INT32"),
     TensorSpec("width", "TYPE_INT32"),
     TensorSpec("seed", "TYPE_INT64"),
+    TensorSpec("step_cache", "TYPE_STRING"),
 ]
 # A streamed response carries the outputs of one event; the non-streaming
 # response carries them all.

@@ -17,7 +17,7 @@ from triton_omni.diffusion.steps import to_pixels
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
-from tests.support.server import text_to_image
+from tests.support.server import metric_value, text_to_image
 
 FAMILIES = {"qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image"}
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 3.0, "seed": 7}
@@ -85,3 +85,40 @@ def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
     with pytest.raises(OmniError, match="height") as caught:
         OmniClient(server.grpc_url).generate_image(prompt="a red fox", **(OPTIONS | {"height": 34}))
     assert caught.value.status == "INVALID_ARG"
+
+
+STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8"}  # skip some of 10 steps (tiny DiTs)
+
+
+def test_a_request_chooses_its_step_cache_on_every_route(family_server):
+    """`step_cache` reaches diffusion straight, through text_to_image's ensemble and through omni;
+    the steps each request computed and skipped are counted per model."""
+    family, server = family_server
+    options = OPTIONS | {"num_inference_steps": 10}
+
+    def steps(outcome: str) -> float:
+        return metric_value(server, "omni_diffusion_cached_steps_total", model="diffusion", outcome=outcome)
+
+    before = steps("computed"), steps("skipped")
+    client = OmniClient(server.grpc_url)
+    cached = client.generate_image(prompt="a red fox", negative_prompt="blurry", step_cache=STEP_CACHE[family],
+                                   **options)
+    plain = client.generate_image(prompt="a red fox", negative_prompt="blurry", step_cache="off", **options)
+    computed, skipped = steps("computed") - before[0], steps("skipped") - before[1]
+    assert computed + skipped == 10 and skipped > 0, (computed, skipped)
+    assert np.abs(cached.astype(int) - plain.astype(int)).max() > 0  # skipped steps change the image a little
+    ensemble = text_to_image(server.grpc_url, "grpc", "a red fox", "blurry", step_cache=STEP_CACHE[family],
+                             **options)
+    assert steps("computed") + steps("skipped") - sum(before) == 20 and ensemble.shape == cached.shape
+    [event] = [e for e in client.generate("a red fox", modalities=["image"], negative_prompt="blurry",
+                                          step_cache=STEP_CACHE[family], **options) if e.image is not None]
+    assert steps("computed") + steps("skipped") - sum(before) == 30 and event.image[0].shape == cached.shape
+
+
+@pytest.mark.parametrize("value", ["teacache", "first_block:2", "first_block:x"])
+def test_a_malformed_step_cache_is_invalid_arg_naming_it(family_server, value):
+    _, server = family_server
+    with pytest.raises(OmniError) as error:
+        OmniClient(server.grpc_url).generate_image(prompt="a red fox", step_cache=value, **OPTIONS)
+    assert error.value.status == "INVALID_ARG" and "step_cache" in str(error.value)
+    assert OmniClient(server.grpc_url).generate_image(prompt="a red fox", **OPTIONS).shape == (32, 32, 3)

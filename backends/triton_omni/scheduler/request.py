@@ -36,6 +36,7 @@ IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "height": as_int32,
     "width": as_int32,
     "seed": as_int,
+    "step_cache": as_str,
 }
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
 # Sampling keys `ar` takes that the omni text route cannot return the result of.
