@@ -144,7 +144,34 @@ class FlowDenoiser(UNetDenoiser):
 
 class QwenImageDenoiser(FlowDenoiser):
     """Qwen-Image's MMDiT: packed latents, the prompt and its negative in two passes, each with
-    its own text length, combined with true CFG and rescaled to the prompt's norm."""
+    its own text length, combined with true CFG and rescaled to the prompt's norm.
+
+    CFG parallel (``parallel_cfg``): the negatives' pass runs on a second GPU, on a copy of the
+    transformer, while the prompts' pass runs on the first; the same kernels on the same rows,
+    so the image is the one GPU's."""
+
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipeline, device, dtype)
+        self.replica = None  # the negatives' transformer on the second GPU (CFG parallel)
+        self._replica_cache = None
+        self._replica_thread = None
+
+    def parallel_cfg(self, device: torch.device) -> None:
+        """Copy the transformer to ``device`` (weight by weight: never two copies on the first GPU)
+        and run every negatives' pass there from now on."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        transformer = self.pipeline.transformer
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(transformer.dtype)
+        try:
+            with torch.device(device):
+                replica = type(transformer).from_config(transformer.config)
+        finally:
+            torch.set_default_dtype(default)
+        replica.load_state_dict(transformer.state_dict())
+        self.replica = replica.eval().requires_grad_(False)
+        self._replica_thread = ThreadPoolExecutor(1, thread_name_prefix="omni-cfg-parallel")
 
     def start(self, job) -> None:
         pipeline = self.pipeline
@@ -158,21 +185,50 @@ class QwenImageDenoiser(FlowDenoiser):
         # the pipeline's cache contexts: the prompt's pass and the negative's keep apart states
         self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str,
+                 on_replica: bool = False) -> torch.Tensor:
         n = len(jobs)
         size = pad_to(n)
-        latents = _pad([job.latents for job in jobs], size)
-        timesteps = _pad([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs], size)
-        with self.cached([job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)):
-            return self.pipeline.transformer(
-                hidden_states=torch.cat(latents), timestep=torch.cat(timesteps) / 1000, guidance=None,
-                encoder_hidden_states_mask=None, encoder_hidden_states=torch.stack(_pad(embeds, size)),
-                img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size, return_dict=False)[0][:n]
+        latents = torch.cat(_pad([job.latents for job in jobs], size))
+        timesteps = torch.cat(_pad([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs], size))
+        embeds = torch.stack(_pad(embeds, size))
+        transformer, cached = self.pipeline.transformer, self.cached
+        if on_replica:
+            device = self.replica.device
+            latents, timesteps, embeds = (t.to(device, non_blocking=True) for t in (latents, timesteps, embeds))
+            transformer, cached = self.replica, self._cached_on_replica
+        with cached([job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)):
+            return transformer(
+                hidden_states=latents, timestep=timesteps / 1000, guidance=None, encoder_hidden_states_mask=None,
+                encoder_hidden_states=embeds, img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size,
+                return_dict=False)[0][:n]
+
+    def _cached_on_replica(self, rows: list) -> contextlib.AbstractContextManager:
+        from triton_omni.diffusion.step_cache import FirstBlockCache
+
+        if self._replica_cache is None and any(row is not None for row in rows):
+            self._replica_cache = FirstBlockCache(self.replica)
+        return contextlib.nullcontext() if self._replica_cache is None else self._replica_cache.passes(rows)
+
+    def _negatives_on_replica(self, guided: list, pad_to: PadTo):
+        """The negatives' pass queued on the second GPU from its own thread (CFG parallel): the
+        caller runs the prompts' pass meanwhile, then waits for this one's issue, not its end."""
+        def run() -> torch.Tensor:
+            device = self.replica.device
+            with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else \
+                    contextlib.nullcontext():
+                return self._forward(guided, [job.uncond for job in guided], pad_to, "uncond", on_replica=True)
+
+        return self._replica_thread.submit(run)
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
-        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
         guided = [job for job in jobs if job.uncond is not None]
-        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
+        on_replica = self._negatives_on_replica(guided, pad_to) if guided and self.replica is not None else None
+        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
+        if on_replica is not None:
+            uncond = iter(on_replica.result().to(self.device))
+        else:
+            uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
         preds = []
         for job, pred in zip(jobs, cond, strict=True):

@@ -76,6 +76,8 @@ class DiffusionRunnerConfig:
     steps_ahead: int = STEPS_AHEAD
     # step batching, DiT families: every request's step cache unless it says otherwise (step_cache.py)
     step_cache: str = "off"
+    # CFG parallel (Qwen-Image, step batching): the negatives' pass on this second device (denoisers.py)
+    cfg_device: str | None = None
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -87,6 +89,8 @@ class DiffusionRunnerConfig:
         if parse_step_cache(self.step_cache).on and self.batching != "step":
             raise ValueError("model parameter step_cache needs batching 'step' (the cache is kept per request "
                              "between its steps)")
+        if self.cfg_device is not None and self.batching != "step":
+            raise ValueError("CFG parallel (parallel 'cfg') needs batching 'step'")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -142,6 +146,8 @@ class DiffusionRunner:
                 if self.step_cache.on and not self.steps.denoiser.caches:
                     raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
                                      "family has no step cache (it skips a diffusion transformer's blocks)")
+                if config.cfg_device is not None:
+                    self._parallel_cfg(torch.device(config.cfg_device))
             except ValueError:
                 self.steps.stop()
                 raise
@@ -149,6 +155,14 @@ class DiffusionRunner:
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
                     "on" if self.graphs else "off", config.batching)
+
+    def _parallel_cfg(self, device: torch.device) -> None:
+        denoiser = self.steps.denoiser
+        if not hasattr(denoiser, "parallel_cfg"):
+            raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
+                             f"GPU: Qwen-Image does; the {self.family.name} family does not")
+        self._on_torch_thread(lambda: denoiser.parallel_cfg(device))
+        logger.info("CFG parallel: the negatives' pass on %s", device)
 
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config

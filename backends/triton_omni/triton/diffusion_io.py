@@ -6,6 +6,7 @@ from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 from triton_omni.diffusion import DiffusionRunnerConfig
 from triton_omni.diffusion.steps import STEPS_AHEAD
+from triton_omni.gpu_memory import parse_gpus
 from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
 from triton_omni.triton.tensors import complete_config
 
@@ -22,7 +23,7 @@ def auto_complete(config):
 def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig, Placement]:
     """The runner's config and where this instance runs."""
     params = model_parameters(model_config)
-    placement = place_instance(args, params)
+    placement, cfg_device = _placement(args, params)
     return DiffusionRunnerConfig(
         model=params.get("model", "demo:tiny-sd"),
         device=placement.device,
@@ -39,4 +40,21 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         group_order=params.get("group_order", "most_behind"),
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
+        cfg_device=cfg_device,
     ), placement
+
+
+def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, str | None]:
+    """(this instance's placement, the CFG-parallel device or None). ``parallel: cfg`` with
+    ``gpus: "A,B"`` (``omni-triton serve --place diffusion=cfg:A,B``) runs the instance on GPU A
+    and its negative prompts' passes on GPU B."""
+    parallel = params.get("parallel", "none")
+    if parallel == "none":
+        return place_instance(args, params), None
+    if parallel != "cfg":
+        raise ValueError(f"model parameter parallel must be 'none' or 'cfg', got {parallel!r}")
+    gpus = parse_gpus(params.get("gpus", ""))
+    if len(gpus) != 2 or args.get("model_instance_kind") != "MODEL":
+        raise ValueError("parallel 'cfg' needs a KIND_MODEL instance and two GPUs in the gpus parameter "
+                         f"(e.g. \"0,1\"), got gpus {params.get('gpus', '')!r}")
+    return place_instance(args, params | {"gpus": str(gpus[0])}), f"cuda:{gpus[1]}"

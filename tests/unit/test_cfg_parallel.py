@@ -1,0 +1,66 @@
+"""CFG parallel's code path on the CPU (tiny Qwen-Image): the negatives' pass
+on a copy of the transformer, from a thread of its own, gives the image the
+runner gives without it, alone and beside requests with other steps, guidance
+and step caches. The second device here is the CPU again: tests/gpu runs it
+over two GPUs, and benchmarks/cfg_parallel.py measures it."""
+
+from __future__ import annotations
+
+import pytest
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+from tests.support import fake_pb_utils
+
+fake_pb_utils.install()
+from triton_omni.triton.diffusion_io import runner_config  # noqa: E402  (after the stand-in for pb_utils)
+
+MODEL = "demo:tiny-qwen-image"
+REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 6, "guidance_scale": 4.0,
+           "height": 32, "width": 32, "seed": 3}
+COMPANY = [REQUEST, REQUEST | {"seed": 5, "num_inference_steps": 9}, REQUEST | {"seed": 7, "guidance_scale": 1.0},
+           REQUEST | {"seed": 9, "step_cache": "first_block:0.4"}]
+
+
+def images(runner: DiffusionRunner, requests: list[dict]) -> list:
+    futures = [runner.submit(runner.parse(values)) for values in requests]
+    return [future.result() for future in futures]
+
+
+def test_cfg_parallel_gives_the_one_device_images():
+    one = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step"))
+    try:
+        expected = [images(one, [values])[0] for values in COMPANY] + images(one, COMPANY)
+    finally:
+        one.close()
+    parallel = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device="cpu"))
+    try:
+        assert parallel.steps.denoiser.replica is not None
+        got = [images(parallel, [values])[0] for values in COMPANY] + images(parallel, COMPANY)
+    finally:
+        parallel.close()
+    for image, reference in zip(got, expected, strict=True):
+        assert (image.int() - reference.int()).abs().max() == 0
+
+
+def test_cfg_parallel_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
+        DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
+    with pytest.raises(ValueError, match="Qwen-Image does; the z_image family does not"):
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
+
+
+@pytest.mark.parametrize(("kind", "gpus", "message"), [
+    ("MODEL", "0", "two GPUs"), ("MODEL", "0,1,2", "two GPUs"), ("GPU", "0,1", "KIND_MODEL"),
+])
+def test_parallel_cfg_needs_one_model_instance_over_two_gpus(kind, gpus, message):
+    config = {"max_batch_size": 4, "parameters": {"parallel": {"string_value": "cfg"},
+                                                  "gpus": {"string_value": gpus},
+                                                  "batching": {"string_value": "step"}}}
+    with pytest.raises(ValueError, match=message):
+        runner_config(config, {"model_instance_kind": kind, "model_instance_device_id": "0"})
+
+
+def test_an_unknown_parallel_mode_fails_the_load_by_name():
+    config = {"parameters": {"parallel": {"string_value": "sequence"}}}
+    with pytest.raises(ValueError, match="model parameter parallel must be"):
+        runner_config(config, {"model_instance_kind": "CPU"})
