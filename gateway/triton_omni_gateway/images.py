@@ -92,7 +92,7 @@ class ImageModels:
 
 def _options(request: ImageRequest) -> dict[str, Any]:
     values = {"num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance(),
-              "seed": request.seed}
+              "seed": request.seed, "step_cache": request.step_cache}
     size = request.dimensions()
     if size is not None:
         values["width"], values["height"] = size

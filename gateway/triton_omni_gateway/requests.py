@@ -146,6 +146,7 @@ class ImageRequest(_Body):
     true_cfg_scale: Annotated[float, Field(ge=0)] | None = None
     negative_prompt: StrictStr | None = None
     enhance_prompt: StrictBool | None = None  # the omni model's prompt rewrite
+    step_cache: StrictStr | None = None  # the diffusion model's step cache (off, first_block[:THRESHOLD])
 
     @field_validator("style")
     @classmethod

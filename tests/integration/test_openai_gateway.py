@@ -59,7 +59,7 @@ def test_images_equal_triton_s_own_for_the_same_seeds(client, server):
 @pytest.mark.parametrize("model", ["omni", "diffusion"])
 def test_every_image_model_answers(client, model):
     response = client.images.generate(model=model, prompt="a red fox", n=2, size="48x32",
-                                      extra_body={"seed": 1, "guidance_scale": 1.0, **FAST})
+                                      extra_body={"seed": 1, "guidance_scale": 1.0, "step_cache": "off", **FAST})
     assert [decoded(image).shape for image in response.data] == [(32, 48, 3)] * 2
 
 
@@ -281,6 +281,8 @@ BAD_INPUTS = [
     ("/v1/images/generations", IMAGE | {"num_inference_steps": 10**6}, 400, "num_inference_steps"),
     ("/v1/images/generations", IMAGE | {"guidance_scale": 1, "true_cfg_scale": 2}, 400, "true_cfg_scale"),
     ("/v1/images/generations", IMAGE | {"seed": "abc"}, 400, "seed"),
+    ("/v1/images/generations", IMAGE | {"step_cache": "teacache"}, 400, "step_cache"),
+    ("/v1/images/generations", IMAGE | {"step_cache": "first_block"}, 400, "step_cache"),  # the SD demo: no cache
     ("/v1/images/generations", IMAGE | {"model": "no_such_model"}, 404, "model"),
     ("/v1/images/generations", b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}', 413, None),
     ("/v1/no_such_endpoint", CHAT, 404, None),

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_DOCS = sorted([ROOT / "README.md", ROOT / "ARCHITECTURE.md", *ROOT.glob("docs/*.md")])
-PRODUCT = ("protocol", "backends", "clients", "tools")
+PRODUCT = ("protocol", "backends", "clients", "gateway", "tools")
 
 
 def tracked() -> list[str]:
