@@ -148,18 +148,19 @@ class QwenImageDenoiser(FlowDenoiser):
 
     CFG parallel (``parallel_cfg``): the negatives' pass runs on a second GPU, on a copy of the
     transformer, while the prompts' pass runs on the first; the same kernels on the same rows,
-    so the image is the one GPU's. Both passes are queued from this thread: queuing a pass
-    takes a fraction of the time the GPU takes to run it, so both GPUs stay busy without a
-    second Python thread contending for the interpreter."""
+    so the image is the one GPU's."""
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, device, dtype)
         self.replica = None  # the negatives' transformer on the second GPU (CFG parallel)
         self._replica_cache = None
+        self._replica_thread = None
 
     def parallel_cfg(self, device: torch.device) -> None:
         """Copy the transformer to ``device`` (weight by weight: never two copies on the first GPU)
         and run every negatives' pass there from now on."""
+        from concurrent.futures import ThreadPoolExecutor
+
         transformer = self.pipeline.transformer
         default = torch.get_default_dtype()
         torch.set_default_dtype(transformer.dtype)
@@ -170,6 +171,7 @@ class QwenImageDenoiser(FlowDenoiser):
             torch.set_default_dtype(default)
         replica.load_state_dict(transformer.state_dict())
         self.replica = replica.eval().requires_grad_(False)
+        self._replica_thread = ThreadPoolExecutor(1, thread_name_prefix="omni-cfg-parallel")
 
     def start(self, job) -> None:
         pipeline = self.pipeline
@@ -208,20 +210,23 @@ class QwenImageDenoiser(FlowDenoiser):
             self._replica_cache = FirstBlockCache(self.replica)
         return contextlib.nullcontext() if self._replica_cache is None else self._replica_cache.passes(rows)
 
-    def _negatives_on_replica(self, guided: list, pad_to: PadTo) -> torch.Tensor:
-        """The negatives' pass queued on the second GPU (CFG parallel); its output, copied back
-        to the first GPU once it is done there, without this thread waiting."""
-        device = self.replica.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            out = self._forward(guided, [job.uncond for job in guided], pad_to, "uncond", on_replica=True)
-        return out.to(self.device, non_blocking=True)
+    def _negatives_on_replica(self, guided: list, pad_to: PadTo):
+        """The negatives' pass queued on the second GPU from its own thread (CFG parallel): the
+        caller runs the prompts' pass meanwhile, then waits for this one's issue, not its end."""
+        def run() -> torch.Tensor:
+            device = self.replica.device
+            with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else \
+                    contextlib.nullcontext():
+                return self._forward(guided, [job.uncond for job in guided], pad_to, "uncond", on_replica=True)
+
+        return self._replica_thread.submit(run)
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         guided = [job for job in jobs if job.uncond is not None]
         on_replica = self._negatives_on_replica(guided, pad_to) if guided and self.replica is not None else None
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
         if on_replica is not None:
-            uncond = iter(on_replica)
+            uncond = iter(on_replica.result().to(self.device))
         else:
             uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
