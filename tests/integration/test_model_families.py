@@ -106,6 +106,7 @@ def test_a_request_chooses_its_step_cache_on_every_route(family_server):
     plain = client.generate_image(prompt="a red fox", negative_prompt="blurry", step_cache="off", **options)
     computed, skipped = steps("computed") - before[0], steps("skipped") - before[1]
     assert computed + skipped == 10 and skipped > 0, (computed, skipped)
+    assert metric_value(server, "omni_diffusion_skipped_step_ratio_count", model="diffusion") >= 1
     assert np.abs(cached.astype(int) - plain.astype(int)).max() > 0  # skipped steps change the image a little
     ensemble = text_to_image(server.grpc_url, "grpc", "a red fox", "blurry", step_cache=STEP_CACHE[family],
                              **options)

@@ -186,15 +186,21 @@ def test_without_triton_every_answer_is_503(server):
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request(gateway, server):
-    cancelled = metric_value(server, "omni_ar_requests_total", model="ar", outcome="cancelled")
-    body = {"model": "ar", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, timeout=30) as response:
+    body = {"model": "ar", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
+    httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)  # the chat template loaded (first use)
+
+    def count(outcome: str) -> float:
+        return metric_value(server, "omni_ar_requests_total", model="ar", outcome=outcome)
+
+    cancelled, succeeded = count("cancelled"), count("success")
+    with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body | {"max_tokens": 1000, "ignore_eos": True},
+                      timeout=30) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    deadline = time.monotonic() + 30  # closed after one chunk of 900 tokens: the model stops
-    while metric_value(server, "omni_ar_requests_total", model="ar", outcome="cancelled") <= cancelled:
+    deadline = time.monotonic() + 30  # closed after one chunk of 1,000 tokens: the model stops
+    while count("cancelled") <= cancelled:
+        assert count("success") == succeeded, "the request ran to its end: it was not cancelled in the model"
         assert time.monotonic() < deadline, "the request was not cancelled in the model"
         time.sleep(0.2)
 
