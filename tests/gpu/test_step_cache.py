@@ -14,26 +14,15 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion import DiffusionRunner
 
-FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image"}
+# the same runners and company tolerance (levels of 255 per pixel channel, max and mean) as the uncached engine's
+from tests.gpu.test_model_families import COMPANY_MEAN_TOLERANCE, COMPANY_TOLERANCE, step  # noqa: F401
+
 SIZE = 512
 STEPS = {"qwen_image": 20, "z_image": 8}  # enough steps that the method skips some (changes shrink with more)
 # Thresholds at which these random-weight DiTs skip some steps (benchmarks/step_cache.py)
 METHOD = "first_block:1.0"
-# As test_model_families' company tolerance: levels of 255 per pixel channel, max and mean
-COMPANY_TOLERANCE = 16
-COMPANY_MEAN_TOLERANCE = 2.0
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def step(request):
-    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[request.param], device="cuda", dtype="bfloat16",
-                                                   batching="step", batch_size=4, exact_batching=False))
-    yield runner
-    runner.close()
-    del runner
-    torch.cuda.empty_cache()
 
 
 def values(runner: DiffusionRunner, seed: int, step_cache: str, extra_steps: int = 0) -> dict:
@@ -56,7 +45,7 @@ def run(runner: DiffusionRunner, requests: list[dict]) -> tuple[list[torch.Tenso
     return [future.result() for future in futures], counts
 
 
-def test_a_cached_request_in_company_is_near_its_image_alone(step):
+def test_a_cached_request_in_company_is_near_its_image_alone(step):  # noqa: F811  (the imported fixture)
     [alone], [alone_counts] = run(step, [values(step, 1, METHOD)])
     [plain], _ = run(step, [values(step, 1, "off")])
     company, counts = run(step, [values(step, 1, METHOD), values(step, 2, "off"),

@@ -83,10 +83,10 @@ class DiffusionRunnerConfig:
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")
         try:
-            parse_step_cache(self.step_cache)
+            step_cache = parse_step_cache(self.step_cache)
         except ValueError as exc:
             raise ValueError(f"model parameter step_cache {self.step_cache!r}: {exc}") from None
-        if parse_step_cache(self.step_cache).on and self.batching != "step":
+        if step_cache.on and self.batching != "step":
             raise ValueError("model parameter step_cache needs batching 'step' (the cache is kept per request "
                              "between its steps)")
         if self.cfg_device is not None and self.batching != "step":
