@@ -18,6 +18,13 @@ concurrency 1 it is).
     .venv/bin/python benchmarks/families.py --family qwen-image                     # CPU, tiny models
     python benchmarks/families.py --family qwen-image --preset realistic          # GPU: 1024², 50 steps, CFG 4
     python benchmarks/families.py --family z-image --preset realistic             # GPU: 1024², 8 steps
+    python benchmarks/families.py --family qwen-image --preset realistic --compile    # Triton's DiT blocks compiled
+
+``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
+DiT's blocks) against the pipeline as diffusers runs it by default (eager);
+``--compile-direct`` compiles the pipeline's blocks as well
+(``transformer.compile_repeated_blocks()``, diffusers' own regional compilation).
+The warm-up rounds take the compile time.
 """
 
 from __future__ import annotations
@@ -161,22 +168,26 @@ def figures(latencies: list[float], concurrency: int) -> dict:
     return {"latency_s": p50, "images_per_s": concurrency / p50, "rounds_s": latencies}
 
 
-def server_repositories(setup: Setup, device: str, dest: Path) -> list[Path]:
+def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = False) -> list[Path]:
     """The default repositories with ``diffusion`` serving the setup's model (step batching)."""
     batch = max(8, max(setup.concurrency))
     dtype = "bfloat16" if device == "cuda" else "float32"
     return copy_repositories(DEFAULT_REPOSITORIES, dest, {"diffusion": {
         "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
-                       "gpu_memory_utilization": "0.90" if device == "cuda" else "0.30"},
+                       "gpu_memory_utilization": "0.90" if device == "cuda" else "0.30",
+                       "compile": "blocks" if compile else "off"},
         "max_batch_size": batch}})
 
 
-def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None) -> dict:
+def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
+        compile_direct: bool = False) -> dict:
     setup = SETUPS[(family, preset)]
     levels = concurrency or setup.concurrency
     device = "cuda" if preset == "realistic" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pipeline = pipeline_of(setup, device, dtype)
+    if compile_direct:
+        pipeline.transformer.compile_repeated_blocks()
     requests = Requests(family, setup, hidden_size(pipeline))
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
     del pipeline
@@ -184,7 +195,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     if device == "cuda":
         torch.cuda.empty_cache()  # the server's copy takes this GPU next
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
-            model_repositories=server_repositories(setup, device, Path(tmp)), http_port=free_port(),
+            model_repositories=server_repositories(setup, device, Path(tmp), compile), http_port=free_port(),
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["diffusion"], log_file=Path(tmp) / "tritonserver.log")) as server:
         client = OmniClient(server.grpc_url)
@@ -197,6 +208,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
                        "throughput_ratio": t["images_per_s"] / d["images_per_s"],
                        "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max())})
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
+            "compile": {"triton": compile, "direct": compile_direct},
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
 
@@ -206,8 +218,9 @@ def device_name() -> str:
 
 def report(result: dict) -> None:
     s = result["setup"]
+    compiled = [side for side, on in result.get("compile", {}).items() if on]
     print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
-          f"on {result['device']}, {result['rounds']} rounds")
+          f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}")
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
           f"{'img/s triton':>13} {'throughput t/d':>15} {'image diff':>10}")
     for p in result["points"]:
@@ -222,10 +235,12 @@ def main() -> None:
     parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
     parser.add_argument("--rounds", type=int, default=2, help="measured calls per side and concurrency")
     parser.add_argument("--concurrency", help="comma-separated (default: the setup's)")
+    parser.add_argument("--compile", action="store_true", help="the server compiles the DiT's blocks")
+    parser.add_argument("--compile-direct", action="store_true", help="the pipeline's blocks compiled as well")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
-    result = run(args.family, args.preset, args.rounds, levels)
+    result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -10,7 +10,10 @@ ratio printed is the median of the rounds' ratios:
   `infer` (raw uint8);
 * chat: `ar` at concurrency 64, streamed, `ignore_eos` so every request makes
   the preset's number of tokens (16; 128): output tokens/s through `/v1/chat/completions`
-  (server-sent events) against the gRPC stream with the same rendered prompt.
+  (server-sent events) against a gRPC stream of the very inputs the gateway
+  sends the model (the rendered prompt, and the finish reason and token counts
+  its answer's usage needs); ``--direct-outputs minimal`` asks the direct side
+  for the text and output token count only.
 
 `--aa` runs the direct side against itself: the spread of those ratios is
 the finest difference this host can resolve.
@@ -40,6 +43,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from triton_omni_client.client import batched_inputs, omni_inputs
+from triton_omni_gateway.requests import ChatRequest
+from triton_omni_gateway.text import ar_values
 from triton_omni_tools.bench.harness import bench_repository
 from triton_omni_tools.bench.presets import PRESETS, Preset
 from triton_omni_tools.gateway import Gateway, default_workers, text_model_tokenizers
@@ -93,22 +98,38 @@ class Images:
 class Chat:
     name, unit = "chat", "output tokens/s"
 
-    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, prompt: str, tokens: int):
-        self.grpc, self.http, self.prompt, self.tokens = grpc, http, prompt, tokens
+    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, prompt: str, tokens: int,
+                 outputs: str = "gateway"):
+        """``outputs``: what the direct side asks the model for. ``gateway``: the very inputs the gateway
+        sends (finish reason, token counts: what a chat answer's usage needs); ``minimal``: the text and the
+        output token count only."""
+        self.grpc, self.http, self.prompt, self.tokens, self.outputs = grpc, http, prompt, tokens, outputs
+        self.first_token_s: list[float] = []  # each call's time to its first token, taken by compare()
+
+    def body(self) -> dict:
+        return {"model": "ar", "messages": MESSAGES, "max_tokens": self.tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+
+    def direct_values(self) -> dict:
+        if self.outputs == "gateway":  # what the gateway sends the model for body()
+            return ar_values(self.prompt, ChatRequest(**self.body()).sampling())
+        sampling = {"max_tokens": self.tokens, "ignore_eos": True}
+        return {"text_input": self.prompt, "stream": True, "exclude_input_in_output": True,
+                "sampling_parameters": json.dumps(sampling), "return_num_output_tokens": True}
 
     async def direct(self) -> int:
-        sampling = json.dumps({"max_tokens": self.tokens, "ignore_eos": True})
-        values = {"text_input": self.prompt, "stream": True, "exclude_input_in_output": True,
-                  "sampling_parameters": sampling, "return_num_output_tokens": True}
+        values = self.direct_values()
         done = asyncio.Event()
 
         async def one_request():
             yield {"model_name": "ar", "inputs": omni_inputs(grpcclient, values)}
             await done.wait()
 
-        tokens = 0
+        tokens, started = 0, time.perf_counter()
         async for result, error in self.grpc.stream_infer(one_request()):
             assert error is None, error
+            if not tokens:
+                self.first_token_s.append(time.perf_counter() - started)
             tokens += int(result.as_numpy("num_output_tokens")[0])
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
@@ -116,12 +137,13 @@ class Chat:
         return tokens
 
     async def gateway(self) -> int:
-        body = {"model": "ar", "messages": MESSAGES, "max_tokens": self.tokens, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        tokens = 0
-        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        tokens, started, first = 0, time.perf_counter(), True
+        async with self.http.stream("POST", "/v1/chat/completions", json=self.body()) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
+                if first and line.startswith("data: {"):
+                    first = False
+                    self.first_token_s.append(time.perf_counter() - started)
                 if line.startswith("data: {") and '"usage": {' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
         return tokens
@@ -151,8 +173,10 @@ async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bo
     sides = {"gateway": workload.direct if aa else workload.gateway, "direct": workload.direct}
     for call in sides.values():
         await closed_loop(concurrency, concurrency, call)
+    getattr(workload, "first_token_s", []).clear()
     rates: dict[str, list[float]] = {side: [] for side in sides}
     p50s: dict[str, list[float]] = {side: [] for side in sides}
+    first_token: dict[str, list[float]] = {side: [] for side in sides}  # chat: p50 time to the first token
     cores: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}  # (gateway, clients)
     for index in range(rounds):
         order = ("gateway", "direct") if index % 2 == 0 else ("direct", "gateway")
@@ -163,11 +187,16 @@ async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bo
                                 (time.process_time() - client_cpu) / seconds))
             rates[side].append(units / seconds)
             p50s[side].append(float(np.percentile(latencies, 50)))
+            firsts = getattr(workload, "first_token_s", None)
+            if firsts:
+                first_token[side].append(float(np.percentile(firsts, 50)))
+                firsts.clear()
     ratios = [g / d for g, d in zip(rates["gateway"], rates["direct"], strict=True)]
     return {"workload": workload.name + (" A/A" if aa else ""), "unit": workload.unit, "concurrency": concurrency,
             "requests": requests, "rounds": rounds, "gateway": statistics.median(rates["gateway"]),
             "direct": statistics.median(rates["direct"]), "ratio": statistics.median(ratios), "ratios": ratios,
             "p50_s": {side: statistics.median(values) for side, values in p50s.items()},
+            "first_token_p50_s": {side: statistics.median(values) for side, values in first_token.items() if values},
             "cores": {side: [statistics.median(c[i] for c in values) for i in (0, 1)]
                       for side, values in cores.items()}}
 
@@ -179,7 +208,7 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
     async with aioclient.InferenceServerClient(grpc_url) as grpc, \
             httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
         prompt = rendered_prompt(args.tokenizer)
-        images, chat = Images(grpc, http, options), Chat(grpc, http, prompt, args.tokens)
+        images, chat = Images(grpc, http, options), Chat(grpc, http, prompt, args.tokens, args.direct_outputs)
         return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa,
                               args.gateway_pid),
                 await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa,
@@ -200,6 +229,9 @@ def report(results: list[dict]) -> None:
         print(f"{r['workload']:<8} {r['concurrency']:>4} {r['gateway']:>12.2f} {r['direct']:>12.2f} "
               f"{r['ratio']:>6.3f}  {r['p50_s']['gateway']:.3f} / {r['p50_s']['direct']:.3f}   ({r['unit']}; "
               f"rounds' ratios {' '.join(f'{x:.3f}' for x in r['ratios'])})")
+        if r.get("first_token_p50_s"):
+            first = r["first_token_p50_s"]
+            print(f"{'':<8} time to first token, p50 gateway / direct: {first['gateway']:.3f} / {first['direct']:.3f} s")
         gateway, direct = r["cores"]["gateway"], r["cores"]["direct"]
         print(f"{'':<8} cores busy, gateway process / clients: {gateway[0]:.2f} / {gateway[1]:.2f} on the gateway "
               f"side, {direct[0]:.2f} / {direct[1]:.2f} on the direct side")
@@ -236,6 +268,9 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="the models and image work of `omni-triton bench`'s preset (realistic: on a GPU)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--direct-outputs", choices=["gateway", "minimal"], default="gateway",
+                        help="chat's direct side asks the model for the gateway's very outputs (the same request), "
+                        "or for the text and token count only")
     parser.add_argument("--aa", action="store_true", help="direct against direct: the spread this host "
                         "shows with no gateway at all (run it first on a new host)")
     parser.add_argument("--json", help="also write the figures here")

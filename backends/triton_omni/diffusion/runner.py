@@ -52,6 +52,11 @@ StepCallback = Callable[[int, int, int], None]
 IsCancelled = Callable[[int], bool]
 
 
+COMPILE_MODES = ("off", "blocks")
+# torch.compile's arguments for `compile: blocks` (a test may swap the backend for a quicker one)
+COMPILE_OPTIONS: dict[str, Any] = {}
+
+
 @dataclass(frozen=True)
 class DiffusionRunnerConfig:
     model: str
@@ -78,6 +83,8 @@ class DiffusionRunnerConfig:
     step_cache: str = "off"
     # CFG parallel (Qwen-Image, step batching): the negatives' pass on this second device (denoisers.py)
     cfg_device: str | None = None
+    # "blocks": torch.compile each repeated block of a diffusion transformer (regional compilation)
+    compile: str = "off"
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -91,6 +98,9 @@ class DiffusionRunnerConfig:
                              "between its steps)")
         if self.cfg_device is not None and self.batching != "step":
             raise ValueError("CFG parallel (parallel 'cfg') needs batching 'step'")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"model parameter compile must be one of {', '.join(COMPILE_MODES)}, "
+                             f"got {self.compile!r}")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -148,13 +158,40 @@ class DiffusionRunner:
                                      "family has no step cache (it skips a diffusion transformer's blocks)")
                 if config.cfg_device is not None:
                     self._parallel_cfg(torch.device(config.cfg_device))
+                self._compile()
             except ValueError:
                 self.steps.stop()
                 raise
             self.steps.pipeline = self.pipeline
+        else:
+            self._compile()
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
                     "on" if self.graphs else "off", config.batching)
+
+    def _compile(self) -> None:
+        """``compile: blocks``: the forward of each repeated block of the diffusion transformer (and of its
+        CFG-parallel replica) compiled with torch.compile, in place, so that every caller (the pipeline, the
+        step engine, the step cache) runs it. Why blocks rather than the whole model: the blocks share one
+        code, compiled once for all of them, in seconds rather than minutes, and a step that skips blocks or
+        runs a sub-batch still finds them compiled. Why the forward rather than the module: the step cache's
+        hooks wrap the forward later and stay eager Python; compiled with the block, their per-request
+        state would recompile it at every step. Each new shape (batch, image size, token count) compiles on
+        its first step; after the second, torch marks the sizes that changed dynamic."""
+        if self.config.compile == "off":
+            return
+        transformer = getattr(self.pipeline, "transformer", None)
+        block_names = getattr(transformer, "_repeated_blocks", None)
+        if not block_names:
+            raise ValueError(f"model parameter compile {self.config.compile!r}: the {self.family.name} family "
+                             "has no diffusion transformer blocks to compile (a UNet replays CUDA graphs instead)")
+        replica = getattr(self.steps.denoiser, "replica", None) if self.steps is not None else None
+        for model in (transformer, replica):
+            for block in model.modules() if model is not None else ():
+                if type(block).__name__ in block_names:
+                    block.forward = torch.compile(block.forward, **COMPILE_OPTIONS)
+        logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
+                    ", ".join(block_names), type(transformer).__name__)
 
     def _parallel_cfg(self, device: torch.device) -> None:
         denoiser = self.steps.denoiser

@@ -40,6 +40,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         group_order=params.get("group_order", "most_behind"),
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
+        compile=params.get("compile", "off"),
         cfg_device=cfg_device,
     ), placement
 
