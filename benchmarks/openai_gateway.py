@@ -231,7 +231,8 @@ def report(results: list[dict]) -> None:
               f"rounds' ratios {' '.join(f'{x:.3f}' for x in r['ratios'])})")
         if r.get("first_token_p50_s"):
             first = r["first_token_p50_s"]
-            print(f"{'':<8} time to first token, p50 gateway / direct: {first['gateway']:.3f} / {first['direct']:.3f} s")
+            print(f"{'':<8} time to first token, p50 gateway / direct: "
+                  f"{first['gateway']:.3f} / {first['direct']:.3f} s")
         gateway, direct = r["cores"]["gateway"], r["cores"]["direct"]
         print(f"{'':<8} cores busy, gateway process / clients: {gateway[0]:.2f} / {gateway[1]:.2f} on the gateway "
               f"side, {direct[0]:.2f} / {direct[1]:.2f} on the direct side")
