@@ -22,7 +22,7 @@ from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
 from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
 from triton_omni_gateway.templates import ChatTemplates
-from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, in_writes, whole
+from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, whole
 from triton_omni_gateway.triton import Triton
 
 logger = logging.getLogger("triton_omni_gateway")
@@ -121,7 +121,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             async for delta in stream:
                 yield delta
 
-        return StreamingResponse(in_writes(events(endpoint, body.model, replayed(), body.n, body.include_usage)),
+        return StreamingResponse(events(endpoint, body.model, replayed(), body.n, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")

@@ -9,8 +9,6 @@ value it refuses.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -210,40 +208,3 @@ async def events(endpoint: TextEndpoint, model: str, stream: AsyncIterator[Delta
         if include_usage:
             yield chunk([], usage=usage(prompt_tokens, choices))
     yield "data: [DONE]\n\n"
-
-
-async def in_writes(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The events as they come, but those that came while the last write was going out leave together,
-    in one write. Why: a write is a trip through the ASGI stack and the socket, and a client wakes up for
-    each; at 64 streams of a fast model, per-token writes cost tokens/s (gateway against direct gRPC,
-    docs/benchmarks.md). A lone event is never held back: the first one, and each one that finds nothing
-    waiting, goes out at once. Leaving early (the client went away) stops the events' source, so its
-    Triton request is cancelled."""
-    waiting: asyncio.Queue[str | BaseException | None] = asyncio.Queue()
-
-    async def read():
-        try:
-            async for event in events:
-                waiting.put_nowait(event)
-            waiting.put_nowait(None)
-        except Exception as error:  # handed to the writer, raised there
-            waiting.put_nowait(error)
-
-    reader = asyncio.ensure_future(read())
-    try:
-        while True:
-            batch = [await waiting.get()]
-            while not waiting.empty():
-                batch.append(waiting.get_nowait())
-            done = batch[-1] is None or isinstance(batch[-1], BaseException)
-            text = "".join(e for e in (batch[:-1] if done else batch))
-            if text:
-                yield text
-            if done:
-                if batch[-1] is not None:
-                    raise batch[-1]
-                return
-    finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
