@@ -185,8 +185,6 @@ def test_without_triton_every_answer_is_503(server):
         orphan.stop()
 
 
-@pytest.mark.xfail(reason="open bug: passes alone, but in the full suite (two CI runs, 2026-11-26) the request ran "
-                   "to its end after the client left", strict=False)
 def test_a_client_that_leaves_mid_stream_cancels_its_request(gateway, server):
     body = {"model": "ar", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
     httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)  # the chat template loaded (first use)
@@ -201,10 +199,13 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(gateway, server):
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    deadline = time.monotonic() + 30  # closed after one chunk of 1,000 tokens: the model stops
+    # Closed after one chunk of 1,000 tokens: the model counts it cancelled. Only the cancelled count is
+    # this request's own: a success counted meanwhile may be an earlier test's request settling.
+    deadline = time.monotonic() + 30
     while count("cancelled") <= cancelled:
-        assert count("success") == succeeded, "the request ran to its end: it was not cancelled in the model"
-        assert time.monotonic() < deadline, "the request was not cancelled in the model"
+        assert time.monotonic() < deadline, (
+            "the request was not cancelled in the model ("
+            f"{count('success') - succeeded:.0f} requests of ar succeeded meanwhile)")
         time.sleep(0.2)
 
 
