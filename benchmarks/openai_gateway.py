@@ -137,6 +137,8 @@ class Chat:
         return tokens
 
     async def gateway(self) -> int:
+        if isinstance(self.http, AiohttpClient):
+            return await self._gateway_aiohttp()
         tokens, started, first = 0, time.perf_counter(), True
         async with self.http.stream("POST", "/v1/chat/completions", json=self.body()) as response:
             response.raise_for_status()
@@ -147,6 +149,32 @@ class Chat:
                 if line.startswith("data: {") and '"usage": {' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
         return tokens
+
+
+    async def _gateway_aiohttp(self) -> int:
+        tokens, started, first = 0, time.perf_counter(), True
+        async with self.http.session.post(self.http.base_url + "/v1/chat/completions", json=self.body()) as response:
+            response.raise_for_status()
+            async for raw in response.content:  # one line at a time
+                line = raw.decode()
+                if first and line.startswith("data: {"):
+                    first = False
+                    self.first_token_s.append(time.perf_counter() - started)
+                if line.startswith("data: {") and '"usage": {' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+
+class AiohttpClient:
+    """The chat's gateway side on aiohttp (AIPerf's HTTP client) instead of httpx: which of the two the
+    gateway's figure depends on says whether a loss is the server's or the client's."""
+
+    def __init__(self, base_url: str):
+        import aiohttp
+
+        self.base_url = base_url
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256),
+                                             timeout=aiohttp.ClientTimeout(total=600))
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -208,11 +236,16 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
     async with aioclient.InferenceServerClient(grpc_url) as grpc, \
             httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
         prompt = rendered_prompt(args.tokenizer)
-        images, chat = Images(grpc, http, options), Chat(grpc, http, prompt, args.tokens, args.direct_outputs)
-        return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa,
-                              args.gateway_pid),
-                await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa,
-                              args.gateway_pid)]
+        chat_http = AiohttpClient(openai_url) if args.http_client == "aiohttp" else http
+        images, chat = Images(grpc, http, options), Chat(grpc, chat_http, prompt, args.tokens, args.direct_outputs)
+        try:
+            return [await compare(images, args.image_concurrency, args.image_requests, args.rounds, args.aa,
+                                  args.gateway_pid),
+                    await compare(chat, args.chat_concurrency, args.chat_requests, args.rounds, args.aa,
+                                  args.gateway_pid)]
+        finally:
+            if chat_http is not http:
+                await chat_http.session.close()
 
 
 def rendered_prompt(tokenizer_path: str) -> str:
@@ -269,6 +302,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="the models and image work of `omni-triton bench`'s preset (realistic: on a GPU)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--http-client", choices=["httpx", "aiohttp"], default="httpx",
+                        help="chat's gateway side: httpx (the openai SDK's) or aiohttp (AIPerf's)")
     parser.add_argument("--direct-outputs", choices=["gateway", "minimal"], default="gateway",
                         help="chat's direct side asks the model for the gateway's very outputs (the same request), "
                         "or for the text and token count only")

@@ -41,6 +41,8 @@ wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4 pi
 # the OpenAI gateway's server and the benchmark's HTTP client (FastAPI, Starlette and pydantic come with .vllm4)
 wheels .offline uvicorn h11 click httpx httpcore anyio idna certifi prometheus_client annotated-doc
 wheels .offline2 scipy==1.14.1 uvloop httptools  # uvicorn's fast event loop and HTTP parser, for the gateway
+# aiohttp, the benchmark's other HTTP client (`openai_gateway.py --http-client aiohttp`, AIPerf's)
+wheels .offline2 aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 # perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)
 scripts/fetch_perf_analyzer.sh "$tmp/perf" && tar cJf "$tmp/perf_analyzer.tar.xz" -C "$tmp/perf" bin lib
 mv "$tmp/perf_analyzer.tar.xz" .offline2/
