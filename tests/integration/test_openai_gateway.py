@@ -13,8 +13,11 @@ import base64
 import io
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,6 +29,8 @@ from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import free_port
 
 from tests.support.server import children, documented_metrics, metric_value, text_to_image
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FAST = {"num_inference_steps": 2}
 KEY = "sk-test-gateway"
@@ -312,3 +317,21 @@ def test_bad_input(gateway, path, body, status, param):
     if param is not None:
         assert error["param"] == param, error
     assert httpx.get(f"{gateway}/health").status_code == 200
+
+
+def test_the_benchmark_measures_the_gateway_against_direct_grpc(gateway, server, tmp_path):
+    """``benchmarks/openai_gateway.py`` against this server and gateway, its chat side on aiohttp: both
+    workloads measured on both sides and the report's shape, never a ratio (docs/benchmarks.md quotes the
+    GPU figures)."""
+    out_file = tmp_path / "gateway.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "openai_gateway.py"), "--grpc-url", server.grpc_url,
+               "--openai-url", gateway, "--tokenizer", text_model_tokenizers(server.repositories)["ar"],
+               "--rounds", "1", "--image-concurrency", "2", "--image-requests", "2", "--chat-concurrency", "4",
+               "--chat-requests", "4", "--http-client", "aiohttp", "--json", str(out_file)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "time to first token" in result.stdout
+    images, chat = json.loads(out_file.read_text())["results"]
+    assert images["gateway"] > 0 and images["direct"] > 0
+    assert chat["gateway"] > 0 and chat["direct"] > 0  # tokens counted on both sides
+    assert set(chat["first_token_p50_s"]) == {"gateway", "direct"}
