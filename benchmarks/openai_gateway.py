@@ -137,31 +137,25 @@ class Chat:
         return tokens
 
     async def gateway(self) -> int:
+        started = time.perf_counter()
         if isinstance(self.http, AiohttpClient):
-            return await self._gateway_aiohttp()
-        tokens, started, first = 0, time.perf_counter(), True
+            url = self.http.base_url + "/v1/chat/completions"
+            async with self.http.session.post(url, json=self.body()) as response:
+                response.raise_for_status()
+                return await self._usage(started, (raw.decode() async for raw in response.content))
         async with self.http.stream("POST", "/v1/chat/completions", json=self.body()) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if first and line.startswith("data: {"):
-                    first = False
-                    self.first_token_s.append(time.perf_counter() - started)
-                if line.startswith("data: {") and '"usage": {' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-        return tokens
+            return await self._usage(started, response.aiter_lines())
 
-
-    async def _gateway_aiohttp(self) -> int:
-        tokens, started, first = 0, time.perf_counter(), True
-        async with self.http.session.post(self.http.base_url + "/v1/chat/completions", json=self.body()) as response:
-            response.raise_for_status()
-            async for raw in response.content:  # one line at a time
-                line = raw.decode()
-                if first and line.startswith("data: {"):
-                    first = False
-                    self.first_token_s.append(time.perf_counter() - started)
-                if line.startswith("data: {") and '"usage": {' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    async def _usage(self, started: float, lines) -> int:
+        """The completion tokens of the stream's usage chunk; its first chunk's time noted."""
+        tokens, first = 0, True
+        async for line in lines:
+            if first and line.startswith("data: {"):
+                first = False
+                self.first_token_s.append(time.perf_counter() - started)
+            if line.startswith("data: {") and '"usage": {' in line:
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
         return tokens
 
 
