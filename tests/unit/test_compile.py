@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig, runner
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion import runner as runner_module
 
 FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image"}
 REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 4, "guidance_scale": 4.0,
            "height": 32, "width": 32, "seed": 3}
 
 
-def images(model: str, compile: str, requests: list[dict], **config) -> list[torch.Tensor]:
-    runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile,
-                                                   **config))
+def images(model: str, compile: str, requests: list[dict]) -> list[torch.Tensor]:
+    runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile))
     try:
         futures = [runner.submit(runner.parse(r)) for r in requests]
         return [f.result() for f in futures]
@@ -32,13 +32,13 @@ def compiled_blocks(runner: DiffusionRunner) -> int:
 
 # Sizes that change are dynamic from the first compile (as on a server after its second shape): one compile
 # per block kind instead of one per shape keeps this file inside a minute on two cores.
-BACKENDS = {"qwen_image": {"dynamic": True}, "z_image": {"dynamic": True}}
+DYNAMIC = {"dynamic": True}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_compiled_blocks_give_the_eager_images_in_company_and_with_the_step_cache(family, monkeypatch):
     torch._dynamo.reset()
-    monkeypatch.setattr(runner, "COMPILE_OPTIONS", BACKENDS[family])
+    monkeypatch.setattr(runner_module, "COMPILE_OPTIONS", DYNAMIC)
     requests = [REQUEST, REQUEST | {"seed": 4, "num_inference_steps": 3},
                 REQUEST | {"seed": 5, "step_cache": "first_block:0.6"}]
     eager = images(FAMILIES[family], "off", requests)

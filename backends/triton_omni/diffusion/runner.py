@@ -53,7 +53,7 @@ IsCancelled = Callable[[int], bool]
 
 
 COMPILE_MODES = ("off", "blocks")
-# torch.compile's arguments for `compile: blocks` (a test may swap the backend for a quicker one)
+# torch.compile's arguments for `compile: blocks` (a test makes sizes dynamic from the start)
 COMPILE_OPTIONS: dict[str, Any] = {}
 
 
@@ -150,21 +150,21 @@ class DiffusionRunner:
             # step batching: a graph per (bucket, size, token count) in use
             self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
-        if self.steps is not None:
-            try:
+        try:
+            if self.steps is not None:
                 self.steps.denoiser = denoiser_of(self.family, self.steps.device, self.dtype)
                 if self.step_cache.on and not self.steps.denoiser.caches:
                     raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
                                      "family has no step cache (it skips a diffusion transformer's blocks)")
                 if config.cfg_device is not None:
                     self._parallel_cfg(torch.device(config.cfg_device))
-                self._compile()
-            except ValueError:
+            self._compile()  # after CFG parallel: its replica's blocks are compiled too
+        except ValueError:
+            if self.steps is not None:
                 self.steps.stop()
-                raise
+            raise
+        if self.steps is not None:
             self.steps.pipeline = self.pipeline
-        else:
-            self._compile()
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
                     "on" if self.graphs else "off", config.batching)
