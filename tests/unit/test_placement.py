@@ -21,7 +21,8 @@ from triton_omni_tools.repository import load_config
     ("ar=tp:0,1", StagePlacement("ar", (0, 1), tensor_parallel=True)),
     ("ar_encoder=3", StagePlacement("ar_encoder", (3,))),
     ("ar=0x3:shared", StagePlacement("ar", (0,), per_gpu=3, shared=True)),
-    ("diffusion=cfg:2,3", StagePlacement("diffusion", (2, 3), cfg_parallel=True)),
+    ("diffusion=cfg:2,3", StagePlacement("diffusion", (2, 3), parallel="cfg")),
+    ("diffusion=sp:0,1,2,3", StagePlacement("diffusion", (0, 1, 2, 3), parallel="sp")),
 ])
 def test_specs(spec, expected):
     assert parse(spec, num_gpus=4) == expected
@@ -42,6 +43,8 @@ def test_specs(spec, expected):
     ("ar=cfg:0,1", "'cfg:' (CFG parallel) is for diffusion"),
     ("diffusion=cfg:0", "over exactly two GPUs"),
     ("diffusion=cfg:0,1x2", "and one instance"),
+    ("ar=sp:0,1", "'sp:' (sequence parallel) is for diffusion"),
+    ("diffusion=sp:1", "over two GPUs or more"),
 ])
 def test_bad_specs_are_refused_by_name(spec, message):
     with pytest.raises(PlacementError, match="placement") as info:
@@ -52,6 +55,7 @@ def test_bad_specs_are_refused_by_name(spec, message):
 def test_cfg_parallel_is_one_model_instance_over_two_gpus():
     assert parse("diffusion=cfg:0,1", num_gpus=2).edits() == {
         "instance_group": [{"kind": "KIND_MODEL", "count": 1}], "parameters": {"gpus": "0,1", "parallel": "cfg"}}
+    assert str(parse("diffusion=sp:1,0", num_gpus=2)) == "diffusion=sp:1,0"
 
 
 def test_all_needs_a_gpu_and_each_stage_is_placed_once_and_served():

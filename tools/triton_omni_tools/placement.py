@@ -14,6 +14,9 @@ bench's ``--gpus``):
   whose negative prompts' passes run on GPU 1 (``KIND_MODEL`` with the
   ``gpus`` and ``parallel`` model parameters). Only ``diffusion`` takes it,
   with two GPUs;
+- ``diffusion=sp:0,1``: sequence parallel, one Qwen-Image instance whose
+  transformer runs each forward over GPUs 0 and 1 (or more), each holding a
+  share of the image's tokens. Only ``diffusion`` takes it;
 - ``ar=0,1``: for the AR stages too, one engine per GPU (replicas, each its
   own KV cache);
 - ``ar=0x3:shared``: three instances on GPU 0 in front of one vLLM engine
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 AR_STAGES = ("ar", "ar_encoder", "ar_transformers")
-_SPEC = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)=(?:(?P<tp>tp:)|(?P<cfg>cfg:))?(?P<gpus>all|\d+(?:,\d+)*)"
+_SPEC = re.compile(r"^(?P<stage>[A-Za-z0-9_.-]+)=(?:(?P<tp>tp:)|(?P<parallel>cfg:|sp:))?(?P<gpus>all|\d+(?:,\d+)*)"
                    r"(?:x(?P<count>\d+))?"
                    r"(?P<shared>:shared)?$")
 
@@ -50,13 +53,13 @@ class StagePlacement:
     per_gpu: int = 1  # instances on each GPU (replicas)
     tensor_parallel: bool = False  # one engine over all of ``gpus``
     shared: bool = False  # the instances on a GPU share one engine core (AR stages on vLLM)
-    cfg_parallel: bool = False  # diffusion: the negative prompts' passes on the second GPU
+    parallel: str = ""  # diffusion: "cfg" (negative prompts on the second GPU) or "sp" (sequence parallel)
 
     def edits(self) -> dict[str, Any]:
         """The config changes that serve this placement."""
-        if self.cfg_parallel:
+        if self.parallel:
             return {"instance_group": [{"kind": "KIND_MODEL", "count": 1}],
-                    "parameters": {"gpus": ",".join(str(g) for g in self.gpus), "parallel": "cfg"}}
+                    "parameters": {"gpus": ",".join(str(g) for g in self.gpus), "parallel": self.parallel}}
         if self.tensor_parallel:
             return {"instance_group": [{"kind": "KIND_MODEL", "count": 1}],
                     "parameters": {"gpus": ",".join(str(g) for g in self.gpus)}}
@@ -68,8 +71,8 @@ class StagePlacement:
 
     def __str__(self) -> str:
         gpus = ",".join(str(g) for g in self.gpus)
-        if self.cfg_parallel:
-            return f"{self.stage}=cfg:{gpus}"
+        if self.parallel:
+            return f"{self.stage}={self.parallel}:{gpus}"
         return f"{self.stage}=tp:{gpus}" if self.tensor_parallel else \
             f"{self.stage}={gpus}" + (f"x{self.per_gpu}" if self.per_gpu > 1 else "") + (":shared" * self.shared)
 
@@ -80,7 +83,7 @@ def parse(spec: str, num_gpus: int | None) -> StagePlacement:
     if not found:
         raise PlacementError(f"placement {spec!r}: expected STAGE=GPUS[xN] (diffusion=0,1 or diffusion=allx2), "
                              "STAGE=tp:GPUS for one AR engine over several GPUs (ar=tp:0,1), diffusion=cfg:0,1 "
-                             "(CFG parallel) or STAGE=GPUSxN:shared for N AR instances per GPU in front of one "
+                             "(CFG parallel), diffusion=sp:0,1 (sequence parallel) or STAGE=GPUSxN:shared for N AR instances per GPU in front of one "
                              "engine (ar=0x3:shared)")
     stage, tp = found["stage"], bool(found["tp"])
     if found["gpus"] == "all":
@@ -103,15 +106,19 @@ def parse(spec: str, num_gpus: int | None) -> StagePlacement:
                              + ",".join(str(g) for g in gpus))
     if tp and found["count"]:
         raise PlacementError(f"placement {spec!r}: one engine spans the GPUs; it takes no instance count")
-    if found["cfg"] and (stage != "diffusion" or len(gpus) != 2 or found["count"] or found["shared"]):
+    parallel = (found["parallel"] or "").rstrip(":")
+    if parallel == "cfg" and (stage != "diffusion" or len(gpus) != 2 or found["count"] or found["shared"]):
         raise PlacementError(f"placement {spec!r}: 'cfg:' (CFG parallel) is for diffusion, over exactly two GPUs "
                              "and one instance (diffusion=cfg:0,1)")
+    if parallel == "sp" and (stage != "diffusion" or len(gpus) < 2 or found["count"] or found["shared"]):
+        raise PlacementError(f"placement {spec!r}: 'sp:' (sequence parallel) is for diffusion, over two GPUs or "
+                             "more and one instance (diffusion=sp:0,1)")
     shared = bool(found["shared"])
     if shared and (tp or stage not in AR_STAGES or count < 2):
         raise PlacementError(f"placement {spec!r}: ':shared' puts an AR stage's instances on a GPU in front of one "
                              f"engine ({', '.join(AR_STAGES)}, e.g. ar=0x3:shared); it needs at least two instances "
                              "and no 'tp:'")
-    return StagePlacement(stage, gpus, count, tp, shared, bool(found["cfg"]))
+    return StagePlacement(stage, gpus, count, tp, shared, parallel)
 
 
 def parse_all(specs: list[str], num_gpus: int | None, models: set[str] | None = None) -> list[StagePlacement]:

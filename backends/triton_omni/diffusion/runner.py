@@ -39,6 +39,7 @@ from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
+from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
@@ -85,6 +86,8 @@ class DiffusionRunnerConfig:
     cfg_device: str | None = None
     # "blocks": torch.compile each repeated block of a diffusion transformer (regional compilation)
     compile: str = "off"
+    # sequence parallel: the transformer's forward over this device and these (sequence_parallel.py)
+    sp_devices: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -101,6 +104,17 @@ class DiffusionRunnerConfig:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"model parameter compile must be one of {', '.join(COMPILE_MODES)}, "
                              f"got {self.compile!r}")
+        if self.sp_devices:
+            self._check_sequence_parallel(step_cache.on)
+
+    def _check_sequence_parallel(self, step_cache: bool) -> None:
+        """What sequence parallel does not combine with, refused at load: every rank must run the
+        same blocks, so no step cache (its decision is taken per rank, on the rank's share); one
+        parallel mode at a time; eager blocks (the workers are not compiled)."""
+        for clash, what in ((step_cache, "a step cache"), (self.cfg_device is not None, "CFG parallel"),
+                            (self.compile != "off", f"compile {self.compile!r}")):
+            if clash:
+                raise ValueError(f"sequence parallel does not combine with {what}")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -150,7 +164,10 @@ class DiffusionRunner:
             # step batching: a graph per (bucket, size, token count) in use
             self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
+        self.sequence_parallel: SequenceParallel | None = None
         try:
+            if config.sp_devices:
+                self._sequence_parallel([torch.device(d) for d in config.sp_devices])
             if self.steps is not None:
                 self.steps.denoiser = denoiser_of(self.family, self.steps.device, self.dtype)
                 if self.step_cache.on and not self.steps.denoiser.caches:
@@ -159,9 +176,8 @@ class DiffusionRunner:
                 if config.cfg_device is not None:
                     self._parallel_cfg(torch.device(config.cfg_device))
             self._compile()  # after CFG parallel: its replica's blocks are compiled too
-        except ValueError:
-            if self.steps is not None:
-                self.steps.stop()
+        except Exception:
+            self.close()
             raise
         if self.steps is not None:
             self.steps.pipeline = self.pipeline
@@ -192,6 +208,15 @@ class DiffusionRunner:
                     block.forward = torch.compile(block.forward, **COMPILE_OPTIONS)
         logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
                     ", ".join(block_names), type(transformer).__name__)
+
+    def _sequence_parallel(self, devices: list[torch.device]) -> None:
+        transformer = getattr(self.pipeline, "transformer", None)
+        if transformer is None or not getattr(transformer, "_cp_plan", None):
+            raise ValueError(f"sequence parallel splits a diffusion transformer's tokens as diffusers' context "
+                             f"parallelism plans it: Qwen-Image has the plan; the {self.family.name} family does not")
+        self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(transformer, devices))
+        logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
+                    ", ".join(str(d) for d in self.sequence_parallel.devices))
 
     def _parallel_cfg(self, device: torch.device) -> None:
         denoiser = self.steps.denoiser
@@ -231,10 +256,18 @@ class DiffusionRunner:
     def close(self) -> None:
         if self.steps is not None:
             self.steps.stop()
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.close()
+            self.sequence_parallel = None
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        if self.sequence_parallel is not None:
+            self._check_shares(request)
         if request.step_cache is not None and request.step_cache.on:
+            if self.sequence_parallel is not None:
+                raise RequestValidationError("step_cache", "not with sequence parallel (every GPU must run the same "
+                                             "blocks)", str(request.step_cache))
             if self.steps is None:
                 raise RequestValidationError("step_cache", "needs a model with batching 'step' (the cache is kept "
                                              "per request between its steps)", str(request.step_cache))
@@ -242,6 +275,19 @@ class DiffusionRunner:
                 raise RequestValidationError("step_cache", f"the {self.family.name} family has no step cache (it "
                                              "skips a diffusion transformer's blocks)", str(request.step_cache))
         return request
+
+    def _check_shares(self, request: DiffusionRequest) -> None:
+        """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any)."""
+        ranks = len(self.sequence_parallel.devices)
+        if self.device.type != "cpu":
+            return
+        patch = self.limits.size_multiple
+        tokens = (request.height // patch) * (request.width // patch)
+        if tokens % ranks:
+            raise RequestValidationError("height", f"sequence parallel on the CPU shares the image's {tokens} "
+                                         f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
+                                         f"height x width must make a multiple of {ranks} patches",
+                                         f"{request.height}x{request.width}")
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:

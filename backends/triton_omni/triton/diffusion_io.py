@@ -23,7 +23,7 @@ def auto_complete(config):
 def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig, Placement]:
     """The runner's config and where this instance runs."""
     params = model_parameters(model_config)
-    placement, cfg_device = _placement(args, params)
+    placement, parallel = _placement(args, params)
     return DiffusionRunnerConfig(
         model=params.get("model", "demo:tiny-sd"),
         device=placement.device,
@@ -41,21 +41,35 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
         compile=params.get("compile", "off"),
-        cfg_device=cfg_device,
+        **parallel,
     ), placement
 
 
-def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, str | None]:
-    """(this instance's placement, the CFG-parallel device or None). ``parallel: cfg`` with
-    ``gpus: "A,B"`` (``omni-triton serve --place diffusion=cfg:A,B``) runs the instance on GPU A
-    and its negative prompts' passes on GPU B."""
+def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:
+    """(this instance's placement, the runner's parallel settings). The ``parallel`` model parameter:
+
+    - ``cfg`` with ``gpus: "A,B"`` (``omni-triton serve --place diffusion=cfg:A,B``): the instance
+      runs on GPU A and its negative prompts' passes on GPU B;
+    - ``sp`` with ``gpus: "A,B,..."`` (``--place diffusion=sp:A,B``): the instance runs on GPU A
+      and each forward of its transformer over all of them (sequence parallel). On the CPU (no
+      ``gpus``), ``sp_ranks`` processes (2 unless set): the same code path, for trying it out.
+    """
     parallel = params.get("parallel", "none")
     if parallel == "none":
-        return place_instance(args, params), None
-    if parallel != "cfg":
-        raise ValueError(f"model parameter parallel must be 'none' or 'cfg', got {parallel!r}")
+        return place_instance(args, params), {}
+    if parallel not in ("cfg", "sp"):
+        raise ValueError(f"model parameter parallel must be 'none', 'cfg' or 'sp', got {parallel!r}")
+    kind = args.get("model_instance_kind")
+    if parallel == "sp" and not params.get("gpus", "").strip() and place_instance(args, params).device == "cpu":
+        ranks = int(params.get("sp_ranks", "2"))
+        if ranks < 2:
+            raise ValueError(f"model parameter sp_ranks must be at least 2, got {ranks}")
+        return place_instance(args, params), {"sp_devices": ("cpu",) * (ranks - 1)}
     gpus = parse_gpus(params.get("gpus", ""))
-    if len(gpus) != 2 or args.get("model_instance_kind") != "MODEL":
-        raise ValueError("parallel 'cfg' needs a KIND_MODEL instance and two GPUs in the gpus parameter "
+    wanted = "two GPUs" if parallel == "cfg" else "two GPUs or more"
+    if (len(gpus) != 2 if parallel == "cfg" else len(gpus) < 2) or kind != "MODEL":
+        raise ValueError(f"parallel {parallel!r} needs a KIND_MODEL instance and {wanted} in the gpus parameter "
                          f"(e.g. \"0,1\"), got gpus {params.get('gpus', '')!r}")
-    return place_instance(args, params | {"gpus": str(gpus[0])}), f"cuda:{gpus[1]}"
+    placement = place_instance(args, params | {"gpus": str(gpus[0])})
+    others = [f"cuda:{g}" for g in gpus[1:]]
+    return placement, {"cfg_device": others[0]} if parallel == "cfg" else {"sp_devices": tuple(others)}

@@ -1,0 +1,115 @@
+"""Sequence parallel on the CPU (tiny Qwen-Image, gloo): the runner's
+transformer runs each forward over this process and worker processes, each
+holding a share of the tokens (diffusers' Ulysses attention), and every
+image equals the one-process image, alone and beside requests with other
+steps, sizes and guidance, under step batching and request batching,
+within 1/255 per pixel: each rank's matrix products run on its share of the
+tokens, a smaller matrix, whose kernels may round the last bit differently.
+tests/gpu runs it over two GPUs; benchmarks/sequence_parallel.py measures it."""
+
+from __future__ import annotations
+
+import pytest
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.errors import RequestValidationError
+
+from tests.support import fake_pb_utils
+
+fake_pb_utils.install()
+from triton_omni.triton.diffusion_io import runner_config  # noqa: E402  (after the stand-in for pb_utils)
+
+MODEL = "demo:tiny-qwen-image"
+REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 4, "guidance_scale": 4.0,
+           "height": 32, "width": 32, "seed": 3}
+# other steps, another size (an odd token count: 6 x 5 patches), no guidance
+COMPANY = [REQUEST, REQUEST | {"seed": 5, "num_inference_steps": 6}, REQUEST | {"seed": 7, "width": 40},
+           REQUEST | {"seed": 9, "guidance_scale": 1.0, "prompt": "a small boat on a calm lake at dawn"}]
+
+
+def served(config: DiffusionRunnerConfig, company: list[dict] = COMPANY) -> list:
+    """Each request alone, then all of them together."""
+    runner = DiffusionRunner(config)
+    try:
+        alone = [runner.run([runner.parse(values)])[0] for values in company]
+        return alone + runner.run([runner.parse(values) for values in company])
+    finally:
+        runner.close()
+
+
+def assert_same(got: list, expected: list) -> None:
+    for image, reference in zip(got, expected, strict=True):
+        assert not isinstance(image, Exception), image
+        assert (image.int() - reference.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("batching", ["step", "request"])
+def test_sequence_parallel_gives_the_one_process_images(batching):
+    expected = served(DiffusionRunnerConfig(MODEL, batching=batching))
+    assert_same(served(DiffusionRunnerConfig(MODEL, batching=batching, sp_devices=("cpu",))), expected)
+
+
+def test_three_ranks_split_three_heads_and_any_token_count():
+    company = [values | {"width": 48} for values in COMPANY]  # 4 x 6 patches: gloo gathers equal shares
+    expected = served(DiffusionRunnerConfig(MODEL, batching="step"), company)
+    assert_same(served(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")), company), expected)
+
+
+def test_on_the_cpu_a_size_whose_patches_do_not_share_evenly_is_invalid_by_name():
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")))
+    try:
+        with pytest.raises(RequestValidationError, match="`height`.*multiple of 3 patches, got '32x32'"):
+            runner.parse(REQUEST)
+    finally:
+        runner.close()
+
+
+def test_a_worker_that_dies_fails_the_next_request_by_name_and_close_still_returns():
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",)))
+    try:
+        worker = runner.sequence_parallel.workers[0]
+        worker.kill()
+        worker.join()
+        with pytest.raises(RuntimeError, match="sequence parallel: the worker of rank 1 on cpu exited"):
+            runner.submit(runner.parse(REQUEST)).result()
+    finally:
+        runner.close()
+
+
+def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
+    for clash, message in (({"step_cache": "first_block:0.2"}, "a step cache"), ({"cfg_device": "cpu"},
+                           "CFG parallel"), ({"compile": "blocks"}, "compile 'blocks'")):
+        with pytest.raises(ValueError, match=f"sequence parallel does not combine with {message}"):
+            DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",), **clash)
+    with pytest.raises(ValueError, match="Qwen-Image has the plan; the z_image family does not"):
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", sp_devices=("cpu",)))
+
+
+def test_a_request_for_a_step_cache_is_invalid_by_name():
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",)))
+    try:
+        with pytest.raises(RequestValidationError, match="step_cache.*not with sequence parallel"):
+            runner.parse(REQUEST | {"step_cache": "first_block:0.2"})
+        assert runner.run([runner.parse(REQUEST | {"step_cache": "off"})])[0].shape == (32, 32, 3)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(("kind", "params", "expected"), [
+    ("MODEL", {"gpus": "0,1,2"}, {"device": "cuda:0", "sp_devices": ("cuda:1", "cuda:2")}),
+    ("CPU", {}, {"device": "cpu", "sp_devices": ("cpu",)}),
+    ("CPU", {"sp_ranks": "3"}, {"device": "cpu", "sp_devices": ("cpu", "cpu")}),
+])
+def test_parallel_sp_places_rank_zero_first(kind, params, expected):
+    config = {"parameters": {key: {"string_value": value} for key, value in (params | {"parallel": "sp"}).items()}}
+    runner, _ = runner_config(config, {"model_instance_kind": kind})
+    assert {"device": runner.device, "sp_devices": runner.sp_devices} == expected
+
+
+@pytest.mark.parametrize(("kind", "params", "message"), [
+    ("MODEL", {"gpus": "0"}, "two GPUs or more"), ("GPU", {"gpus": "0,1"}, "KIND_MODEL"),
+    ("CPU", {"sp_ranks": "1"}, "sp_ranks must be at least 2"),
+])
+def test_parallel_sp_is_refused_where_it_cannot_run(kind, params, message):
+    config = {"parameters": {key: {"string_value": value} for key, value in (params | {"parallel": "sp"}).items()}}
+    with pytest.raises(ValueError, match=message):
+        runner_config(config, {"model_instance_kind": kind, "model_instance_device_id": "0"})
