@@ -2,7 +2,7 @@
 on a copy of the transformer, from a thread of its own, gives the image the
 runner gives without it, alone and beside requests with other steps, guidance
 and step caches. The second device here is the CPU again: tests/gpu runs it
-over two GPUs, and benchmarks/cfg_parallel.py measures it."""
+over two GPUs, and benchmarks/parallel.py measures it."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ image equals the one-process image, alone and beside requests with other
 steps, sizes and guidance, under step batching and request batching,
 within 1/255 per pixel: each rank's matrix products run on its share of the
 tokens, a smaller matrix, whose kernels may round the last bit differently.
-tests/gpu runs it over two GPUs; benchmarks/sequence_parallel.py measures it."""
+tests/gpu runs it over two GPUs; benchmarks/parallel.py --mode sp measures it."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_three_ranks_split_three_heads_and_any_token_count():
 def test_on_the_cpu_a_size_whose_patches_do_not_share_evenly_is_invalid_by_name():
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")))
     try:
-        with pytest.raises(RequestValidationError, match="`height`.*multiple of 3 patches, got '32x32'"):
+        with pytest.raises(RequestValidationError, match=r"`height`.*multiple of 3 patches, got '32x32'"):
             runner.parse(REQUEST)
     finally:
         runner.close()
@@ -87,7 +87,7 @@ def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
 def test_a_request_for_a_step_cache_is_invalid_by_name():
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",)))
     try:
-        with pytest.raises(RequestValidationError, match="step_cache.*not with sequence parallel"):
+        with pytest.raises(RequestValidationError, match=r"step_cache.*not with sequence parallel"):
             runner.parse(REQUEST | {"step_cache": "first_block:0.2"})
         assert runner.run([runner.parse(REQUEST | {"step_cache": "off"})])[0].shape == (32, 32, 3)
     finally:

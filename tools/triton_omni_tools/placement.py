@@ -83,8 +83,8 @@ def parse(spec: str, num_gpus: int | None) -> StagePlacement:
     if not found:
         raise PlacementError(f"placement {spec!r}: expected STAGE=GPUS[xN] (diffusion=0,1 or diffusion=allx2), "
                              "STAGE=tp:GPUS for one AR engine over several GPUs (ar=tp:0,1), diffusion=cfg:0,1 "
-                             "(CFG parallel), diffusion=sp:0,1 (sequence parallel) or STAGE=GPUSxN:shared for N AR instances per GPU in front of one "
-                             "engine (ar=0x3:shared)")
+                             "(CFG parallel), diffusion=sp:0,1 (sequence parallel) or STAGE=GPUSxN:shared for N AR "
+                             "instances per GPU in front of one engine (ar=0x3:shared)")
     stage, tp = found["stage"], bool(found["tp"])
     if found["gpus"] == "all":
         if not num_gpus:

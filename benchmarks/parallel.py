@@ -1,10 +1,16 @@
-"""CFG parallel against one GPU: Qwen-Image's negative prompts' passes on a
-second GPU, the same requests, the step engine in this process. One GPU runs
-first and is freed (two copies of the 20 B DiT do not fit one 80 GB GPU),
-then the two-GPU runner. Prints the latency at concurrency 1 (and images/s
+"""Qwen-Image over two GPUs against one GPU, the same requests, the step
+engine in this process:
+
+- ``--mode cfg``: CFG parallel, the negative prompts' passes on the second GPU;
+- ``--mode sp``: sequence parallel, each forward of the transformer over both
+  GPUs, each with half of the tokens (diffusers' Ulysses attention).
+
+One GPU runs first and is freed (two copies of the 20 B DiT do not fit one
+80 GB GPU), then the two-GPU runner. Prints the latency at concurrency 1 (and
 at N), the ratio, and how far the images are apart (0: bit-exact).
 
-    python benchmarks/cfg_parallel.py [--size 1024] [--steps 50] [--concurrency 1,4]   # two GPUs
+    python benchmarks/parallel.py --mode cfg [--size 1024] [--steps 50] [--concurrency 1,4]   # two GPUs
+    python benchmarks/parallel.py --mode sp --size 2048
 """
 
 from __future__ import annotations
@@ -29,11 +35,16 @@ def values(runner: DiffusionRunner, index: int, size: int, steps: int) -> dict:
             "guidance_scale": 4.0, "num_inference_steps": steps, "height": size, "width": size}
 
 
-def measure(cfg_device: str | None, levels: list[int], size: int, steps: int, rounds: int) -> tuple[dict, dict]:
+# the runner's settings for each way over two GPUs
+MODES = {"cfg": {"cfg_device": "cuda:1"}, "sp": {"sp_devices": ("cuda:1",)}}
+NAMES = {"cfg": "CFG parallel", "sp": "sequence parallel"}
+
+
+def measure(parallel: dict, levels: list[int], size: int, steps: int, rounds: int) -> tuple[dict, dict]:
     """({concurrency: seconds per round}, {concurrency: request 0's image})."""
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step",
                                                    batch_size=max(levels), exact_batching=False,
-                                                   limits={"max_size": max(1024, size)}, cfg_device=cfg_device))
+                                                   limits={"max_size": max(1024, size)}, **parallel))
     seconds, first = {}, {}
     try:
         for c in levels:
@@ -54,6 +65,7 @@ def measure(cfg_device: str | None, levels: list[int], size: int, steps: int, ro
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=sorted(MODES), default="cfg")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--concurrency", default="1")
@@ -61,19 +73,21 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    one, one_images = measure(None, levels, args.size, args.steps, args.rounds)
-    two, two_images = measure("cuda:1", levels, args.size, args.steps, args.rounds)
+    one, one_images = measure({}, levels, args.size, args.steps, args.rounds)
+    two, two_images = measure(MODES[args.mode], levels, args.size, args.steps, args.rounds)
+    name = NAMES[args.mode]
     print(f"Qwen-Image {args.size}², {args.steps} steps, true CFG 4.0, on {torch.cuda.get_device_name(0)}")
-    print(f"{'conc':>4} {'one GPU s':>10} {'CFG parallel s':>15} {'ratio':>6}  image difference (max, of 255)")
+    print(f"{'conc':>4} {'one GPU s':>10} {name + ' s':>22} {'ratio':>6}  image difference (max, of 255)")
     points = []
     for c in levels:
         a, b = statistics.median(one[c]), statistics.median(two[c])
         difference = int((one_images[c].int() - two_images[c].int()).abs().max())
-        points.append({"concurrency": c, "one_gpu_s": one[c], "cfg_parallel_s": two[c], "ratio": b / a,
+        points.append({"concurrency": c, "one_gpu_s": one[c], "two_gpus_s": two[c], "ratio": b / a,
                        "max_difference": difference})
-        print(f"{c:>4} {a:>10.3f} {b:>15.3f} {b / a:>6.3f}  {difference}")
+        print(f"{c:>4} {a:>10.3f} {b:>22.3f} {b / a:>6.3f}  {difference}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"size": args.size, "steps": args.steps, "points": points,
+        Path(args.json).write_text(json.dumps({"mode": args.mode, "size": args.size, "steps": args.steps,
+                                               "points": points,
                                                "date": time.strftime("%Y-%m-%d"),
                                                "device": torch.cuda.get_device_name(0)}, indent=2))
 
