@@ -100,6 +100,7 @@ class SequenceParallel:
         dist.broadcast_object_list([message], src=0, group=self.control)
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
+        _choose_split(module, kwargs, len(self.devices))
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them, leave the group."""
@@ -152,16 +153,31 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
 
             args = [receive(a) for a in args]
             kwargs = {k: receive(v) for k, v in kwargs.items()}  # in rank 0's order: dicts keep it
+            _choose_split(transformer, kwargs, world)
             transformer(*args, **kwargs)
     dist.destroy_process_group()
 
 
 def _join(rank: int, world: int, port: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the group (NCCL on GPUs, gloo on the CPU); returns the gloo group for the small messages."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the group; returns the gloo group for the small messages. On GPUs, CUDA tensors go
+    over NCCL and CPU ones over gloo: diffusers' uneven splits exchange their sizes as CPU
+    tensors then, without a wait for the GPU."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=JOIN_TIMEOUT, device_id=device if device.type == "cuda" else None)
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def _choose_split(transformer: torch.nn.Module, kwargs: dict, world: int) -> None:
+    """Even shares when every split sequence and the heads divide by the ranks, else diffusers'
+    "anything" mode, which exchanges each share's size before every all-to-all. Every rank sees
+    the same arguments, so every rank chooses the same."""
+    split = {name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
+             for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
+    even = transformer.config.num_attention_heads % world == 0 and all(
+        value.shape[split[name]] % world == 0 for name, value in kwargs.items()
+        if name in split and isinstance(value, torch.Tensor) and value.dim() > split[name])
+    transformer._parallel_config.context_parallel_config.ulysses_anything = not even
 
 
 def _share_weights(transformer: torch.nn.Module) -> None:
