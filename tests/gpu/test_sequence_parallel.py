@@ -1,6 +1,6 @@
-"""Sequence parallel over two GPUs: each forward of Qwen-Image's transformer
-(real shapes, random weights, bf16) over GPU 0, this process, and GPU 1, a
-worker process, each with half of the tokens. A request's image is the
+"""Sequence parallel over two GPUs: each forward of Qwen-Image's and
+Z-Image's transformers (real shapes, random weights, bf16) over GPU 0, this
+process, and GPU 1, a worker process, each with half of the tokens. A request's image is the
 one-GPU image within 8/255 per pixel, alone and in company: each GPU's matrix
 products run on half the rows, whose bf16 kernels round differently. Then
 served: ``--place diffusion=sp:0,1`` loads and answers. Needs two GPUs
@@ -21,7 +21,7 @@ if gpu_count() < 2:
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni_client import OmniClient
 
-MODEL = "demo:realistic-qwen-image"
+MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image"]
 TOLERANCE = 8  # of 255, per pixel
 
 
@@ -36,9 +36,9 @@ def requests(hidden: int) -> list[dict]:
             base | {"prompt_embeds": embeds(5, 32), "seed": 3, "guidance_scale": 1.0}]
 
 
-def images(sp_devices: tuple[str, ...]) -> list[torch.Tensor]:
+def images(model: str, sp_devices: tuple[str, ...]) -> list[torch.Tensor]:
     """Each request alone, then all of them together."""
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step",
+    runner = DiffusionRunner(DiffusionRunnerConfig(model, device="cuda:0", dtype="bfloat16", batching="step",
                                                    batch_size=4, exact_batching=False, sp_devices=sp_devices))
     try:
         values = requests(runner.limits.hidden_size)
@@ -51,12 +51,13 @@ def images(sp_devices: tuple[str, ...]) -> list[torch.Tensor]:
         torch.cuda.empty_cache()
 
 
-def test_sequence_parallel_gives_the_one_gpu_images():
-    one_gpu = images(())  # first, and freed: GPU 1 holds the worker's copy next
-    parallel = images(("cuda:1",))
+@pytest.mark.parametrize("model", MODELS)
+def test_sequence_parallel_gives_the_one_gpu_images(model):
+    one_gpu = images(model, ())  # first, and freed: GPU 1 holds the worker's copy next
+    parallel = images(model, ("cuda:1",))
     differences = [int((a.int() - b.int()).abs().max()) for a, b in zip(parallel, one_gpu, strict=True)]
     means = [round(float((a.float() - b.float()).abs().mean()), 3) for a, b in zip(parallel, one_gpu, strict=True)]
-    print(f"sequence parallel against one GPU, per request (alone, then together): max {differences}, mean {means}")
+    print(f"{model}: sequence parallel against one GPU, per request (alone, then together): max {differences}, mean {means}")
     assert max(differences) <= TOLERANCE
 
 

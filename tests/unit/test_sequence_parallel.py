@@ -1,4 +1,4 @@
-"""Sequence parallel on the CPU (tiny Qwen-Image, gloo): the runner's
+"""Sequence parallel on the CPU (tiny Qwen-Image and Z-Image, gloo): the runner's
 transformer runs each forward over this process and worker processes, each
 holding a share of the tokens (diffusers' Ulysses attention), and every
 image equals the one-process image, alone and beside requests with other
@@ -48,6 +48,14 @@ def test_sequence_parallel_gives_the_one_process_images(batching):
     assert_same(served(DiffusionRunnerConfig(MODEL, batching=batching, sp_devices=("cpu",))), expected)
 
 
+def test_z_image_splits_its_joint_sequence_with_our_plan():
+    """diffusers has no plan for Z-Image; sequence_parallel.py's splits its main layers' joint sequence."""
+    company = [values | {"guidance_scale": 1.0} for values in COMPANY[:2]] + COMPANY[2:]
+    expected = served(DiffusionRunnerConfig("demo:tiny-z-image", batching="step"), company)
+    got = served(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", sp_devices=("cpu",)), company)
+    assert_same(got, expected)
+
+
 def test_three_ranks_split_three_heads_and_any_token_count():
     company = [values | {"width": 48} for values in COMPANY]  # 4 x 6 patches: gloo gathers equal shares
     expected = served(DiffusionRunnerConfig(MODEL, batching="step"), company)
@@ -80,8 +88,10 @@ def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
                            "CFG parallel"), ({"compile": "blocks"}, "compile 'blocks'")):
         with pytest.raises(ValueError, match=f"sequence parallel does not combine with {message}"):
             DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",), **clash)
-    with pytest.raises(ValueError, match="Qwen-Image has the plan; the z_image family does not"):
-        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", sp_devices=("cpu",)))
+    with pytest.raises(ValueError, match="the stable_diffusion family has none"):
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", sp_devices=("cpu",)))
+    with pytest.raises(ValueError, match="has 2 attention heads, and each device takes at least one"):
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", sp_devices=("cpu", "cpu")))
 
 
 def test_a_request_for_a_step_cache_is_invalid_by_name():

@@ -40,6 +40,7 @@ from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
+from triton_omni.diffusion.sequence_parallel import supports as supports_sequence_parallel
 from triton_omni.diffusion.step_cache import parse_step_cache
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
@@ -211,9 +212,9 @@ class DiffusionRunner:
 
     def _sequence_parallel(self, devices: list[torch.device]) -> None:
         transformer = getattr(self.pipeline, "transformer", None)
-        if transformer is None or not getattr(transformer, "_cp_plan", None):
-            raise ValueError(f"sequence parallel splits a diffusion transformer's tokens as diffusers' context "
-                             f"parallelism plans it: Qwen-Image has the plan; the {self.family.name} family does not")
+        if transformer is None or not supports_sequence_parallel(transformer):
+            raise ValueError(f"sequence parallel splits a diffusion transformer's tokens: the {self.family.name} "
+                             "family has none (a UNet)")
         self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(transformer, devices))
         logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
                     ", ".join(str(d) for d in self.sequence_parallel.devices))
@@ -277,9 +278,10 @@ class DiffusionRunner:
         return request
 
     def _check_shares(self, request: DiffusionRequest) -> None:
-        """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any)."""
+        """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any).
+        Qwen-Image's gathered sequence is the image's patches; Z-Image's is padded (checked at load)."""
         ranks = len(self.sequence_parallel.devices)
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or self.family.name != "qwen_image":
             return
         patch = self.limits.size_multiple
         tokens = (request.height // patch) * (request.width // patch)

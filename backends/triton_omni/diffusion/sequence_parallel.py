@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,32 @@ class _Tensor:
     dtype: torch.dtype
 
 
+def _z_image_plan(transformer: Any) -> dict:
+    """Z-Image's main layers run one joint sequence (image and prompt tokens, each padded to a
+    multiple of 32): split it and its rotary frequencies at every layer, gather after the final
+    layer. The refiners before run whole on every rank; they are a small share of the work.
+    diffusers (0.42) ships no plan for Z-Image."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return {
+        "layers.0": {"x": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+        "layers.*": {"freqs_cis": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+    } | {f"all_final_layer.{patch}": ContextParallelOutput(gather_dim=1, expected_dims=3)
+         for patch in transformer.all_final_layer}  # one final layer per patch size
+
+
+# transformers whose plan is ours, and the multiple their split sequence is padded to
+PLANS = {"ZImageTransformer2DModel": (_z_image_plan, 32)}
+
+
 def supports(transformer: Any) -> bool:
-    """Whether diffusers knows how to split this transformer's sequence (its context-parallel plan)."""
-    return getattr(transformer, "_cp_plan", None) is not None
+    """Whether this transformer's sequence can be split: diffusers' context-parallel plan, or ours."""
+    return getattr(transformer, "_cp_plan", None) is not None or type(transformer).__name__ in PLANS
+
+
+def _plan(transformer: Any) -> dict:
+    ours = PLANS.get(type(transformer).__name__)
+    return ours[0](transformer) if ours else transformer._cp_plan
 
 
 class SequenceParallel:
@@ -58,11 +82,11 @@ class SequenceParallel:
 
     def __init__(self, transformer: torch.nn.Module, devices: list[torch.device]):
         if not supports(transformer):
-            raise ValueError(f"sequence parallel: diffusers has no context-parallel plan for "
-                             f"{type(transformer).__name__}")
+            raise ValueError(f"sequence parallel: no context-parallel plan for {type(transformer).__name__}")
         device = transformer.device
         self.devices = [device, *devices]
         world = len(self.devices)
+        _check_ranks(transformer, world, device)
         port = _free_port()
         spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
         cls = type(transformer)
@@ -88,15 +112,10 @@ class SequenceParallel:
             if not worker.is_alive():
                 raise RuntimeError(f"sequence parallel: the worker of rank {rank} on {self.devices[rank]} exited "
                                    f"(code {worker.exitcode}); reload the model")
-        tensors: list[torch.Tensor] = []
-
-        def describe(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                tensors.append(value.contiguous())
-                return _Tensor(tuple(value.shape), value.dtype)
-            return value
-
-        message = ([describe(a) for a in args], {k: describe(v) for k, v in kwargs.items()})
+        leaves, spec = pytree.tree_flatten((args, kwargs))  # Z-Image takes lists of tensors
+        tensors = [leaf.contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        message = ([_Tensor(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves], pytree.treespec_dumps(spec))
         dist.broadcast_object_list([message], src=0, group=self.control)
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
@@ -142,7 +161,7 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
             dist.broadcast_object_list(box, src=0, group=control)
             if box[0] is None:
                 break
-            args, kwargs = box[0]
+            leaves, spec = box[0]
 
             def receive(value: Any) -> Any:
                 if isinstance(value, _Tensor):
@@ -151,11 +170,27 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
                     return tensor
                 return value
 
-            args = [receive(a) for a in args]
-            kwargs = {k: receive(v) for k, v in kwargs.items()}  # in rank 0's order: dicts keep it
+            args, kwargs = pytree.tree_unflatten([receive(leaf) for leaf in leaves], pytree.treespec_loads(spec))
             _choose_split(transformer, kwargs, world)
             transformer(*args, **kwargs)
     dist.destroy_process_group()
+
+
+def _heads(transformer: Any) -> int:
+    config = transformer.config
+    return config.get("num_attention_heads") or config.get("n_heads")
+
+
+def _check_ranks(transformer: Any, world: int, device: torch.device) -> None:
+    """Refuse, at load, rank counts the attention cannot split: each rank takes at least one head,
+    and on the CPU (gloo gathers equal shares only) a padded sequence must share evenly."""
+    if _heads(transformer) < world:
+        raise ValueError(f"sequence parallel over {world} devices: {type(transformer).__name__} has "
+                         f"{_heads(transformer)} attention heads, and each device takes at least one")
+    ours = PLANS.get(type(transformer).__name__)
+    if device.type == "cpu" and ours and ours[1] % world:
+        raise ValueError(f"sequence parallel on the CPU: {type(transformer).__name__}'s sequence, padded to a "
+                         f"multiple of {ours[1]}, does not share evenly over {world} processes")
 
 
 def _join(rank: int, world: int, port: int, device: torch.device) -> dist.ProcessGroup:
@@ -172,11 +207,15 @@ def _choose_split(transformer: torch.nn.Module, kwargs: dict, world: int) -> Non
     """Even shares when every split sequence and the heads divide by the ranks, else diffusers'
     "anything" mode, which exchanges each share's size before every all-to-all. Every rank sees
     the same arguments, so every rank chooses the same."""
-    split = {name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
-             for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
-    even = transformer.config.num_attention_heads % world == 0 and all(
-        value.shape[split[name]] % world == 0 for name, value in kwargs.items()
-        if name in split and isinstance(value, torch.Tensor) and value.dim() > split[name])
+    ours = PLANS.get(type(transformer).__name__)
+    if ours:  # the split sequence is built inside the forward, padded to a multiple
+        tokens_even = ours[1] % world == 0
+    else:  # the split sequences are the forward's own arguments
+        split = {name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
+                 for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
+        tokens_even = all(value.shape[split[name]] % world == 0 for name, value in kwargs.items()
+                          if name in split and isinstance(value, torch.Tensor) and value.dim() > split[name])
+    even = _heads(transformer) % world == 0 and tokens_even
     transformer._parallel_config.context_parallel_config.ulysses_anything = not even
 
 
@@ -196,7 +235,7 @@ def _enable(transformer: torch.nn.Module, world: int, device: torch.device) -> N
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("ring", "ulysses"))
     config = ContextParallelConfig(ulysses_degree=world, ulysses_anything=True, mesh=mesh)
     with _accelerator_count_on_cpu(device):
-        transformer.enable_parallelism(config=config)
+        transformer.enable_parallelism(config=config, cp_plan=_plan(transformer))
 
 
 @contextlib.contextmanager
