@@ -57,7 +57,8 @@ def test_sequence_parallel_gives_the_one_gpu_images(model):
     parallel = images(model, ("cuda:1",))
     differences = [int((a.int() - b.int()).abs().max()) for a, b in zip(parallel, one_gpu, strict=True)]
     means = [round(float((a.float() - b.float()).abs().mean()), 3) for a, b in zip(parallel, one_gpu, strict=True)]
-    print(f"{model}: sequence parallel against one GPU, per request (alone, then together): max {differences}, mean {means}")
+    print(f"{model}: sequence parallel against one GPU, per request (alone, then together): "
+          f"max {differences}, mean {means}")
     assert max(differences) <= TOLERANCE
 
 
