@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import logging
 import multiprocessing
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -198,6 +199,8 @@ def _join(rank: int, world: int, port: int, device: torch.device) -> dist.Proces
     over NCCL and CPU ones over gloo: diffusers' uneven splits exchange their sizes as CPU
     tensors then, without a wait for the GPU."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # Every rank is on this host: gloo on the loopback, not whatever the hostname resolves to.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=JOIN_TIMEOUT, device_id=device if device.type == "cuda" else None)
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
