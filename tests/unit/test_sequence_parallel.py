@@ -26,11 +26,11 @@ COMPANY = [REQUEST, REQUEST | {"seed": 5, "num_inference_steps": 6}, REQUEST | {
            REQUEST | {"seed": 9, "guidance_scale": 1.0, "prompt": "a small boat on a calm lake at dawn"}]
 
 
-def served(config: DiffusionRunnerConfig, company: list[dict] = COMPANY) -> list:
-    """Each request alone, then all of them together."""
+def served(config: DiffusionRunnerConfig, company: list[dict] = COMPANY, alone: bool = True) -> list:
+    """Each request alone (unless not ``alone``), then all of them together."""
     runner = DiffusionRunner(config)
     try:
-        alone = [runner.run([runner.parse(values)])[0] for values in company]
+        alone = [runner.run([runner.parse(values)])[0] for values in company] if alone else []
         return alone + runner.run([runner.parse(values) for values in company])
     finally:
         runner.close()
@@ -58,29 +58,27 @@ def test_z_image_splits_its_joint_sequence_with_our_plan():
 
 def test_three_ranks_split_three_heads_and_any_token_count():
     company = [values | {"width": 48} for values in COMPANY]  # 4 x 6 patches: gloo gathers equal shares
-    expected = served(DiffusionRunnerConfig(MODEL, batching="step"), company)
-    assert_same(served(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")), company), expected)
+    expected = served(DiffusionRunnerConfig(MODEL, batching="step"), company, alone=False)
+    got = served(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")), company, alone=False)
+    assert_same(got, expected)
 
 
-def test_on_the_cpu_a_size_whose_patches_do_not_share_evenly_is_invalid_by_name():
+def test_bad_requests_are_invalid_by_name_and_a_dead_worker_fails_the_next_request():
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")))
     try:
         with pytest.raises(RequestValidationError, match=r"`height`.*multiple of 3 patches, got '32x32'"):
-            runner.parse(REQUEST)
-    finally:
-        runner.close()
-
-
-def test_a_worker_that_dies_fails_the_next_request_by_name_and_close_still_returns():
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",)))
-    try:
-        worker = runner.sequence_parallel.workers[0]
+            runner.parse(REQUEST)  # 4 x 4 patches: gloo gathers equal shares only
+        fits = REQUEST | {"width": 48}
+        with pytest.raises(RequestValidationError, match=r"step_cache.*not with sequence parallel"):
+            runner.parse(fits | {"step_cache": "first_block:0.2"})
+        assert runner.run([runner.parse(fits | {"step_cache": "off"})])[0].shape == (32, 48, 3)
+        worker = runner.sequence_parallel.workers[1]
         worker.kill()
         worker.join()
-        with pytest.raises(RuntimeError, match="sequence parallel: the worker of rank 1 on cpu exited"):
-            runner.submit(runner.parse(REQUEST)).result()
+        with pytest.raises(RuntimeError, match="sequence parallel: the worker of rank 2 on cpu exited"):
+            runner.submit(runner.parse(fits)).result()
     finally:
-        runner.close()
+        runner.close()  # returns with a worker gone
 
 
 def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
@@ -92,16 +90,6 @@ def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", sp_devices=("cpu",)))
     with pytest.raises(ValueError, match="has 2 attention heads, and each device takes at least one"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", sp_devices=("cpu", "cpu")))
-
-
-def test_a_request_for_a_step_cache_is_invalid_by_name():
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",)))
-    try:
-        with pytest.raises(RequestValidationError, match=r"step_cache.*not with sequence parallel"):
-            runner.parse(REQUEST | {"step_cache": "first_block:0.2"})
-        assert runner.run([runner.parse(REQUEST | {"step_cache": "off"})])[0].shape == (32, 32, 3)
-    finally:
-        runner.close()
 
 
 @pytest.mark.parametrize(("kind", "params", "expected"), [

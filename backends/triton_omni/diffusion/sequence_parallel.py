@@ -102,7 +102,9 @@ class SequenceParallel:
             _share_weights(transformer)
             _enable(transformer, world, device)
         except Exception:
-            self._stop_workers()
+            self._stop_workers(self._grace())
+            if dist.is_initialized():
+                dist.destroy_process_group()  # so that a later load in this process can start again
             raise
         self._hook = transformer.register_forward_pre_hook(self._send, with_kwargs=True)
         self.transformer = transformer
@@ -125,15 +127,21 @@ class SequenceParallel:
     def close(self) -> None:
         """Tell the workers to stop, wait for them, leave the group."""
         self._hook.remove()
+        wait = self._grace()
         with contextlib.suppress(Exception):
             dist.broadcast_object_list([None], src=0, group=self.control)
-        self._stop_workers()
+        self._stop_workers(wait)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
-    def _stop_workers(self) -> None:
+    def _grace(self) -> float:
+        """How long the workers get to leave: none once one is gone, as the others may wait
+        forever in a collective it never joins."""
+        return 0 if any(worker.exitcode is not None for worker in self.workers) else 30
+
+    def _stop_workers(self, wait: float) -> None:
         for worker in self.workers:
-            worker.join(timeout=30)
+            worker.join(timeout=wait)
             if worker.is_alive():
                 worker.kill()
                 worker.join()
