@@ -16,8 +16,10 @@ from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port, g
 if gpu_count() < 2:
     pytest.skip("needs two GPUs", allow_module_level=True)
 
-from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion import DiffusionRunnerConfig
 from triton_omni_client import OmniClient
+
+from tests.support.runners import alone_then_together
 
 MODEL = "demo:realistic-qwen-image"
 
@@ -37,17 +39,9 @@ def requests(hidden: int) -> list[dict]:
 
 def images(cfg_device: str | None) -> list[torch.Tensor]:
     """Each request alone, then all of them together."""
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step",
-                                                   batch_size=4, exact_batching=False, cfg_device=cfg_device))
-    try:
-        values = requests(runner.limits.hidden_size)
-        alone = [runner.submit(runner.parse(v)).result() for v in values]
-        together = [f.result() for f in [runner.submit(runner.parse(v)) for v in values]]
-        return alone + together
-    finally:
-        runner.close()
-        del runner
-        torch.cuda.empty_cache()
+    config = DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step", batch_size=4,
+                                   exact_batching=False, cfg_device=cfg_device)
+    return alone_then_together(config, requests)
 
 
 def test_cfg_parallel_gives_the_one_gpu_images():

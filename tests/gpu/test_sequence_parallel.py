@@ -21,8 +21,10 @@ from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port, g
 if gpu_count() < 2:
     pytest.skip("needs two GPUs", allow_module_level=True)
 
-from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion import DiffusionRunnerConfig
 from triton_omni_client import OmniClient
+
+from tests.support.runners import alone_then_together
 
 MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image"]
 TOLERANCE = {"demo:realistic-qwen-image": 8, "demo:realistic-z-image": 16}  # of 255, per pixel
@@ -41,17 +43,9 @@ def requests(hidden: int) -> list[dict]:
 
 def images(model: str, sp_devices: tuple[str, ...]) -> list[torch.Tensor]:
     """Each request alone, then all of them together."""
-    runner = DiffusionRunner(DiffusionRunnerConfig(model, device="cuda:0", dtype="bfloat16", batching="step",
-                                                   batch_size=4, exact_batching=False, sp_devices=sp_devices))
-    try:
-        values = requests(runner.limits.hidden_size)
-        alone = [runner.submit(runner.parse(v)).result() for v in values]
-        together = [f.result() for f in [runner.submit(runner.parse(v)) for v in values]]
-        return alone + together
-    finally:
-        runner.close()
-        del runner
-        torch.cuda.empty_cache()
+    config = DiffusionRunnerConfig(model, device="cuda:0", dtype="bfloat16", batching="step", batch_size=4,
+                                   exact_batching=False, sp_devices=sp_devices)
+    return alone_then_together(config, requests)
 
 
 @pytest.mark.parametrize("model", MODELS)

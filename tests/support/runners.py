@@ -1,0 +1,23 @@
+"""Helpers for tests that drive a ``DiffusionRunner`` in the test's process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+
+def alone_then_together(config: DiffusionRunnerConfig, requests: Callable[[int], list[dict]]) -> list[torch.Tensor]:
+    """Each request (``requests(hidden size)``) submitted alone, then all of them together, on
+    one runner, which is freed after (a 20 B DiT leaves no room for a second on its GPU)."""
+    runner = DiffusionRunner(config)
+    try:
+        values = requests(runner.limits.hidden_size)
+        alone = [runner.submit(runner.parse(v)).result() for v in values]
+        together = [f.result() for f in [runner.submit(runner.parse(v)) for v in values]]
+        return alone + together
+    finally:
+        runner.close()
+        del runner
+        torch.cuda.empty_cache()
