@@ -280,9 +280,9 @@ class DiffusionRunner:
     def _check_shares(self, request: DiffusionRequest) -> None:
         """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any).
         Qwen-Image's gathered sequence is the image's patches; Z-Image's is padded (checked at load)."""
-        ranks = len(self.sequence_parallel.devices)
         if self.device.type != "cpu" or self.family.name != "qwen_image":
             return
+        ranks = len(self.sequence_parallel.devices)
         patch = self.limits.size_multiple
         tokens = (request.height // patch) * (request.width // patch)
         if tokens % ranks:

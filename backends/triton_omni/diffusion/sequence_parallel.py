@@ -101,6 +101,7 @@ class SequenceParallel:
             self.control = _join(0, world, port, device)
             _share_weights(transformer)
             _enable(transformer, world, device)
+            self._split = _Split(transformer, world)
         except Exception:
             self._stop_workers(self._grace())
             if dist.is_initialized():
@@ -122,7 +123,7 @@ class SequenceParallel:
         dist.broadcast_object_list([message], src=0, group=self.control)
         for tensor in tensors:
             dist.broadcast(tensor, src=0)
-        _choose_split(module, kwargs, len(self.devices))
+        self._split.choose(kwargs)
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them, leave the group."""
@@ -163,6 +164,7 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
     torch.set_default_dtype(default)
     _share_weights(transformer)
     _enable(transformer, world, device)
+    split = _Split(transformer, world)
     logger.info("%s ready on %s", name, device)
     with torch.inference_mode():
         while True:
@@ -180,7 +182,7 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
                 return value
 
             args, kwargs = pytree.tree_unflatten([receive(leaf) for leaf in leaves], pytree.treespec_loads(spec))
-            _choose_split(transformer, kwargs, world)
+            split.choose(kwargs)
             transformer(*args, **kwargs)
     dist.destroy_process_group()
 
@@ -214,20 +216,27 @@ def _join(rank: int, world: int, port: int, device: torch.device) -> dist.Proces
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
-def _choose_split(transformer: torch.nn.Module, kwargs: dict, world: int) -> None:
-    """Even shares when every split sequence and the heads divide by the ranks, else diffusers'
-    "anything" mode, which exchanges each share's size before every all-to-all. Every rank sees
-    the same arguments, so every rank chooses the same."""
-    ours = PLANS.get(type(transformer).__name__)
-    if ours:  # the split sequence is built inside the forward, padded to a multiple
-        tokens_even = ours[1] % world == 0
-    else:  # the split sequences are the forward's own arguments
-        split = {name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
-                 for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
-        tokens_even = all(value.shape[split[name]] % world == 0 for name, value in kwargs.items()
-                          if name in split and isinstance(value, torch.Tensor) and value.dim() > split[name])
-    even = _heads(transformer) % world == 0 and tokens_even
-    transformer._parallel_config.context_parallel_config.ulysses_anything = not even
+class _Split:
+    """Per forward, even shares when every split sequence and the heads divide by the ranks, else
+    diffusers' "anything" mode, which exchanges each share's size before every all-to-all. Every
+    rank sees the same arguments, so every rank chooses the same."""
+
+    def __init__(self, transformer: torch.nn.Module, world: int):
+        self.world = world
+        self.config = transformer._parallel_config.context_parallel_config
+        ours = PLANS.get(type(transformer).__name__)
+        # the forward's own arguments that are split, and along which dim (none: the split
+        # sequence is built inside the forward, padded to a multiple)
+        self.arguments = {} if ours else {
+            name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
+            for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
+        self.always_even = _heads(transformer) % world == 0 and (ours is None or ours[1] % world == 0)
+
+    def choose(self, kwargs: dict) -> None:
+        even = self.always_even and all(
+            value.shape[dim] % self.world == 0 for name, dim in self.arguments.items()
+            if isinstance(value := kwargs.get(name), torch.Tensor) and value.dim() > dim)
+        self.config.ulysses_anything = not even
 
 
 def _share_weights(transformer: torch.nn.Module) -> None:

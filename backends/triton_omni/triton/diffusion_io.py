@@ -60,11 +60,13 @@ def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:
     if parallel not in ("cfg", "sp"):
         raise ValueError(f"model parameter parallel must be 'none', 'cfg' or 'sp', got {parallel!r}")
     kind = args.get("model_instance_kind")
-    if parallel == "sp" and not params.get("gpus", "").strip() and place_instance(args, params).device == "cpu":
-        ranks = int(params.get("sp_ranks", "2"))
-        if ranks < 2:
-            raise ValueError(f"model parameter sp_ranks must be at least 2, got {ranks}")
-        return place_instance(args, params), {"sp_devices": ("cpu",) * (ranks - 1)}
+    if parallel == "sp" and not params.get("gpus", "").strip():
+        placement = place_instance(args, params)
+        if placement.device == "cpu":
+            ranks = int(params.get("sp_ranks", "2"))
+            if ranks < 2:
+                raise ValueError(f"model parameter sp_ranks must be at least 2, got {ranks}")
+            return placement, {"sp_devices": ("cpu",) * (ranks - 1)}
     gpus = parse_gpus(params.get("gpus", ""))
     wanted = "two GPUs" if parallel == "cfg" else "two GPUs or more"
     if (len(gpus) != 2 if parallel == "cfg" else len(gpus) < 2) or kind != "MODEL":
