@@ -6,9 +6,9 @@ machine, with the same weights, embeddings and seeds.
 * triton: ``diffusion`` on a server of this run's own (step batching, the
   default), ``c`` clients sending one request each over gRPC.
 
-The embeddings stand in for the text encoder's (the realistic presets have
-none: their random-weight DiTs are built on the GPU in memory), so both sides
-run exactly the denoiser and the VAE. A real-shape Qwen-Image DiT and a copy
+The embeddings stand in for the text encoder's (the realistic DiTs are built
+on the GPU in memory, without one), so both sides run exactly the denoiser and
+the VAE; ``--end-to-end`` adds the encoder (below). A real-shape Qwen-Image DiT and a copy
 of it do not both fit one 80 GB GPU, so the direct side runs first and is
 freed before the server starts. Each concurrency starts with a warm-up of
 two steps on both sides (kernels chosen, memory allocated). It also prints
@@ -19,12 +19,25 @@ concurrency 1 it is).
     python benchmarks/families.py --family qwen-image --preset realistic          # GPU: 1024², 50 steps, CFG 4
     python benchmarks/families.py --family z-image --preset realistic             # GPU: 1024², 8 steps
     python benchmarks/families.py --family qwen-image --preset realistic --compile    # Triton's DiT blocks compiled
+    python benchmarks/families.py --family z-image --preset realistic --end-to-end     # text_to_image, encoder included
 
 ``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
 DiT's blocks) against the pipeline as diffusers runs it by default (eager);
 ``--compile-direct`` compiles the pipeline's blocks as well
 (``transformer.compile_repeated_blocks()``, diffusers' own regional compilation).
 The warm-up rounds take the compile time.
+
+``--end-to-end``: prompts instead of embeddings, the text encoder included on
+both sides: the pipeline called with the prompt (its own text encoder and
+tokenizer) against Triton's ``text_to_image`` ensemble (``ar_encoder`` with the
+family's recipe, then ``diffusion``). On the realistic preset the encoder is
+at its real size with random weights (Z-Image: Qwen3-4B, built once into the
+cache, about 8 GB); the tiny preset uses the tiny pipeline's own.
+
+``--exact-batching pipeline``: the server runs each request's forward passes
+alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
+bit, in any company), so the throughput ratio at concurrency above 1 prints
+what that exactness costs against the default's shared passes.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ import torch
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni_client import OmniClient
+from triton_omni_client.client import batched_inputs
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_repositories
 
@@ -57,6 +71,17 @@ class Setup:
     guidance: float  # Qwen-Image: true CFG scale (with a negative); Z-Image: guidance_scale (0: turbo)
     concurrency: tuple[int, ...]
     tokens: int = 64  # prompt tokens; the negative has 3/4 as many
+
+
+# --end-to-end: ar_encoder's model (a folder holding the family's text encoder and tokenizer), its recipe
+ENCODERS = {
+    ("qwen-image", "tiny"): "demo:tiny-qwen-image",
+    ("z-image", "tiny"): "demo:tiny-z-image",
+    ("z-image", "realistic"): "demo:realistic-z-image-encoder",
+}
+RECIPES = {"qwen-image": "qwen_image", "z-image": "z_image"}
+PROMPT = "a watercolor landscape with mountains, a lake and a small wooden cabin, request"
+NEGATIVE_PROMPT = "blurry, dark, low quality"
 
 
 SETUPS = {
@@ -75,9 +100,15 @@ def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
 class Requests:
     """Request ``i``'s embeddings and seed, the same on both sides."""
 
-    def __init__(self, family: str, setup: Setup, hidden: int):
-        self.family, self.setup, self.hidden = family, setup, hidden
+    def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False):
+        self.family, self.setup, self.hidden, self.end_to_end = family, setup, hidden, end_to_end
         self.guided = setup.guidance > (1.0 if family == "qwen-image" else 0.0)
+
+    def prompt_text(self, i: int) -> str:
+        return f"{PROMPT} {i}"
+
+    def negative_text(self, i: int) -> str | None:
+        return NEGATIVE_PROMPT if self.guided else None
 
     def prompt(self, i: int) -> np.ndarray:
         return embeds(self.hidden, 1000 + i, self.setup.tokens)
@@ -89,12 +120,21 @@ class Requests:
         return 7 + i
 
 
-def pipeline_of(setup: Setup, device: str, dtype: torch.dtype):
-    if setup.model.startswith("demo:realistic-"):
-        return build_in_memory(setup.model, device, dtype)
-    from diffusers import DiffusionPipeline
+def pipeline_of(setup: Setup, device: str, dtype: torch.dtype, encoder: str | None = None):
+    """The setup's pipeline; an in-memory realistic one gets ``encoder``'s text encoder and tokenizer."""
+    if not setup.model.startswith("demo:realistic-"):
+        from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(resolve_model(setup.model), torch_dtype=dtype).to(device)
+        return DiffusionPipeline.from_pretrained(resolve_model(setup.model), torch_dtype=dtype).to(device)
+    pipeline = build_in_memory(setup.model, device, dtype)
+    if encoder is None:
+        return pipeline
+    from transformers import AutoModel, AutoTokenizer
+
+    root = Path(resolve_model(encoder))
+    return type(pipeline)(transformer=pipeline.transformer, vae=pipeline.vae, scheduler=pipeline.scheduler,
+                          text_encoder=AutoModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval(),
+                          tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"))
 
 
 def hidden_size(pipeline) -> int:
@@ -115,11 +155,16 @@ def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: to
         as_torch = [torch.from_numpy(a).to(device, dtype) for a in arrays]
         return torch.stack(as_torch) if qwen else as_torch
 
-    negative = tensors([requests.negative(i) for i in indices]) if requests.guided else None
     kwargs = {"true_cfg_scale" if qwen else "guidance_scale": setup.guidance}
+    if requests.end_to_end:  # the pipeline encodes the prompts itself
+        kwargs |= {"prompt": [requests.prompt_text(i) for i in indices],
+                   "negative_prompt": [requests.negative_text(i) for i in indices] if requests.guided else None}
+    else:
+        kwargs |= {"prompt_embeds": tensors([requests.prompt(i) for i in indices]),
+                   "negative_prompt_embeds": tensors([requests.negative(i) for i in indices]) if requests.guided
+                   else None}
     with torch.inference_mode():
-        images = pipeline(prompt_embeds=tensors([requests.prompt(i) for i in indices]), negative_prompt_embeds=negative,
-                          num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
+        images = pipeline(num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
                           generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
                           **kwargs).images
     return to_pixels(images).numpy()
@@ -150,6 +195,9 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     options = {"height": setup.size, "width": setup.size, "guidance_scale": setup.guidance}
 
     def one(i: int, steps: int) -> np.ndarray:
+        if requests.end_to_end:
+            return text_to_image(client.url, requests.prompt_text(i), requests.negative_text(i) or "",
+                                 seed=requests.seed(i), num_inference_steps=steps, **options)
         return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
                                      seed=requests.seed(i), num_inference_steps=steps, **options)
 
@@ -163,41 +211,62 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     return figures(latencies, concurrency), images[0][0]
 
 
+def text_to_image(url: str, prompt: str, negative: str, **options) -> np.ndarray:
+    """One image from the ``text_to_image`` ensemble (its text input is ``text_input``)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(url) as client:
+        inputs = batched_inputs(grpcclient, text_input=prompt, negative_prompt=negative, **options)
+        return client.infer("text_to_image", inputs).as_numpy("image")[0]
+
+
 def figures(latencies: list[float], concurrency: int) -> dict:
     p50 = statistics.median(latencies)
     return {"latency_s": p50, "images_per_s": concurrency / p50, "rounds_s": latencies}
 
 
-def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = False) -> list[Path]:
-    """The default repositories with ``diffusion`` serving the setup's model (step batching)."""
+def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = False,
+                        exact_batching: str = "false", encoder: tuple[str, str] | None = None) -> list[Path]:
+    """The default repositories with ``diffusion`` serving the setup's model (step batching), and
+    with ``encoder`` (model, recipe) ``ar_encoder`` encoding for it."""
     batch = max(8, max(setup.concurrency))
     dtype = "bfloat16" if device == "cuda" else "float32"
-    return copy_repositories(DEFAULT_REPOSITORIES, dest, {"diffusion": {
+    share = "0.90" if encoder is None else "0.75"  # the encoder's weights take the rest
+    edits: dict = {"diffusion": {
         "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
-                       "gpu_memory_utilization": "0.90" if device == "cuda" else "0.30",
-                       "compile": "blocks" if compile else "off"},
-        "max_batch_size": batch}})
+                       "gpu_memory_utilization": share if device == "cuda" else "0.30",
+                       "compile": "blocks" if compile else "off", "exact_batching": exact_batching},
+        "max_batch_size": batch}}
+    if encoder is not None:
+        edits["ar_encoder"] = {"parameters": {"model": encoder[0], "recipe": encoder[1], "dtype": dtype,
+                                              "gpu_memory_utilization": "0.20"}}
+    return copy_repositories(DEFAULT_REPOSITORIES, dest, edits)
 
 
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
-        compile_direct: bool = False) -> dict:
+        compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False) -> dict:
     setup = SETUPS[(family, preset)]
     levels = concurrency or setup.concurrency
     device = "cuda" if preset == "realistic" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    pipeline = pipeline_of(setup, device, dtype)
+    if end_to_end and (family, preset) not in ENCODERS:
+        raise SystemExit(f"--end-to-end: no text encoder is built for {family} {preset}")
+    encoder = (ENCODERS[(family, preset)], RECIPES[family]) if end_to_end else None
+    pipeline = pipeline_of(setup, device, dtype, encoder and encoder[0])
     if compile_direct:
         pipeline.transformer.compile_repeated_blocks()
-    requests = Requests(family, setup, hidden_size(pipeline))
+    requests = Requests(family, setup, hidden_size(pipeline), end_to_end)
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
     del pipeline
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()  # the server's copy takes this GPU next
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
-            model_repositories=server_repositories(setup, device, Path(tmp), compile), http_port=free_port(),
+            model_repositories=server_repositories(setup, device, Path(tmp), compile, exact_batching, encoder),
+            http_port=free_port(),
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
-            load_models=["diffusion"], log_file=Path(tmp) / "tritonserver.log")) as server:
+            load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
+            log_file=Path(tmp) / "tritonserver.log")) as server:
         client = OmniClient(server.grpc_url)
         triton = {c: measure_triton(client, requests, c, rounds) for c in levels}
     points = []
@@ -208,7 +277,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
                        "throughput_ratio": t["images_per_s"] / d["images_per_s"],
                        "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max())})
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
-            "compile": {"triton": compile, "direct": compile_direct},
+            "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
+            "end_to_end": end_to_end,
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
 
@@ -220,7 +290,9 @@ def report(result: dict) -> None:
     s = result["setup"]
     compiled = [side for side, on in result.get("compile", {}).items() if on]
     print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
-          f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}")
+          f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}, "
+          f"server exact_batching: {result.get('exact_batching', 'false')}, "
+          f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}")
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
           f"{'img/s triton':>13} {'throughput t/d':>15} {'image diff':>10}")
     for p in result["points"]:
@@ -237,10 +309,15 @@ def main() -> None:
     parser.add_argument("--concurrency", help="comma-separated (default: the setup's)")
     parser.add_argument("--compile", action="store_true", help="the server compiles the DiT's blocks")
     parser.add_argument("--compile-direct", action="store_true", help="the pipeline's blocks compiled as well")
+    parser.add_argument("--exact-batching", choices=["false", "pipeline"], default="false",
+                        help="the server's exact_batching (pipeline: each request's passes alone)")
+    parser.add_argument("--end-to-end", action="store_true",
+                        help="prompts, the text encoder included: text_to_image against the pipeline's own call")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
-    result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct)
+    result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
+                 args.exact_batching, args.end_to_end)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -31,6 +31,10 @@ Z_IMAGE_DEMO = "tiny-z-image"
 # Real sizes, random weights: for benchmarks on a GPU (omni-triton bench --preset realistic).
 AR_REALISTIC = "realistic-qwen2"
 DIFFUSION_REALISTIC = "realistic-sd"
+# Z-Image's text encoder at Qwen3-4B's shape, random weights, as a pipeline folder holding only it
+# and its tokenizer: `ar_encoder`'s model beside the in-memory realistic DiT (benchmarks/families.py
+# --end-to-end), and the encoder the benchmark's own pipeline loads.
+Z_IMAGE_ENCODER_REALISTIC = "realistic-z-image-encoder"
 # Bump when a builder changes, so stale caches are rebuilt.
 BUILD_VERSION = 2
 
@@ -55,6 +59,20 @@ AR_REALISTIC_SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "max_position_embeddings": 1024,
+}
+# Qwen3-4B's shape (Z-Image's text encoder), as its config.json gives it.
+QWEN3_4B_SHAPE = {
+    "vocab_size": 151936,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
 }
 # A tiny UNet/VAE, and Stable Diffusion 1.5's (860M-parameter UNet, 8x VAE).
 UNET_TINY = {"sample_size": 16, "layers_per_block": 1, "block_out_channels": (32, 64),
@@ -94,6 +112,7 @@ def resolve_model(model: str) -> str:
         DIFFUSION_REALISTIC: lambda out: build_diffusion_pipeline(out, AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15),
         QWEN_IMAGE_DEMO: build_qwen_image_pipeline,
         Z_IMAGE_DEMO: build_z_image_pipeline,
+        Z_IMAGE_ENCODER_REALISTIC: build_z_image_encoder,
     }
     if name not in builders:
         raise ValueError(f"unknown demo model {model!r}; known: {sorted(DEMO_PREFIX + n for n in builders)}")
@@ -286,6 +305,28 @@ def build_z_image_pipeline(out: Path) -> None:
     pipeline = ZImagePipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
                               text_encoder=text_encoder, tokenizer=tokenizer)
     pipeline.save_pretrained(out)
+
+
+def build_z_image_encoder(out: Path, shape: dict = QWEN3_4B_SHAPE) -> None:
+    """Z-Image's text encoder alone (a ``Qwen3Model``, random weights, bf16) with its tokenizer, as a
+    pipeline folder: ``model_index.json``, ``text_encoder/``, ``tokenizer/``. Built on a GPU where
+    there is one (seconds for 4 B parameters), saved as safetensors (about 8 GB)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            torch.manual_seed(0)
+            encoder = Qwen3Model(Qwen3Config(**shape, torch_dtype="bfloat16")).eval()
+    finally:
+        torch.set_default_dtype(default)
+    encoder.save_pretrained(out / "text_encoder")
+    (out / "model_index.json").write_text(json.dumps({
+        "_class_name": "ZImagePipeline", "text_encoder": ["transformers", "Qwen3Model"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}, indent=2))
 
 
 # Real shapes, random weights, built on the GPU in memory (the DiTs do not fit a GPU host's disk

@@ -26,10 +26,13 @@ COMPANY_TOLERANCE = 16
 COMPANY_MEAN_TOLERANCE = 2.0
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# exact_batching: "false" shares forward passes; "pipeline" runs each request's passes alone
+@pytest.fixture(scope="module", params=[(family, exact) for family in FAMILIES for exact in ("false", "pipeline")],
+                ids=lambda p: "-".join(p))
 def step(request):
-    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[request.param], device="cuda", dtype="bfloat16",
-                                                   batching="step", batch_size=4, exact_batching=False))
+    family, exact = request.param
+    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[family], device="cuda", dtype="bfloat16",
+                                                   batching="step", batch_size=4, exact_batching=exact))
     yield runner
     runner.close()
     del runner
@@ -84,5 +87,9 @@ def test_step_batched_in_company(step):
     diffs = [difference(image, reference(step, values)) for image, values in zip(together, company, strict=True)]
     means = [float((image.float() - reference(step, values).float()).abs().mean())
              for image, values in zip(together, company, strict=True)]
-    print(f"{step.family.name}: in company against the pipeline alone: max {diffs}, mean {[f'{m:.3f}' for m in means]}")
-    assert max(diffs) <= COMPANY_TOLERANCE and max(means) <= COMPANY_MEAN_TOLERANCE, (diffs, means)
+    print(f"{step.family.name}, exact_batching {step.config.exact_mode}: in company against the pipeline alone: "
+          f"max {diffs}, mean {[f'{m:.3f}' for m in means]}")
+    if step.config.exact_mode == "pipeline":  # each request's passes at the pipeline's own batch size
+        assert max(diffs) == 0, diffs
+    else:
+        assert max(diffs) <= COMPANY_TOLERANCE and max(means) <= COMPANY_MEAN_TOLERANCE, (diffs, means)

@@ -1,7 +1,8 @@
 """Every family the diffusion runner serves gives the image of its pipeline's
 own ``__call__``: same prompt, negative prompt, steps, guidance, size and
 seeded generator, on tiny random-weight models (diffusers' test shapes).
-Alone, bit-exact; batched beside other requests, within 1/255 per pixel."""
+Alone, bit-exact; batched beside other requests, within 1/255 per pixel, or
+bit-exact with ``exact_batching: pipeline``."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ def served(runner: DiffusionRunner, *requests: dict) -> list[torch.Tensor]:
 
 
 def reference(runner: DiffusionRunner, prompt: str, seed: int, guidance: float, negative: str | None = None,
-              size: int = SIZE) -> torch.Tensor:
+              size: int = SIZE, steps: int = STEPS) -> torch.Tensor:
     """The pipeline's own call, as its documentation shows it."""
     guidance_key = "true_cfg_scale" if runner.family.name == "qwen_image" else "guidance_scale"
     with torch.inference_mode():
-        images = runner.pipeline(prompt=prompt, negative_prompt=negative, num_inference_steps=STEPS, height=size,
+        images = runner.pipeline(prompt=prompt, negative_prompt=negative, num_inference_steps=steps, height=size,
                                  width=size, generator=torch.Generator().manual_seed(seed), output_type="pt",
                                  **{guidance_key: guidance}).images
     return to_pixels(images)[0]
@@ -116,6 +117,43 @@ def test_step_batched_beside_other_steps_sizes_and_guidance(stepper):
                 height=height, width=SIZE, generator=torch.Generator().manual_seed(values["seed"]),
                 output_type="pt", **{guidance_key: values["guidance_scale"]}).images)[0]
         assert (future.result(timeout=300).int() - expected.int()).abs().max() <= 1, values
+
+
+# Three requests that share every forward pass (one group), beside others of other steps and sizes.
+COMPANY = [{"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "seed": seed}
+           for seed in (3, 11, 12)] + [
+    {"prompt": "a red fox", "guidance_scale": 2.0, "seed": 9, "num_inference_steps": 3},
+    {"prompt": "a lighthouse", "negative_prompt": "dark", "guidance_scale": 2.5, "seed": 5, "height": 2 * SIZE,
+     "width": 2 * SIZE}]
+
+
+@pytest.mark.parametrize("batching", ["request", "step"])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_exact_batching_pipeline_is_bit_exact_in_any_company(family, batching):
+    """``exact_batching: pipeline``: each request's passes at its pipeline's own batch size, so its
+    image equals the pipeline's call alone bit for bit, whatever shares the batch."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS[family], batching=batching, batch_size=4,
+                                                   exact_batching="pipeline"))
+    try:
+        if batching == "step":
+            futures = [runner.submit(runner.parse({"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}
+                                                  | values)) for values in COMPANY]
+            images = [future.result(timeout=300) for future in futures]
+            assert runner.steps.max_rows_seen <= 2  # one request's rows a pass
+        else:
+            images = served(runner, *COMPANY)
+        for image, values in zip(images, COMPANY, strict=True):
+            expected = reference(runner, values["prompt"], values["seed"], values["guidance_scale"],
+                                 values.get("negative_prompt"), values.get("height", SIZE),
+                                 values.get("num_inference_steps", STEPS))
+            assert torch.equal(image, expected), values
+    finally:
+        runner.close()
+
+
+def test_exact_batching_takes_three_values():
+    with pytest.raises(ValueError, match="exact_batching must be one of true, false, pipeline, got 'always'"):
+        DiffusionRunnerConfig(MODELS["z_image"], exact_batching="always")
 
 
 def test_a_pipeline_without_its_text_encoder_takes_embeddings_only():

@@ -15,6 +15,10 @@ Exact batching, as a recipe:
    choice and the low bits), so a request's image depends only on its own
    inputs and seed. ``exact_batching=False`` skips the padding: faster for
    small batches, but images may differ in the last bit with the batch size.
+   ``exact_batching="pipeline"`` runs each request's own pipeline call (under
+   step batching, its own forward passes), at the batch size diffusers' call
+   for that request alone uses: every image equals that call's bit for bit,
+   on any device and dtype, and batching's gain is given up.
 
 ``batching="step"`` replaces whole-batch calls with the step engine
 (``steps.py``): requests join and leave the running batch at every
@@ -55,6 +59,7 @@ IsCancelled = Callable[[int], bool]
 
 
 COMPILE_MODES = ("off", "blocks")
+EXACT_MODES = ("true", "false", "pipeline")
 # torch.compile's arguments for `compile: blocks` (a test makes sizes dynamic from the start)
 COMPILE_OPTIONS: dict[str, Any] = {}
 
@@ -65,7 +70,8 @@ class DiffusionRunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float16 on CUDA, float32 on CPU
     batch_size: int = 8
-    exact_batching: bool = True
+    # True/"true": padded to one batch size; False/"false": not; "pipeline": each request's passes alone
+    exact_batching: bool | str = True
     # Replay the UNet's steps as CUDA graphs (cuda_graphs.py); CUDA only, ignored on CPU.
     cuda_graphs: bool = True
     limits: dict[str, Any] = field(default_factory=dict)  # DiffusionLimits overrides
@@ -93,6 +99,9 @@ class DiffusionRunnerConfig:
     def __post_init__(self):
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")
+        if self.exact_mode not in EXACT_MODES:
+            raise ValueError(f"model parameter exact_batching must be one of {', '.join(EXACT_MODES)}, "
+                             f"got {self.exact_batching!r}")
         try:
             step_cache = parse_step_cache(self.step_cache)
         except ValueError as exc:
@@ -116,6 +125,11 @@ class DiffusionRunnerConfig:
                             (self.compile != "off", f"compile {self.compile!r}")):
             if clash:
                 raise ValueError(f"sequence parallel does not combine with {what}")
+
+    @property
+    def exact_mode(self) -> str:
+        """``exact_batching`` as one of ``EXACT_MODES`` (a bool reads as ``"true"``/``"false"``)."""
+        return str(self.exact_batching).lower()
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
@@ -230,8 +244,9 @@ class DiffusionRunner:
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config
         return StepEngine(self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
-                          exact=c.exact_batching, on_full=c.on_full, on_batch=on_batch,
-                          group_order=c.group_order, steps_ahead=c.steps_ahead)
+                          exact=c.exact_mode == "true", per_request=c.exact_mode == "pipeline",
+                          on_full=c.on_full, on_batch=on_batch, group_order=c.group_order,
+                          steps_ahead=c.steps_ahead)
 
     def _on_torch_thread(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the thread that runs this runner's torch work: the step engine's, else the caller's."""
@@ -304,9 +319,10 @@ class DiffusionRunner:
                 groups[job.group_key()].append(job)
             except RequestValidationError as exc:
                 results[i] = exc
+        chunk_size = 1 if self.config.exact_mode == "pipeline" else self.config.batch_size
         for jobs in groups.values():
-            for start in range(0, len(jobs), self.config.batch_size):
-                chunk = jobs[start : start + self.config.batch_size]
+            for start in range(0, len(jobs), chunk_size):
+                chunk = jobs[start : start + chunk_size]
                 try:
                     for job, image in zip(chunk, self._run_chunk(chunk, on_step, is_cancelled), strict=True):
                         results[job.index] = image
@@ -362,7 +378,7 @@ class DiffusionRunner:
 
     def _run_chunk(self, jobs: list[_Job], on_step, is_cancelled) -> list[torch.Tensor | Exception]:
         first = jobs[0].request
-        padding = self.config.batch_size - len(jobs) if self.config.exact_batching else 0
+        padding = self.config.batch_size - len(jobs) if self.config.exact_mode == "true" else 0
         rows = jobs + [jobs[0]] * padding  # padding rows repeat a real row; their output is dropped
         generators = [self._generator(job.request.seed) for job in jobs] + [self._generator(0)] * padding
         guided = jobs[0].uncond is not None

@@ -34,6 +34,11 @@ Determinism: a row's output depends on the batch size only through kernel
 choice (the low bits). ``exact=True`` pads every step to ``max_rows`` for
 bit-identical images; otherwise steps are padded to ``buckets`` (one CUDA
 graph each) and images agree within the tolerance the tests state.
+``per_request=True`` runs each request's forward passes on their own, at the
+batch size its pipeline's own call uses: every image then equals that call's
+bit for bit in any company (bf16 on a GPU included), and the forward passes
+give up batching's gain (small for a large DiT image, whose passes are
+already large matrix products); requests still join and leave at every step.
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ class StepCosts:
 
 class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
-                 on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
+                 per_request: bool = False, on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
                  on_batch: Callable[[int], None] | None = None, group_order: str = "most_behind",
                  steps_ahead: int = STEPS_AHEAD):
         """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric);
@@ -180,7 +185,7 @@ class StepEngine:
         self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
         self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
         self.denoiser: Any = None  # the pipeline family's adapter (denoisers.py), set with it
-        self.max_rows, self.exact, self.on_full = max_rows, exact, on_full
+        self.max_rows, self.exact, self.per_request, self.on_full = max_rows, exact, per_request, on_full
         self.on_batch = on_batch
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
         self._waiting: deque[StepJob] = deque()
@@ -354,7 +359,10 @@ class StepEngine:
         """One denoising step of every job: queued on the GPU, never waiting for it, so that
         the next step's kernels are issued while this one runs (tests/gpu checks it)."""
         with torch.inference_mode():
-            noise = self.denoiser.predict(jobs, self._rows_padded)
+            if self.per_request:
+                noise = [pred for job in jobs for pred in self.denoiser.predict([job], self._rows_as_is)]
+            else:
+                noise = self.denoiser.predict(jobs, self._rows_padded)
             for job, pred in zip(jobs, noise, strict=True):
                 self.denoiser.step(job, pred)
                 job.done += 1
@@ -364,6 +372,11 @@ class StepEngine:
         self.max_rows_seen = max(self.max_rows_seen, rows)
         return self.max_rows if self.exact else next(b for b in self.buckets if b >= rows)
 
+    def _rows_as_is(self, rows: int) -> int:
+        """``per_request``: a request's own rows, unpadded, as its pipeline runs them."""
+        self.max_rows_seen = max(self.max_rows_seen, rows)
+        return rows
+
     def _drop_if_cancelled(self, job: StepJob) -> bool:
         if job.cancelled is not None and job.cancelled():
             job.future.set_exception(RequestCancelledError())
@@ -372,9 +385,10 @@ class StepEngine:
 
     def _finish(self, jobs: list[StepJob]) -> None:
         """Decode the finished jobs (all of one size: one group) as one VAE batch, or each
-        alone with ``exact`` (a decode's low bits depend on its batch size); then pixels,
-        delivered once they are on the host."""
-        for batch in ([[job] for job in jobs] if self.exact else [jobs] if jobs else []):
+        alone with ``exact`` or ``per_request`` (a decode's low bits depend on its batch size);
+        then pixels, delivered once they are on the host."""
+        alone = self.exact or self.per_request
+        for batch in ([[job] for job in jobs] if alone else [jobs] if jobs else []):
             try:
                 with torch.inference_mode():
                     pixels, copied = pixels_to_host(self.denoiser.decode(batch))

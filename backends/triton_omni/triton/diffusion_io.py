@@ -29,7 +29,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         device=placement.device,
         dtype=params.get("dtype", "auto"),
         batch_size=int(model_config.get("max_batch_size") or 8),
-        exact_batching=params.get("exact_batching", "true").lower() == "true",
+        exact_batching=params.get("exact_batching", "true").lower(),
         cuda_graphs=params.get("cuda_graphs", "true").lower() == "true",
         limits=json_parameter(params, "limits"),
         defaults=json_parameter(params, "defaults"),
