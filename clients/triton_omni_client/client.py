@@ -152,11 +152,14 @@ class OmniClient:
 
     def generate(self, prompt: str, *, modalities: tuple[str, ...] | list[str] = ("text",),
                  enhance_prompt: bool = False, stream: bool = True, model: str = "omni",
-                 parameters: dict[str, Any] | None = None, **options: Any) -> Iterator[OmniEvent]:
+                 parameters: dict[str, Any] | None = None, timeout_s: float | None = None,
+                 **options: Any) -> Iterator[OmniEvent]:
         """Run one ``omni`` request; yields its events (one when ``stream`` is
         false). ``options``: text options (max_tokens, temperature, top_p,
         top_k), image options (negative_prompt, num_inference_steps,
-        guidance_scale, height, width), seed, num_images."""
+        guidance_scale, height, width), seed, num_images. ``timeout_s``
+        (gRPC): the longest wait for the next event, past which the request
+        is cancelled and ``TimeoutError`` raised."""
         values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,
                   "stream": stream, **options}
         if parameters:
@@ -169,7 +172,7 @@ class OmniClient:
             return
         import tritonclient.grpc as grpcclient
 
-        for result in stream_infer(self.url, model, omni_inputs(grpcclient, values)):
+        for result in stream_infer(self.url, model, omni_inputs(grpcclient, values), timeout_s=timeout_s):
             yield OmniEvent.from_outputs(result.as_numpy)
 
     def _post_generate(self, model: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -58,8 +58,12 @@ def test_a_too_long_prompt_is_refused_naming_the_user_s_input(http_url):
 # -- omni scheduler: the four routes ------------------------------------------------------------
 
 
+# A stream that stalls fails its test rather than holding the suite (no response for this long).
+STALL_S = 120
+
+
 def events(url, prompt, **kwargs):
-    return list(OmniClient(url).generate(prompt, **kwargs))
+    return list(OmniClient(url).generate(prompt, timeout_s=STALL_S, **kwargs))
 
 
 def test_text_route_streams_deltas(grpc_url):
