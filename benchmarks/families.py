@@ -58,7 +58,6 @@ import torch
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni_client import OmniClient
-from triton_omni_client.client import batched_inputs
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_repositories
 
@@ -196,8 +195,9 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
 
     def one(i: int, steps: int) -> np.ndarray:
         if requests.end_to_end:
-            return text_to_image(client.url, requests.prompt_text(i), requests.negative_text(i) or "",
-                                 seed=requests.seed(i), num_inference_steps=steps, **options)
+            return client.generate_image(requests.prompt_text(i), negative_prompt=requests.negative_text(i),
+                                         model="text_to_image", seed=requests.seed(i), num_inference_steps=steps,
+                                         **options)
         return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
                                      seed=requests.seed(i), num_inference_steps=steps, **options)
 
@@ -209,15 +209,6 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
             images.append(list(pool.map(one, range(concurrency), [setup.steps] * concurrency)))
             latencies.append(time.perf_counter() - started)
     return figures(latencies, concurrency), images[0][0]
-
-
-def text_to_image(url: str, prompt: str, negative: str, **options) -> np.ndarray:
-    """One image from the ``text_to_image`` ensemble (its text input is ``text_input``)."""
-    import tritonclient.grpc as grpcclient
-
-    with grpcclient.InferenceServerClient(url) as client:
-        inputs = batched_inputs(grpcclient, text_input=prompt, negative_prompt=negative, **options)
-        return client.infer("text_to_image", inputs).as_numpy("image")[0]
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:

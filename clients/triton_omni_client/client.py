@@ -90,6 +90,7 @@ class OmniClient:
     def __init__(self, url: str | None = None, protocol: Protocol = "grpc"):
         self.protocol = protocol
         self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
+        self._input_names: dict[str, set[str]] = {}  # model -> its input names (metadata, read once)
 
     # -- text ------------------------------------------------------------------
 
@@ -204,17 +205,32 @@ class OmniClient:
                        negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
                        model: str = "diffusion", **options: Any) -> np.ndarray:
         """An image ``[H, W, 3]`` uint8. ``options``: num_inference_steps,
-        guidance_scale, height, width, seed."""
+        guidance_scale, height, width, seed. ``model``: ``diffusion`` (or a
+        copy of it), or the ``text_to_image`` ensemble, whose text input is
+        ``text_input`` and whose negative prompt is required (empty: none)."""
         client_module = _client_module(self.protocol)
-        inputs = batched_inputs(client_module, prompt=prompt, prompt_embeds=prompt_embeds,
-                              negative_prompt=negative_prompt, negative_prompt_embeds=negative_prompt_embeds,
-                              **options)
         with client_module.InferenceServerClient(self.url) as client:
+            text = {"prompt": prompt, "negative_prompt": negative_prompt}
+            if prompt is not None and "text_input" in self._inputs_of(client, model):
+                text = {"text_input": prompt, "negative_prompt": negative_prompt or ""}
+            inputs = batched_inputs(client_module, prompt_embeds=prompt_embeds,
+                                    negative_prompt_embeds=negative_prompt_embeds, **text, **options)
             try:
                 result = client.infer(model, inputs)
             except Exception as exc:
                 raise as_omni_error(exc) from None
             return result.as_numpy("image")[0]
+
+    def _inputs_of(self, client, model: str) -> set[str]:
+        """``model``'s input names, from its metadata (asked once per client and model)."""
+        if model not in self._input_names:
+            try:
+                metadata = client.get_model_metadata(model, **({"as_json": True} if self.protocol == "grpc"
+                                                               else {}))
+            except Exception as exc:
+                raise as_omni_error(exc) from None
+            self._input_names[model] = {tensor["name"] for tensor in metadata.get("inputs", [])}
+        return self._input_names[model]
 
     def stream_image(self, prompt: str | None = None, *, model: str = "diffusion_stream",
                      on_progress: Callable[[int, int], None] | None = None, **options: Any) -> np.ndarray:

@@ -179,7 +179,7 @@ def test_a_full_instance_leaves_the_next_request_to_a_sibling_with_room(grpc_url
         client.async_infer("diffusion_pair_small", inputs, callback)
 
     for seed in range(3):
-        send(100, seed)  # the demo default size: seconds each on a CPU
+        send(60, seed)  # the demo default size: seconds each on a CPU
     send(1, 3)
     assert done.acquire(timeout=120) and finished[0][1] is None  # the short one
     shorts = OmniClient(grpc_url)

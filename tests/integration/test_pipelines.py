@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from PIL import Image
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_client.client import omni_inputs
 
@@ -36,6 +40,25 @@ def test_ensemble_equals_the_stages_called_by_hand(server, protocol, negative):
     image = text_to_image(url, protocol, "a lighthouse at dusk", negative, **options)
     assert image.shape == (64, 64, 3) and image.dtype == np.uint8
     np.testing.assert_array_equal(image, by_hand(server.http_url, "a lighthouse at dusk", negative, **options))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_client_and_the_cli_generate_through_the_ensemble(server, protocol, tmp_path):
+    """``generate_image(model="text_to_image")`` and ``generate-image --model text_to_image``: the
+    ensemble's text input is ``text_input``, which the client finds in the model's metadata."""
+    options = {"seed": 11, "num_inference_steps": STEPS, "guidance_scale": 5.0}
+    url = server.http_url if protocol == "http" else server.grpc_url
+    expected = text_to_image(url, protocol, "a lighthouse at dusk", "blurry", **options)
+    client = OmniClient(url, protocol)
+    image = client.generate_image("a lighthouse at dusk", negative_prompt="blurry", model="text_to_image", **options)
+    np.testing.assert_array_equal(image, expected)
+    out = tmp_path / "lighthouse.png"
+    subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate-image", "a lighthouse at dusk",
+                    "--model", "text_to_image", "--negative-prompt", "blurry", "--out", str(out), "--url", url,
+                    "--protocol", protocol, "--steps", str(STEPS), "--seed", "11", "--guidance", "5"],
+                   check=True)
+    with Image.open(out) as written:
+        np.testing.assert_array_equal(np.asarray(written), expected)
 
 
 def test_ensemble_reports_the_diffusion_stage_error(http_url):

@@ -20,7 +20,7 @@ from triton_omni_tools.supervisor import server_stubs
 from loadtest.run import run_locust
 from tests.support.server import LONG_RELIABILITY, model_ready, xfail_if_triton_aborted_on_a_dead_stub
 
-RUN_S = 600 if LONG_RELIABILITY else 60
+RUN_S = 600 if LONG_RELIABILITY else 40
 # Four users with short think times keep the 2-core test machine busy. The load is
 # not calibrated to a fraction of the server's capacity (the issue asks for ~80 %).
 LOAD = {"OMNI_STEPS": "2", "OMNI_MAX_TOKENS": "8", "OMNI_WEIGHTS": "3,1,2", "OMNI_TIMEOUT_S": "30"}

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--out", type=Path, required=True, help="PNG file to write")
     image.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     image.add_argument("--url")
-    image.add_argument("--model", help="default diffusion (diffusion_stream with --stream)")
+    image.add_argument("--model", help="default diffusion (diffusion_stream with --stream); or text_to_image")
     image.add_argument("--stream", action="store_true",
                        help="a progress bar fed by a decoupled diffusion model's steps (gRPC; docs/models.md)")
     _add_image_options(image)
