@@ -243,7 +243,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     if end_to_end and (family, preset) not in ENCODERS:
         raise SystemExit(f"--end-to-end: no text encoder is built for {family} {preset}")
     encoder = (ENCODERS[(family, preset)], RECIPES[family]) if end_to_end else None
-    pipeline = pipeline_of(setup, device, dtype, encoder and encoder[0])
+    pipeline = pipeline_of(setup, device, dtype, encoder[0] if encoder else None)
     if compile_direct:
         pipeline.transformer.compile_repeated_blocks()
     requests = Requests(family, setup, hidden_size(pipeline), end_to_end)

@@ -12,6 +12,7 @@ Anything else is passed through as a local path or hub id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -315,14 +316,8 @@ def build_z_image_encoder(out: Path, shape: dict = QWEN3_4B_SHAPE) -> None:
     from transformers import Qwen3Config, Qwen3Model
 
     build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            torch.manual_seed(0)
-            encoder = Qwen3Model(Qwen3Config(**shape, torch_dtype="bfloat16")).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with _built_as("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16):
+        encoder = Qwen3Model(Qwen3Config(**shape, torch_dtype="bfloat16")).eval()
     encoder.save_pretrained(out / "text_encoder")
     (out / "model_index.json").write_text(json.dumps({
         "_class_name": "ZImagePipeline", "text_encoder": ["transformers", "Qwen3Model"],
@@ -337,7 +332,6 @@ IN_MEMORY = {"demo:realistic-qwen-image", "demo:realistic-z-image"}
 
 def build_in_memory(model: str, device, dtype):
     """The pipeline ``model`` names (one of ``IN_MEMORY``), built on ``device`` in ``dtype``."""
-    import torch
     from diffusers import (
         AutoencoderKL,
         AutoencoderKLQwenImage,
@@ -348,25 +342,34 @@ def build_in_memory(model: str, device, dtype):
         ZImageTransformer2DModel,
     )
 
+    with _built_as(device, dtype):  # in dtype directly: an fp32 build of the 20 B DiT fills an 80 GB GPU
+        if model == "demo:realistic-qwen-image":
+            scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler_config.json
+                base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+            return QwenImagePipeline(transformer=QwenImageTransformer2DModel(), vae=AutoencoderKLQwenImage(),
+                                     scheduler=scheduler, text_encoder=None, tokenizer=None)
+        vae = AutoencoderKL(  # FLUX.1's autoencoder, which Z-Image uses
+            in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False)
+        return ZImagePipeline(transformer=ZImageTransformer2DModel(), vae=vae,
+                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
+                              text_encoder=None, tokenizer=None)
+
+
+@contextlib.contextmanager
+def _built_as(device, dtype):
+    """Modules built meanwhile are made on ``device`` in ``dtype`` directly, from seed 0."""
+    import torch
+
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in dtype directly: an fp32 build of the 20 B DiT fills an 80 GB GPU
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            if model == "demo:realistic-qwen-image":
-                scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler_config.json
-                    base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
-                    shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
-                return QwenImagePipeline(transformer=QwenImageTransformer2DModel(), vae=AutoencoderKLQwenImage(),
-                                         scheduler=scheduler, text_encoder=None, tokenizer=None)
-            vae = AutoencoderKL(  # FLUX.1's autoencoder, which Z-Image uses
-                in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
-                use_quant_conv=False, use_post_quant_conv=False)
-            return ZImagePipeline(transformer=ZImageTransformer2DModel(), vae=vae,
-                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
-                                  text_encoder=None, tokenizer=None)
+            yield
     finally:
         torch.set_default_dtype(default)
 

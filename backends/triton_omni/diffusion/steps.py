@@ -360,7 +360,7 @@ class StepEngine:
         the next step's kernels are issued while this one runs (tests/gpu checks it)."""
         with torch.inference_mode():
             if self.per_request:
-                noise = [pred for job in jobs for pred in self.denoiser.predict([job], self._rows_as_is)]
+                noise = [pred for job in jobs for pred in self.denoiser.predict([job], self._rows_padded)]
             else:
                 noise = self.denoiser.predict(jobs, self._rows_padded)
             for job, pred in zip(jobs, noise, strict=True):
@@ -368,14 +368,12 @@ class StepEngine:
                 job.done += 1
 
     def _rows_padded(self, rows: int) -> int:
-        """What a forward pass of ``rows`` real rows is padded to: ``max_rows`` with ``exact``, else its bucket."""
+        """What a forward pass of ``rows`` real rows is padded to: ``max_rows`` with ``exact``, none
+        with ``per_request`` (a request's own rows, as its pipeline runs them), else its bucket."""
         self.max_rows_seen = max(self.max_rows_seen, rows)
+        if self.per_request:
+            return rows
         return self.max_rows if self.exact else next(b for b in self.buckets if b >= rows)
-
-    def _rows_as_is(self, rows: int) -> int:
-        """``per_request``: a request's own rows, unpadded, as its pipeline runs them."""
-        self.max_rows_seen = max(self.max_rows_seen, rows)
-        return rows
 
     def _drop_if_cancelled(self, job: StepJob) -> bool:
         if job.cancelled is not None and job.cancelled():
