@@ -11,6 +11,11 @@ at N), the ratio, and how far the images are apart (0: bit-exact).
 
     python benchmarks/parallel.py --mode cfg [--size 1024] [--steps 50] [--concurrency 1,4]   # two GPUs
     python benchmarks/parallel.py --mode sp --size 2048
+    python benchmarks/parallel.py --mode cfg --compile    # both sides with the DiT's blocks compiled
+
+``--compile``: ``compile: blocks`` on both sides (CFG parallel compiles its second GPU's copy
+too), so the two GPUs are compared with one GPU as each would be served. The warm-up takes the
+compile time.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ MODES = {"cfg": {"cfg_device": "cuda:1"}, "sp": {"sp_devices": ("cuda:1",)}}
 NAMES = {"cfg": "CFG parallel", "sp": "sequence parallel"}
 
 
-def measure(parallel: dict, levels: list[int], size: int, steps: int, rounds: int) -> tuple[dict, dict]:
+def measure(parallel: dict, levels: list[int], size: int, steps: int, rounds: int,
+            compile: bool = False) -> tuple[dict, dict]:
     """({concurrency: seconds per round}, {concurrency: request 0's image})."""
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step",
                                                    batch_size=max(levels), exact_batching=False,
+                                                   compile="blocks" if compile else "off",
                                                    limits={"max_size": max(1024, size)}, **parallel))
     seconds, first = {}, {}
     try:
@@ -70,13 +77,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--concurrency", default="1")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="both sides compile the DiT's blocks")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    one, one_images = measure({}, levels, args.size, args.steps, args.rounds)
-    two, two_images = measure(MODES[args.mode], levels, args.size, args.steps, args.rounds)
+    one, one_images = measure({}, levels, args.size, args.steps, args.rounds, args.compile)
+    two, two_images = measure(MODES[args.mode], levels, args.size, args.steps, args.rounds, args.compile)
     name = NAMES[args.mode]
-    print(f"Qwen-Image {args.size}², {args.steps} steps, true CFG 4.0, on {torch.cuda.get_device_name(0)}")
+    print(f"Qwen-Image {args.size}², {args.steps} steps, true CFG 4.0, on {torch.cuda.get_device_name(0)}, "
+          f"DiT blocks {'compiled' if args.compile else 'eager'}")
     print(f"{'conc':>4} {'one GPU s':>10} {name + ' s':>22} {'ratio':>6}  image difference (max, of 255)")
     points = []
     for c in levels:
@@ -87,7 +96,7 @@ def main() -> None:
         print(f"{c:>4} {a:>10.3f} {b:>22.3f} {b / a:>6.3f}  {difference}")
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": args.mode, "size": args.size, "steps": args.steps,
-                                               "points": points,
+                                               "compile": args.compile, "points": points,
                                                "date": time.strftime("%Y-%m-%d"),
                                                "device": torch.cuda.get_device_name(0)}, indent=2))
 

@@ -155,6 +155,8 @@ class QwenImageDenoiser(FlowDenoiser):
         self.replica = None  # the negatives' transformer on the second GPU (CFG parallel)
         self._replica_cache = None
         self._replica_thread = None
+        self.compiled = False  # the runner's compile: blocks (CFG parallel then overlaps only traced shapes)
+        self._traced: set[tuple] = set()
 
     def parallel_cfg(self, device: torch.device) -> None:
         """Copy the transformer to ``device`` (weight by weight: never two copies on the first GPU)
@@ -221,11 +223,26 @@ class QwenImageDenoiser(FlowDenoiser):
 
         return self._replica_thread.submit(run)
 
+    def _overlaps(self, jobs: list, guided: list, pad_to: PadTo) -> bool:
+        """Whether the two passes may run at once, CFG parallel's point. Not the first time a shape
+        is compiled: torch.compile traces it under a process-wide flag (torch.fx's), and a compiled
+        call from the other thread meanwhile fails; that once, they run one after the other."""
+        if not self.compiled:
+            return True
+        shape = (pad_to(len(jobs)), pad_to(len(guided)), jobs[0].cond.shape[0], guided[0].uncond.shape[0],
+                 jobs[0].step_kwargs["img_shape"])
+        traced = shape in self._traced
+        self._traced.add(shape)
+        return traced
+
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         guided = [job for job in jobs if job.uncond is not None]
-        on_replica = self._negatives_on_replica(guided, pad_to) if guided and self.replica is not None else None
+        parallel = bool(guided) and self.replica is not None
+        on_replica = self._negatives_on_replica(guided, pad_to) if parallel and self._overlaps(
+            jobs, guided, pad_to) else None
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
-        if on_replica is not None:
+        if parallel:
+            on_replica = on_replica or self._negatives_on_replica(guided, pad_to)
             uncond = iter(on_replica.result().to(self.device))
         else:
             uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())

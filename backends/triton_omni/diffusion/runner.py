@@ -221,6 +221,8 @@ class DiffusionRunner:
             for block in model.modules() if model is not None else ():
                 if type(block).__name__ in block_names:
                     block.forward = torch.compile(block.forward, **COMPILE_OPTIONS)
+        if replica is not None:
+            self.steps.denoiser.compiled = True
         logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
                     ", ".join(block_names), type(transformer).__name__)
 
