@@ -151,6 +151,30 @@ def test_exact_batching_pipeline_is_bit_exact_in_any_company(family, batching):
         runner.close()
 
 
+def test_z_image_prompts_of_one_padded_length_share_each_pass():
+    """Z-Image's DiT pads every caption to a multiple of 32 tokens itself: prompts of 20 and 25
+    tokens step in one forward pass (40 in a pass of its own), each image still bit-identical to
+    the same request alone (``exact_batching: true``)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS["z_image"], batching="step", batch_size=4,
+                                                   exact_batching=True))
+
+    def values(tokens: int, seed: int) -> dict:
+        embeds = torch.randn(tokens, runner.limits.hidden_size, generator=torch.Generator().manual_seed(seed))
+        return {"prompt_embeds": embeds, "guidance_scale": 0.0, "seed": seed, "num_inference_steps": STEPS,
+                "height": SIZE, "width": SIZE}
+
+    requests = [values(20, 1), values(25, 2), values(40, 3)]
+    try:
+        alone = [runner.submit(runner.parse(v)).result(timeout=300) for v in requests]
+        assert runner.steps.max_rows_seen == 1
+        together = [f.result(timeout=300) for f in [runner.submit(runner.parse(v)) for v in requests]]
+        assert runner.steps.max_rows_seen == 2
+        for a, t in zip(alone, together, strict=True):
+            assert torch.equal(a, t)
+    finally:
+        runner.close()
+
+
 def test_exact_batching_takes_three_values():
     with pytest.raises(ValueError, match="exact_batching must be one of true, false, pipeline, got 'always'"):
         DiffusionRunnerConfig(MODELS["z_image"], exact_batching="always")
