@@ -1,6 +1,6 @@
 """CFG parallel's code path on the CPU (tiny Qwen-Image): the negatives' pass
-on a copy of the transformer, from a thread of its own, gives the image the
-runner gives without it, alone and beside requests with other steps, guidance
+on a copy of the transformer, in a worker process over gloo, gives the image
+the runner gives without it, alone and beside requests with other steps, guidance
 and step caches. The second device here is the CPU again: tests/gpu runs it
 over two GPUs, and benchmarks/parallel.py measures it."""
 
@@ -34,12 +34,26 @@ def test_cfg_parallel_gives_the_one_device_images():
         one.close()
     parallel = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device="cpu"))
     try:
-        assert parallel.steps.denoiser.replica is not None
+        assert parallel.cfg_parallel.workers[0].is_alive()
         got = [images(parallel, [values])[0] for values in COMPANY] + images(parallel, COMPANY)
     finally:
         parallel.close()
     for image, reference in zip(got, expected, strict=True):
         assert (image.int() - reference.int()).abs().max() == 0
+
+
+def test_cfg_parallel_counts_the_steps_the_step_cache_skipped_as_one_device_does():
+    # the negatives' cache states live in the worker, which tells rank 0 each pass's decision
+    counts = {}
+    for device in (None, "cpu"):
+        runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device=device))
+        try:
+            reported = []
+            runner.submit(runner.parse(COMPANY[3]), on_cached=lambda *c, r=reported: r.append(c)).result()
+            counts[device] = reported
+        finally:
+            runner.close()
+    assert counts[None] == counts["cpu"] and counts[None][0][1] > 0
 
 
 def test_cfg_parallel_is_refused_where_it_cannot_run():

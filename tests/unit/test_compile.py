@@ -7,8 +7,6 @@ diffusion-transformer blocks and a malformed value are refused at load."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
@@ -67,9 +65,7 @@ def test_compile_is_refused_for_a_unet_and_for_an_unknown_mode():
 
 
 def test_compiled_blocks_with_cfg_parallel_give_the_eager_images(monkeypatch):
-    # CFG parallel runs the two passes from two threads; torch.compile traces a new shape under a
-    # process-wide flag (torch.fx's), and a compiled call from the other thread meanwhile fails the
-    # step: a shape's first passes run one after the other
+    """CFG parallel's worker compiles its copy of the blocks as the runner does its own."""
     torch._dynamo.reset()
     monkeypatch.setattr(runner_module, "COMPILE_OPTIONS", DYNAMIC)
     requests = [REQUEST, REQUEST | {"seed": 4, "num_inference_steps": 3, "negative_prompt": "dark and blurry"},
@@ -77,21 +73,9 @@ def test_compiled_blocks_with_cfg_parallel_give_the_eager_images(monkeypatch):
     eager = images(FAMILIES["qwen_image"], "off", requests)
     runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES["qwen_image"], batching="step", exact_batching=False,
                                                    compile="blocks", cfg_device="cpu"))
-    passes = []  # (branch, start, end) of every forward
-    forward = runner.steps.denoiser._forward
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = forward(*args, **kwargs)
-        passes.append((args[3], start, time.perf_counter()))
-        return out
-
-    runner.steps.denoiser._forward = timed
     try:
         compiled = [f.result() for f in [runner.submit(runner.parse(r)) for r in requests]]
     finally:
         runner.close()
     for e, c in zip(eager, compiled, strict=True):
         assert int((e.int() - c.int()).abs().max()) <= 1
-    (first, _, cond_end), (second, uncond_start, _) = passes[:2]
-    assert (first, second) == ("cond", "uncond") and uncond_start >= cond_end

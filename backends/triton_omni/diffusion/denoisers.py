@@ -146,34 +146,13 @@ class QwenImageDenoiser(FlowDenoiser):
     """Qwen-Image's MMDiT: packed latents, the prompt and its negative in two passes, each with
     its own text length, combined with true CFG and rescaled to the prompt's norm.
 
-    CFG parallel (``parallel_cfg``): the negatives' pass runs on a second GPU, on a copy of the
-    transformer, while the prompts' pass runs on the first; the same kernels on the same rows,
-    so the image is the one GPU's."""
+    CFG parallel (``cfg_parallel``, set by the runner): the negatives' pass runs on a second GPU,
+    in a worker process (cfg_parallel.py), while the prompts' pass runs on the first; the same
+    kernels on the same rows, so the image is the one GPU's."""
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, device, dtype)
-        self.replica = None  # the negatives' transformer on the second GPU (CFG parallel)
-        self._replica_cache = None
-        self._replica_thread = None
-        self.compiled = False  # the runner's compile: blocks (CFG parallel then overlaps only traced shapes)
-        self._traced: set[tuple] = set()
-
-    def parallel_cfg(self, device: torch.device) -> None:
-        """Copy the transformer to ``device`` (weight by weight: never two copies on the first GPU)
-        and run every negatives' pass there from now on."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        transformer = self.pipeline.transformer
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(transformer.dtype)
-        try:
-            with torch.device(device):
-                replica = type(transformer).from_config(transformer.config)
-        finally:
-            torch.set_default_dtype(default)
-        replica.load_state_dict(transformer.state_dict())
-        self.replica = replica.eval().requires_grad_(False)
-        self._replica_thread = ThreadPoolExecutor(1, thread_name_prefix="omni-cfg-parallel")
+        self.cfg_parallel = None  # a CfgParallel: where the negatives' passes run
 
     def start(self, job) -> None:
         pipeline = self.pipeline
@@ -187,65 +166,34 @@ class QwenImageDenoiser(FlowDenoiser):
         # the pipeline's cache contexts: the prompt's pass and the negative's keep apart states
         self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str,
-                 on_replica: bool = False) -> torch.Tensor:
+    @staticmethod
+    def _pass(jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
+        """One pass's transformer arguments, its rows padded, and each row's cache owner."""
         n = len(jobs)
         size = pad_to(n)
         latents = torch.cat(_pad([job.latents for job in jobs], size))
         timesteps = torch.cat(_pad([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs], size))
-        embeds = torch.stack(_pad(embeds, size))
-        transformer, cached = self.pipeline.transformer, self.cached
-        if on_replica:
-            device = self.replica.device
-            latents, timesteps, embeds = (t.to(device, non_blocking=True) for t in (latents, timesteps, embeds))
-            transformer, cached = self.replica, self._cached_on_replica
-        with cached([job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)):
-            return transformer(
-                hidden_states=latents, timestep=timesteps / 1000, guidance=None, encoder_hidden_states_mask=None,
-                encoder_hidden_states=embeds, img_shapes=[[jobs[0].step_kwargs["img_shape"]]] * size,
-                return_dict=False)[0][:n]
+        kwargs = {"hidden_states": latents, "timestep": timesteps / 1000, "guidance": None,
+                  "encoder_hidden_states_mask": None, "encoder_hidden_states": torch.stack(_pad(embeds, size)),
+                  "img_shapes": [[jobs[0].step_kwargs["img_shape"]]] * size, "return_dict": False}
+        return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
 
-    def _cached_on_replica(self, rows: list) -> contextlib.AbstractContextManager:
-        from triton_omni.diffusion.step_cache import FirstBlockCache
-
-        if self._replica_cache is None and any(row is not None for row in rows):
-            self._replica_cache = FirstBlockCache(self.replica)
-        return contextlib.nullcontext() if self._replica_cache is None else self._replica_cache.passes(rows)
-
-    def _negatives_on_replica(self, guided: list, pad_to: PadTo):
-        """The negatives' pass queued on the second GPU from its own thread (CFG parallel): the
-        caller runs the prompts' pass meanwhile, then waits for this one's issue, not its end."""
-        def run() -> torch.Tensor:
-            device = self.replica.device
-            with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else \
-                    contextlib.nullcontext():
-                return self._forward(guided, [job.uncond for job in guided], pad_to, "uncond", on_replica=True)
-
-        return self._replica_thread.submit(run)
-
-    def _overlaps(self, jobs: list, guided: list, pad_to: PadTo) -> bool:
-        """Whether the two passes may run at once, CFG parallel's point. Not the first time a shape
-        is compiled: torch.compile traces it under a process-wide flag (torch.fx's), and a compiled
-        call from the other thread meanwhile fails; that once, they run one after the other."""
-        if not self.compiled:
-            return True
-        shape = (pad_to(len(jobs)), pad_to(len(guided)), jobs[0].cond.shape[0], guided[0].uncond.shape[0],
-                 jobs[0].step_kwargs["img_shape"])
-        traced = shape in self._traced
-        self._traced.add(shape)
-        return traced
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
+        kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
+        with self.cached(rows):
+            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         guided = [job for job in jobs if job.uncond is not None]
-        parallel = bool(guided) and self.replica is not None
-        on_replica = self._negatives_on_replica(guided, pad_to) if parallel and self._overlaps(
-            jobs, guided, pad_to) else None
+        negatives = [job.uncond for job in guided]
+        remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
+        if remote is not None:
+            self.cfg_parallel.send(*remote)
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
-        if parallel:
-            on_replica = on_replica or self._negatives_on_replica(guided, pad_to)
-            uncond = iter(on_replica.result().to(self.device))
+        if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
+            uncond = iter(self.cfg_parallel.receive(remote[0]["hidden_states"], remote[1])[: len(guided)])
         else:
-            uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
+            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
         preds = []
         for job, pred in zip(jobs, cond, strict=True):

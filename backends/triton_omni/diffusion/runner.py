@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from triton_omni.demo_models import IN_MEMORY, build_in_memory, resolve_model
+from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.denoisers import denoiser_of
 from triton_omni.diffusion.families import family_of
@@ -62,6 +63,19 @@ COMPILE_MODES = ("off", "blocks")
 EXACT_MODES = ("true", "false", "pipeline")
 # torch.compile's arguments for `compile: blocks` (a test makes sizes dynamic from the start)
 COMPILE_OPTIONS: dict[str, Any] = {}
+
+
+def compile_blocks(transformer: torch.nn.Module, options: dict) -> None:
+    """The forward of each repeated block of a diffusion transformer compiled with torch.compile, in
+    place. Why blocks rather than the whole model: the blocks share one code, compiled once for all
+    of them, in seconds rather than minutes, and a step that skips blocks or runs a sub-batch still
+    finds them compiled. Why the forward rather than the module: the step cache's hooks wrap the
+    forward later and stay eager Python; compiled with the block, their per-request state would
+    recompile it at every step. Each new shape (batch, image size, token count) compiles on its first
+    step; after the second, torch marks the sizes that changed dynamic."""
+    for block in transformer.modules():
+        if type(block).__name__ in transformer._repeated_blocks:
+            block.forward = torch.compile(block.forward, **options)
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,7 @@ class DiffusionRunner:
             self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
         self.sequence_parallel: SequenceParallel | None = None
+        self.cfg_parallel: CfgParallel | None = None
         try:
             if config.sp_devices:
                 self._sequence_parallel([torch.device(d) for d in config.sp_devices])
@@ -190,7 +205,7 @@ class DiffusionRunner:
                                      "family has no step cache (it skips a diffusion transformer's blocks)")
                 if config.cfg_device is not None:
                     self._parallel_cfg(torch.device(config.cfg_device))
-            self._compile()  # after CFG parallel: its replica's blocks are compiled too
+            self._compile()
         except Exception:
             self.close()
             raise
@@ -201,30 +216,18 @@ class DiffusionRunner:
                     "on" if self.graphs else "off", config.batching)
 
     def _compile(self) -> None:
-        """``compile: blocks``: the forward of each repeated block of the diffusion transformer (and of its
-        CFG-parallel replica) compiled with torch.compile, in place, so that every caller (the pipeline, the
-        step engine, the step cache) runs it. Why blocks rather than the whole model: the blocks share one
-        code, compiled once for all of them, in seconds rather than minutes, and a step that skips blocks or
-        runs a sub-batch still finds them compiled. Why the forward rather than the module: the step cache's
-        hooks wrap the forward later and stay eager Python; compiled with the block, their per-request
-        state would recompile it at every step. Each new shape (batch, image size, token count) compiles on
-        its first step; after the second, torch marks the sizes that changed dynamic."""
+        """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled
+        (``compile_blocks``), in place, so that every caller (the pipeline, the step engine, the step
+        cache) runs it; CFG parallel's worker compiles its copy the same way."""
         if self.config.compile == "off":
             return
         transformer = getattr(self.pipeline, "transformer", None)
-        block_names = getattr(transformer, "_repeated_blocks", None)
-        if not block_names:
+        if not getattr(transformer, "_repeated_blocks", None):
             raise ValueError(f"model parameter compile {self.config.compile!r}: the {self.family.name} family "
                              "has no diffusion transformer blocks to compile (a UNet replays CUDA graphs instead)")
-        replica = getattr(self.steps.denoiser, "replica", None) if self.steps is not None else None
-        for model in (transformer, replica):
-            for block in model.modules() if model is not None else ():
-                if type(block).__name__ in block_names:
-                    block.forward = torch.compile(block.forward, **COMPILE_OPTIONS)
-        if replica is not None:
-            self.steps.denoiser.compiled = True
+        compile_blocks(transformer, COMPILE_OPTIONS)
         logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
-                    ", ".join(block_names), type(transformer).__name__)
+                    ", ".join(transformer._repeated_blocks), type(transformer).__name__)
 
     def _sequence_parallel(self, devices: list[torch.device]) -> None:
         transformer = getattr(self.pipeline, "transformer", None)
@@ -237,11 +240,13 @@ class DiffusionRunner:
 
     def _parallel_cfg(self, device: torch.device) -> None:
         denoiser = self.steps.denoiser
-        if not hasattr(denoiser, "parallel_cfg"):
+        if not hasattr(denoiser, "cfg_parallel"):
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: Qwen-Image does; the {self.family.name} family does not")
-        self._on_torch_thread(lambda: denoiser.parallel_cfg(device))
-        logger.info("CFG parallel: the negatives' pass on %s", device)
+        options = COMPILE_OPTIONS if self.config.compile != "off" else None
+        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.pipeline.transformer, device, options))
+        denoiser.cfg_parallel = self.cfg_parallel
+        logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
     def _step_engine(self, on_batch) -> StepEngine:
         c = self.config
@@ -274,9 +279,10 @@ class DiffusionRunner:
     def close(self) -> None:
         if self.steps is not None:
             self.steps.stop()
-        if self.sequence_parallel is not None:
-            self.sequence_parallel.close()
-            self.sequence_parallel = None
+        for parallel in (self.sequence_parallel, self.cfg_parallel):
+            if parallel is not None:
+                parallel.close()
+        self.sequence_parallel = self.cfg_parallel = None
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
