@@ -56,6 +56,20 @@ def test_cfg_parallel_counts_the_steps_the_step_cache_skipped_as_one_device_does
     assert counts[None] == counts["cpu"] and counts[None][0][1] > 0
 
 
+def test_a_dead_worker_fails_guided_requests_by_name_and_unguided_ones_still_run():
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device="cpu"))
+    try:
+        worker = runner.cfg_parallel.workers[0]
+        worker.kill()
+        worker.join()
+        with pytest.raises(RuntimeError, match="CFG parallel: the worker of rank 1 on cpu exited"):
+            runner.submit(runner.parse(REQUEST)).result()
+        unguided = runner.submit(runner.parse(REQUEST | {"guidance_scale": 1.0})).result()
+        assert unguided.shape == (32, 32, 3)
+    finally:
+        runner.close()  # returns with the worker gone
+
+
 def test_cfg_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
