@@ -52,7 +52,8 @@ def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:
       runs on GPU A and its negative prompts' passes on GPU B;
     - ``sp`` with ``gpus: "A,B,..."`` (``--place diffusion=sp:A,B``): the instance runs on GPU A
       and each forward of its transformer over all of them (sequence parallel). On the CPU (no
-      ``gpus``), ``sp_ranks`` processes (2 unless set): the same code path, for trying it out.
+      ``gpus``), ``sp_ranks`` processes (2 unless set), and for ``cfg`` a second process: the
+      same code paths, for trying them out.
     """
     parallel = params.get("parallel", "none")
     if parallel == "none":
@@ -60,8 +61,10 @@ def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:
     if parallel not in ("cfg", "sp"):
         raise ValueError(f"model parameter parallel must be 'none', 'cfg' or 'sp', got {parallel!r}")
     kind = args.get("model_instance_kind")
-    if parallel == "sp" and not params.get("gpus", "").strip():
+    if not params.get("gpus", "").strip():
         placement = place_instance(args, params)
+        if placement.device == "cpu" and parallel == "cfg":
+            return placement, {"cfg_device": "cpu"}
         if placement.device == "cpu":
             ranks = int(params.get("sp_ranks", "2"))
             if ranks < 2:
