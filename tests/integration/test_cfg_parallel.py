@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from triton_omni.demo_models import build_all, resolve_model
+from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni_client import OmniClient
-from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer, free_port
-from triton_omni_tools.repository import copy_model
 
-from tests.support.server import assert_group_gone, process_group
+from tests.support.server import diffusion_alone, process_group
 
 MODEL = "demo:tiny-qwen-image"
 OPTIONS = {"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale": 4.0, "seed": 11}
@@ -27,17 +25,7 @@ OPTIONS = {"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    build_all()
-    repository = tmp_path_factory.mktemp("cfg")
-    copy_model(PROJECT_ROOT / "model_repository", "diffusion", repository,
-               parameters={"model": MODEL, "parallel": "cfg"})
-    triton = TritonServer(ServerOptions(model_repositories=[repository], http_port=free_port(),
-                                        grpc_port=free_port(), metrics_port=free_port(),
-                                        log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")).start()
-    pgid = triton.process.pid
-    yield triton
-    triton.stop()
-    assert_group_gone(pgid)  # the worker too
+    yield from diffusion_alone(tmp_path_factory, {"model": MODEL, "parallel": "cfg"})  # its worker leaves with it
 
 
 def pipelines_image(**overrides) -> np.ndarray:

@@ -13,11 +13,28 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from triton_omni.demo_models import build_all
 from triton_omni_client.client import batched_inputs
-from triton_omni_tools.launcher import PROJECT_ROOT, TritonServer, process_group
+from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer, free_port, process_group
+from triton_omni_tools.repository import copy_model
 
 GENERATE_MODELS = ["ar", "ar_transformers"]
 ENCODE_MODELS = ["ar_encoder", "ar_encoder_transformers"]
+
+
+def diffusion_alone(tmp_path_factory, parameters: dict[str, str]):
+    """A server of its own whose only model is ``diffusion`` with ``parameters`` (the
+    multi-process modes); on leaving, every process it started is gone, workers included."""
+    build_all()
+    repository = tmp_path_factory.mktemp("diffusion")
+    copy_model(PROJECT_ROOT / "model_repository", "diffusion", repository, parameters=parameters)
+    triton = TritonServer(ServerOptions(model_repositories=[repository], http_port=free_port(),
+                                        grpc_port=free_port(), metrics_port=free_port(),
+                                        log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")).start()
+    pgid = triton.process.pid
+    yield triton
+    triton.stop()
+    assert_group_gone(pgid)
 
 
 def assert_group_gone(pgid: int, timeout_s: float = 10.0) -> None:

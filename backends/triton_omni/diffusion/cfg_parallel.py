@@ -35,7 +35,7 @@ class CfgParallel:
     """``transformer``'s negatives' passes on ``device``, in a worker process."""
 
     def __init__(self, transformer: torch.nn.Module, device: torch.device, compile_options: dict | None = None):
-        self.devices = [device]
+        self.worker_devices = [device]
         self.device = transformer.device
         self.dtype = transformer.dtype
         # the output's last size: the transformer's final projection (its input's patches)
@@ -65,15 +65,16 @@ class CfgParallel:
     def send(self, kwargs: dict, rows: list) -> None:
         """The negatives' pass to the worker: the transformer's arguments and each row's cache
         owner (a PassCache or None). Returns once queued; ``receive`` gets the output."""
-        workers.check_alive(self.workers, self.devices, "CFG parallel")
+        workers.check_alive(self.workers, self.worker_devices, "CFG parallel")
         ended = [self._ended.popleft() for _ in range(len(self._ended))]
         workers.send_call(self.control, (), kwargs, ([self._row(state) for state in rows], ended))
 
-    def receive(self, hidden_states: torch.Tensor, rows: list) -> torch.Tensor:
-        """The output of the pass ``send`` sent, on rank 0's device; the cached rows' owners learn
-        whether their pass computed every block. Queue this after rank 0's own pass: rank 0's
-        stream waits for it, and its own pass must not."""
-        out = torch.empty((*hidden_states.shape[:-1], self.out_features), dtype=self.dtype, device=self.device)
+    def receive(self, kwargs: dict, rows: list) -> torch.Tensor:
+        """The output of the pass ``send(kwargs, rows)`` sent, on rank 0's device; the cached rows'
+        owners learn whether their pass computed every block. Queue this after rank 0's own pass:
+        rank 0's stream waits for it, and its own pass must not."""
+        shape = (*kwargs["hidden_states"].shape[:-1], self.out_features)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
         dist.broadcast(out, src=1)
         if any(state is not None for state in rows):
             box: list[Any] = [None]

@@ -191,7 +191,7 @@ class QwenImageDenoiser(FlowDenoiser):
             self.cfg_parallel.send(*remote)
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
         if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
-            uncond = iter(self.cfg_parallel.receive(remote[0]["hidden_states"], remote[1])[: len(guided)])
+            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
         else:
             uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
