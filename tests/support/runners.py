@@ -9,14 +9,17 @@ import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 
 
-def alone_then_together(config: DiffusionRunnerConfig, requests: Callable[[int], list[dict]]) -> list[torch.Tensor]:
+def alone_then_together(config: DiffusionRunnerConfig, requests: Callable[[int], list[dict]],
+                        cached_steps: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
     """Each request (``requests(hidden size)``) submitted alone, then all of them together, on
-    one runner, which is freed after (a 20 B DiT leaves no room for a second on its GPU)."""
+    one runner, which is freed after (a 20 B DiT leaves no room for a second on its GPU).
+    ``cached_steps`` collects (steps computed, steps skipped) of each request that used the step cache."""
     runner = DiffusionRunner(config)
+    on_cached = None if cached_steps is None else lambda computed, skipped: cached_steps.append((computed, skipped))
     try:
         values = requests(runner.limits.hidden_size)
-        alone = [runner.submit(runner.parse(v)).result() for v in values]
-        together = [f.result() for f in [runner.submit(runner.parse(v)) for v in values]]
+        alone = [runner.submit(runner.parse(v), on_cached=on_cached).result() for v in values]
+        together = [f.result() for f in [runner.submit(runner.parse(v), on_cached=on_cached) for v in values]]
         return alone + together
     finally:
         runner.close()
