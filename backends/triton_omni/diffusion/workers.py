@@ -71,7 +71,7 @@ def join(rank: int, world: int, port: int, device: torch.device) -> dist.Process
     # Every rank is on this host: gloo on the loopback, not whatever the hostname resolves to.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # No device_id: a group bound to its device makes torch's device mesh split it with
-    # ncclCommSplit, and that crashes (torch 2.10, NCCL 2.28) the second time a process makes a group,
+    # ncclCommSplit, and that crashes (torch 2.11, NCCL 2.28) the second time a process makes a group,
     # as a test or a reload in one process does. Unbound, NCCL takes each tensor's device.
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=JOIN_TIMEOUT)
