@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -53,6 +54,11 @@ class VllmEngine(ArEngine):
                                 "disable_log_stats": True}
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
+        if current_platform.is_cpu():
+            # vLLM on the CPU compiles the model with inductor at every engine start (0.32 cannot
+            # load its own compile cache back), which about doubles the start that a developer and
+            # CI wait for at every server start. `engine_args` {"enforce_eager": false} compiles.
+            args["enforce_eager"] = True
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
         if seat is None:
