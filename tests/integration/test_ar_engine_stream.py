@@ -4,6 +4,7 @@ never break, on the real vLLM engine (CPU) without a server: a callback that
 fails ends its own request only and the engine serves on; a cancelled request
 gets nothing after its abort (vLLM puts a last "abort" output for it); the
 pulled form (``ArRunner.generate``) gives the same responses as the pushed one.
+On the CPU the engine starts eager (it would compile at every start).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def request(max_tokens: int, seed: int = 7) -> GenerateRequest:
 
 def unfinished(runner: ArRunner) -> bool:
     return runner.engine.engine.output_processor.has_unfinished_requests()
+
+
+def test_on_the_cpu_the_engine_starts_eager(runner):
+    assert runner.engine.engine.vllm_config.model_config.enforce_eager
 
 
 def test_a_failing_callback_fails_its_own_request_and_the_engine_serves_on(runner):
