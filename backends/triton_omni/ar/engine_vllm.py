@@ -55,9 +55,10 @@ class VllmEngine(ArEngine):
         if mode == "encode":
             args |= {"runner": "pooling", "pooler_config": {"task": "token_embed"}}
         if current_platform.is_cpu():
-            # vLLM on the CPU compiles the model with inductor at every engine start (0.32 cannot
-            # load its own compile cache back), which about doubles the start that a developer and
-            # CI wait for at every server start. `engine_args` {"enforce_eager": false} compiles.
+            # vLLM on the CPU compiles the model with inductor at every engine start (0.32 fails to
+            # load its own compiled model back), which lengthens the start that a developer and CI
+            # wait for at every server start (benchmarks/engine_start.py). `engine_args`
+            # {"enforce_eager": false} compiles.
             args["enforce_eager"] = True
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
