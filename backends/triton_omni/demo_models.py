@@ -37,7 +37,7 @@ DIFFUSION_REALISTIC = "realistic-sd"
 # --end-to-end), and the encoder the benchmark's own pipeline loads.
 Z_IMAGE_ENCODER_REALISTIC = "realistic-z-image-encoder"
 # Bump when a builder changes, so stale caches are rebuilt.
-BUILD_VERSION = 2
+BUILD_VERSION = 4
 
 AR_SHAPE = {
     "vocab_size": 512,
@@ -158,7 +158,10 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"],
-                    chat: bool = False):
+                    chat: bool = False, template: str = ""):
+    """A byte-level BPE trained on the built-in corpus. ``template``: a prompt template the model's
+    pipeline wraps every prompt in, trained on until each of its words is one token, as in the real
+    tokenizer, so that the template's tokens a pipeline drops by count are the template's own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -171,13 +174,27 @@ def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4 + template.splitlines() * 20, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
         model_max_length=max_length, **({"chat_template": CHAT_TEMPLATE} if chat else {}),
     )
     fast.save_pretrained(out)
     return fast
+
+
+def _amplify(module, factor: float, where=lambda name: True) -> None:
+    """Scale the weights of ``module``'s linear layers (those whose name ``where`` accepts) by
+    ``factor``. At random init a tiny denoiser is nearly blind to its conditioning: another prompt,
+    negative prompt or guidance scale moved the tiny Qwen-Image's image by 1 level of 255, so a
+    parity test could not tell a wrong encoding from the right one. Scaled, each such change moves
+    the image by tens of levels (tests/unit/test_demo_sensitivity.py holds it)."""
+    import torch
+
+    with torch.no_grad():
+        for name, layer in module.named_modules():
+            if isinstance(layer, torch.nn.Linear) and where(name):
+                layer.weight.mul_(factor)
 
 
 def build_ar_model(out: Path, shape: dict = AR_SHAPE) -> None:
@@ -218,6 +235,8 @@ def build_diffusion_pipeline(out: Path, ar_shape: dict = AR_SHAPE, unet_shape: d
     torch.manual_seed(0)
     unet = UNet2DConditionModel(in_channels=4, out_channels=4, cross_attention_dim=hidden, attention_head_dim=8,
                                 norm_num_groups=32, **unet_shape)
+    if unet_shape is UNET_TINY:
+        _amplify(unet, 2.0, lambda name: ".attn2." in name)  # the cross-attention: the text's way in
     blocks = len(vae_shape["block_out_channels"])
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, down_block_types=("DownEncoderBlock2D",) * blocks,
@@ -251,13 +270,20 @@ def build_qwen_image_pipeline(out: Path) -> None:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from triton_omni.ar.recipes import QWEN_IMAGE_DROPPED, QWEN_IMAGE_TEMPLATE
+
     hidden = 64
-    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    # QwenImagePipeline drops its template's first 34 tokens, Qwen2.5-VL's count for its system prompt
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True,
+                                template=QWEN_IMAGE_TEMPLATE.format(""))
+    prefix = QWEN_IMAGE_TEMPLATE[: QWEN_IMAGE_TEMPLATE.index("{}")]
+    assert len(tokenizer(prefix).input_ids) == QWEN_IMAGE_DROPPED, "the template's prefix must be what is dropped"
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
         joint_attention_dim=hidden, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
     )
+    _amplify(transformer, 3.0)
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)

@@ -1,0 +1,45 @@
+"""Each demo family's own diffusers pipeline, called the way its users call it: the reference
+every served image is compared with."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.steps import to_pixels
+
+# `omni-triton serve --demo NAME` -> the tiny pipeline it serves
+DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image"}
+# The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
+GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale"}
+# What each family reads as "no guidance": SD and Qwen-Image guide above 1, Z-Image above 0
+NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0}
+ABSENT = object()  # a keyword left out of the call, as opposed to given as None
+
+
+@functools.cache
+def pipeline(family: str) -> DiffusionPipeline:
+    loaded = DiffusionPipeline.from_pretrained(resolve_model(DEMO_PIPELINES[family]))
+    loaded.set_progress_bar_config(disable=True)
+    return loaded
+
+
+def reference(family: str, prompt: str, negative_prompt=ABSENT, *, guidance_scale: float, num_inference_steps: int,
+              height: int, width: int, seed: int) -> np.ndarray:
+    """The pipeline's image ``[H, W, 3]`` uint8 for these arguments; ``negative_prompt`` left out of
+    the call when ``ABSENT``."""
+    kwargs = {} if negative_prompt is ABSENT else {"negative_prompt": negative_prompt}
+    with torch.inference_mode():
+        images = pipeline(family)(prompt=prompt, num_inference_steps=num_inference_steps, height=height, width=width,
+                                  generator=torch.Generator().manual_seed(seed), output_type="pt",
+                                  **{GUIDANCE_KEYWORD[family]: guidance_scale}, **kwargs).images
+    return to_pixels(images)[0].numpy()
+
+
+def levels_apart(image: np.ndarray, other: np.ndarray) -> int:
+    """The largest difference of one channel of one pixel, in levels of 255."""
+    assert image.shape == other.shape, (image.shape, other.shape)
+    return int(np.abs(image.astype(int) - other.astype(int)).max())
