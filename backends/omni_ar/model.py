@@ -149,7 +149,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits)
+                parsed = self._parse_encoding(request)
             except Exception as exc:
                 self.responses.fail(sender, exc, self.context, self.metrics, started)
                 continue
@@ -171,22 +171,29 @@ class TritonPythonModel:
         self.metrics.batch_size.observe(len(requests))
         results = run_batch(
             requests,
-            parse=lambda request: EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS),
-                                                            self.config.limits),
+            parse=self._parse_encoding,
             run=lambda _, parsed: self.runner.loop.run(self.runner.encode(parsed)),
         )
         return [self._encode_response(result, started) for result in results]
+
+    def _parse_encoding(self, request) -> EncodeRequest:
+        """The negative side is encoded when given, or when its output is asked for (the
+        text_to_image ensemble maps it; a caller that asks for every output gets it too)."""
+        wanted = "negative_prompt_embeds" in request.requested_output_names()
+        return EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits, wanted)
 
     def _encode_response(self, result, started: float):
         if isinstance(result, Exception):
             return error_response(result, self.context, self.metrics, started)
         self.metrics.finished("success", started)
-        hidden = result.hidden_states
-        mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
-        return pb_utils.InferenceResponse(output_tensors=[
-            self.encode_outputs.tensor("prompt_embeds", hidden, batched=True),
-            self.encode_outputs.tensor("prompt_embeds_mask", mask, batched=True),
-        ])
+        outputs = []
+        for name, hidden in (("prompt_embeds", result.hidden_states),
+                             ("negative_prompt_embeds", result.negative_hidden_states)):
+            if hidden is not None:
+                mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
+                outputs += [self.encode_outputs.tensor(name, hidden, batched=True),
+                            self.encode_outputs.tensor(f"{name}_mask", mask, batched=True)]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):
         self.runner.close()

@@ -21,9 +21,8 @@ from triton_omni_protocol import parse_status, scalar_inputs
 
 Protocol = Literal["grpc", "http"]
 
-# Triton and NumPy types of every scalar input of the models, from the protocol.
-SCALAR_INPUT_TYPES: dict[str, tuple[str, Any]] = {
-    name: (spec.wire_type, spec.numpy_dtype) for name, spec in scalar_inputs().items()}
+# Every scalar input of the models, from the protocol: its Triton and NumPy types, and its range.
+SCALAR_INPUTS = scalar_inputs()
 
 
 class OmniError(RuntimeError):
@@ -114,9 +113,8 @@ class OmniClient:
 
         inputs = [_bytes_input(grpcclient, "text_input", [prompt])]
         for name, value in options.items():
-            type_name, dtype = SCALAR_INPUT_TYPES[name]
-            tensor = grpcclient.InferInput(name, [1], type_name)
-            tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+            tensor = grpcclient.InferInput(name, [1], SCALAR_INPUTS[name].wire_type)
+            tensor.set_data_from_numpy(SCALAR_INPUTS[name].scalar(value))
             inputs.append(tensor)
         if sampling_parameters is not None:
             inputs.append(_bytes_input(grpcclient, "sampling_parameters", [json.dumps(sampling_parameters)]))
@@ -126,6 +124,7 @@ class OmniClient:
             yield _chunk(result)
 
     def _generate_http(self, model, prompt, options, sampling_parameters, stop) -> Iterator[TextChunk]:
+        check_scalars(options)
         body: dict[str, Any] = {"text_input": prompt, **options}
         if sampling_parameters is not None:
             body["sampling_parameters"] = json.dumps(sampling_parameters)
@@ -169,6 +168,7 @@ class OmniClient:
         if self.protocol == "http":
             if stream:
                 raise ValueError("omni over HTTP is non-streaming (Triton's /generate); use gRPC to stream")
+            check_scalars(values)
             yield OmniEvent.from_outputs(self._post_generate(model, values).get)
             return
         import tritonclient.grpc as grpcclient
@@ -198,6 +198,25 @@ class OmniClient:
                 raise as_omni_error(exc) from None
             return result.as_numpy("prompt_embeds")[0]
 
+    def encode_with_negative(self, prompt: str, negative_prompt: str | None = None,
+                             model: str = "ar_encoder") -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's embeddings and its negative prompt's, in one request, as the family's
+        pipeline conditions on them. ``negative_prompt`` None is an absent negative prompt: the
+        encoder answers what the pipeline uses without one, the encoding of ``""`` (Z-Image, SD)
+        or zero tokens (Qwen-Image, which then runs without true CFG). Both go to ``diffusion``
+        as ``prompt_embeds`` and ``negative_prompt_embeds``, as ``text_to_image`` sends them."""
+        client_module = _client_module(self.protocol)
+        names = ("prompt_embeds", "negative_prompt_embeds")
+        with client_module.InferenceServerClient(self.url) as client:
+            try:
+                result = client.infer(model, batched_inputs(client_module, text_input=prompt,
+                                                            negative_prompt=negative_prompt),
+                                      outputs=[client_module.InferRequestedOutput(name) for name in names])
+            except Exception as exc:
+                raise as_omni_error(exc) from None
+            embeds, negative = (result.as_numpy(name)[0] for name in names)
+            return embeds, negative
+
 
     # -- images ----------------------------------------------------------------
 
@@ -207,12 +226,14 @@ class OmniClient:
         """An image ``[H, W, 3]`` uint8. ``options``: num_inference_steps,
         guidance_scale, height, width, seed. ``model``: ``diffusion`` (or a
         copy of it), or the ``text_to_image`` ensemble, whose text input is
-        ``text_input`` and whose negative prompt is required (empty: none)."""
+        ``text_input``. ``negative_prompt``: None leaves it out, which is not ``""``: each
+        means what it means to the family's pipeline (docs/pipelines.md). A value its input
+        cannot hold (a seed past INT64) raises ``InputValueError`` naming it, before sending."""
         client_module = _client_module(self.protocol)
         with client_module.InferenceServerClient(self.url) as client:
             text = {"prompt": prompt, "negative_prompt": negative_prompt}
             if prompt is not None and "text_input" in self._inputs_of(client, model):
-                text = {"text_input": prompt, "negative_prompt": negative_prompt or ""}
+                text = {"text_input": prompt, "negative_prompt": negative_prompt}
             inputs = batched_inputs(client_module, prompt_embeds=prompt_embeds,
                                     negative_prompt_embeds=negative_prompt_embeds, **text, **options)
             try:
@@ -257,18 +278,25 @@ def batched_inputs(client_module, **values: Any) -> list:
     for name, value in values.items():
         if value is None:
             continue
-        if isinstance(value, str):
+        if name in SCALAR_INPUTS:
+            array, type_name = SCALAR_INPUTS[name].scalar(value)[None], SCALAR_INPUTS[name].wire_type
+        elif isinstance(value, str):
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
-        elif name.endswith("prompt_embeds"):
+        else:  # prompt embeddings
             array = np.ascontiguousarray(value)[None] if value.ndim == 2 else np.ascontiguousarray(value)
             type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
-        else:
-            type_name, dtype = SCALAR_INPUT_TYPES[name]
-            array = np.array([[value]], dtype=dtype)
         tensor = client_module.InferInput(name, list(array.shape), type_name)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def check_scalars(values: dict[str, Any]) -> None:
+    """``InputValueError`` for the first scalar input whose value its tensor cannot hold (for the
+    HTTP paths, which send JSON; the gRPC paths check as they build each tensor)."""
+    for name, value in values.items():
+        if name in SCALAR_INPUTS and value is not None:
+            SCALAR_INPUTS[name].scalar(value)
 
 
 def omni_inputs(client_module, values: dict[str, Any]) -> list:
@@ -277,15 +305,12 @@ def omni_inputs(client_module, values: dict[str, Any]) -> list:
     for name, value in values.items():
         if value is None:
             continue
-        if isinstance(value, str):
-            inputs.append(_bytes_input(client_module, name, [value]))
-        elif isinstance(value, list):
-            inputs.append(_bytes_input(client_module, name, value))
-        else:
-            type_name, dtype = SCALAR_INPUT_TYPES[name]
-            tensor = client_module.InferInput(name, [1], type_name)
-            tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+        if name in SCALAR_INPUTS:
+            tensor = client_module.InferInput(name, [1], SCALAR_INPUTS[name].wire_type)
+            tensor.set_data_from_numpy(SCALAR_INPUTS[name].scalar(value))
             inputs.append(tensor)
+        else:
+            inputs.append(_bytes_input(client_module, name, [value] if isinstance(value, str) else value))
     return inputs
 
 

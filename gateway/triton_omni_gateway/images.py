@@ -24,7 +24,8 @@ from triton_omni_gateway.errors import OpenAIError, model_not_found
 from triton_omni_gateway.requests import ImageRequest
 from triton_omni_gateway.triton import Triton, first
 
-SIZE_PARAMETERS = {"height": "size", "width": "size", "num_images": "n"}  # a model's name -> the API's
+# a model's input -> the API's field: an error names the field the user sent
+API_FIELDS = {"height": "size", "width": "size", "num_images": "n", "text_input": "prompt"}
 
 
 class ImageModels:
@@ -57,8 +58,9 @@ class ImageModels:
         if kind == "omni":
             images, revised = await self._omni(request, options)
         else:
-            prompt = {"text_input": request.prompt, "negative_prompt": request.negative_prompt or ""} \
-                if kind == "ensemble" else {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+            # an absent negative prompt stays absent: it is not "" (docs/pipelines.md)
+            prompt = {"text_input" if kind == "ensemble" else "prompt": request.prompt,
+                      "negative_prompt": request.negative_prompt}
             images = await asyncio.gather(*(self._one(request.model, prompt | _seeded(options, i))
                                             for i in range(request.n)))
             revised = None
@@ -104,10 +106,10 @@ def _seeded(options: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _in_api_terms(error: OpenAIError) -> OpenAIError:
-    """A model's refusal of ``height`` is the API's refusal of ``size``."""
-    if error.param in SIZE_PARAMETERS:
-        error.message = f"{SIZE_PARAMETERS[error.param]}: {error.message}"
-        error.param = SIZE_PARAMETERS[error.param]
+    """A model's refusal of ``height`` is the API's refusal of ``size``, of ``text_input`` of ``prompt``."""
+    if error.param in API_FIELDS:
+        error.message = f"{API_FIELDS[error.param]}: {error.message}"
+        error.param = API_FIELDS[error.param]
     return error
 
 

@@ -2,7 +2,10 @@
 
 Unknown fields are refused (as OpenAI does), and so are fields OpenAI
 defines that these models cannot honour, each by name: a client never gets
-an answer that silently ignored part of its request. Fields past OpenAI's
+an answer that silently ignored part of its request. Types are strict, as
+OpenAI's are: ``"max_tokens": "5"`` is a 400 naming ``max_tokens``, not 5;
+and every number must fit the tensor it travels in (a seed is an INT64,
+steps and token counts INT32), so no value overflows on its way to Triton. Fields past OpenAI's
 own are the extensions vLLM's and vLLM-Omni's servers accept, so that the
 same client code drives all three.
 """
@@ -12,7 +15,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from triton_omni_gateway.errors import OpenAIError, invalid
 
@@ -20,6 +33,13 @@ MAX_IMAGES = 10  # OpenAI's own limit on `n` for images
 MAX_CHOICES = 4  # the `ar` model's limit on completions per request
 MAX_SIDE = 4096
 MAX_TEXT_CHARS = 100_000
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+
+# The JSON numbers the API takes: an integer is never a string, a float, or a boolean, and fits
+# the model's INT32 tensor (INT64 for seeds); a number is finite.
+Int32 = Annotated[StrictInt, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Seed = Annotated[StrictInt, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class _Body(BaseModel):
@@ -34,23 +54,23 @@ class _Sampling(_Body):
     """What the chat and completion endpoints share: vLLM's sampling options."""
 
     model: StrictStr = "ar"
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: int | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    max_tokens: Annotated[Int32, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    seed: Seed | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stop: StrictStr | list[StrictStr] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # an end-user id for the caller's own records; nothing to honour
     # vLLM's extensions, which benchmarks send
     ignore_eos: StrictBool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    top_k: int | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[Int32, Field(ge=0)] | None = None
+    top_k: Int32 | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -93,9 +113,9 @@ class Message(_Body):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int32, Field(ge=1)] | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
     def sampling(self) -> dict[str, Any]:
         values = super().sampling()
@@ -115,7 +135,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
 
     def sampling(self) -> dict[str, Any]:
@@ -131,7 +151,7 @@ class CompletionRequest(_Sampling):
 class ImageRequest(_Body):
     prompt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
     model: StrictStr = "text_to_image"
-    n: Annotated[int, Field(ge=1, le=MAX_IMAGES)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_IMAGES)] = 1
     size: StrictStr | None = None
     response_format: Literal["b64_json"] = "b64_json"
     quality: Literal["auto", "standard"] | None = None
@@ -140,10 +160,10 @@ class ImageRequest(_Body):
     output_format: Literal["png"] | None = None
     user: StrictStr | None = None
     # the extensions vLLM-Omni and SGLang accept
-    seed: int | None = None
-    num_inference_steps: Annotated[int, Field(ge=1)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0)] | None = None
-    true_cfg_scale: Annotated[float, Field(ge=0)] | None = None
+    seed: Seed | None = None
+    num_inference_steps: Annotated[Int32, Field(ge=1)] | None = None
+    guidance_scale: Annotated[Number, Field(ge=0)] | None = None
+    true_cfg_scale: Annotated[Number, Field(ge=0)] | None = None
     negative_prompt: StrictStr | None = None
     enhance_prompt: StrictBool | None = None  # the omni model's prompt rewrite
     step_cache: StrictStr | None = None  # the diffusion model's step cache (off, first_block[:THRESHOLD])

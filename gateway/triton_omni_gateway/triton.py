@@ -16,9 +16,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from triton_omni_client.client import as_omni_error, batched_inputs, omni_inputs
+from triton_omni_protocol import InputValueError
 from tritonclient.utils import InferenceServerException
 
-from triton_omni_gateway.errors import from_triton
+from triton_omni_gateway.errors import from_triton, invalid
 
 # gRPC waits longer and longer between attempts to reach a server that is down (up to 2 min by
 # default): after tritonserver restarts, the gateway would answer 503 for that long. One second at most.
@@ -64,7 +65,11 @@ class Triton:
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
         try:
-            return await self.client.infer(model, batched_inputs(grpcclient, **values))
+            inputs = batched_inputs(grpcclient, **values)
+        except InputValueError as error:  # the request's validation let through what its tensor cannot hold
+            raise invalid(error.name, str(error).removeprefix(f"{error.name}: ")) from None
+        try:
+            return await self.client.infer(model, inputs)
         except InferenceServerException as error:
             raise from_triton(as_omni_error(error), model) from None
 
@@ -75,9 +80,13 @@ class Triton:
         arrive: asking for it, ``enable_empty_final_response``, is a ``triton_`` request parameter,
         which the asyncio client refuses; ``is_last`` knows the model's last response instead.)"""
         answered = asyncio.Event()
+        try:
+            inputs = omni_inputs(grpcclient, values)
+        except InputValueError as error:
+            raise invalid(error.name, str(error).removeprefix(f"{error.name}: ")) from None
 
         async def one_request():
-            yield {"model_name": model, "inputs": omni_inputs(grpcclient, values)}
+            yield {"model_name": model, "inputs": inputs}
             await answered.wait()  # the stream stays open until the answer is in
 
         responses = self.client.stream_infer(one_request())

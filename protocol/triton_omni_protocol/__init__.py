@@ -20,7 +20,7 @@ from triton_omni_protocol.models import (
     scalar_inputs,
 )
 from triton_omni_protocol.status import STATUS_NAMES, parse_status, tag_status
-from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
+from triton_omni_protocol.tensors import EMBEDS_TYPES, InputValueError, TensorSpec
 
 __all__ = [
     "AR_ENCODE_INPUTS",
@@ -31,6 +31,7 @@ __all__ = [
     "OMNI_OUTPUTS",
     "RETURN_FLAGS",
     "STATUS_NAMES",
+    "InputValueError",
     "TensorSpec",
     "ar_encode_outputs",
     "diffusion_inputs",

@@ -46,8 +46,12 @@ AR_GENERATE_OUTPUTS = [
     TensorSpec("num_output_tokens", "TYPE_UINT32", dims=(-1,)),
 ]
 
-# -- ar_encoder (dynamic batching)
-AR_ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False)]
+# -- ar_encoder (dynamic batching): a prompt and, optionally, its negative prompt. The negative
+# side's outputs come back when `negative_prompt` is given or they are asked for; for an absent
+# negative prompt they hold what the family's pipeline uses then (the encoding of "", or zero
+# tokens: no negative), which is how text_to_image tells absent from "" (docs/pipelines.md).
+AR_ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False),
+                    TensorSpec("negative_prompt", "TYPE_STRING")]
 
 
 def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
@@ -56,6 +60,8 @@ def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
     return [
         TensorSpec("prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1, -1)),
         TensorSpec("prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
+        TensorSpec("negative_prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1, -1)),
+        TensorSpec("negative_prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
     ]
 
 

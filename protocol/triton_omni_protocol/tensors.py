@@ -25,6 +25,14 @@ TYPES: dict[str, tuple[str, Any]] = {
 EMBEDS_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16"}
 
 
+class InputValueError(ValueError):
+    """A value that its input tensor cannot hold; ``name`` is the tensor's."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(f"{name}: {message}")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -41,6 +49,29 @@ class TensorSpec:
     @property
     def numpy_dtype(self) -> Any:
         return TYPES[self.data_type][1]
+
+    def scalar(self, value: Any) -> np.ndarray:
+        """``value`` as this one-value tensor's NumPy array (shape ``[1]``), or ``InputValueError``
+        naming the tensor when the value is not of its type or outside its range: NumPy would
+        raise an ``OverflowError`` naming nothing, or wrap the value around silently."""
+        dtype = self.numpy_dtype
+        if dtype is np.bool_:
+            ok = isinstance(value, (bool, np.bool_))
+            expected = "true or false"
+        elif np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and \
+                info.min <= value <= info.max
+            expected = f"an integer in [{info.min}, {info.max}] ({self.wire_type})"
+        elif np.issubdtype(dtype, np.floating):
+            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)) \
+                and bool(np.isfinite(value)) and abs(value) <= np.finfo(dtype).max
+            expected = f"a finite number ({self.wire_type})"
+        else:
+            raise TypeError(f"{self.name} is not a numeric scalar tensor")
+        if not ok:
+            raise InputValueError(self.name, f"must be {expected}, got {value!r:.60}")
+        return np.array([value], dtype=dtype)
 
     def config_entry(self, is_input: bool) -> dict[str, Any]:
         """The entry of a model config's ``input``/``output`` list."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import io
 import json
 import re
@@ -296,6 +297,17 @@ BAD_INPUTS = [
     ("/v1/images/generations", IMAGE | {"num_inference_steps": 10**6}, 400, "num_inference_steps"),
     ("/v1/images/generations", IMAGE | {"guidance_scale": 1, "true_cfg_scale": 2}, 400, "true_cfg_scale"),
     ("/v1/images/generations", IMAGE | {"seed": "abc"}, 400, "seed"),
+    # values past their tensor's type, and integers as strings (OpenAI refuses those too)
+    ("/v1/images/generations", IMAGE | {"seed": 2**70}, 400, "seed"),
+    ("/v1/images/generations", IMAGE | {"seed": 2**63 - 1, "n": 2}, 400, "seed"),  # image 1's seed is past INT64
+    ("/v1/images/generations", IMAGE | {"num_inference_steps": 2**40}, 400, "num_inference_steps"),
+    ("/v1/images/generations", IMAGE | {"num_inference_steps": "5"}, 400, "num_inference_steps"),
+    ("/v1/images/generations", IMAGE | {"n": "2"}, 400, "n"),
+    ("/v1/images/generations", IMAGE | {"guidance_scale": "4"}, 400, "guidance_scale"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/chat/completions", CHAT | {"seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**40}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/images/generations", IMAGE | {"step_cache": "teacache"}, 400, "step_cache"),
     ("/v1/images/generations", IMAGE | {"step_cache": "first_block"}, 400, "step_cache"),  # the SD demo: no cache
     ("/v1/images/generations", IMAGE | {"model": "no_such_model"}, 404, "model"),
@@ -317,6 +329,19 @@ def test_bad_input(gateway, path, body, status, param):
     if param is not None:
         assert error["param"] == param, error
     assert httpx.get(f"{gateway}/health").status_code == 200
+
+
+def test_a_refused_value_leaves_the_connection_usable(gateway):
+    """A seed past INT64 was a 500 whose connection the server then dropped: the client's next
+    request on it was reset. It is a 400 now, and the same keep-alive connection answers again."""
+    connection = http.client.HTTPConnection(gateway.removeprefix("http://"), timeout=60)
+    headers = {"Content-Type": "application/json"}
+    for body, status in ((IMAGE | {"seed": 2**70}, 400), (IMAGE | {"seed": 1}, 200)):
+        connection.request("POST", "/v1/images/generations", json.dumps(body), headers)
+        response = connection.getresponse()
+        assert response.status == status and response.getheader("connection") != "close"
+        response.read()
+    connection.close()
 
 
 def test_the_benchmark_measures_the_gateway_against_direct_grpc(gateway, server, tmp_path):

@@ -45,9 +45,9 @@ class FakeStages:
             await asyncio.sleep(0)
             yield TextDelta(word, "length" if i == len(self.words) - 1 else None)
 
-    async def encode(self, prompt: str) -> FakeEmbeds:
-        await self._enter("encode", prompt)
-        return FakeEmbeds(prompt)
+    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[FakeEmbeds, FakeEmbeds]:
+        await self._enter("encode", (prompt, negative_prompt))
+        return FakeEmbeds(prompt), FakeEmbeds("<absent>" if negative_prompt is None else negative_prompt)
 
     async def diffuse(self, embeds: FakeEmbeds, negative: FakeEmbeds | None, options: dict[str, Any],
                       on_step: Callable[[int, int], None]) -> str:

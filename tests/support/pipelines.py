@@ -39,6 +39,14 @@ def reference(family: str, prompt: str, negative_prompt=ABSENT, *, guidance_scal
     return to_pixels(images)[0].numpy()
 
 
+def encoded(family: str, text: str) -> np.ndarray:
+    """``text`` as the family's pipeline encodes it, ``[num_tokens, hidden]``, through its own
+    ``encode_prompt`` (Stable Diffusion's: CLIP's last hidden state, padded to 77 tokens)."""
+    assert family == "sd", "the DiT families' embeddings come from ar_encoder, whose recipe is theirs"
+    with torch.inference_mode():
+        return pipeline(family).encode_prompt(text, "cpu", 1, False)[0][0].numpy()
+
+
 def levels_apart(image: np.ndarray, other: np.ndarray) -> int:
     """The largest difference of one channel of one pixel, in levels of 255."""
     assert image.shape == other.shape, (image.shape, other.shape)

@@ -86,13 +86,22 @@ def test_missing_prompt():
         GenerateRequest.from_inputs({}, LIMITS)
 
 
-def test_encoder_empty_text_encodes_nothing_but_blank_text_is_an_error():
-    """The ensemble's "no negative prompt" reaches ar_encoder as ""."""
-    assert EncodeRequest.from_inputs({"text_input": ""}, LIMITS).prompt is None
+def test_the_encoder_s_negative_prompt_is_a_text_as_sent_and_absent_is_not_empty():
+    """"" and " " are negative prompts the family's pipeline encodes; absent is asked for by output."""
+    assert EncodeRequest.from_inputs({"text_input": "a fox"}, LIMITS) == EncodeRequest("a fox")
+    for text in ("", " ", "blurry"):
+        assert EncodeRequest.from_inputs({"text_input": "a fox", "negative_prompt": text}, LIMITS) == \
+            EncodeRequest("a fox", text, with_negative=True)
+    assert EncodeRequest.from_inputs({"text_input": "a fox"}, LIMITS, negative_wanted=True) == \
+        EncodeRequest("a fox", None, with_negative=True)
     with pytest.raises(RequestValidationError, match="text_input"):
         EncodeRequest.from_inputs({}, LIMITS)
-    with pytest.raises(RequestValidationError, match="text_input"):
-        EncodeRequest.from_inputs({"text_input": "  "}, LIMITS)
+    for prompt in ("", "  "):
+        with pytest.raises(RequestValidationError, match="text_input"):
+            EncodeRequest.from_inputs({"text_input": prompt, "negative_prompt": " "}, LIMITS)
+    with pytest.raises(RequestValidationError, match="negative_prompt"):
+        EncodeRequest.from_inputs({"text_input": "a fox", "negative_prompt": "x" * (LIMITS.max_prompt_chars + 1)},
+                                  LIMITS)
 
 
 def test_message_echoes_value():

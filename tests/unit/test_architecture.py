@@ -128,6 +128,7 @@ def test_the_ensemble_is_wired_from_the_protocol():
     for tensor in config.input:
         spec = own[tensor.name]
         assert (type_name(tensor.data_type), list(tensor.dims)) == (spec.data_type, list(spec.dims)), tensor.name
+        assert tensor.optional == spec.optional, tensor.name  # an absent negative prompt reaches ar_encoder absent
     (image,) = config.output
     assert (type_name(image.data_type), list(image.dims)) == ("TYPE_UINT8", list(diffusion_outputs()[0].dims))
     for step in config.ensemble_scheduling.step:

@@ -81,6 +81,33 @@ def test_prompt_embeds_give_the_prompts_image(runner):
     assert torch.equal(from_text, from_embeds)
 
 
+def test_embeddings_without_a_negative_get_the_pipelines_default_negative(runner):
+    """No negative at all: the family's pipeline default, from its own text encoder (SD and Z-Image:
+    the encoding of ""; Qwen-Image: no true CFG). Zero negative tokens (ar_encoder's answer where
+    the pipeline runs without a negative) guide against the null condition, or not at all."""
+    embeds = runner.family.encode("a red fox", runner.device)
+    [image, nulled] = served(runner, {"prompt_embeds": embeds, "guidance_scale": 4.0, "seed": 2},
+                             {"prompt_embeds": embeds, "negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0,
+                              "seed": 2})
+    assert torch.equal(image, reference(runner, "a red fox", 2, 4.0))
+    if runner.family.name == "qwen_image":
+        assert torch.equal(nulled, image)
+    else:
+        assert (nulled.int() - image.int()).abs().max() >= 10
+
+
+def test_without_a_text_encoder_guided_embeddings_need_their_negative(runner, monkeypatch):
+    embeds = runner.family.encode("a red fox", runner.device)
+    monkeypatch.setattr(runner.family, "has_text_encoder", lambda: False)  # as the realistic GPU presets
+    request = {"prompt_embeds": embeds, "guidance_scale": 4.0}
+    if runner.family.name == "qwen_image":  # no negative, no true CFG: nothing to encode
+        runner.parse(request)
+        return
+    with pytest.raises(RequestValidationError, match="negative_prompt_embeds"):
+        runner.parse(request)
+    runner.parse(request | {"negative_prompt_embeds": embeds})
+
+
 def test_a_size_the_model_cannot_take_names_it(runner):
     multiple = runner.limits.size_multiple
     with pytest.raises(RequestValidationError, match=f"height.*multiple of {multiple}"):

@@ -47,6 +47,22 @@ def test_a_batch_of_prompts_equals_the_pipelines_encoding(encoder):
         assert (result.hidden_states - expected).abs().max() <= 1e-4, prompt
 
 
+def test_the_negative_side_is_the_pipelines_encoding_of_what_it_was_given(encoder):
+    """"" and " " are encoded as the pipeline encodes them; an absent negative prompt gives what the
+    pipeline uses without one: Z-Image's encoding of "", or zero tokens for Qwen-Image (no true CFG)."""
+    recipe, runner = encoder
+    requests = [EncodeRequest("a red fox", negative, with_negative=True) for negative in ("", " ", "blurry", None)]
+    results = runner.loop.run(runner.encode(requests))
+    for request, result in zip(requests, results, strict=True):
+        assert (result.hidden_states - pipeline_embeds(CASES[recipe], "a red fox")).abs().max() <= 1e-4
+        if request.negative_prompt is None and recipe == "qwen_image":
+            assert result.negative_hidden_states.shape == (0, runner.hidden_size)
+            continue
+        expected = pipeline_embeds(CASES[recipe], request.negative_prompt or "")
+        assert result.negative_hidden_states.shape == expected.shape, request
+        assert (result.negative_hidden_states - expected).abs().max() <= 1e-4, request
+
+
 def test_qwen_image_on_vllm_equals_the_pipelines_encoding_per_token(caplog):
     """vLLM runs Qwen-Image's recipe on the language model of its Qwen2.5-VL text encoder."""
     pytest.importorskip("vllm")

@@ -160,7 +160,7 @@ def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_prog
                        negative_prompt="blurry")
     images = sorted((e.index, e.image) for e in events if isinstance(e, ImageResult))
     assert images == [(0, "image of a fox seed 7"), (1, "image of a fox seed 8")]
-    assert sorted(prompt for stage, prompt in stages.calls if stage == "encode") == ["a fox", "blurry"]
+    assert [prompts for stage, prompts in stages.calls if stage == "encode"] == [("a fox", "blurry")]
     progress = [e for e in events if isinstance(e, Progress) and e.stage == "diffusion"]
     assert sorted((e.image_index, e.step) for e in progress) == [(i, s) for i in (0, 1) for s in (1, 2, 3)]
     assert not any(stage == "generate" for stage, _ in stages.calls)
@@ -174,7 +174,7 @@ def test_hybrid_route_runs_both_branches_and_enhance_rewrites_first():
     assert any(isinstance(e, TextDelta) for e in events) and any(isinstance(e, ImageResult) for e in events)
     rewrite = [e for e in events if isinstance(e, EnhancedPrompt) and e.done]
     assert rewrite and rewrite[0].text == "once upon a time"
-    assert ("encode", "once upon a time") in stages.calls  # the image uses the rewrite
+    assert ("encode", ("once upon a time", None)) in stages.calls  # the image uses the rewrite
 
 
 def test_a_failing_stage_fails_the_request_and_cancels_the_other_branch():

@@ -207,7 +207,7 @@ def _build_demo_models(args) -> int:
 
 
 def _generate_text(args) -> int:
-    from triton_omni_client import OmniClient, OmniError
+    from triton_omni_client import InputValueError, OmniClient, OmniError
 
     params = dict(args.param)
     options = {name: getattr(args, name) for name in ("max_tokens", "temperature", "seed")
@@ -220,7 +220,7 @@ def _generate_text(args) -> int:
                                           exclude_input_in_output=True, sampling_parameters=params or None,
                                           **options):
             print(chunk.text, end="", flush=True)
-    except OmniError as exc:
+    except (OmniError, InputValueError) as exc:  # a value its input cannot hold: named, not sent
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     print()
@@ -231,7 +231,7 @@ def _generate(args) -> int:
     """Streams one omni request: text to stdout as it arrives, a progress bar
     per image fed by the diffusion steps, then the PNG files."""
     from tqdm import tqdm
-    from triton_omni_client import OmniClient, OmniError
+    from triton_omni_client import InputValueError, OmniClient, OmniError
 
     modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
     if "image" in modalities and args.out is None:
@@ -266,7 +266,7 @@ def _generate(args) -> int:
             if event.image is not None:
                 for index, pixels in zip(event.image_index, event.image, strict=True):
                     written.append(_save_png(pixels, _image_path(args.out, index, options.get("num_images", 1))))
-    except OmniError as exc:
+    except (OmniError, InputValueError) as exc:  # a value its input cannot hold: named, not sent
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -352,7 +352,7 @@ def _perf(args) -> int:
 
 def _generate_image(args) -> int:
     from PIL import Image
-    from triton_omni_client import OmniClient, OmniError
+    from triton_omni_client import InputValueError, OmniClient, OmniError
 
     options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")
                if getattr(args, k) is not None}
@@ -363,7 +363,7 @@ def _generate_image(args) -> int:
         else:
             pixels = client.generate_image(args.prompt, negative_prompt=args.negative_prompt,
                                            model=args.model or "diffusion", **options)
-    except OmniError as exc:
+    except (OmniError, InputValueError) as exc:  # a value its input cannot hold: named, not sent
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     Image.fromarray(pixels).save(args.out, format="PNG")

@@ -30,6 +30,9 @@ class EncoderRecipe:
     render: Callable[[object, str], str]  # (tokenizer, prompt) -> the text the encoder reads
     layer: int = -1  # index into the model's hidden states (-1: the last, after the final norm)
     dropped: int = 0  # leading tokens of the rendered text left out of the output
+    # What the pipeline encodes for a negative prompt it was not given: "" (the empty prompt's
+    # encoding), or None: nothing, it runs without a negative (zero tokens leave the encoder).
+    absent_negative: str | None = ""
 
     def select(self, hidden: torch.Tensor) -> torch.Tensor:
         """One prompt's ``[num_tokens, hidden]`` of the recipe's layer, template tokens dropped."""
@@ -44,8 +47,9 @@ def _chat(tokenizer, prompt: str) -> str:
 
 RECIPES = {
     "last_hidden_state": EncoderRecipe("last_hidden_state", lambda tokenizer, prompt: prompt),
+    # QwenImagePipeline runs true CFG only when given a negative prompt ("" and " " included)
     "qwen_image": EncoderRecipe("qwen_image", lambda tokenizer, prompt: QWEN_IMAGE_TEMPLATE.format(prompt),
-                                dropped=QWEN_IMAGE_DROPPED),
+                                dropped=QWEN_IMAGE_DROPPED, absent_negative=None),
     "z_image": EncoderRecipe("z_image", _chat, layer=-2),
 }
 

@@ -64,10 +64,11 @@ class ReturnOptions:
         return self.cumulative_logprob or self.logprobs
 
 
-def _verify_prompt(prompt: Any, limits: ArLimits) -> str:
-    prompt = as_str("text_input", prompt)
-    require(prompt.strip() != "", "text_input", "must be a non-empty prompt", prompt)
-    require(len(prompt) <= limits.max_prompt_chars, "text_input",
+def _verify_prompt(prompt: Any, limits: ArLimits, name: str = "text_input", blank: bool = False) -> str:
+    """``blank``: an empty or blank text is a value (a negative prompt's), not a mistake."""
+    prompt = as_str(name, prompt)
+    require(blank or prompt.strip() != "", name, "must be a non-empty prompt", prompt)
+    require(len(prompt) <= limits.max_prompt_chars, name,
             f"prompt is longer than {limits.max_prompt_chars} characters", len(prompt))
     return prompt
 
@@ -136,21 +137,30 @@ def _include_prompt(inputs: dict[str, Any], stream: bool) -> bool:
 
 @dataclass
 class EncodeRequest:
-    """One prompt to encode into per-token hidden states (``ar_encoder``).
+    """A prompt to encode into per-token hidden states (``ar_encoder``), and
+    its negative prompt when the caller wants that side too.
 
-    The empty string encodes to zero tokens (``prompt=None``): it is how the
-    text_to_image ensemble says "no negative prompt", since a Triton 2.51
-    ensemble cannot skip a step and a batched model cannot take a request
-    without inputs. Zero tokens mean "none" to the diffusion stage. A blank
-    prompt ("  ") is still an error.
+    ``negative_prompt`` is the text as sent: ``""`` and ``" "`` are texts,
+    encoded as the family's pipeline encodes them. Absent (None) with
+    ``with_negative``, the encoder returns what the pipeline conditions on
+    without one (the recipe's ``absent_negative``): Z-Image's and Stable
+    Diffusion's encoding of ``""``, or zero tokens for Qwen-Image, whose
+    pipeline then runs without true CFG. This is how the ``text_to_image``
+    ensemble tells an absent negative prompt from an empty one: its optional
+    ``negative_prompt`` reaches this model as given, or not at all.
     """
 
-    prompt: str | None
+    prompt: str
+    negative_prompt: str | None = None
+    with_negative: bool = False  # also encode the negative side (given, or asked for by its output)
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits) -> EncodeRequest:
+    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits, negative_wanted: bool = False) -> EncodeRequest:
+        """``negative_wanted``: the caller asked for the ``negative_prompt_embeds`` output."""
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
-        if inputs["text_input"] == "":
-            return cls(prompt=None)
-        return cls(prompt=_verify_prompt(inputs["text_input"], limits))
+        prompt = _verify_prompt(inputs["text_input"], limits)
+        negative = inputs.get("negative_prompt")
+        if negative is not None:
+            negative = _verify_prompt(negative, limits, "negative_prompt", blank=True)
+        return cls(prompt, negative, with_negative=negative_wanted or negative is not None)

@@ -85,9 +85,11 @@ class ArRunnerConfig:
 
 @dataclass
 class Embedding:
-    """Per-token hidden states of one prompt, ``[num_tokens, hidden]``."""
+    """Per-token hidden states of one prompt, ``[num_tokens, hidden]``, and of its negative
+    prompt when the request asked for that side (zero tokens: the pipeline runs without one)."""
 
     hidden_states: torch.Tensor
+    negative_hidden_states: torch.Tensor | None = None
 
 
 class ArRunner:
@@ -140,9 +142,9 @@ class ArRunner:
     def hidden_size(self) -> int:
         return self.engine.hidden_size
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, name: str = "text_input") -> list[int]:
         """Token ids of a prompt (rendered by the recipe when encoding),
-        rejecting prompts the model cannot take."""
+        rejecting prompts the model cannot take (naming the input ``name``)."""
         encoding = self.config.mode == "encode"
         ids = self._token_ids(self.recipe.render(self.tokenizer, prompt) if encoding else prompt)
         allowed = self.config.max_model_len - 1  # leave room for at least one new token
@@ -150,7 +152,7 @@ class ArRunner:
             allowed = min(allowed, self.config.limits.max_prompt_tokens + self.recipe.dropped)
         if len(ids) > allowed:
             raise RequestValidationError(
-                "text_input", f"prompt has {len(ids)} tokens; this model allows at most {allowed}",
+                name, f"prompt has {len(ids)} tokens; this model allows at most {allowed}",
                 f"{prompt[:40]}...", show_value=True,
             )
         return ids
@@ -200,25 +202,36 @@ class ArRunner:
         await self.engine.abort(request_id)
 
     async def encode(self, requests: list[EncodeRequest]) -> list[Embedding | RequestValidationError]:
-        """Encode a batch in one engine call.
+        """Encode a batch in one engine call: each prompt, and its negative side where asked.
 
         A prompt the model cannot take gets its error in its own slot; the
-        rest of the batch is encoded as usual.
+        rest of the batch is encoded as usual. A text that renders to no
+        tokens encodes to zero tokens without reaching the engine.
         """
-        dtype = getattr(torch, self.config.embeds_dtype)
-        results: list[Embedding | RequestValidationError | None] = []
-        token_ids: list[list[int]] = []
+        plans: list[tuple[list[int], list[int] | None] | RequestValidationError] = []
         for request in requests:
-            if request.prompt is None:  # no text: zero tokens
-                results.append(Embedding(torch.empty(0, self.hidden_size, dtype=dtype)))
-                continue
             try:
-                token_ids.append(self.tokenize(request.prompt))
-                results.append(None)  # filled below
+                plans.append((self.tokenize(request.prompt), self._negative_ids(request)))
             except RequestValidationError as exc:
-                results.append(exc)
-        hidden = iter(await self.engine.encode(token_ids, self.recipe.layer)) if token_ids else iter(())
-        return [Embedding(self.recipe.select(next(hidden)).to(dtype)) if r is None else r for r in results]
+                plans.append(exc)
+        texts = [ids for plan in plans if not isinstance(plan, Exception) for ids in plan if ids]
+        hidden = iter(await self.engine.encode(texts, self.recipe.layer)) if texts else iter(())
+        dtype = getattr(torch, self.config.embeds_dtype)
+
+        def states(ids: list[int] | None) -> torch.Tensor | None:
+            if ids is None:
+                return None
+            return self.recipe.select(next(hidden)).to(dtype) if ids else torch.empty(0, self.hidden_size, dtype=dtype)
+
+        return [plan if isinstance(plan, Exception) else Embedding(states(plan[0]), states(plan[1])) for plan in plans]
+
+    def _negative_ids(self, request: EncodeRequest) -> list[int] | None:
+        """The negative side's token ids: its text's, the recipe's stand-in for an absent one, or
+        none at all ([]) where the family's pipeline runs without a negative prompt."""
+        if not request.with_negative:
+            return None
+        text = request.negative_prompt if request.negative_prompt is not None else self.recipe.absent_negative
+        return [] if text is None else self.tokenize(text, "negative_prompt")
 
     def close(self) -> None:
         try:

@@ -59,9 +59,12 @@ class Family:
         embeds, _ = self.pipeline.encode_prompt(prompt, device, 1, False)
         return embeds[0]
 
+    def has_text_encoder(self) -> bool:
+        return getattr(self.pipeline, "text_encoder", None) is not None
+
     def require_text_encoder(self) -> None:
         """A pipeline built without its text encoder (the realistic GPU presets) takes embeddings only."""
-        if getattr(self.pipeline, "text_encoder", None) is None:
+        if not self.has_text_encoder():
             raise RequestValidationError("prompt", "this model has no text encoder: send prompt_embeds "
                                          "(text_to_image and omni do)", None, show_value=False)
 

@@ -49,9 +49,11 @@ class DiffusionRequest:
     step_cache: StepCacheConfig | None = None  # None: the model's (step_cache.py)
 
     @property
-    def uses_guidance(self) -> bool:
-        """``guidance_scale <= 1`` means no classifier-free guidance."""
-        return self.guidance_scale > 1.0
+    def has_negative(self) -> bool:
+        """A negative prompt was given: a text (``""`` and ``" "`` included), or embeddings of at
+        least one token (zero tokens are an encoder's answer for "none", ar_encoder's for Qwen-Image)."""
+        embeds = self.negative_prompt_embeds
+        return self.negative_prompt is not None or (embeds is not None and embeds.shape[0] > 0)
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: DiffusionLimits,
@@ -92,10 +94,8 @@ def _one_of(values, text_name: str, embeds_name: str, limits: DiffusionLimits, r
         require(text.strip() != "" or not required, text_name, "must be a non-empty prompt", text)
         require(len(text) <= limits.max_prompt_chars, text_name,
                 f"is longer than {limits.max_prompt_chars} characters", len(text))
-    if embeds is not None:
+    if embeds is not None:  # zero negative tokens: an encoder's "no negative prompt" (runner.py)
         embeds = check_embeds(embeds_name, embeds, limits, min_tokens=1 if required else 0)
-        if embeds.shape[0] == 0:  # the encoding of no text: no negative prompt
-            embeds = None
     return text, embeds
 
 

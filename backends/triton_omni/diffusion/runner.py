@@ -286,6 +286,11 @@ class DiffusionRunner:
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        if (request.prompt is None and request.negative_prompt_embeds is None and request.negative_prompt is None
+                and self._guided(request) and not self.family.has_text_encoder()):
+            raise RequestValidationError("negative_prompt_embeds", "is required for guidance with prompt_embeds: "
+                                         "this model has no text encoder to encode the pipeline's default negative "
+                                         'prompt ""', None, show_value=False)
         if self.sequence_parallel is not None:
             self._check_shares(request)
         if request.step_cache is not None and request.step_cache.on:
@@ -364,21 +369,25 @@ class DiffusionRunner:
         cond = to_device(cond, self.device, self.dtype)
         uncond = None
         if self._guided(request):
-            if request.negative_prompt_embeds is not None:
-                uncond = request.negative_prompt_embeds
-            elif request.negative_prompt is not None or request.prompt is not None:
-                uncond = self._encode_text(request.negative_prompt or "")
-            else:  # embeddings from another model and no negative: the null condition
-                uncond = torch.zeros_like(cond)
-            uncond = to_device(uncond, self.device, self.dtype)
+            uncond = to_device(self._negative(request, cond), self.device, self.dtype)
             if self.family.cfg_in_one_batch:
                 cond, uncond = _same_length(cond, uncond)
         return _Job(index, request, cond, uncond)
 
     def _guided(self, request: DiffusionRequest) -> bool:
         """Whether the request runs classifier-free guidance, by its family's rule."""
-        has_negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
-        return self.family.uses_guidance(request.guidance_scale, has_negative)
+        return self.family.uses_guidance(request.guidance_scale, request.has_negative)
+
+    def _negative(self, request: DiffusionRequest, cond: torch.Tensor) -> torch.Tensor:
+        """What a guided request's negative side is conditioned on, as its pipeline would have it:
+        the negative embeddings or text given; zero tokens from an encoder (the stage before this
+        one had no negative to give): the null condition; none at all: the empty prompt, which is
+        what the pipeline encodes for a negative prompt it was not given (a family that guides only
+        with a negative prompt, Qwen-Image, never gets here without one)."""
+        embeds = request.negative_prompt_embeds
+        if embeds is not None:
+            return embeds if embeds.shape[0] > 0 else torch.zeros_like(cond)
+        return self._encode_text(request.negative_prompt or "")
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
         with torch.inference_mode():

@@ -4,7 +4,7 @@ half of its BLS split; ``triton_omni.triton.stages`` is the ``TritonDecoder``).
 Routes come from the request, never from a flag in the code:
 
 * ``modalities=["text"]``: ``ar`` streams text deltas;
-* ``["image"]``: ``ar_encoder`` (prompt and negative prompt, concurrently)
+* ``["image"]``: ``ar_encoder`` (prompt and negative prompt, one request)
   then ``diffusion`` (several images concurrently);
 * ``enhance_prompt``: ``ar`` first rewrites the prompt for the image path
   (streamed as ``EnhancedPrompt`` deltas), then encode and diffuse;
@@ -65,7 +65,9 @@ class Embeds(Protocol):
 class Stages(Protocol):
     def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]: ...
 
-    async def encode(self, prompt: str) -> Embeds: ...
+    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[Embeds, Embeds]:
+        """The prompt's embeddings and its negative side's (``negative_prompt`` None: absent)."""
+        ...
 
     async def diffuse(self, embeds: Embeds, negative: Embeds | None, options: dict[str, Any],
                       on_step: Callable[[int, int], None]) -> Any: ...
@@ -117,12 +119,10 @@ class OmniScheduler:
 
     async def _images(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         prompt = await self._enhanced(request, emit) if request.enhance_prompt else request.prompt
-        negative = request.image_options.get("negative_prompt")
-        encoded = await asyncio.gather(self.stages.encode(prompt),
-                                       *([self.stages.encode(negative)] if negative else []))
-        embeds, negative_embeds = encoded[0], (encoded[1] if negative else None)
+        # absent, "" and " " are three different negative prompts (the family's pipeline decides)
+        embeds, negative_embeds = await self.stages.encode(prompt, request.image_options.get("negative_prompt"))
         emit(Progress("encode", 1, 1))
-        nbytes = embeds.nbytes + (negative_embeds.nbytes if negative_embeds is not None else 0)
+        nbytes = embeds.nbytes + negative_embeds.nbytes
         async with self.budget.reserve(nbytes * request.num_images), asyncio.TaskGroup() as group:
             for index in range(request.num_images):
                 options = {k: v for k, v in request.image_options_for(index).items() if k != "negative_prompt"}

@@ -89,15 +89,22 @@ class TritonStages:
             if delta.text or delta.finish_reason:  # vLLM sends empty deltas for partial UTF-8 characters
                 yield delta
 
-    async def encode(self, prompt: str) -> TritonEmbeds:
+    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[TritonEmbeds, TritonEmbeds]:
+        """The prompt's embeddings and its negative side's, in one ``ar_encoder`` request; an
+        absent negative prompt is left out, and the encoder answers what the family's pipeline
+        uses without one (zero tokens: none)."""
         key = new_id()
+        inputs = [_text("text_input", prompt, batched=True)]
+        if negative_prompt is not None:
+            inputs.append(_text("negative_prompt", negative_prompt, batched=True))
         request = pb_utils.InferenceRequest(
-            model_name=self.models["encoder"], inputs=[_text("text_input", prompt, batched=True)],
-            requested_output_names=["prompt_embeds"], parameters={KEY_PARAMETER: key},
+            model_name=self.models["encoder"], inputs=inputs,
+            requested_output_names=["prompt_embeds", "negative_prompt_embeds"], parameters={KEY_PARAMETER: key},
         )
         response = await self._exec(key, self.models["encoder"], request.exec)
         _raise_if_error(self.models["encoder"], response)
-        return TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds"))
+        return (TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds")),
+                TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "negative_prompt_embeds")))
 
     async def diffuse(self, embeds: TritonEmbeds, negative: TritonEmbeds | None, options: dict[str, Any],
                       on_step: Callable[[int, int], None]):
