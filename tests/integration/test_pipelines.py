@@ -21,11 +21,11 @@ from tests.support.server import metric_value, text_to_image
 STEPS = 3
 
 
-def by_hand(url: str, prompt: str, negative: str = "", **options) -> np.ndarray:
-    """ar_encoder, then diffusion: what the pipelines must reproduce exactly."""
+def by_hand(url: str, prompt: str, negative: str | None = None, **options) -> np.ndarray:
+    """ar_encoder (the prompt and its negative side), then diffusion: what the pipelines must
+    reproduce exactly."""
     client = OmniClient(url, "http")
-    embeds = client.encode(prompt)
-    negative_embeds = client.encode(negative) if negative else None
+    embeds, negative_embeds = client.encode_with_negative(prompt, negative)
     return client.generate_image(prompt_embeds=embeds, negative_prompt_embeds=negative_embeds, **options)
 
 
@@ -33,7 +33,7 @@ def by_hand(url: str, prompt: str, negative: str = "", **options) -> np.ndarray:
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("negative", ["", "blurry, low quality"])
+@pytest.mark.parametrize("negative", [None, "", "blurry, low quality"])
 def test_ensemble_equals_the_stages_called_by_hand(server, protocol, negative):
     options = {"seed": 11, "num_inference_steps": STEPS, "guidance_scale": 5.0}
     url = server.http_url if protocol == "http" else server.grpc_url

@@ -93,8 +93,8 @@ def documented_metrics(gateway: bool = False) -> dict[str, str]:
     return dict(re.findall(r"^\| `(omni_\w+)` \| (counter|gauge|histogram) \|", table, flags=re.M))
 
 
-def text_to_image(url: str, protocol: str, prompt: str, negative: str = "", **options) -> np.ndarray:
-    """One image from the ``text_to_image`` ensemble."""
+def text_to_image(url: str, protocol: str, prompt: str, negative: str | None = None, **options) -> np.ndarray:
+    """One image from the ``text_to_image`` ensemble (``negative`` None: no negative prompt sent)."""
     module = grpcclient if protocol == "grpc" else httpclient
     inputs = batched_inputs(module, text_input=prompt, negative_prompt=negative, **options)
     with module.InferenceServerClient(url) as client:

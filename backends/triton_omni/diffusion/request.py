@@ -113,11 +113,8 @@ def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits, min_t
     require(len(shape) == 2, name, "must be 2-D [num_tokens, hidden]", list(embeds.shape))
     tokens, hidden = shape
     require(hidden == limits.hidden_size, name, f"hidden size must be {limits.hidden_size}", hidden)
-    # Zero tokens is what an empty prompt encodes to: through `text_to_image` this error is the
-    # user's empty `text_input`, so the message says so rather than only naming this tensor.
-    empty = " (an empty prompt encodes to no tokens: send a non-empty text_input or prompt)" if tokens == 0 else ""
     require(min_tokens <= tokens <= limits.max_embeds_tokens, name,
-            f"token count must be in [{min_tokens}, {limits.max_embeds_tokens}]{empty}", tokens)
+            f"token count must be in [{min_tokens}, {limits.max_embeds_tokens}]", tokens)
     nbytes = embeds.numel() * embeds.element_size()
     require(nbytes <= limits.max_embeds_bytes, name, f"is larger than {limits.max_embeds_bytes} bytes", nbytes)
     embeds = embeds.reshape(shape)
