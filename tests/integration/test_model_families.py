@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +109,21 @@ def test_stable_diffusion_s_diffusion_routes_give_the_pipelines_image(server, ne
         image = client.generate_image(prompt_embeds=encoded("sd", PROMPT), negative_prompt_embeds=negative_embeds,
                                       guidance_scale=guidance, **OPTIONS)
         assert_close(image, expected)
+
+
+@pytest.mark.parametrize("negative", ["absent", "empty"])
+def test_the_cli_sends_the_negative_prompt_as_given(family_server, negative, tmp_path):
+    """`omni-triton generate-image --model text_to_image`, with `--negative-prompt` left out and ""."""
+    family, server = family_server
+    out = tmp_path / "image.png"
+    given = [] if NEGATIVES[negative] is ABSENT else ["--negative-prompt", NEGATIVES[negative]]
+    subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate-image", PROMPT, "--model",
+                    "text_to_image", *given, "--out", str(out), "--url", server.grpc_url, "--steps",
+                    str(OPTIONS["num_inference_steps"]), "--seed", str(OPTIONS["seed"]), "--guidance", str(GUIDED),
+                    "--height", "32", "--width", "32"], check=True)
+    with Image.open(out) as written:
+        image = np.asarray(written)
+    assert_close(image, reference(family, PROMPT, NEGATIVES[negative], guidance_scale=GUIDED, **OPTIONS))
 
 
 def test_the_readings_the_routes_gave_before_are_far_from_the_pipelines(family_server):
