@@ -121,6 +121,47 @@ def test_repository_configs_only_declare_what_the_protocol_says(model):
             assert (type_name(tensor.data_type), list(tensor.dims)) == (spec.data_type, list(spec.dims))
 
 
+# What reads a family's capabilities instead of naming it or probing its pipeline (ARCHITECTURE.md)
+RUNTIME, TOOLS = ROOT / "backends" / "triton_omni", ROOT / "tools" / "triton_omni_tools"
+FAMILY_READERS = [RUNTIME / "diffusion", RUNTIME / "ar", RUNTIME / "triton", ROOT / "backends" / "omni_diffusion",
+                  TOOLS / "launcher.py", TOOLS / "demos.py"]
+FAMILY_WORDS = ("qwen_image", "qwenimage", "z_image", "zimage", "stable_diffusion", "stablediffusion", "unet",
+                "sdxl", "flux")
+
+
+def code_words(path: Path) -> list[tuple[int, str]]:
+    """Every identifier, attribute and string constant of a module's code (docstrings left out),
+    and every call of ``hasattr``, with its line."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    words = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            words.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.append((node.lineno, node.value))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
+            words.append((node.lineno, "hasattr("))
+    return words
+
+
+def test_no_family_is_named_or_probed_outside_the_family_modules():
+    """The step engine, the runner, ar_encoder and the launcher read a family's capabilities
+    (triton_omni.families); a family is named, and its pipeline probed, only in its own module."""
+    found = []
+    for reader in FAMILY_READERS:
+        for path in [reader] if reader.suffix == ".py" else sorted(reader.rglob("*.py")):
+            for line, word in code_words(path):
+                lowered = word.lower().replace("-", "_")
+                if word == "hasattr(" or any(name in lowered for name in FAMILY_WORDS):
+                    found.append(f"{path.relative_to(ROOT)}:{line}: {word[:60]}")
+    assert not found, "\n".join(found)
+
+
 def test_the_ensemble_is_wired_from_the_protocol():
     config = load_config(ROOT / "ensemble" / "text_to_image" / "config.pbtxt")
     diffusion = {s.name: s for s in diffusion_inputs()}

@@ -278,7 +278,7 @@ def test_most_behind_steps_the_group_furthest_behind_its_time_alone(short_waited
 
     from triton_omni.diffusion.steps import StepEngine
 
-    engine = StepEngine(torch.device("cpu"), torch.float32, group_order="most_behind")
+    engine = StepEngine(torch.device("cpu"), torch.float32, lambda device: None, group_order="most_behind")
     try:
         now = time.monotonic()
         groups = {"long": (64, 64, 77), "short": (32, 32, 77)}  # (height, width, prompt tokens)

@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.language_model import architecture, has_language_model, language_model
-from triton_omni.ar.recipes import EncoderRecipe, recipe
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
@@ -30,6 +29,7 @@ from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
+from triton_omni.families import EncoderRecipe, recipe
 from triton_omni.gpu_memory import cap_torch
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class ArRunnerConfig:
     # This model's share of its GPU (gpu_memory.py); None: the engine's default (vLLM: 0.9).
     gpu_memory_utilization: float | None = None
     engine_cpus: str = ""  # vLLM: the CPUs its engine core runs on (cpu_affinity.py); "": wherever the OS puts it
-    # encode mode: the diffusion pipeline's text-encoding recipe (recipes.py)
+    # encode mode: the diffusion pipeline's text-encoding recipe (its family's, triton_omni.families)
     recipe: str = "last_hidden_state"
 
     def __post_init__(self):

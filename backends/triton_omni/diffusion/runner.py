@@ -38,18 +38,16 @@ from typing import Any
 
 import torch
 
-from triton_omni.demo_models import IN_MEMORY, build_in_memory, resolve_model
+from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
-from triton_omni.diffusion.denoisers import denoiser_of
-from triton_omni.diffusion.families import family_of
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
-from triton_omni.diffusion.sequence_parallel import supports as supports_sequence_parallel
 from triton_omni.diffusion.step_cache import parse_step_cache
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
+from triton_omni.families import FAMILIES, Family, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
 
 logger = logging.getLogger(__name__)
@@ -103,7 +101,7 @@ class DiffusionRunnerConfig:
     steps_ahead: int = STEPS_AHEAD
     # step batching, DiT families: every request's step cache unless it says otherwise (step_cache.py)
     step_cache: str = "off"
-    # CFG parallel (Qwen-Image, step batching): the negatives' pass on this second device (denoisers.py)
+    # CFG parallel (step batching, where the family takes it): the negatives' pass on this second device
     cfg_device: str | None = None
     # "blocks": torch.compile each repeated block of a diffusion transformer (regional compilation)
     compile: str = "off"
@@ -174,43 +172,43 @@ class DiffusionRunner:
         self.step_cache = parse_step_cache(config.step_cache)  # the model's default
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
-        in_memory = config.model in IN_MEMORY
-        path = config.model if in_memory else resolve_model(config.model)
+        path = config.model if in_memory(config.model) else resolve_model(config.model)
         if config.gpu_memory_utilization is not None:
             cap_torch(config.gpu_memory_utilization, config.device)
+
+        def load() -> None:
+            self.pipeline = build_in_memory(config.model, self.device, self.dtype) if in_memory(config.model) \
+                else DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device)
+            self.pipeline.set_progress_bar_config(disable=True)
+            self.family: Family = family_of(self.pipeline)
+
         # step batching: the engine's thread runs every torch operation, the load included (steps.py)
-        self.steps = self._step_engine(on_batch) if config.batching == "step" else None
-        self.pipeline = self._on_torch_thread(
-            lambda: build_in_memory(config.model, self.device, self.dtype) if in_memory
-            else DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device))
-        self.pipeline.set_progress_bar_config(disable=True)
-        self.family = family_of(self.pipeline)
+        self.steps = self._step_engine(load, on_batch) if config.batching == "step" else None
+        if self.steps is None:
+            load()
+        capabilities = self.family.capabilities
         hidden = self.family.hidden_size()
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple()}
                                          | config.limits))
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and getattr(self.pipeline, "unet", None) is not None:
+        if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
             # step batching: a graph per (bucket, size, token count) in use
-            self.graphs = GraphedDenoiser(self.pipeline.unet, max_graphs=32 if config.batching == "step" else 16,
+            self.graphs = GraphedDenoiser(self.family.network, max_graphs=32 if config.batching == "step" else 16,
                                           on_capture=on_capture)
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
         try:
             if config.sp_devices:
                 self._sequence_parallel([torch.device(d) for d in config.sp_devices])
-            if self.steps is not None:
-                self.steps.denoiser = denoiser_of(self.family, self.steps.device, self.dtype)
-                if self.step_cache.on and not self.steps.denoiser.caches:
-                    raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
-                                     "family has no step cache (it skips a diffusion transformer's blocks)")
-                if config.cfg_device is not None:
-                    self._parallel_cfg(torch.device(config.cfg_device))
+            if self.step_cache.on and not capabilities.step_cache:
+                raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
+                                 "family has no step cache (it skips a diffusion transformer's blocks)")
+            if config.cfg_device is not None:
+                self._parallel_cfg(torch.device(config.cfg_device))
             self._compile()
         except Exception:
             self.close()
             raise
-        if self.steps is not None:
-            self.steps.pipeline = self.pipeline
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
                     "on" if self.graphs else "off", config.batching)
@@ -221,36 +219,45 @@ class DiffusionRunner:
         cache) runs it; CFG parallel's worker compiles its copy the same way."""
         if self.config.compile == "off":
             return
-        transformer = getattr(self.pipeline, "transformer", None)
-        if not getattr(transformer, "_repeated_blocks", None):
+        if not self.family.capabilities.compile:
             raise ValueError(f"model parameter compile {self.config.compile!r}: the {self.family.name} family "
-                             "has no diffusion transformer blocks to compile (a UNet replays CUDA graphs instead)")
+                             "has no diffusion transformer blocks to compile" +
+                             (" (its network replays CUDA graphs instead)" if self.family.capabilities.cuda_graphs
+                              else ""))
+        transformer = self.family.network
         compile_blocks(transformer, COMPILE_OPTIONS)
         logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
                     ", ".join(transformer._repeated_blocks), type(transformer).__name__)
 
     def _sequence_parallel(self, devices: list[torch.device]) -> None:
-        transformer = getattr(self.pipeline, "transformer", None)
-        if transformer is None or not supports_sequence_parallel(transformer):
+        if not self.family.capabilities.sequence_parallel:
             raise ValueError(f"sequence parallel splits a diffusion transformer's tokens: the {self.family.name} "
-                             "family has none (a UNet)")
+                             "family has none")
+        transformer = self.family.network
         self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(transformer, devices))
         logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
                     ", ".join(str(d) for d in self.sequence_parallel.devices))
 
     def _parallel_cfg(self, device: torch.device) -> None:
-        denoiser = self.steps.denoiser
-        if not hasattr(denoiser, "cfg_parallel"):
+        if not self.family.capabilities.cfg_parallel:
+            taking = ", ".join(family.name for family in FAMILIES.values() if family.capabilities.cfg_parallel)
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
-                             f"GPU: Qwen-Image does; the {self.family.name} family does not")
+                             f"GPU: the {self.family.name} family does not (families that do: {taking})")
         options = COMPILE_OPTIONS if self.config.compile != "off" else None
-        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.pipeline.transformer, device, options))
-        denoiser.cfg_parallel = self.cfg_parallel
+        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options))
+        self.steps.adapter.cfg_parallel = self.cfg_parallel
         logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
-    def _step_engine(self, on_batch) -> StepEngine:
+    def _step_engine(self, load: Callable[[], None], on_batch) -> StepEngine:
+        """The step engine, which loads the pipeline on its thread (``load``) and takes the family's
+        step adapter for its loop."""
         c = self.config
-        return StepEngine(self.device, self.dtype, max_rows=c.max_rows or 2 * c.batch_size,
+
+        def adapter(device: torch.device) -> StepAdapter:
+            load()
+            return self.family.step_adapter(self.pipeline, device, self.dtype)
+
+        return StepEngine(self.device, self.dtype, adapter, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_mode == "true", per_request=c.exact_mode == "pipeline",
                           on_full=c.on_full, on_batch=on_batch, group_order=c.group_order,
                           steps_ahead=c.steps_ahead)
@@ -300,24 +307,15 @@ class DiffusionRunner:
             if self.steps is None:
                 raise RequestValidationError("step_cache", "needs a model with batching 'step' (the cache is kept "
                                              "per request between its steps)", str(request.step_cache))
-            if not self.steps.denoiser.caches:
+            if not self.family.capabilities.step_cache:
                 raise RequestValidationError("step_cache", f"the {self.family.name} family has no step cache (it "
                                              "skips a diffusion transformer's blocks)", str(request.step_cache))
         return request
 
     def _check_shares(self, request: DiffusionRequest) -> None:
-        """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any).
-        Qwen-Image's gathered sequence is the image's patches; Z-Image's is padded (checked at load)."""
-        if self.device.type != "cpu" or self.family.name != "qwen_image":
-            return
-        ranks = len(self.sequence_parallel.devices)
-        patch = self.limits.size_multiple
-        tokens = (request.height // patch) * (request.width // patch)
-        if tokens % ranks:
-            raise RequestValidationError("height", f"sequence parallel on the CPU shares the image's {tokens} "
-                                         f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
-                                         f"height x width must make a multiple of {ranks} patches",
-                                         f"{request.height}x{request.width}")
+        """A size sequence parallel cannot share over the ranks, refused by the family."""
+        self.family.check_sequence_parallel(request.height, request.width, len(self.sequence_parallel.devices),
+                                            on_cpu=self.device.type == "cpu")
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:
@@ -370,7 +368,7 @@ class DiffusionRunner:
         uncond = None
         if self._guided(request):
             uncond = to_device(self._negative(request, cond), self.device, self.dtype)
-            if self.family.cfg_in_one_batch:
+            if self.family.negatives_in_one_batch:
                 cond, uncond = _same_length(cond, uncond)
         return _Job(index, request, cond, uncond)
 

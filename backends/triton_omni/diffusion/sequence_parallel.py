@@ -24,36 +24,19 @@ import torch
 import torch.distributed as dist
 
 from triton_omni.diffusion import workers
+from triton_omni.families import sequence_parallel_plan
 
 logger = logging.getLogger(__name__)
 
 
-def _z_image_plan(transformer: Any) -> dict:
-    """Z-Image's main layers run one joint sequence (image and prompt tokens, each padded to a
-    multiple of 32): split it and its rotary frequencies at every layer, gather after the final
-    layer. The refiners before run whole on every rank; they are a small share of the work.
-    diffusers (0.42) ships no plan for Z-Image."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    return {
-        "layers.0": {"x": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-        "layers.*": {"freqs_cis": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
-    } | {f"all_final_layer.{patch}": ContextParallelOutput(gather_dim=1, expected_dims=3)
-         for patch in transformer.all_final_layer}  # one final layer per patch size
-
-
-# transformers whose plan is ours, and the multiple their split sequence is padded to
-PLANS = {"ZImageTransformer2DModel": (_z_image_plan, 32)}
-
-
 def supports(transformer: Any) -> bool:
-    """Whether this transformer's sequence can be split: diffusers' context-parallel plan, or ours."""
-    return getattr(transformer, "_cp_plan", None) is not None or type(transformer).__name__ in PLANS
+    """Whether this transformer's sequence can be split: diffusers' context-parallel plan, or its family's."""
+    return getattr(transformer, "_cp_plan", None) is not None or sequence_parallel_plan(transformer) is not None
 
 
 def _plan(transformer: Any) -> dict:
-    ours = PLANS.get(type(transformer).__name__)
-    return ours[0](transformer) if ours else transformer._cp_plan
+    ours = sequence_parallel_plan(transformer)
+    return ours[0] if ours else transformer._cp_plan
 
 
 class SequenceParallel:
@@ -120,7 +103,7 @@ def _check_ranks(transformer: Any, world: int, device: torch.device) -> None:
     if _heads(transformer) < world:
         raise ValueError(f"sequence parallel over {world} devices: {type(transformer).__name__} has "
                          f"{_heads(transformer)} attention heads, and each device takes at least one")
-    ours = PLANS.get(type(transformer).__name__)
+    ours = sequence_parallel_plan(transformer)
     if device.type == "cpu" and ours and ours[1] % world:
         raise ValueError(f"sequence parallel on the CPU: {type(transformer).__name__}'s sequence, padded to a "
                          f"multiple of {ours[1]}, does not share evenly over {world} processes")
@@ -132,14 +115,16 @@ class _Split:
     rank sees the same arguments, so every rank chooses the same."""
 
     def __init__(self, transformer: torch.nn.Module, world: int):
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
         self.world = world
         self.config = transformer._parallel_config.context_parallel_config
-        ours = PLANS.get(type(transformer).__name__)
+        ours = sequence_parallel_plan(transformer)
         # the forward's own arguments that are split, and along which dim (none: the split
         # sequence is built inside the forward, padded to a multiple)
         self.arguments = {} if ours else {
             name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
-            for name, entry in plan.items() if isinstance(name, str) and hasattr(entry, "split_dim")}
+            for name, entry in plan.items() if isinstance(name, str) and isinstance(entry, ContextParallelInput)}
         self.always_even = _heads(transformer) % world == 0 and (ours is None or ours[1] % world == 0)
 
     def choose(self, kwargs: dict) -> None:

@@ -1,5 +1,6 @@
 """Step-level (continuous) batching of a pipeline's denoising loop (the
-family's part of it, from noise to decode, lives in ``denoisers.py``).
+family's part of it, from noise to decode, is its step adapter, in its module
+under ``triton_omni.families``).
 
 Request-level batching runs a batch from its first step to its last; a
 request that arrives meanwhile waits for all of it. Here the unit of work is
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 
 from triton_omni.errors import RequestCancelledError, RequestRejectedError
+from triton_omni.families import StepAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,8 @@ class StepJob:
     latents: torch.Tensor | None = None
     step_kwargs: dict = field(default_factory=dict)
     done: int = 0
-    key: tuple | None = None  # its group, as its family's denoiser says
-    cache: dict | None = None  # its passes' step-cache state (step_cache.PassCache), set by its denoiser
+    key: tuple | None = None  # its group, as its family's step adapter says
+    cache: dict | None = None  # its passes' step-cache state (step_cache.PassCache), set by its step adapter
     steps_skipped: int = 0  # steps whose passes all reused the cache
 
     def group(self) -> tuple:
@@ -163,12 +165,15 @@ class StepCosts:
 
 
 class StepEngine:
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_rows: int = 16, exact: bool = False,
-                 per_request: bool = False, on_full: str = "wait", buckets: tuple[int, ...] = BUCKETS,
-                 on_batch: Callable[[int], None] | None = None, group_order: str = "most_behind",
-                 steps_ahead: int = STEPS_AHEAD):
-        """``on_batch(n)``: after each step, the number of requests it ran (the batch-size metric);
-        ``steps_ahead``: steps queued on the GPU at most (0: no bound; ignored off a GPU)."""
+    def __init__(self, device: torch.device, dtype: torch.dtype, load: Callable[[torch.device], StepAdapter],
+                 max_rows: int = 16, exact: bool = False, per_request: bool = False, on_full: str = "wait",
+                 buckets: tuple[int, ...] = BUCKETS, on_batch: Callable[[int], None] | None = None,
+                 group_order: str = "most_behind", steps_ahead: int = STEPS_AHEAD):
+        """``load(device)``: run first on the engine's thread, which runs every torch operation of the
+        engine's (the pipeline's load included): the family's step adapter, the engine's denoising
+        loop; it returns once that is done, with its error if it failed. ``on_batch(n)``: after
+        each step, the number of requests it ran (the batch-size metric); ``steps_ahead``: steps
+        queued on the GPU at most (0: no bound; ignored off a GPU)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:
@@ -183,8 +188,6 @@ class StepEngine:
         self.steps_ahead = steps_ahead if device.type == "cuda" else 0  # a CPU runs each step as it is issued
         self.costs = StepCosts(device) if group_order == "most_behind" else None
         self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
-        self.pipeline: Any = None  # set by the runner once ``call`` has loaded it on this engine's thread
-        self.denoiser: Any = None  # the pipeline family's adapter (denoisers.py), set with it
         self.max_rows, self.exact, self.per_request, self.on_full = max_rows, exact, per_request, on_full
         self.on_batch = on_batch
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
@@ -200,6 +203,11 @@ class StepEngine:
         self.max_rows_seen = 0  # the most rows one step ran (tests, metrics)
         self._thread = threading.Thread(target=self._loop, name="omni-diffusion-steps", daemon=True)
         self._thread.start()
+        try:
+            self.adapter: StepAdapter = self.call(lambda: load(self.device)).result()
+        except BaseException:
+            self.stop()
+            raise
 
     # -- the caller's side -----------------------------------------------------
 
@@ -287,8 +295,8 @@ class StepEngine:
         try:
             job.cond, job.uncond = job.prepare()
             with torch.inference_mode():
-                self.denoiser.start(job)
-            job.key = self.denoiser.group(job)
+                self.adapter.start(job)
+            job.key = self.adapter.group(job)
         except Exception as exc:
             job.future.set_exception(exc)
             return
@@ -360,11 +368,11 @@ class StepEngine:
         the next step's kernels are issued while this one runs (tests/gpu checks it)."""
         with torch.inference_mode():
             if self.per_request:
-                noise = [pred for job in jobs for pred in self.denoiser.predict([job], self._rows_padded)]
+                noise = [pred for job in jobs for pred in self.adapter.predict([job], self._rows_padded)]
             else:
-                noise = self.denoiser.predict(jobs, self._rows_padded)
+                noise = self.adapter.predict(jobs, self._rows_padded)
             for job, pred in zip(jobs, noise, strict=True):
-                self.denoiser.step(job, pred)
+                self.adapter.step(job, pred)
                 job.done += 1
 
     def _rows_padded(self, rows: int) -> int:
@@ -389,7 +397,7 @@ class StepEngine:
         for batch in ([[job] for job in jobs] if alone else [jobs] if jobs else []):
             try:
                 with torch.inference_mode():
-                    pixels, copied = pixels_to_host(self.denoiser.decode(batch))
+                    pixels, copied = pixels_to_host(self.adapter.decode(batch))
             except Exception as exc:
                 logger.exception("Decoding %d images failed", len(batch))
                 for job in batch:

@@ -160,7 +160,7 @@ def _raise_if_error(model: str, response) -> None:
     error = response.error()
     status, message = parse_status(error.message())
     if status is None:
-        code = error.code() if hasattr(error, "code") else None
+        code = getattr(error, "code", lambda: None)()
         status = next((n for n in STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
     raise StageError(model, status, message)
 

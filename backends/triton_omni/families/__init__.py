@@ -1,0 +1,81 @@
+"""The pipeline families: one module each, and the registry, keyed by the diffusers pipeline's
+class. Everything the runtime knows of a family is in its module (base.py says what that is);
+the runner, the step engine, ``ar_encoder`` and the launcher read a family's capabilities and
+never name a family or probe a pipeline themselves (tests/unit/test_architecture.py holds it).
+
+Adding a family: ARCHITECTURE.md, "Adding a family".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from triton_omni.families.base import (
+    LAST_HIDDEN_STATE,
+    Capabilities,
+    Demo,
+    EncoderRecipe,
+    Family,
+    Guidance,
+    StepAdapter,
+)
+from triton_omni.families.qwen_image import QwenImage
+from triton_omni.families.stable_diffusion import StableDiffusion
+from triton_omni.families.z_image import ZImage
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: dict[str, type[Family]] = {family.pipeline_class: family for family in (StableDiffusion, QwenImage, ZImage)}
+RECIPES: dict[str, EncoderRecipe] = {LAST_HIDDEN_STATE.name: LAST_HIDDEN_STATE} | {
+    family.recipe.name: family.recipe for family in FAMILIES.values()}
+DEMOS: dict[str, Demo] = {family.demo.name: family.demo for family in FAMILIES.values() if family.demo}
+
+
+def family_of(pipeline: Any) -> Family:
+    """The family of ``pipeline``, by its class; a UNet pipeline no family names is taken for
+    Stable Diffusion's shape (request batching; step batching checks its loop's parts)."""
+    family = FAMILIES.get(type(pipeline).__name__)
+    if family is None:
+        if getattr(pipeline, "unet", None) is None:
+            raise ValueError(f"no family serves {type(pipeline).__name__} (served: {', '.join(FAMILIES)})")
+        logger.warning("%s is served as a Stable Diffusion pipeline (a UNet conditioned on text embeddings)",
+                       type(pipeline).__name__)
+        family = StableDiffusion
+    return family(pipeline)
+
+
+def recipe(name: str) -> EncoderRecipe:
+    """The text recipe ``name`` (the ``ar_encoder`` model parameter ``recipe``)."""
+    if name not in RECIPES:
+        raise ValueError(f"model parameter recipe must be one of {sorted(RECIPES)}, got {name!r}")
+    return RECIPES[name]
+
+
+def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:
+    """A family's own context-parallel plan for ``transformer`` (and the multiple its sequence is
+    padded to), where diffusers ships none; None: the transformer's own ``_cp_plan``, if any."""
+    for family in FAMILIES.values():
+        plan = family.sequence_parallel_plan(transformer)
+        if plan is not None:
+            return plan
+    return None
+
+
+def demo_folders() -> dict[str, Any]:
+    """Every family's demo folders, by name: its tiny demo and any other it builds."""
+    folders = {}
+    for family in FAMILIES.values():
+        if family.demo is not None:
+            folders[family.demo.model] = family.demo.build
+        folders |= family.demo_folders
+    return folders
+
+
+def realistic_builders() -> dict[str, Any]:
+    """``demo:<name>`` -> builder(device, dtype) of every family's in-memory realistic pipelines."""
+    return {name: build for family in FAMILIES.values() for name, build in family.realistic.items()}
+
+
+__all__ = ["DEMOS", "FAMILIES", "RECIPES", "Capabilities", "EncoderRecipe", "Family", "Guidance", "StepAdapter",
+           "demo_folders", "family_of", "realistic_builders", "recipe", "sequence_parallel_plan"]

@@ -1,0 +1,248 @@
+"""What every pipeline family is made of, and the parts families share.
+
+A family (one module beside this one) is all the runtime knows of a diffusers
+pipeline class:
+
+- its **capabilities** (``Capabilities``): its guidance kind, and which of the
+  serving modes it takes (step cache, CFG parallel, sequence parallel, CUDA
+  graphs, ``compile: blocks``); the runner, the step engine, ``ar_encoder``
+  and the launcher read these and never probe a pipeline themselves;
+- its **request batching** (``Family``): how its pipeline encodes a prompt on
+  its own, when a request is guided, and the keyword arguments of one batched
+  ``__call__`` given each request's embeddings;
+- its **step adapter** (``StepAdapter``): its denoising loop cut into steps
+  for the step engine (``diffusion/steps.py``), following the pipeline's own
+  ``__call__`` line by line, so that a request stepped in any company gives
+  the image of that call;
+- its **text recipe** (``EncoderRecipe``): what ``ar_encoder`` computes so
+  that its embeddings are the pipeline's own ``encode_prompt``;
+- its **demo builders**: a tiny random-weight pipeline for the CPU and the
+  tests, and the real shapes (random weights) for GPU benchmarks.
+
+The pipeline stays the reference: a family never re-implements what the
+pipeline does, it hands the pipeline (or its network, step by step) what the
+pipeline would have computed itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from triton_omni.errors import RequestValidationError
+
+# A step's rows padded up to this count (a bucket): (real rows) -> padded rows
+PadTo = Callable[[int], int]
+
+
+class Guidance(enum.Enum):
+    """How a family's pipeline guides with its scale."""
+
+    CFG = "cfg"  # a negative pass whenever the scale is above the threshold (the encoding of "" by default)
+    TRUE_CFG = "true_cfg"  # a negative pass only when given a negative prompt, rescaled to the prompt's norm
+    DISTILLED = "distilled"  # the scale is an input of the network: no negative pass
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    guidance: Guidance
+    guides_above: float = 1.0  # a scale above this guides (Z-Image's CFG: above 0)
+    step_cache: bool = False  # First Block Cache per request (step_cache.py): a DiT's blocks to skip
+    cfg_parallel: bool = False  # the negatives' pass on a second GPU (cfg_parallel.py)
+    sequence_parallel: bool = False  # the network's tokens split over GPUs (sequence_parallel.py)
+    cuda_graphs: bool = False  # the UNet's steps replayed as CUDA graphs (cuda_graphs.py)
+    compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
+
+
+@dataclass(frozen=True)
+class EncoderRecipe:
+    """What ``ar_encoder`` computes for a family: the text its encoder reads (the raw prompt, or
+    the prompt in a template), which layer's hidden states are taken, and how many leading
+    tokens (the template's) are dropped."""
+
+    name: str
+    render: Callable[[object, str], str]  # (tokenizer, prompt) -> the text the encoder reads
+    layer: int = -1  # index into the model's hidden states (-1: the last, after the final norm)
+    dropped: int = 0  # leading tokens of the rendered text left out of the output
+    # What the pipeline encodes for a negative prompt it was not given: "" (the empty prompt's
+    # encoding), or None: nothing, it runs without a negative (zero tokens leave the encoder).
+    absent_negative: str | None = ""
+
+    def select(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One prompt's ``[num_tokens, hidden]`` of the recipe's layer, template tokens dropped."""
+        return hidden[self.dropped :]
+
+
+# The raw prompt's last hidden state: Stable Diffusion's CLIP, and any text model as a demo encoder.
+LAST_HIDDEN_STATE = EncoderRecipe("last_hidden_state", lambda tokenizer, prompt: prompt)
+
+
+@dataclass(frozen=True)
+class Demo:
+    """``omni-triton serve --demo NAME``: the tiny pipeline it serves as ``diffusion`` (and, when the
+    family's encoder is the pipeline's own, as ``ar_encoder`` with the family's recipe)."""
+
+    name: str  # the --demo value
+    model: str  # the demo model's name (``demo:<model>``)
+    build: Callable[[Path], None]  # writes the tiny pipeline into a folder
+    encoder: bool = True  # ar_encoder loads the pipeline's text encoder with the family's recipe
+
+
+class Family:
+    """A pipeline family's request batching. Subclasses set the class attributes and override
+    what their pipeline does differently from Stable Diffusion's shape."""
+
+    name: ClassVar[str]
+    pipeline_class: ClassVar[str]  # the diffusers pipeline's class name: the registry's key
+    capabilities: ClassVar[Capabilities]
+    recipe: ClassVar[EncoderRecipe] = LAST_HIDDEN_STATE
+    step_adapter: ClassVar[type[StepAdapter]]
+    # request batching: CFG runs the prompt and its negative as rows of one batch (one token count)
+    negatives_in_one_batch: ClassVar[bool] = False
+    demo: ClassVar[Demo | None] = None
+    # more demo folders it builds (``demo:<name>``, resolved by ``demo_models.resolve_model``) -> builder(folder)
+    demo_folders: ClassVar[dict[str, Callable[[Path], None]]] = {}
+    # real shapes, random weights, built in memory on the GPU: ``demo:<name>`` -> builder(device, dtype)
+    realistic: ClassVar[dict[str, Callable[[Any, Any], Any]]] = {}
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    @property
+    def network(self) -> torch.nn.Module:
+        """The denoising network: a UNet or a diffusion transformer."""
+        return self.pipeline.transformer
+
+    def hidden_size(self) -> int:
+        raise NotImplementedError
+
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this: the VAE's factor times the DiT's patch."""
+        raise NotImplementedError
+
+    def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
+        """Whether a request runs a negative pass, by the pipeline's own rule."""
+        kind = self.capabilities.guidance
+        if kind in (Guidance.DISTILLED, Guidance.NONE) or guidance_scale <= self.capabilities.guides_above:
+            return False
+        return has_negative or kind is Guidance.CFG
+
+    def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
+        """One prompt alone, as the pipeline encodes it: ``[num_tokens, hidden]``."""
+        raise NotImplementedError
+
+    def has_text_encoder(self) -> bool:
+        return getattr(self.pipeline, "text_encoder", None) is not None
+
+    def require_text_encoder(self) -> None:
+        """A pipeline built without its text encoder (the realistic GPU presets) takes embeddings only."""
+        if not self.has_text_encoder():
+            raise RequestValidationError("prompt", "this model has no text encoder: send prompt_embeds "
+                                         "(text_to_image and omni do)", None, show_value=False)
+
+    def call_kwargs(self, conds: list[torch.Tensor], unconds: list[torch.Tensor] | None,
+                    guidance_scale: float) -> dict[str, Any]:
+        """One batched call's conditioning: rows of one token count (the runner groups them so)."""
+        raise NotImplementedError
+
+    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
+        """Refuse a request size sequence parallel cannot split (``RequestValidationError``)."""
+
+    @staticmethod
+    def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:
+        """Our context-parallel plan for a transformer diffusers ships none for, and the multiple
+        its split sequence is padded to; None: diffusers' own plan (``_cp_plan``)."""
+        return None
+
+
+# -- what the step adapters share ------------------------------------------------------------
+
+
+def pad_rows(rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+    """Padding rows repeat the last real row; their outputs are dropped."""
+    return rows + [rows[-1]] * (size - len(rows))
+
+
+def flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigmas) -> None:
+    """A flow-matching request's scheduler copy, set as its pipeline sets it (the shift ``mu``
+    follows the image's token count)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+    scheduler = copy.deepcopy(pipeline.scheduler)
+    config = scheduler.config
+    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(scheduler, job.steps, device, sigmas=sigmas, mu=mu)
+    scheduler.set_begin_index(0)
+    job.scheduler, job.timesteps, job.schedule = scheduler, timesteps, list(timesteps)
+
+
+class StepAdapter:
+    """What the step engine needs of a family: a request's starting state (its scheduler copy,
+    timesteps and noise, drawn as the pipeline draws them), its group (requests that can share a
+    forward pass), one guided prediction for every request of a group in shared forward passes,
+    a scheduler step, and the decode."""
+
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
+        self.pipeline, self.device, self.dtype = pipeline, device, dtype
+
+    def group(self, job) -> tuple:
+        raise NotImplementedError
+
+    def start(self, job) -> None:
+        raise NotImplementedError
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self, job, pred: torch.Tensor) -> None:
+        job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, return_dict=False)[0]
+
+    def decode(self, jobs: list) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FlowStepAdapter(StepAdapter):
+    """What the flow-matching DiTs share: a prompt and its negative keep their own text lengths
+    (both are part of the group), a plain scheduler step on the velocity, and step caching per
+    request (step_cache.py)."""
+
+    def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipeline, device, dtype)
+        self._step_cache = None  # the hooks, installed when a request first asks for them
+        self.cfg_parallel = None  # a CfgParallel, where the family takes it: where the negatives' passes run
+
+    def start_cache(self, job, passes: tuple[str, ...]) -> None:
+        """The job's passes' cache state, where it asked for step caching."""
+        from triton_omni.diffusion.step_cache import FirstBlockCache, PassCache
+
+        if job.step_cache is None or not job.step_cache.on:
+            return
+        if self._step_cache is None:
+            self._step_cache = FirstBlockCache(self.pipeline.transformer)
+        job.cache = {name: PassCache(job.step_cache.threshold) for name in passes}
+
+    def cached(self, rows: list) -> contextlib.AbstractContextManager:
+        """Around a forward pass whose row ``i`` is ``rows[i]``'s (a PassCache, or None)."""
+        return contextlib.nullcontext() if self._step_cache is None else self._step_cache.passes(rows)
+
+    @staticmethod
+    def count_skips(jobs: list) -> None:
+        for job in jobs:
+            if job.cache is not None and not any(state.computed for state in job.cache.values()):
+                job.steps_skipped += 1
+
+    def group(self, job) -> tuple:
+        return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+
+
+def ones_mask(embeds: list[torch.Tensor]) -> torch.Tensor:
+    return torch.ones(len(embeds), embeds[0].shape[0], dtype=torch.long, device=embeds[0].device)
