@@ -197,6 +197,7 @@ class DiffusionRunner:
                                           on_capture=on_capture)
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
+        self._empty: torch.Tensor | None = None  # the encoding of "" (_empty_prompt)
         try:
             if config.sp_devices:
                 self._sequence_parallel([torch.device(d) for d in config.sp_devices])
@@ -385,11 +386,18 @@ class DiffusionRunner:
         embeds = request.negative_prompt_embeds
         if embeds is not None:
             return embeds if embeds.shape[0] > 0 else torch.zeros_like(cond)
-        return self._encode_text(request.negative_prompt or "")
+        return self._encode_text(request.negative_prompt) if request.negative_prompt else self._empty_prompt()
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
         with torch.inference_mode():
             return self.family.encode(prompt, self.device)
+
+    def _empty_prompt(self) -> torch.Tensor:
+        """The encoding of "", every guided request's negative side when it has none: encoded once,
+        so that such a request's admission neither runs the text encoder nor waits for the GPU."""
+        if self._empty is None:
+            self._empty = self._encode_text("")
+        return self._empty
 
     def _run_chunk(self, jobs: list[_Job], on_step, is_cancelled) -> list[torch.Tensor | Exception]:
         first = jobs[0].request
