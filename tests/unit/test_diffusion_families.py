@@ -96,6 +96,20 @@ def test_embeddings_without_a_negative_get_the_pipelines_default_negative(runner
         assert (nulled.int() - image.int()).abs().max() >= 10
 
 
+def test_the_empty_prompt_is_encoded_once(runner, monkeypatch):
+    """Every guided request without a negative guides against the same encoding of "": encoded at
+    the first, not at each admission (on a GPU, that encoding waited for the device)."""
+    if not runner.family.uses_guidance(4.0, has_negative=False):
+        return  # Qwen-Image: no negative, no guidance
+    encoded = []
+    encode = runner.family.encode
+    monkeypatch.setattr(runner.family, "encode", lambda text, device: encoded.append(text) or encode(text, device))
+    embeds = encode("a red fox", runner.device)
+    served(runner, *({"prompt_embeds": embeds, "guidance_scale": 4.0, "seed": seed} for seed in (1, 2, 3)))
+    served(runner, {"prompt_embeds": embeds, "negative_prompt": "", "guidance_scale": 4.0, "seed": 4})
+    assert encoded.count("") <= 1
+
+
 def test_without_a_text_encoder_guided_embeddings_need_their_negative(runner, monkeypatch):
     embeds = runner.family.encode("a red fox", runner.device)
     monkeypatch.setattr(runner.family, "has_text_encoder", lambda: False)  # as the realistic GPU presets
