@@ -80,7 +80,7 @@ class Images:
         self.grpc, self.http, self.options = grpc, http, options
 
     async def direct(self) -> int:
-        inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **self.options)
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, **self.options)  # as the gateway sends it
         result = await self.grpc.infer("text_to_image", inputs)
         assert result.as_numpy("image").shape[0] == 1
         return 1

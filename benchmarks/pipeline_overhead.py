@@ -31,13 +31,18 @@ PROMPT = "a lighthouse on a cliff at dusk"
 
 
 def direct(client, url: str, options: dict) -> np.ndarray:
-    embeds = client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT)).as_numpy("prompt_embeds")
-    image = client.infer("diffusion", batched_inputs(grpcclient, prompt_embeds=embeds[0], **options))
+    """ar_encoder (the prompt and its negative side, as the ensemble asks for both), then diffusion."""
+    names = ("prompt_embeds", "negative_prompt_embeds")
+    encoded = client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT),
+                           outputs=[grpcclient.InferRequestedOutput(name) for name in names])
+    embeds, negative = (encoded.as_numpy(name)[0] for name in names)
+    image = client.infer("diffusion", batched_inputs(grpcclient, prompt_embeds=embeds, negative_prompt_embeds=negative,
+                                                     **options))
     return image.as_numpy("image")[0]
 
 
 def ensemble(client, url: str, options: dict) -> np.ndarray:
-    inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **options)
+    inputs = batched_inputs(grpcclient, text_input=PROMPT, **options)
     return client.infer("text_to_image", inputs).as_numpy("image")[0]
 
 

@@ -88,7 +88,6 @@ class HttpOmniUser(FastHttpUser):
             return {"name": name, "shape": [1, 1], "datatype": datatype, "data": [value]}
 
         body = {"inputs": [tensor("text_input", "BYTES", random.choice(PROMPTS)),
-                           tensor("negative_prompt", "BYTES", ""),
                            tensor("num_inference_steps", "INT32", STEPS)],
                 "outputs": [{"name": "image"}]}
         with self.client.post("/v2/models/text_to_image/infer", json=body, name="http text_to_image",
@@ -142,8 +141,7 @@ class GrpcOmniUser(User):
     @task(WEIGHTS[1])
     def text_to_image(self):
         def call():
-            inputs = batched_inputs(grpcclient, text_input=random.choice(PROMPTS), negative_prompt="",
-                                    num_inference_steps=STEPS)
+            inputs = batched_inputs(grpcclient, text_input=random.choice(PROMPTS), num_inference_steps=STEPS)
             return self.client.infer("text_to_image", inputs, client_timeout=TIMEOUT_S).as_numpy("image").nbytes
 
         self._timed("grpc text_to_image", call)

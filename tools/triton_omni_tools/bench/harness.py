@@ -360,7 +360,7 @@ def triton_call(workload: str, url: str, preset: Preset, embeds: np.ndarray, ind
         check(client.infer("ar_encoder", batched_inputs(grpcclient, text_input=PROMPT)), "prompt_embeds")
 
     def text_to_image():
-        inputs = batched_inputs(grpcclient, text_input=PROMPT, negative_prompt="", **image_options)
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, **image_options)
         check(client.infer("text_to_image", inputs), "image")
 
     def omni():
