@@ -172,12 +172,13 @@ class DiffusionRunner:
         self.step_cache = parse_step_cache(config.step_cache)  # the model's default
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
-        path = config.model if in_memory(config.model) else resolve_model(config.model)
+        built_here = in_memory(config.model)
+        path = config.model if built_here else resolve_model(config.model)
         if config.gpu_memory_utilization is not None:
             cap_torch(config.gpu_memory_utilization, config.device)
 
         def load() -> None:
-            self.pipeline = build_in_memory(config.model, self.device, self.dtype) if in_memory(config.model) \
+            self.pipeline = build_in_memory(config.model, self.device, self.dtype) if built_here \
                 else DiffusionPipeline.from_pretrained(path, dtype=self.dtype).to(self.device)
             self.pipeline.set_progress_bar_config(disable=True)
             self.family: Family = family_of(self.pipeline)
@@ -222,9 +223,7 @@ class DiffusionRunner:
             return
         if not self.family.capabilities.compile:
             raise ValueError(f"model parameter compile {self.config.compile!r}: the {self.family.name} family "
-                             "has no diffusion transformer blocks to compile" +
-                             (" (its network replays CUDA graphs instead)" if self.family.capabilities.cuda_graphs
-                              else ""))
+                             "has no diffusion transformer blocks to compile")
         transformer = self.family.network
         compile_blocks(transformer, COMPILE_OPTIONS)
         logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
@@ -299,8 +298,9 @@ class DiffusionRunner:
             raise RequestValidationError("negative_prompt_embeds", "is required for guidance with prompt_embeds: "
                                          "this model has no text encoder to encode the pipeline's default negative "
                                          'prompt ""', None, show_value=False)
-        if self.sequence_parallel is not None:
-            self._check_shares(request)
+        if self.sequence_parallel is not None:  # a size the family's sequence cannot share over the ranks
+            self.family.check_sequence_parallel(request.height, request.width, len(self.sequence_parallel.devices),
+                                                on_cpu=self.device.type == "cpu")
         if request.step_cache is not None and request.step_cache.on:
             if self.sequence_parallel is not None:
                 raise RequestValidationError("step_cache", "not with sequence parallel (every GPU must run the same "
@@ -312,11 +312,6 @@ class DiffusionRunner:
                 raise RequestValidationError("step_cache", f"the {self.family.name} family has no step cache (it "
                                              "skips a diffusion transformer's blocks)", str(request.step_cache))
         return request
-
-    def _check_shares(self, request: DiffusionRequest) -> None:
-        """A size sequence parallel cannot share over the ranks, refused by the family."""
-        self.family.check_sequence_parallel(request.height, request.width, len(self.sequence_parallel.devices),
-                                            on_cpu=self.device.type == "cpu")
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:

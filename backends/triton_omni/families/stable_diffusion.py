@@ -78,9 +78,9 @@ class StableDiffusionSteps(StepAdapter):
 def build_tiny(out: Path) -> None:
     """The tiny demo pipeline: its cross-attention width equals the demo AR model's hidden size,
     so ``ar_encoder``'s embeddings condition it directly."""
-    from triton_omni.demo_models import UNET_TINY, VAE_TINY
+    from triton_omni.demo_models import AR_SHAPE, UNET_TINY, VAE_TINY
 
-    build_pipeline(out, unet_shape=UNET_TINY, vae_shape=VAE_TINY)
+    build_pipeline(out, AR_SHAPE, UNET_TINY, VAE_TINY, tiny=True)
 
 
 def build_realistic(out: Path) -> None:
@@ -88,25 +88,24 @@ def build_realistic(out: Path) -> None:
     model's width (its ``ar_encoder`` beside it in GPU benchmarks)."""
     from triton_omni.demo_models import AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15
 
-    build_pipeline(out, AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15)
+    build_pipeline(out, AR_REALISTIC_SHAPE, UNET_SD15, VAE_SD15, tiny=False)
 
 
-def build_pipeline(out: Path, ar_shape: dict | None = None, unet_shape: dict | None = None,
-                   vae_shape: dict | None = None) -> None:
+def build_pipeline(out: Path, ar_shape: dict, unet_shape: dict, vae_shape: dict, tiny: bool) -> None:
     """A StableDiffusionPipeline whose cross-attention width equals ``ar_shape``'s hidden size; its
-    own small CLIP text encoder takes text prompts."""
+    own small CLIP text encoder takes text prompts. ``tiny``: its cross-attention amplified, so
+    that its image follows the prompt (demo_models.amplify)."""
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from triton_omni.demo_models import AR_SHAPE, UNET_TINY, VAE_TINY, amplify, build_tokenizer
+    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
 
-    ar_shape, unet_shape, vae_shape = ar_shape or AR_SHAPE, unet_shape or UNET_TINY, vae_shape or VAE_TINY
     hidden = ar_shape["hidden_size"]
     tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], max_length=77)
     torch.manual_seed(0)
     unet = UNet2DConditionModel(in_channels=4, out_channels=4, cross_attention_dim=hidden, attention_head_dim=8,
                                 norm_num_groups=32, **unet_shape)
-    if unet_shape is UNET_TINY:
+    if tiny:
         amplify(unet, 2.0, lambda name: ".attn2." in name)  # the cross-attention: the text's way in
     blocks = len(vae_shape["block_out_channels"])
     vae = AutoencoderKL(
