@@ -4,6 +4,7 @@ every served image is compared with."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 import torch
@@ -12,11 +13,13 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.steps import to_pixels
 
 # `omni-triton serve --demo NAME` -> the tiny pipeline it serves
-DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image"}
+DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image",
+                  "flux2-klein": "demo:tiny-flux2-klein"}
 # The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
-GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale"}
-# What each family reads as "no guidance": SD and Qwen-Image guide above 1, Z-Image above 0
-NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0}
+GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale",
+                    "flux2-klein": "guidance_scale"}
+# What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 guide above 1, Z-Image above 0
+NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0}
 ABSENT = object()  # a keyword left out of the call, as opposed to given as None
 
 
@@ -31,12 +34,26 @@ def reference(family: str, prompt: str, negative_prompt=ABSENT, *, guidance_scal
               height: int, width: int, seed: int) -> np.ndarray:
     """The pipeline's image ``[H, W, 3]`` uint8 for these arguments; ``negative_prompt`` left out of
     the call when ``ABSENT``."""
-    kwargs = {} if negative_prompt is ABSENT else {"negative_prompt": negative_prompt}
+    return call(pipeline(family), prompt, negative_prompt, guidance_keyword=GUIDANCE_KEYWORD[family],
+                guidance_scale=guidance_scale, num_inference_steps=num_inference_steps, height=height, width=width,
+                seed=seed)[0].numpy()
+
+
+def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidance_keyword: str = "guidance_scale",
+         guidance_scale: float, seed: int, **kwargs) -> torch.Tensor:
+    """``pipe``'s own call, as its users write it, its images ``[N, H, W, 3]`` uint8. A pipeline that
+    takes no ``negative_prompt`` (FLUX.2 [klein]: its negative is "") gets a negative text the way
+    its users give one: ``negative_prompt_embeds`` from its own ``encode_prompt``."""
+    if negative_prompt is ABSENT or negative_prompt is None:
+        given = {}
+    elif "negative_prompt" in inspect.signature(pipe.__call__).parameters:
+        given = {"negative_prompt": negative_prompt}
+    else:
+        given = {"negative_prompt_embeds": pipe.encode_prompt(negative_prompt)[0]}
     with torch.inference_mode():
-        images = pipeline(family)(prompt=prompt, num_inference_steps=num_inference_steps, height=height, width=width,
-                                  generator=torch.Generator().manual_seed(seed), output_type="pt",
-                                  **{GUIDANCE_KEYWORD[family]: guidance_scale}, **kwargs).images
-    return to_pixels(images)[0].numpy()
+        images = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pt",
+                      **{guidance_keyword: guidance_scale}, **given, **kwargs).images
+    return to_pixels(images)
 
 
 def encoded(family: str, text: str) -> np.ndarray:

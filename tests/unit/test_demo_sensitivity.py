@@ -25,7 +25,7 @@ def changes(family: str) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image"])
+@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein"])
 def test_each_input_moves_the_image_far_past_the_parity_tolerance(family):
     base = reference(family, **BASE)
     moved = {name: levels_apart(base, reference(family, **(BASE | change))) for name, change in changes(family).items()}

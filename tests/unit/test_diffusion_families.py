@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
-from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
 
+from tests.support.pipelines import call
+
 STEPS, SIZE = 2, 32
-MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image"}
+MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
+          "flux2_klein": "demo:tiny-flux2-klein"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -31,14 +33,17 @@ def served(runner: DiffusionRunner, *requests: dict) -> list[torch.Tensor]:
 
 
 def reference(runner: DiffusionRunner, prompt: str, seed: int, guidance: float, negative: str | None = None,
-              size: int = SIZE, steps: int = STEPS) -> torch.Tensor:
+              size: int = SIZE, steps: int = STEPS, height: int | None = None) -> torch.Tensor:
     """The pipeline's own call, as its documentation shows it."""
     guidance_key = "true_cfg_scale" if runner.family.name == "qwen_image" else "guidance_scale"
-    with torch.inference_mode():
-        images = runner.pipeline(prompt=prompt, negative_prompt=negative, num_inference_steps=steps, height=size,
-                                 width=size, generator=torch.Generator().manual_seed(seed), output_type="pt",
-                                 **{guidance_key: guidance}).images
-    return to_pixels(images)[0]
+    return call(runner.pipeline, prompt, negative, guidance_keyword=guidance_key, guidance_scale=guidance, seed=seed,
+                num_inference_steps=steps, height=height or size, width=size)[0]
+
+
+def encoded(runner: DiffusionRunner, text: str) -> torch.Tensor:
+    """``text`` as the runner encodes a prompt: its pipeline's encoding, under inference mode (with
+    autograd on, CPU attention takes another kernel and the last bits differ)."""
+    return runner._encode_text(text)
 
 
 def test_served_alone_equals_the_pipelines_own_call(runner):
@@ -73,8 +78,8 @@ def test_batched_beside_other_requests_stays_within_one_level(runner):
 
 def test_prompt_embeds_give_the_prompts_image(runner):
     """What `ar_encoder` sends for a family: the pipeline's own encoding of the prompt."""
-    embeds = runner.family.encode("a red fox", runner.device)
-    negative = runner.family.encode("blurry", runner.device)
+    embeds = encoded(runner, "a red fox")
+    negative = encoded(runner, "blurry")
     [from_text, from_embeds] = served(
         runner, {"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "seed": 3},
         {"prompt_embeds": embeds, "negative_prompt_embeds": negative, "guidance_scale": 4.0, "seed": 3})
@@ -85,10 +90,11 @@ def test_embeddings_without_a_negative_get_the_pipelines_default_negative(runner
     """No negative at all: the family's pipeline default, from its own text encoder (SD and Z-Image:
     the encoding of ""; Qwen-Image: no true CFG). Zero negative tokens (ar_encoder's answer where
     the pipeline runs without a negative) guide against the null condition, or not at all."""
-    embeds = runner.family.encode("a red fox", runner.device)
-    [image, nulled] = served(runner, {"prompt_embeds": embeds, "guidance_scale": 4.0, "seed": 2},
-                             {"prompt_embeds": embeds, "negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0,
-                              "seed": 2})
+    embeds = encoded(runner, "a red fox")
+    # one call each: FLUX.2's two would share a batch (every prompt is 512 tokens), whose size moves the last bit
+    [image] = served(runner, {"prompt_embeds": embeds, "guidance_scale": 4.0, "seed": 2})
+    [nulled] = served(runner, {"prompt_embeds": embeds, "negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0,
+                               "seed": 2})
     assert torch.equal(image, reference(runner, "a red fox", 2, 4.0))
     if runner.family.name == "qwen_image":
         assert torch.equal(nulled, image)
@@ -111,7 +117,7 @@ def test_the_empty_prompt_is_encoded_once(runner, monkeypatch):
 
 
 def test_without_a_text_encoder_guided_embeddings_need_their_negative(runner, monkeypatch):
-    embeds = runner.family.encode("a red fox", runner.device)
+    embeds = encoded(runner, "a red fox")
     monkeypatch.setattr(runner.family, "has_text_encoder", lambda: False)  # as the realistic GPU presets
     request = {"prompt_embeds": embeds, "guidance_scale": 4.0}
     if runner.family.name == "qwen_image":  # no negative, no true CFG: nothing to encode
@@ -151,12 +157,8 @@ def test_step_batched_beside_other_steps_sizes_and_guidance(stepper):
     futures = [stepper.submit(stepper.parse({"num_inference_steps": STEPS, "height": SIZE, "width": SIZE} | values))
                for values, _, _ in requests]
     for future, (values, steps, height) in zip(futures, requests, strict=True):
-        guidance_key = "true_cfg_scale" if stepper.family.name == "qwen_image" else "guidance_scale"
-        with torch.inference_mode():
-            expected = to_pixels(stepper.pipeline(
-                prompt=values["prompt"], negative_prompt=values.get("negative_prompt"), num_inference_steps=steps,
-                height=height, width=SIZE, generator=torch.Generator().manual_seed(values["seed"]),
-                output_type="pt", **{guidance_key: values["guidance_scale"]}).images)[0]
+        expected = reference(stepper, values["prompt"], values["seed"], values["guidance_scale"],
+                             values.get("negative_prompt"), steps=steps, height=height)
         assert (future.result(timeout=300).int() - expected.int()).abs().max() <= 1, values
 
 
@@ -228,3 +230,21 @@ def test_a_pipeline_without_its_text_encoder_takes_embeddings_only():
     [result] = runner.run([runner.parse({"prompt": "a red fox", "num_inference_steps": STEPS, "height": SIZE,
                                          "width": SIZE})])
     assert isinstance(result, RequestValidationError) and "prompt_embeds" in str(result)
+
+
+@pytest.mark.parametrize("batching", ["request", "step"])
+def test_a_step_distilled_flux2_klein_never_guides(batching):
+    """FLUX.2 [klein]'s step-distilled variant (``is_distilled``) ignores the guidance scale as its
+    pipeline does: one pass a step, and the pipeline's image at any scale."""
+    runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux2-klein-distilled", batching=batching,
+                                                   batch_size=4))
+    try:
+        request = runner.parse({"prompt": "a red fox", "guidance_scale": 4.0, "seed": 3, "num_inference_steps": 4,
+                                "height": SIZE, "width": SIZE})
+        assert not runner._guided(request)
+        [image] = runner.run([request])
+        expected = reference(runner, "a red fox", 3, 4.0, steps=4)
+        assert (image.int() - expected.int()).abs().max() <= (1 if batching == "step" else 0)
+        assert torch.equal(expected, reference(runner, "a red fox", 3, 1.0, steps=4))
+    finally:
+        runner.close()

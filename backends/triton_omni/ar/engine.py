@@ -72,8 +72,12 @@ class ArEngine(ABC):
         """Stop working on a request; a no-op when it has already finished."""
 
     @abstractmethod
-    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
-        """Hidden states ``[num_tokens, hidden]`` of ``layer`` (-1: the last) for each prompt."""
+    async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
+                     attended: list[int] | None = None) -> list[torch.Tensor]:
+        """Hidden states ``[num_tokens, len(layers) * hidden]`` of each prompt: the states of
+        ``layers`` (-1: the last) joined per token, layer after layer. ``attended``: how many of each
+        prompt's leading tokens the model attends to; the rest is padding whose states are returned
+        too (a pipeline that pads to a fixed length conditions on them). None: every token."""
 
     async def shutdown(self) -> None:  # noqa: B027 - engines without resources need nothing
         """Release engine resources (processes, threads, device memory)."""

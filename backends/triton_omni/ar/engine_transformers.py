@@ -92,22 +92,26 @@ class TransformersEngine(ArEngine):
         if sequence is not None:
             sequence.cancel()
 
-    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, batch, layer)
+    async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
+                     attended: list[int] | None = None) -> list[torch.Tensor]:
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, batch, layers,
+                                                                attended)
 
-    def _encode_blocking(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
+    def _encode_blocking(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
+                         attended: list[int] | None = None) -> list[torch.Tensor]:
         """One padded forward pass for the whole batch; right padding keeps
         each prompt's positions identical to an unbatched run."""
         lengths = [len(ids) for ids in batch]
+        attended = lengths if attended is None else attended
         input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention_mask[row, : len(ids)] = 1
+            attention_mask[row, : attended[row]] = 1
         with torch.inference_mode():
             out = self.model(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                              output_hidden_states=True)
-        hidden = out.hidden_states[layer]
+        hidden = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
         return [hidden[row, :length] for row, length in enumerate(lengths)]
 
     async def shutdown(self) -> None:

@@ -145,11 +145,14 @@ class VllmEngine(ArEngine):
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    async def encode(self, batch: list[list[int]], layer: int = -1) -> list[torch.Tensor]:
+    async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
+                     attended: list[int] | None = None) -> list[torch.Tensor]:
         """All prompts go to the engine at once; its scheduler batches them.
-        vLLM's pooling runner returns the last layer only (the runner never asks for another)."""
-        if layer != -1:
-            raise ValueError(f"vLLM returns the last hidden layer only, not layer {layer}")
+        vLLM's pooling runner returns the last layer of attended tokens only (the runner never
+        asks for more: ``_vllm_cannot_encode``)."""
+        if tuple(layers) != (-1,) or attended is not None:
+            raise ValueError(f"vLLM returns the last hidden layer of every token only, not layers {layers}"
+                             f"{' with unattended padding' if attended is not None else ''}")
         if len(batch) == 1:  # the stub's one prompt per call: no task of its own
             return [await self._encode_one(batch[0], 0)]
         return list(await asyncio.gather(*(self._encode_one(ids, i) for i, ids in enumerate(batch))))

@@ -140,7 +140,8 @@ class ArRunner:
 
     @property
     def hidden_size(self) -> int:
-        return self.engine.hidden_size
+        """The width of an embedding: the model's hidden size, once per layer the recipe joins."""
+        return self.engine.hidden_size * (len(self.recipe.layers) if self.config.mode == "encode" else 1)
 
     def tokenize(self, prompt: str, name: str = "text_input") -> list[int]:
         """Token ids of a prompt (rendered by the recipe when encoding),
@@ -150,6 +151,8 @@ class ArRunner:
         allowed = self.config.max_model_len - 1  # leave room for at least one new token
         if encoding and self.config.limits.max_prompt_tokens is not None:  # the tokens that leave, template's aside
             allowed = min(allowed, self.config.limits.max_prompt_tokens + self.recipe.dropped)
+        if encoding and self.recipe.padded_to is not None:  # where its pipeline would cut the prompt short
+            allowed = min(allowed, self.recipe.padded_to)
         if len(ids) > allowed:
             raise RequestValidationError(
                 name, f"prompt has {len(ids)} tokens; this model allows at most {allowed}",
@@ -215,7 +218,7 @@ class ArRunner:
             except RequestValidationError as exc:
                 plans.append(exc)
         texts = [ids for plan in plans if not isinstance(plan, Exception) for ids in plan if ids]
-        hidden = iter(await self.engine.encode(texts, self.recipe.layer)) if texts else iter(())
+        hidden = iter(await self._encode_texts(texts)) if texts else iter(())
         dtype = getattr(torch, self.config.embeds_dtype)
 
         def states(ids: list[int] | None) -> torch.Tensor | None:
@@ -224,6 +227,16 @@ class ArRunner:
             return self.recipe.select(next(hidden)).to(dtype) if ids else torch.empty(0, self.hidden_size, dtype=dtype)
 
         return [plan if isinstance(plan, Exception) else Embedding(states(plan[0]), states(plan[1])) for plan in plans]
+
+    async def _encode_texts(self, texts: list[list[int]]) -> list[torch.Tensor]:
+        """Each text's states of the recipe's layers; padded to the recipe's length first where its
+        pipeline pads (the padding unattended, its states kept)."""
+        length = self.recipe.padded_to
+        if length is None:
+            return await self.engine.encode(texts, self.recipe.layers)
+        pad = self.tokenizer.pad_token_id
+        return await self.engine.encode([ids + [pad] * (length - len(ids)) for ids in texts], self.recipe.layers,
+                                        attended=[len(ids) for ids in texts])
 
     def _negative_ids(self, request: EncodeRequest) -> list[int] | None:
         """The negative side's token ids: its text's, the recipe's stand-in for an absent one, or
@@ -242,11 +255,13 @@ class ArRunner:
 
 def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
     """Why vLLM cannot run this recipe on this model, or None: its pooling runner
-    returns the last layer of a causal LM, not another layer; a pipeline's text
-    encoder only where it is a vision-language model whose language model it
-    can load (language_model.py)."""
-    if encoding.layer != -1:
-        return f"it needs hidden layer {encoding.layer}"
+    returns the last layer of a causal LM's attended tokens, not other layers nor
+    padding; a pipeline's text encoder only where it is a vision-language model
+    whose language model it can load (language_model.py)."""
+    if encoding.layers != (-1,):
+        return f"it needs hidden layers {', '.join(map(str, encoding.layers))}"
+    if encoding.padded_to is not None:
+        return f"it needs the states of unattended padding up to {encoding.padded_to} tokens"
     path = _encoder_paths(resolve_model(model))[0] if model else None
     if path is not None and path.name == "text_encoder" and not has_language_model(path):
         return f"the pipeline's text encoder ({architecture(path) or 'no config'}) is not a causal LM vLLM loads"

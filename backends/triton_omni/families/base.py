@@ -65,19 +65,22 @@ class Capabilities:
 @dataclass(frozen=True)
 class EncoderRecipe:
     """What ``ar_encoder`` computes for a family: the text its encoder reads (the raw prompt, or
-    the prompt in a template), which layer's hidden states are taken, and how many leading
-    tokens (the template's) are dropped."""
+    the prompt in a template), which layers' hidden states are taken (several are joined per token,
+    layer after layer, as FLUX.2's pipelines stack them), how many leading tokens (the template's)
+    are dropped, and the length every prompt is padded to where the pipeline pads (the padding's
+    states are part of the embedding: the DiT reads them)."""
 
     name: str
     render: Callable[[object, str], str]  # (tokenizer, prompt) -> the text the encoder reads
-    layer: int = -1  # index into the model's hidden states (-1: the last, after the final norm)
+    layers: tuple[int, ...] = (-1,)  # indices into the model's hidden states (-1: the last, after the final norm)
     dropped: int = 0  # leading tokens of the rendered text left out of the output
     # What the pipeline encodes for a negative prompt it was not given: "" (the empty prompt's
     # encoding), or None: nothing, it runs without a negative (zero tokens leave the encoder).
     absent_negative: str | None = ""
+    padded_to: int | None = None  # every prompt's tokens padded to this many, unattended (None: no padding)
 
     def select(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One prompt's ``[num_tokens, hidden]`` of the recipe's layer, template tokens dropped."""
+        """One prompt's ``[num_tokens, hidden]`` of the recipe's layers, template tokens dropped."""
         return hidden[self.dropped :]
 
 
@@ -171,15 +174,17 @@ def pad_rows(rows: list[torch.Tensor], size: int) -> list[torch.Tensor]:
     return rows + [rows[-1]] * (size - len(rows))
 
 
-def flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigmas) -> None:
-    """A flow-matching request's scheduler copy, set as its pipeline sets it (the shift ``mu``
-    follows the image's token count)."""
+def flow_schedule(pipeline, job, device: torch.device, image_seq_len: int, sigmas, mu: float | None = None) -> None:
+    """A flow-matching request's scheduler copy, set as its pipeline sets it: the shift ``mu``
+    given, or following the image's token count (diffusers' ``calculate_shift``)."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
     scheduler = copy.deepcopy(pipeline.scheduler)
     config = scheduler.config
-    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    if mu is None:
+        mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
     timesteps, _ = retrieve_timesteps(scheduler, job.steps, device, sigmas=sigmas, mu=mu)
     scheduler.set_begin_index(0)
     job.scheduler, job.timesteps, job.schedule = scheduler, timesteps, list(timesteps)

@@ -33,7 +33,7 @@ def _chat(tokenizer, prompt: str) -> str:
                                          add_generation_prompt=True, enable_thinking=True)
 
 
-RECIPE = EncoderRecipe("z_image", _chat, layer=-2)  # an absent negative prompt: the encoding of ""
+RECIPE = EncoderRecipe("z_image", _chat, layers=(-2,))  # an absent negative prompt: the encoding of ""
 
 
 class ZImageSteps(FlowStepAdapter):

@@ -1,0 +1,188 @@
+"""FLUX.2 [klein]: Qwen3 reads the prompt in its chat template (thinking off), padded to 512
+tokens; the hidden states of three of its layers (9, 18, 27), joined per token, condition a
+Flux2 MMDiT (double-stream blocks, then single-stream ones; packed 2x2 latents with position ids,
+flow matching). The padding's states are part of the conditioning: the DiT reads all 512 rows.
+Guidance: CFG above 1 against ``""`` (the pipeline takes no negative prompt, only
+``negative_prompt_embeds``), none at all for the step-distilled variant (``is_distilled``).
+``Flux2KleinPipeline`` is the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from triton_omni.families.base import (
+    Capabilities,
+    Demo,
+    EncoderRecipe,
+    Family,
+    FlowStepAdapter,
+    Guidance,
+    PadTo,
+    flow_schedule,
+    pad_rows,
+)
+
+LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
+MAX_TOKENS = 512  # its max_sequence_length: every prompt is padded to it
+
+
+def _chat(tokenizer, prompt: str) -> str:
+    """Flux2KleinPipeline's rendering: one user turn, the generation prompt, thinking off."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+
+
+# An absent negative prompt: the encoding of "", the only negative the pipeline encodes itself.
+RECIPE = EncoderRecipe("flux2_klein", _chat, layers=LAYERS, padded_to=MAX_TOKENS)
+
+
+class Flux2Steps(FlowStepAdapter):
+    """The Flux2 DiT's loop: packed latents with their position ids, the text's ids, the prompts'
+    pass and the negatives' pass (as the pipeline runs them, so that ``exact_batching: pipeline``
+    is its image bit for bit), combined as ``neg + g (pos - neg)``; each pass keeps its own
+    step-cache state (the pipeline's cache contexts "cond" and "uncond")."""
+
+    def start(self, job) -> None:
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        pipeline = self.pipeline
+        channels = pipeline.transformer.config.in_channels // 4
+        job.latents, image_ids = pipeline.prepare_latents(1, channels, job.height, job.width, job.cond.dtype,
+                                                          self.device, job.generator)
+        sigmas = None if pipeline.scheduler.config.get("use_flow_sigmas") else \
+            np.linspace(1.0, 1 / job.steps, job.steps)
+        image_seq_len = job.latents.shape[1]
+        flow_schedule(pipeline, job, self.device, image_seq_len, sigmas,
+                      mu=compute_empirical_mu(image_seq_len, job.steps))
+        job.step_kwargs = {"img_ids": image_ids, "txt_ids": pipeline._prepare_text_ids(job.cond[None])}
+        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
+
+    @staticmethod
+    def _pass(jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
+        """One pass's transformer arguments, its rows padded, and each row's cache owner."""
+        n = len(jobs)
+        size = pad_to(n)
+        first = jobs[0].step_kwargs  # one group: one size and one text length, so one set of ids
+        kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)),
+                  "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
+                                                  for job in jobs], size)) / 1000,
+                  "guidance": None, "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
+                  "txt_ids": first["txt_ids"], "img_ids": first["img_ids"], "return_dict": False}
+        return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
+
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
+        kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
+        transformer = self.pipeline.transformer
+        kwargs["hidden_states"] = kwargs["hidden_states"].to(transformer.dtype)
+        with self.cached(rows):
+            return transformer(**kwargs)[0][: len(jobs)]
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        guided = [job for job in jobs if job.uncond is not None]
+        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
+        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
+        self.count_skips(jobs)
+        preds = []
+        for job, pred in zip(jobs, cond, strict=True):
+            pred = pred[None, : job.latents.shape[1]]
+            if job.uncond is not None:
+                negative = next(uncond)[None, : job.latents.shape[1]]
+                pred = negative + job.guidance_scale * (pred - negative)
+            preds.append(pred)
+        return preds
+
+    def decode(self, jobs: list) -> torch.Tensor:
+        pipeline, vae = self.pipeline, self.pipeline.vae
+        factor = pipeline.vae_scale_factor * 2
+        latents = torch.cat([
+            pipeline._unpack_latents_with_ids(job.latents, job.step_kwargs["img_ids"], job.height // factor,
+                                              job.width // factor) for job in jobs])
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                              latents.dtype)
+        latents = pipeline._unpatchify_latents(latents * std + mean).to(vae.dtype)
+        images = vae.decode(latents, return_dict=False)[0]
+        return (images / 2 + 0.5).clamp(0, 1)
+
+
+def build_tiny(out: Path, distilled: bool = False) -> None:
+    """A ``Flux2KleinPipeline`` at about the shape of diffusers' pipeline test: a Qwen3 causal LM
+    of 28 layers (so that layers 9, 18 and 27 exist, none of them the final norm's), 16 wide, so
+    that the DiT reads 48; one double-stream and two single-stream blocks; a two-level FLUX.2 VAE
+    (32² pixels: 8² packed latents); the flow-matching scheduler. ``distilled``: the step-distilled
+    variant's flag (no guidance)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+
+    hidden = 16
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=len(LAYERS) * hidden, timestep_guidance_channels=256,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )
+    # At random init the tiny DiT barely reads its text (most of its 512 rows are padding): the
+    # double-stream attention, where the text meets the image, and the single-stream blocks are
+    # scaled so that another prompt, negative or guidance moves the image by tens of levels
+    amplify(transformer, 6.0, lambda name: name.startswith("single_transformer_blocks.") or
+            (name.startswith("transformer_blocks.") and ".attn." in name))
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
+        latent_channels=4, norm_num_groups=16, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    torch.manual_seed(0)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        hidden_size=hidden, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, vocab_size=AR_SHAPE["vocab_size"], max_position_embeddings=1024,
+    )).eval()
+    pipeline = Flux2KleinPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                  text_encoder=text_encoder, tokenizer=tokenizer, is_distilled=distilled)
+    pipeline.save_pretrained(out)
+
+
+def build_tiny_distilled(out: Path) -> None:
+    build_tiny(out, distilled=True)
+
+
+class Flux2Klein(Family):
+    name = "flux2_klein"
+    pipeline_class = "Flux2KleinPipeline"
+    capabilities = Capabilities(Guidance.CFG, guides_above=1.0, step_cache=True, compile=True)
+    recipe = RECIPE
+    step_adapter = Flux2Steps
+    demo = Demo("flux2-klein", "tiny-flux2-klein", build_tiny)
+    demo_folders: ClassVar[dict] = {"tiny-flux2-klein-distilled": build_tiny_distilled}
+
+    def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
+        """The step-distilled variant never guides (its pipeline ignores the scale)."""
+        return not self.pipeline.config.is_distilled and super().uses_guidance(guidance_scale, has_negative)
+
+    def hidden_size(self) -> int:
+        return int(self.network.config.joint_attention_dim)
+
+    def size_multiple(self) -> int:
+        return int(self.pipeline.vae_scale_factor) * 2  # the VAE's factor, then 2x2 latents packed into one token
+
+    def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
+        self.require_text_encoder()
+        return self.pipeline.encode_prompt(prompt, device=device)[0][0]
+
+    def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
+        if unconds is not None:
+            kwargs["negative_prompt_embeds"] = torch.stack(unconds)
+        return kwargs
