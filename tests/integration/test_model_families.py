@@ -1,5 +1,5 @@
 """The LLM-conditioned DiT families served end to end (`omni-triton serve
---demo qwen-image|z-image`), and the parity matrix: every route a user reaches
+--demo qwen-image|z-image|flux2-klein`), and the parity matrix: every route a user reaches
 a family by, with every form of negative prompt, guided and not, gives the
 image of the family's own diffusers pipeline called the way its users call it
 (the same prompt, negative prompt left out / "" / " " / a text, guidance,
@@ -32,7 +32,7 @@ from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 from tests.support.pipelines import ABSENT, NO_GUIDANCE, encoded, levels_apart, reference
 from tests.support.server import metric_value, text_to_image
 
-FAMILIES = ["qwen-image", "z-image"]
+FAMILIES = ["qwen-image", "z-image", "flux2-klein"]
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7}
 PROMPT = "a red fox"
 NEGATIVES = {"absent": ABSENT, "empty": "", "blank": " ", "text": "blurry"}
@@ -129,11 +129,11 @@ def test_the_cli_sends_the_negative_prompt_as_given(family_server, negative, tmp
 def test_the_readings_the_routes_gave_before_are_far_from_the_pipelines(family_server):
     """The matrix can fail: Z-Image's text_to_image read an absent negative prompt as the null
     condition (zero tokens), Qwen-Image's read "" as no negative (no true CFG); each of those
-    images is far past the tolerance from the pipeline's."""
+    images is far past the tolerance from the pipeline's (FLUX.2 [klein]'s too: it guides against "")."""
     family, server = family_server
     client = OmniClient(server.grpc_url)
     guided = OPTIONS | {"guidance_scale": GUIDED}
-    if family == "z-image":
+    if family != "qwen-image":
         embeds = client.encode(PROMPT)
         nulled = client.generate_image(prompt_embeds=embeds, negative_prompt_embeds=np.zeros((0, embeds.shape[1]),
                                        np.float32), **guided)
@@ -180,7 +180,7 @@ def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
     assert caught.value.status == "INVALID_ARG"
 
 
-STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8"}  # skip some of 10 steps (tiny DiTs)
+STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8", "flux2-klein": "first_block:0.8"}  # skip some of 10 steps (tiny DiTs)
 
 
 def test_a_request_chooses_its_step_cache_on_every_route(family_server):

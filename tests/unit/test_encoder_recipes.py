@@ -1,6 +1,8 @@
 """`ar_encoder`'s recipes give what each diffusion pipeline's own
-`encode_prompt` gives for the same weights: the template, the layer, the
-dropped template tokens (tiny random-weight models, float32): on the
+`encode_prompt` gives for the same weights: the template, the layers (FLUX.2's
+three, joined per token), the dropped template tokens, the padding (FLUX.2's
+512 tokens, unattended, their states kept) (tiny random-weight models,
+float32): on the
 transformers engine within 1e-4, on vLLM (Qwen-Image's, through its text
 encoder's language model) with a cosine of at least 0.999 per token."""
 
@@ -17,7 +19,7 @@ from triton_omni.ar.runner import ArRunner, ArRunnerConfig
 from triton_omni.demo_models import resolve_model
 
 PROMPTS = ["a red fox", "a watercolor lighthouse by the sea, at night", "robot"]
-CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image"}
+CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image", "flux2_klein": "demo:tiny-flux2-klein"}
 
 
 def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
@@ -26,6 +28,8 @@ def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
         if type(pipeline).__name__ == "QwenImagePipeline":
             embeds, mask = pipeline.encode_prompt(prompt=prompt, device="cpu")
             return embeds[0] if mask is None else embeds[0][mask[0].bool()]
+        if type(pipeline).__name__ == "Flux2KleinPipeline":  # 512 rows, padding's included; three layers
+            return pipeline.encode_prompt(prompt=prompt, device="cpu")[0][0]
         [embeds], _ = pipeline.encode_prompt(prompt=prompt, device="cpu", do_classifier_free_guidance=False)
         return embeds
 
@@ -106,9 +110,22 @@ def test_auto_engine_takes_transformers_for_a_pipelines_encoder_and_says_so(capl
         runner.close()
 
 
-def test_a_recipe_vllm_cannot_run_is_refused_on_vllm_by_name():
-    with pytest.raises(ValueError, match="recipe 'z_image' cannot run on vLLM"):
-        ArRunner(ArRunnerConfig("demo:tiny-z-image", mode="encode", engine="vllm", recipe="z_image"))
+@pytest.mark.parametrize(("recipe", "reason"), [("z_image", "it needs hidden layers -2"),
+                                              ("flux2_klein", "it needs hidden layers 9, 18, 27")])
+def test_a_recipe_vllm_cannot_run_is_refused_on_vllm_by_name(recipe, reason):
+    with pytest.raises(ValueError, match=f"recipe '{recipe}' cannot run on vLLM \\({reason}\\)"):
+        ArRunner(ArRunnerConfig(CASES[recipe], mode="encode", engine="vllm", recipe=recipe))
+
+
+def test_a_prompt_longer_than_the_pipelines_padded_length_is_refused_by_name():
+    """FLUX.2 [klein]'s pipeline cuts a prompt at 512 tokens; ar_encoder refuses it instead, naming it."""
+    runner = ArRunner(ArRunnerConfig(CASES["flux2_klein"], mode="encode", engine="transformers",
+                                     recipe="flux2_klein"))
+    try:
+        [result] = runner.loop.run(runner.encode([EncodeRequest("fox " * 600)]))
+        assert "at most 512" in str(result) and result.parameter == "text_input"
+    finally:
+        runner.close()
 
 
 def test_an_unknown_recipe_fails_the_load_by_name():

@@ -17,9 +17,10 @@ from triton_omni.diffusion.step_cache import DEFAULT_THRESHOLD, StepCacheConfig,
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
 
-FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image"}
+FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
+            "flux2_klein": "demo:tiny-flux2-klein"}
 # Thresholds at which the tiny random-weight DiTs skip some of 10 steps, not all
-THRESHOLDS = {"qwen_image": 0.4, "z_image": 0.8}
+THRESHOLDS = {"qwen_image": 0.4, "z_image": 0.8, "flux2_klein": 0.8}
 REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 10, "guidance_scale": 4.0,
            "height": 32, "width": 32, "seed": 3}
 

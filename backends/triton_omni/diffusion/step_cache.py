@@ -210,7 +210,20 @@ class _BlockHook(_HeadHook):
             hidden, encoder = _outputs(output, metadata)
             for owner, owner_rows in cache.owners():
                 if owner.computed:
-                    head_hidden, head_encoder = owner.head_output
-                    owner.tail_residuals = (hidden[owner_rows] - head_hidden,
-                                            None if encoder is None else encoder[owner_rows] - head_encoder)
+                    owner.tail_residuals = _residuals(hidden[owner_rows], None if encoder is None else
+                                                      encoder[owner_rows], *owner.head_output)
         return output
+
+
+def _residuals(hidden: torch.Tensor, encoder: torch.Tensor | None, head_hidden: torch.Tensor,
+               head_encoder: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the blocks after the first added to (the image stream, the text stream). Where the
+    last block returns the two streams joined, text first (FLUX's single-stream blocks, which its
+    transformer feeds with their concatenation), the joined residual is split back into the two,
+    so that a skipped step adds each to its stream after the first block and the transformer's own
+    concatenation gives the joined output the blocks would have."""
+    if encoder is None and head_encoder is not None and hidden.shape[1] == head_encoder.shape[1] + \
+            head_hidden.shape[1]:
+        text = head_encoder.shape[1]
+        return hidden[:, text:] - head_hidden, hidden[:, :text] - head_encoder
+    return hidden - head_hidden, None if encoder is None else encoder - head_encoder
