@@ -145,10 +145,14 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"],
-                    chat: bool = False, template: str = ""):
+                    chat: bool = False, template: str = "", markers: tuple[str, ...] = (),
+                    chat_template: str | None = None, bos: str | None = None):
     """A byte-level BPE trained on the built-in corpus. ``template``: a prompt template the model's
     pipeline wraps every prompt in, trained on until each of its words is one token, as in the real
-    tokenizer, so that the template's tokens a pipeline drops by count are the template's own."""
+    tokenizer, so that the template's tokens a pipeline drops by count are the template's own.
+    ``chat``: Qwen's chat markers and a template shaped like Qwen3's; or ``markers`` and
+    ``chat_template``, another family's. ``bos``: a token put before every text the tokenizer
+    encodes with its special tokens (as Mistral's and Llama's tokenizers do)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -157,14 +161,21 @@ def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|pad|>", *(CHAT_TOKENS if chat else [])],
+        special_tokens=["<|endoftext|>", "<|pad|>", *(CHAT_TOKENS if chat else []), *markers,
+                        *([bos] if bos else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines() * 4 + template.splitlines() * 20, trainer)
+    if bos:
+        from tokenizers import processors
+
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    chat_template = CHAT_TEMPLATE if chat else chat_template
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>",
-        model_max_length=max_length, **({"chat_template": CHAT_TEMPLATE} if chat else {}),
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=max_length,
+        **({"chat_template": chat_template} if chat_template else {}), **({"bos_token": bos} if bos else {}),
     )
     fast.save_pretrained(out)
     return fast

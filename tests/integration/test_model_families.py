@@ -1,5 +1,5 @@
 """The LLM-conditioned DiT families served end to end (`omni-triton serve
---demo qwen-image|z-image|flux2-klein`), and the parity matrix: every route a user reaches
+--demo qwen-image|z-image|flux2-klein|flux2-dev`), and the parity matrix: every route a user reaches
 a family by, with every form of negative prompt, guided and not, gives the
 image of the family's own diffusers pipeline called the way its users call it
 (the same prompt, negative prompt left out / "" / " " / a text, guidance,
@@ -32,7 +32,7 @@ from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 from tests.support.pipelines import ABSENT, NO_GUIDANCE, encoded, levels_apart, reference
 from tests.support.server import metric_value, text_to_image
 
-FAMILIES = ["qwen-image", "z-image", "flux2-klein"]
+FAMILIES = ["qwen-image", "z-image", "flux2-klein", "flux2-dev"]
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7}
 PROMPT = "a red fox"
 NEGATIVES = {"absent": ABSENT, "empty": "", "blank": " ", "text": "blurry"}
@@ -180,7 +180,9 @@ def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
     assert caught.value.status == "INVALID_ARG"
 
 
-STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8", "flux2-klein": "first_block:0.8"}  # skip some of 10 steps (tiny DiTs)
+# thresholds at which the tiny DiTs skip some of 10 steps
+STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8", "flux2-klein": "first_block:0.8",
+              "flux2-dev": "first_block:0.8"}
 
 
 def test_a_request_chooses_its_step_cache_on_every_route(family_server):

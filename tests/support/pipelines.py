@@ -14,12 +14,15 @@ from triton_omni.diffusion.steps import to_pixels
 
 # `omni-triton serve --demo NAME` -> the tiny pipeline it serves
 DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image",
-                  "flux2-klein": "demo:tiny-flux2-klein"}
+                  "flux2-klein": "demo:tiny-flux2-klein", "flux2-dev": "demo:tiny-flux2-dev"}
 # The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
 GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale",
-                    "flux2-klein": "guidance_scale"}
-# What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 guide above 1, Z-Image above 0
-NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0}
+                    "flux2-klein": "guidance_scale", "flux2-dev": "guidance_scale"}
+# What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 [klein] guide above 1, Z-Image
+# above 0 (FLUX.2 [dev] is guidance-distilled: its DiT reads any scale, 1 as much as 4)
+NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0, "flux2-dev": 1.0}
+# The families whose pipeline takes no negative at all (guidance-distilled): a negative prompt is ignored
+NO_NEGATIVE = {"flux2-dev"}
 ABSENT = object()  # a keyword left out of the call, as opposed to given as None
 
 
@@ -43,13 +46,17 @@ def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidan
          guidance_scale: float, seed: int, **kwargs) -> torch.Tensor:
     """``pipe``'s own call, as its users write it, its images ``[N, H, W, 3]`` uint8. A pipeline that
     takes no ``negative_prompt`` (FLUX.2 [klein]: its negative is "") gets a negative text the way
-    its users give one: ``negative_prompt_embeds`` from its own ``encode_prompt``."""
+    its users give one: ``negative_prompt_embeds`` from its own ``encode_prompt``; one that takes no
+    negative at all (FLUX.2 [dev], guidance-distilled) runs without it, as the server does."""
+    parameters = inspect.signature(pipe.__call__).parameters
     if negative_prompt is ABSENT or negative_prompt is None:
         given = {}
-    elif "negative_prompt" in inspect.signature(pipe.__call__).parameters:
+    elif "negative_prompt" in parameters:
         given = {"negative_prompt": negative_prompt}
-    else:
+    elif "negative_prompt_embeds" in parameters:
         given = {"negative_prompt_embeds": pipe.encode_prompt(negative_prompt)[0]}
+    else:
+        given = {}
     with torch.inference_mode():
         images = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pt",
                       **{guidance_keyword: guidance_scale}, **given, **kwargs).images

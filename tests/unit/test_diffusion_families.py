@@ -15,7 +15,7 @@ from tests.support.pipelines import call
 
 STEPS, SIZE = 2, 32
 MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
-          "flux2_klein": "demo:tiny-flux2-klein"}
+          "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -96,8 +96,8 @@ def test_embeddings_without_a_negative_get_the_pipelines_default_negative(runner
     [nulled] = served(runner, {"prompt_embeds": embeds, "negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0,
                                "seed": 2})
     assert torch.equal(image, reference(runner, "a red fox", 2, 4.0))
-    if runner.family.name == "qwen_image":
-        assert torch.equal(nulled, image)
+    if runner.family.name == "qwen_image" or not runner.family.uses_guidance(4.0, has_negative=True):
+        assert torch.equal(nulled, image)  # Qwen-Image: no negative, no true CFG; FLUX.2 [dev]: never a negative
     else:
         assert (nulled.int() - image.int()).abs().max() >= 10
 
@@ -120,7 +120,7 @@ def test_without_a_text_encoder_guided_embeddings_need_their_negative(runner, mo
     embeds = encoded(runner, "a red fox")
     monkeypatch.setattr(runner.family, "has_text_encoder", lambda: False)  # as the realistic GPU presets
     request = {"prompt_embeds": embeds, "guidance_scale": 4.0}
-    if runner.family.name == "qwen_image":  # no negative, no true CFG: nothing to encode
+    if not runner.family.uses_guidance(4.0, has_negative=False):  # Qwen-Image, FLUX.2 [dev]: nothing to encode
         runner.parse(request)
         return
     with pytest.raises(RequestValidationError, match="negative_prompt_embeds"):

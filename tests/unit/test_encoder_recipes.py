@@ -19,7 +19,8 @@ from triton_omni.ar.runner import ArRunner, ArRunnerConfig
 from triton_omni.demo_models import resolve_model
 
 PROMPTS = ["a red fox", "a watercolor lighthouse by the sea, at night", "robot"]
-CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image", "flux2_klein": "demo:tiny-flux2-klein"}
+CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image", "flux2_klein": "demo:tiny-flux2-klein",
+         "flux2_dev": "demo:tiny-flux2-dev"}
 
 
 def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
@@ -28,7 +29,7 @@ def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
         if type(pipeline).__name__ == "QwenImagePipeline":
             embeds, mask = pipeline.encode_prompt(prompt=prompt, device="cpu")
             return embeds[0] if mask is None else embeds[0][mask[0].bool()]
-        if type(pipeline).__name__ == "Flux2KleinPipeline":  # 512 rows, padding's included; three layers
+        if type(pipeline).__name__ in ("Flux2KleinPipeline", "Flux2Pipeline"):  # 512 rows, padding's; 3 layers
             return pipeline.encode_prompt(prompt=prompt, device="cpu")[0][0]
         [embeds], _ = pipeline.encode_prompt(prompt=prompt, device="cpu", do_classifier_free_guidance=False)
         return embeds

@@ -104,7 +104,7 @@ class ArRunner:
             self.model_path = language_model(self.model_path, tokenizer_path)
             logger.info("vLLM encodes with the language model of %s (%s)", config.model, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self._token_ids = _token_ids_of(self.tokenizer)
+        self._token_ids = _token_ids_of(self.tokenizer, config.mode != "encode" or self.recipe.special_tokens)
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
@@ -277,9 +277,10 @@ def _encoder_paths(path: str) -> tuple[Path, Path]:
     return root, root
 
 
-def _token_ids_of(tokenizer) -> Callable[[str], list[int]]:
+def _token_ids_of(tokenizer, special_tokens: bool = True) -> Callable[[str], list[int]]:
     """How a prompt becomes token ids: the tokenizer's call, or, for a fast
-    tokenizer, its Rust backend directly, with the ids the call gives.
+    tokenizer, its Rust backend directly, with the ids the call gives
+    (``special_tokens``: with the tokens the tokenizer adds, a BOS).
 
     Why: the call wraps the backend in several times its own cost in Python,
     on the event loop whose GIL bounds a busy stub, and its batch call releases the GIL, which a contended thread
@@ -287,10 +288,10 @@ def _token_ids_of(tokenizer) -> Callable[[str], list[int]]:
     with these arguments sets it (no truncation, no padding, special tokens
     kept whole), and nothing changes it afterwards."""
     if not getattr(tokenizer, "is_fast", False):
-        return lambda prompt: tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    tokenizer("", add_special_tokens=True)
+        return lambda prompt: tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"]
+    tokenizer("", add_special_tokens=special_tokens)
     backend = tokenizer.backend_tokenizer
-    return lambda prompt: backend.encode(prompt, add_special_tokens=True).ids
+    return lambda prompt: backend.encode(prompt, add_special_tokens=special_tokens).ids
 
 
 def _logprobs_needed(request: GenerateRequest) -> int | None:

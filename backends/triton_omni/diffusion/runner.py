@@ -47,7 +47,7 @@ from triton_omni.diffusion.step_cache import parse_step_cache
 from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
-from triton_omni.families import FAMILIES, Family, StepAdapter, family_of
+from triton_omni.families import FAMILIES, Family, Guidance, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
 
 logger = logging.getLogger(__name__)
@@ -153,11 +153,12 @@ class _Job:
     request: DiffusionRequest
     cond: torch.Tensor  # [T, H]
     uncond: torch.Tensor | None  # [T', H] when guidance is on
+    scale_read: bool = False  # the network reads the scale itself (guidance-distilled), negative pass or not
 
     def group_key(self) -> tuple:
         r = self.request
         guided = self.uncond is not None
-        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided else 0.0,
+        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided or self.scale_read else 0.0,
                 self.cond.shape[0], self.uncond.shape[0] if guided else 0)
 
 
@@ -277,7 +278,7 @@ class DiffusionRunner:
             return job.cond, job.uncond
 
         guided = self._guided(request)
-        step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale if guided else 1.0,
+        step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled,
                            step_cache=request.step_cache or self.step_cache, on_cached=on_cached)
@@ -366,7 +367,7 @@ class DiffusionRunner:
             uncond = to_device(self._negative(request, cond), self.device, self.dtype)
             if self.family.negatives_in_one_batch:
                 cond, uncond = _same_length(cond, uncond)
-        return _Job(index, request, cond, uncond)
+        return _Job(index, request, cond, uncond, self.family.capabilities.guidance is Guidance.DISTILLED)
 
     def _guided(self, request: DiffusionRequest) -> bool:
         """Whether the request runs classifier-free guidance, by its family's rule."""

@@ -78,6 +78,9 @@ class EncoderRecipe:
     # encoding), or None: nothing, it runs without a negative (zero tokens leave the encoder).
     absent_negative: str | None = ""
     padded_to: int | None = None  # every prompt's tokens padded to this many, unattended (None: no padding)
+    # whether the tokenizer adds its special tokens (a BOS) to the rendered text: the pipelines that
+    # tokenize a chat template's output through apply_chat_template do not (the template has them)
+    special_tokens: bool = True
 
     def select(self, hidden: torch.Tensor) -> torch.Tensor:
         """One prompt's ``[num_tokens, hidden]`` of the recipe's layers, template tokens dropped."""

@@ -1,10 +1,16 @@
-"""FLUX.2 [klein]: Qwen3 reads the prompt in its chat template (thinking off), padded to 512
-tokens; the hidden states of three of its layers (9, 18, 27), joined per token, condition a
-Flux2 MMDiT (double-stream blocks, then single-stream ones; packed 2x2 latents with position ids,
-flow matching). The padding's states are part of the conditioning: the DiT reads all 512 rows.
-Guidance: CFG above 1 against ``""`` (the pipeline takes no negative prompt, only
-``negative_prompt_embeds``), none at all for the step-distilled variant (``is_distilled``).
-``Flux2KleinPipeline`` is the reference."""
+"""FLUX.2: a text encoder's hidden states of three layers, joined per token, condition a Flux2
+MMDiT (double-stream blocks, then single-stream ones; packed 2x2 latents with position ids, flow
+matching). Every prompt is padded to 512 tokens and the padding's states are part of the
+conditioning: the DiT reads all 512 rows.
+
+- FLUX.2 [klein] (``Flux2KleinPipeline``): Qwen3 reads the prompt in its chat template (thinking
+  off), layers 9, 18, 27. CFG above 1 against ``""`` (the pipeline takes no negative prompt, only
+  ``negative_prompt_embeds``); none at all for the step-distilled variant (``is_distilled``).
+- FLUX.2 [dev] (``Flux2Pipeline``): Mistral-Small-3.1 reads the prompt after a system message, in
+  its chat template, layers 10, 20, 30. Guidance-distilled: the scale is an input of the DiT, one
+  pass a step, no negative at all.
+
+The pipelines are the reference."""
 
 from __future__ import annotations
 
@@ -39,6 +45,22 @@ def _chat(tokenizer, prompt: str) -> str:
 # An absent negative prompt: the encoding of "", the only negative the pipeline encodes itself.
 RECIPE = EncoderRecipe("flux2_klein", _chat, layers=LAYERS, padded_to=MAX_TOKENS)
 
+DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
+
+
+def _mistral_chat(tokenizer, prompt: str) -> str:
+    """Flux2Pipeline's rendering: its system message, then the prompt as the user's turn, no
+    generation prompt (``format_input``, then the chat template; the pipeline tokenizes it through
+    ``apply_chat_template``, which adds no special tokens of its own)."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    [messages] = format_input([prompt])
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+
+DEV_RECIPE = EncoderRecipe("flux2_dev", _mistral_chat, layers=DEV_LAYERS, padded_to=MAX_TOKENS,
+                           special_tokens=False)
+
 
 class Flux2Steps(FlowStepAdapter):
     """The Flux2 DiT's loop: packed latents with their position ids, the text's ids, the prompts'
@@ -59,6 +81,8 @@ class Flux2Steps(FlowStepAdapter):
         flow_schedule(pipeline, job, self.device, image_seq_len, sigmas,
                       mu=compute_empirical_mu(image_seq_len, job.steps))
         job.step_kwargs = {"img_ids": image_ids, "txt_ids": pipeline._prepare_text_ids(job.cond[None])}
+        if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
+            job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
         self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
 
     @staticmethod
@@ -70,7 +94,9 @@ class Flux2Steps(FlowStepAdapter):
         kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)),
                   "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
                                                   for job in jobs], size)) / 1000,
-                  "guidance": None, "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
+                  "guidance": None if "guidance" not in first else
+                  torch.cat(pad_rows([job.step_kwargs["guidance"] for job in jobs], size)),
+                  "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
                   "txt_ids": first["txt_ids"], "img_ids": first["img_ids"], "return_dict": False}
         return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
 
@@ -98,9 +124,11 @@ class Flux2Steps(FlowStepAdapter):
     def decode(self, jobs: list) -> torch.Tensor:
         pipeline, vae = self.pipeline, self.pipeline.vae
         factor = pipeline.vae_scale_factor * 2
-        latents = torch.cat([
-            pipeline._unpack_latents_with_ids(job.latents, job.step_kwargs["img_ids"], job.height // factor,
-                                              job.width // factor) for job in jobs])
+        # The pipelines scatter the packed tokens by their position ids; ours are the row-major grid
+        # of _prepare_latent_ids, so the scatter is this reshape (without reading the ids' maximum
+        # back from the device, as [dev]'s unpacking does)
+        latents = torch.cat([job.latents.view(1, job.height // factor, job.width // factor, -1).permute(0, 3, 1, 2)
+                             for job in jobs])
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
                                                                                               latents.dtype)
@@ -158,6 +186,66 @@ def build_tiny_distilled(out: Path) -> None:
     build_tiny(out, distilled=True)
 
 
+# A chat template shaped like Mistral-Small-3.1's (system prompt, then [INST] turns; content given as
+# a string or as a list of typed parts, as Flux2Pipeline's format_input gives it)
+MISTRAL_MARKERS = ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[IMG]")
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['content'] is string %}"
+    "{% set text = message['content'] %}{% else %}"
+    "{% set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def build_tiny_dev(out: Path) -> None:
+    """A ``Flux2Pipeline`` at about the shape of diffusers' pipeline test: a Mistral3 text encoder
+    of 31 layers (layers 10, 20 and 30 exist, none of them the final norm's) with a tiny Pixtral
+    vision tower, 16 wide; a tokenizer whose chat template renders the system message and the
+    prompt as Mistral's does, BOS included (the real pipeline's tokenizer is Mistral's processor,
+    whose chat template and tokenizer these stand in for: text-only prompts go through the same
+    calls); the guidance-embedding DiT; the VAE and scheduler of the [klein] demo."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+
+    hidden = 16
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], template=SYSTEM_MESSAGE,
+                                markers=MISTRAL_MARKERS, chat_template=MISTRAL_TEMPLATE, bos="<s>")
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=len(DEV_LAYERS) * hidden, timestep_guidance_channels=256,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+    )
+    amplify(transformer, 6.0, lambda name: name.startswith("single_transformer_blocks.") or
+            (name.startswith("transformer_blocks.") and ".attn." in name))
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
+        latent_channels=4, norm_num_groups=16, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    torch.manual_seed(0)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": AR_SHAPE["vocab_size"], "hidden_size": hidden,
+                     "intermediate_size": 32, "max_position_embeddings": 1024, "num_attention_heads": 2,
+                     "num_hidden_layers": 31, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": None,
+                     **ids},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "intermediate_size": 32, "image_size": 30, "patch_size": 6},
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), vision_feature_layer=-1, **ids,
+    )).eval()
+    pipeline = Flux2Pipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                             text_encoder=text_encoder, tokenizer=tokenizer)
+    pipeline.save_pretrained(out)
+
+
 class Flux2Klein(Family):
     name = "flux2_klein"
     pipeline_class = "Flux2KleinPipeline"
@@ -186,3 +274,18 @@ class Flux2Klein(Family):
         if unconds is not None:
             kwargs["negative_prompt_embeds"] = torch.stack(unconds)
         return kwargs
+
+
+class Flux2Dev(Flux2Klein):
+    name = "flux2_dev"
+    pipeline_class = "Flux2Pipeline"
+    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)
+    recipe = DEV_RECIPE
+    demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
+    demo_folders: ClassVar[dict] = {}
+
+    def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
+        return False  # the scale goes into the DiT: one pass, no negative
+
+    def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
+        return {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
