@@ -20,6 +20,8 @@ concurrency 1 it is).
     python benchmarks/families.py --family z-image --preset realistic             # GPU: 1024², 8 steps
     python benchmarks/families.py --family qwen-image --preset realistic --compile    # Triton's DiT blocks compiled
     python benchmarks/families.py --family z-image --preset realistic --end-to-end     # text_to_image, encoder included
+    python benchmarks/families.py --family flux2-klein --preset realistic         # GPU: 1024², 50 steps, CFG 4
+    python benchmarks/families.py --family flux2-klein-distilled --preset realistic  # GPU: 1024², 4 steps
 
 ``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
 DiT's blocks) against the pipeline as diffusers runs it by default (eager);
@@ -67,9 +69,10 @@ class Setup:
     model: str
     size: int
     steps: int
-    guidance: float  # Qwen-Image: true CFG scale (with a negative); Z-Image: guidance_scale (0: turbo)
+    guidance: float  # Qwen-Image: true CFG scale (with a negative); Z-Image, FLUX.2: guidance_scale (Z 0: turbo)
     concurrency: tuple[int, ...]
-    tokens: int = 64  # prompt tokens; the negative has 3/4 as many
+    tokens: int = 64  # prompt tokens
+    negative_tokens: int | None = None  # None: 3/4 as many (FLUX.2 pads every text to 512)
 
 
 # --end-to-end: ar_encoder's model (a folder holding the family's text encoder and tokenizer), its recipe
@@ -88,7 +91,14 @@ SETUPS = {
     ("z-image", "tiny"): Setup("demo:tiny-z-image", 32, 2, 0.0, (1, 4)),
     ("qwen-image", "realistic"): Setup("demo:realistic-qwen-image", 1024, 50, 4.0, (1, 4)),
     ("z-image", "realistic"): Setup("demo:realistic-z-image", 1024, 8, 0.0, (1, 16)),
+    ("flux2-klein", "tiny"): Setup("demo:tiny-flux2-klein", 32, 2, 4.0, (1, 4), 512, 512),
+    # the pipeline's defaults: 50 steps, CFG 4; the step-distilled variant: 4 steps, no guidance
+    ("flux2-klein", "realistic"): Setup("demo:realistic-flux2-klein", 1024, 50, 4.0, (1, 4), 512, 512),
+    ("flux2-klein-distilled", "realistic"): Setup("demo:realistic-flux2-klein-distilled", 1024, 4, 1.0, (1, 4),
+                                                  512, 512),
 }
+GUIDES_ABOVE = {"z-image": 0.0}  # the others guide above 1
+STACKED = {"qwen-image", "flux2-klein", "flux2-klein-distilled"}  # embeddings as one tensor (Z-Image: a list)
 
 
 def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
@@ -101,7 +111,7 @@ class Requests:
 
     def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False):
         self.family, self.setup, self.hidden, self.end_to_end = family, setup, hidden, end_to_end
-        self.guided = setup.guidance > (1.0 if family == "qwen-image" else 0.0)
+        self.guided = setup.guidance > GUIDES_ABOVE.get(family, 1.0)
 
     def prompt_text(self, i: int) -> str:
         return f"{PROMPT} {i}"
@@ -113,7 +123,8 @@ class Requests:
         return embeds(self.hidden, 1000 + i, self.setup.tokens)
 
     def negative(self, i: int) -> np.ndarray | None:
-        return embeds(self.hidden, 2000 + i, self.setup.tokens * 3 // 4) if self.guided else None
+        tokens = self.setup.negative_tokens or self.setup.tokens * 3 // 4
+        return embeds(self.hidden, 2000 + i, tokens) if self.guided else None
 
     def seed(self, i: int) -> int:
         return 7 + i
@@ -152,7 +163,7 @@ def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: to
 
     def tensors(arrays):
         as_torch = [torch.from_numpy(a).to(device, dtype) for a in arrays]
-        return torch.stack(as_torch) if qwen else as_torch
+        return torch.stack(as_torch) if requests.family in STACKED else as_torch
 
     kwargs = {"true_cfg_scale" if qwen else "guidance_scale": setup.guidance}
     if requests.end_to_end:  # the pipeline encodes the prompts itself
@@ -294,7 +305,7 @@ def report(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=["qwen-image", "z-image"], required=True)
+    parser.add_argument("--family", choices=sorted({family for family, _ in SETUPS}), required=True)
     parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
     parser.add_argument("--rounds", type=int, default=2, help="measured calls per side and concurrency")
     parser.add_argument("--concurrency", help="comma-separated (default: the setup's)")

@@ -1,4 +1,4 @@
-"""Qwen-Image and Z-Image at their real shapes (random weights, built on the
+"""Qwen-Image, Z-Image and FLUX.2 [klein] at their real shapes (random weights, built on the
 GPU in bf16) on a GPU: a request's image through step batching against the
 pipeline's own call with the same embeddings and seeded generator. Alone it
 runs the pipeline's batch of one: bit-exact. Beside requests of other steps,
@@ -19,7 +19,9 @@ if not torch.cuda.is_available():
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
 
-FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image"}
+FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image",
+            "flux2_klein": "demo:realistic-flux2-klein"}
+STACKED = {"qwen_image", "flux2_klein"}  # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
 SIZE, STEPS = 512, 4
 # Per pixel channel, out of 255, for a request that shares its forward passes with others: bf16
 # at these depths carries a kernel's low-bit difference over the steps (an H100 gave up to 4
@@ -52,7 +54,7 @@ def request_values(runner: DiffusionRunner, seed: int, guidance: float, steps: i
                    tokens: int = 32) -> dict:
     values = {"prompt_embeds": embeds(runner, seed, tokens), "guidance_scale": guidance, "seed": seed,
               "num_inference_steps": steps, "height": size, "width": size}
-    if guidance > (1.0 if runner.family.name == "qwen_image" else 0.0):
+    if guidance > (0.0 if runner.family.name == "z_image" else 1.0):
         values["negative_prompt_embeds"] = embeds(runner, seed + 100, tokens - 8)
     return values
 
@@ -61,7 +63,7 @@ def reference(runner: DiffusionRunner, values: dict) -> torch.Tensor:
     qwen = runner.family.name == "qwen_image"
     negative = values.get("negative_prompt_embeds")
     kwargs = {"true_cfg_scale" if qwen else "guidance_scale": values["guidance_scale"]}
-    as_input = (lambda e: e[None].cuda()) if qwen else (lambda e: [e.cuda()])
+    as_input = (lambda e: e[None].cuda()) if runner.family.name in STACKED else (lambda e: [e.cuda()])
     with torch.inference_mode():
         images = runner.pipeline(
             prompt_embeds=as_input(values["prompt_embeds"]),

@@ -12,7 +12,8 @@ import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion import runner as runner_module
 
-FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image"}
+FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
+            "flux2_klein": "demo:tiny-flux2-klein"}
 REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 4, "guidance_scale": 4.0,
            "height": 32, "width": 32, "seed": 3}
 

@@ -246,6 +246,35 @@ def build_tiny_dev(out: Path) -> None:
     pipeline.save_pretrained(out)
 
 
+def build_realistic_klein(device, dtype, distilled: bool = False):
+    """FLUX.2 [klein] 4B's DiT (5 double-stream and 20 single-stream blocks, 24 heads of 128, read
+    from three layers of Qwen3-4B: 3 x 2560) and FLUX.2's VAE and scheduler, random weights, in
+    memory on ``device``; no text encoder (it serves ``prompt_embeds``). ``distilled``: the 4-step
+    variant's flag."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    from triton_omni.demo_models import built_as
+
+    with built_as(device, dtype):
+        transformer = Flux2Transformer2DModel(in_channels=128, num_layers=5, num_single_layers=20,
+                                              attention_head_dim=128, num_attention_heads=24,
+                                              joint_attention_dim=len(LAYERS) * 2560, guidance_embeds=False)
+        scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX's dynamic shift: the pipeline passes its mu
+            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+            use_dynamic_shifting=True)
+        return Flux2KleinPipeline(transformer=transformer, vae=AutoencoderKLFlux2(), scheduler=scheduler,
+                                  text_encoder=None, tokenizer=None, is_distilled=distilled)
+
+
+def build_realistic_klein_distilled(device, dtype):
+    return build_realistic_klein(device, dtype, distilled=True)
+
+
 class Flux2Klein(Family):
     name = "flux2_klein"
     pipeline_class = "Flux2KleinPipeline"
@@ -254,6 +283,8 @@ class Flux2Klein(Family):
     step_adapter = Flux2Steps
     demo = Demo("flux2-klein", "tiny-flux2-klein", build_tiny)
     demo_folders: ClassVar[dict] = {"tiny-flux2-klein-distilled": build_tiny_distilled}
+    realistic: ClassVar[dict] = {"demo:realistic-flux2-klein": build_realistic_klein,
+                                 "demo:realistic-flux2-klein-distilled": build_realistic_klein_distilled}
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         """The step-distilled variant never guides (its pipeline ignores the scale)."""
@@ -283,6 +314,7 @@ class Flux2Dev(Flux2Klein):
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
     demo_folders: ClassVar[dict] = {}
+    realistic: ClassVar[dict] = {}
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         return False  # the scale goes into the DiT: one pass, no negative
