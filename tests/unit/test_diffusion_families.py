@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
 
 from tests.support.pipelines import call
@@ -246,5 +247,24 @@ def test_a_step_distilled_flux2_klein_never_guides(batching):
         expected = reference(runner, "a red fox", 3, 4.0, steps=4)
         assert (image.int() - expected.int()).abs().max() <= (1 if batching == "step" else 0)
         assert torch.equal(expected, reference(runner, "a red fox", 3, 1.0, steps=4))
+    finally:
+        runner.close()
+
+
+def test_flux2_embeddings_of_any_length_each_pass_its_own_text_ids():
+    """FLUX.2's DiT takes text position ids as long as its text: a prompt and a negative of other
+    lengths than the encoder's 512 (as a client may send) each get their own, as the pipeline does."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS["flux2_klein"], batching="step", batch_size=4))
+    generator = torch.Generator().manual_seed(0)
+    embeds, negative = torch.randn(40, 48, generator=generator), torch.randn(24, 48, generator=generator)
+    try:
+        [image] = runner.run([runner.parse({"prompt_embeds": embeds, "negative_prompt_embeds": negative, "seed": 3,
+                                            "guidance_scale": 4.0, "num_inference_steps": STEPS, "height": SIZE,
+                                            "width": SIZE})])
+        with torch.inference_mode():
+            expected = runner.pipeline(prompt_embeds=embeds[None], negative_prompt_embeds=negative[None],
+                                       guidance_scale=4.0, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                                       generator=torch.Generator().manual_seed(3), output_type="pt").images
+        assert (image.int() - to_pixels(expected)[0].int()).abs().max() <= 1
     finally:
         runner.close()

@@ -30,9 +30,14 @@ class DiffusionLimits:
     max_steps: int = 100
     max_guidance: float = 30.0
     max_embeds_tokens: int = 512
-    max_embeds_bytes: int = 4 * 1024 * 1024
+    # None: max_embeds_tokens rows of the model's width in float32 (FLUX.2 [dev]'s 512 x 15360: 31 MB)
+    max_embeds_bytes: int | None = None
     max_prompt_chars: int = 10_000
     size_multiple: int = 8  # the VAE's factor, times the patch for a DiT (families.py)
+
+    def __post_init__(self):
+        if self.max_embeds_bytes is None:
+            object.__setattr__(self, "max_embeds_bytes", self.max_embeds_tokens * self.hidden_size * 4)
 
 
 @dataclass

@@ -80,7 +80,10 @@ class Flux2Steps(FlowStepAdapter):
         image_seq_len = job.latents.shape[1]
         flow_schedule(pipeline, job, self.device, image_seq_len, sigmas,
                       mu=compute_empirical_mu(image_seq_len, job.steps))
-        job.step_kwargs = {"img_ids": image_ids, "txt_ids": pipeline._prepare_text_ids(job.cond[None])}
+        job.step_kwargs = {"img_ids": image_ids}  # each pass's text ids follow its own text's length
+        for branch, embeds in (("cond", job.cond), ("uncond", job.uncond)):
+            if embeds is not None:
+                job.step_kwargs[f"txt_ids_{branch}"] = pipeline._prepare_text_ids(embeds[None]).to(self.device)
         if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
             job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
         self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
@@ -90,14 +93,14 @@ class Flux2Steps(FlowStepAdapter):
         """One pass's transformer arguments, its rows padded, and each row's cache owner."""
         n = len(jobs)
         size = pad_to(n)
-        first = jobs[0].step_kwargs  # one group: one size and one text length, so one set of ids
+        first = jobs[0].step_kwargs  # one group: one size and one text length a pass, so one set of ids
         kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)),
                   "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
                                                   for job in jobs], size)) / 1000,
                   "guidance": None if "guidance" not in first else
                   torch.cat(pad_rows([job.step_kwargs["guidance"] for job in jobs], size)),
                   "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
-                  "txt_ids": first["txt_ids"], "img_ids": first["img_ids"], "return_dict": False}
+                  "txt_ids": first[f"txt_ids_{branch}"], "img_ids": first["img_ids"], "return_dict": False}
         return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
 
     def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
