@@ -26,8 +26,8 @@ from triton_omni_client import OmniClient
 
 from tests.support.runners import alone_then_together
 
-MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image"]
-TOLERANCE = {"demo:realistic-qwen-image": 8, "demo:realistic-z-image": 16}  # of 255, per pixel
+MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image", "demo:realistic-flux2-klein"]
+TOLERANCE = {"demo:realistic-qwen-image": 8, "demo:realistic-z-image": 16, "demo:realistic-flux2-klein": 16}
 
 
 def requests(hidden: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""CFG parallel's code path on the CPU (tiny Qwen-Image): the negatives' pass
+"""CFG parallel's code path on the CPU (tiny Qwen-Image and FLUX.2 [klein]): the negatives' pass
 on a copy of the transformer, in a worker process over gloo, gives the image
 the runner gives without it, alone and beside requests with other steps, guidance
 and step caches. The second device here is the CPU again: tests/gpu runs it
@@ -26,13 +26,14 @@ def images(runner: DiffusionRunner, requests: list[dict]) -> list:
     return [future.result() for future in futures]
 
 
-def test_cfg_parallel_gives_the_one_device_images():
-    one = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step"))
+@pytest.mark.parametrize("model", [MODEL, "demo:tiny-flux2-klein"])
+def test_cfg_parallel_gives_the_one_device_images(model):
+    one = DiffusionRunner(DiffusionRunnerConfig(model, batching="step"))
     try:
         expected = [images(one, [values])[0] for values in COMPANY] + images(one, COMPANY)
     finally:
         one.close()
-    parallel = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device="cpu"))
+    parallel = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", cfg_device="cpu"))
     try:
         assert parallel.cfg_parallel.workers[0].is_alive()
         got = [images(parallel, [values])[0] for values in COMPANY] + images(parallel, COMPANY)
@@ -73,7 +74,7 @@ def test_a_dead_worker_fails_guided_requests_by_name_and_unguided_ones_still_run
 def test_cfg_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
-    with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image\)"):
+    with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image, flux2_klein\)"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
 
 

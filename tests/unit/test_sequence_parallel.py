@@ -56,6 +56,15 @@ def test_z_image_splits_its_joint_sequence_with_our_plan():
     assert_same(got, expected)
 
 
+def test_flux2_splits_its_text_and_image_with_diffusers_plan():
+    """FLUX.2's transformer ships its context-parallel plan: the image's tokens and the text's split at
+    its entry, the output gathered after its last projection."""
+    company = [COMPANY[0], COMPANY[3] | {"width": 48}]
+    expected = served(DiffusionRunnerConfig("demo:tiny-flux2-klein", batching="step"), company)
+    got = served(DiffusionRunnerConfig("demo:tiny-flux2-klein", batching="step", sp_devices=("cpu",)), company)
+    assert_same(got, expected)
+
+
 def test_three_ranks_split_three_heads_and_any_token_count():
     company = [values | {"width": 48} for values in COMPANY]  # 4 x 6 patches: gloo gathers equal shares
     expected = served(DiffusionRunnerConfig(MODEL, batching="step"), company, alone=False)

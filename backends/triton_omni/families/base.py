@@ -252,5 +252,18 @@ class FlowStepAdapter(StepAdapter):
         return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
 
 
+def check_even_patches(height: int, width: int, ranks: int, on_cpu: bool, patch: int) -> None:
+    """Sequence parallel on the CPU: gloo gathers the ranks' image tokens in equal shares only (NCCL
+    takes any), and the gathered sequence is the image's patches."""
+    if not on_cpu:
+        return
+    tokens = (height // patch) * (width // patch)
+    if tokens % ranks:
+        raise RequestValidationError("height", f"sequence parallel on the CPU shares the image's {tokens} "
+                                     f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
+                                     f"height x width must make a multiple of {ranks} patches",
+                                     f"{height}x{width}")
+
+
 def ones_mask(embeds: list[torch.Tensor]) -> torch.Tensor:
     return torch.ones(len(embeds), embeds[0].shape[0], dtype=torch.long, device=embeds[0].device)

@@ -28,6 +28,7 @@ from triton_omni.families.base import (
     FlowStepAdapter,
     Guidance,
     PadTo,
+    check_even_patches,
     flow_schedule,
     pad_rows,
 )
@@ -66,7 +67,8 @@ class Flux2Steps(FlowStepAdapter):
     """The Flux2 DiT's loop: packed latents with their position ids, the text's ids, the prompts'
     pass and the negatives' pass (as the pipeline runs them, so that ``exact_batching: pipeline``
     is its image bit for bit), combined as ``neg + g (pos - neg)``; each pass keeps its own
-    step-cache state (the pipeline's cache contexts "cond" and "uncond")."""
+    step-cache state (the pipeline's cache contexts "cond" and "uncond"). CFG parallel
+    (``cfg_parallel``, set by the runner): the negatives' pass on a second GPU, as Qwen-Image's."""
 
     def start(self, job) -> None:
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
@@ -80,7 +82,8 @@ class Flux2Steps(FlowStepAdapter):
         image_seq_len = job.latents.shape[1]
         flow_schedule(pipeline, job, self.device, image_seq_len, sigmas,
                       mu=compute_empirical_mu(image_seq_len, job.steps))
-        job.step_kwargs = {"img_ids": image_ids}  # each pass's text ids follow its own text's length
+        # the DiT's dtype; each pass's text ids follow its own text's length
+        job.step_kwargs = {"img_ids": image_ids, "dtype": pipeline.transformer.dtype}
         for branch, embeds in (("cond", job.cond), ("uncond", job.uncond)):
             if embeds is not None:
                 job.step_kwargs[f"txt_ids_{branch}"] = pipeline._prepare_text_ids(embeds[None]).to(self.device)
@@ -94,7 +97,8 @@ class Flux2Steps(FlowStepAdapter):
         n = len(jobs)
         size = pad_to(n)
         first = jobs[0].step_kwargs  # one group: one size and one text length a pass, so one set of ids
-        kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)),
+        dtype = jobs[0].step_kwargs["dtype"]
+        kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)).to(dtype),
                   "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
                                                   for job in jobs], size)) / 1000,
                   "guidance": None if "guidance" not in first else
@@ -105,15 +109,20 @@ class Flux2Steps(FlowStepAdapter):
 
     def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
         kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
-        transformer = self.pipeline.transformer
-        kwargs["hidden_states"] = kwargs["hidden_states"].to(transformer.dtype)
         with self.cached(rows):
-            return transformer(**kwargs)[0][: len(jobs)]
+            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         guided = [job for job in jobs if job.uncond is not None]
+        negatives = [job.uncond for job in guided]
+        remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
+        if remote is not None:  # CFG parallel: the negatives' pass on the second GPU (cfg_parallel.py)
+            self.cfg_parallel.send(*remote)
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
-        uncond = iter(self._forward(guided, [job.uncond for job in guided], pad_to, "uncond") if guided else ())
+        if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
+            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
+        else:
+            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
         preds = []
         for job, pred in zip(jobs, cond, strict=True):
@@ -281,7 +290,8 @@ def build_realistic_klein_distilled(device, dtype):
 class Flux2Klein(Family):
     name = "flux2_klein"
     pipeline_class = "Flux2KleinPipeline"
-    capabilities = Capabilities(Guidance.CFG, guides_above=1.0, step_cache=True, compile=True)
+    capabilities = Capabilities(Guidance.CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
+                                sequence_parallel=True, compile=True)
     recipe = RECIPE
     step_adapter = Flux2Steps
     demo = Demo("flux2-klein", "tiny-flux2-klein", build_tiny)
@@ -303,6 +313,11 @@ class Flux2Klein(Family):
         self.require_text_encoder()
         return self.pipeline.encode_prompt(prompt, device=device)[0][0]
 
+    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
+        """diffusers' own plan splits the image's tokens and the text's (512 from ar_encoder, which
+        2, 4 or 8 ranks divide) at the transformer's entry."""
+        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
+
     def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
         if unconds is not None:
@@ -313,7 +328,7 @@ class Flux2Klein(Family):
 class Flux2Dev(Flux2Klein):
     name = "flux2_dev"
     pipeline_class = "Flux2Pipeline"
-    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)
+    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)  # no negative pass to move
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
     demo_folders: ClassVar[dict] = {}

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from triton_omni.errors import RequestValidationError
 from triton_omni.families.base import (
     Capabilities,
     Demo,
@@ -21,6 +20,7 @@ from triton_omni.families.base import (
     FlowStepAdapter,
     Guidance,
     PadTo,
+    check_even_patches,
     flow_schedule,
     ones_mask,
     pad_rows,
@@ -206,14 +206,4 @@ class QwenImage(Family):
         return kwargs
 
     def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        """On the CPU, gloo gathers the ranks' image tokens in equal shares only (NCCL takes any), and
-        the gathered sequence is the image's patches."""
-        if not on_cpu:
-            return
-        patch = self.size_multiple()
-        tokens = (height // patch) * (width // patch)
-        if tokens % ranks:
-            raise RequestValidationError("height", f"sequence parallel on the CPU shares the image's {tokens} "
-                                         f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
-                                         f"height x width must make a multiple of {ranks} patches",
-                                         f"{height}x{width}")
+        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
