@@ -252,6 +252,60 @@ class FlowStepAdapter(StepAdapter):
         return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
 
 
+class TwoPassStepAdapter(FlowStepAdapter):
+    """What the flow DiTs whose pipeline runs the prompts' pass and the negatives' pass apart share
+    (Qwen-Image, FLUX.2): the two passes, each with its own text length and its own step-cache
+    state (the pipeline's cache contexts "cond" and "uncond"), and CFG parallel (``cfg_parallel``,
+    set by the runner): the negatives' pass runs on a second GPU, in a worker process
+    (cfg_parallel.py), while the prompts' pass runs on the first; the same kernels on the same
+    rows, so the image is the one GPU's. A family gives one pass's arguments and its guidance."""
+
+    def start_passes(self, job) -> None:
+        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
+
+    def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
+        """One pass's transformer arguments (``return_dict`` aside) for ``jobs``, padded to ``size``
+        rows (``embeds``: their texts, padded too; ``branch``: "cond", the prompts' pass, or
+        "uncond", the negatives', each with its own text length)."""
+        raise NotImplementedError
+
+    def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        """A guided request's prediction from its prompt's and its negative's, by the pipeline's rule."""
+        raise NotImplementedError
+
+    def _pass(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
+        """One pass's transformer arguments, its rows padded, and each row's cache owner."""
+        n = len(jobs)
+        size = pad_to(n)
+        kwargs = self.arguments(jobs, torch.stack(pad_rows(embeds, size)), size, branch) | {"return_dict": False}
+        return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
+
+    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
+        kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
+        with self.cached(rows):
+            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
+
+    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        guided = [job for job in jobs if job.uncond is not None]
+        negatives = [job.uncond for job in guided]
+        remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
+        if remote is not None:
+            self.cfg_parallel.send(*remote)
+        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
+        if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
+            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
+        else:
+            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
+        self.count_skips(jobs)
+        preds = []
+        for job, pred in zip(jobs, cond, strict=True):
+            pred = pred[None, : job.latents.shape[1]]  # the image's tokens (a pass may carry more after them)
+            if job.uncond is not None:
+                pred = self.guide(job, pred, next(uncond)[None, : job.latents.shape[1]])
+            preds.append(pred)
+        return preds
+
+
 def check_even_patches(height: int, width: int, ranks: int, on_cpu: bool, patch: int) -> None:
     """Sequence parallel on the CPU: gloo gathers the ranks' image tokens in equal shares only (NCCL
     takes any), and the gathered sequence is the image's patches."""

@@ -25,9 +25,8 @@ from triton_omni.families.base import (
     Demo,
     EncoderRecipe,
     Family,
-    FlowStepAdapter,
     Guidance,
-    PadTo,
+    TwoPassStepAdapter,
     check_even_patches,
     flow_schedule,
     pad_rows,
@@ -63,12 +62,11 @@ DEV_RECIPE = EncoderRecipe("flux2_dev", _mistral_chat, layers=DEV_LAYERS, padded
                            special_tokens=False)
 
 
-class Flux2Steps(FlowStepAdapter):
-    """The Flux2 DiT's loop: packed latents with their position ids, the text's ids, the prompts'
-    pass and the negatives' pass (as the pipeline runs them, so that ``exact_batching: pipeline``
-    is its image bit for bit), combined as ``neg + g (pos - neg)``; each pass keeps its own
-    step-cache state (the pipeline's cache contexts "cond" and "uncond"). CFG parallel
-    (``cfg_parallel``, set by the runner): the negatives' pass on a second GPU, as Qwen-Image's."""
+class Flux2Steps(TwoPassStepAdapter):
+    """The Flux2 DiT's loop: packed latents with their position ids, each pass's text ids, the
+    prompts' pass and the negatives' pass (as the pipeline runs them, so that ``exact_batching:
+    pipeline`` is its image bit for bit), combined as ``neg + g (pos - neg)``; the scale per row
+    into a guidance-distilled DiT."""
 
     def start(self, job) -> None:
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
@@ -89,49 +87,19 @@ class Flux2Steps(FlowStepAdapter):
                 job.step_kwargs[f"txt_ids_{branch}"] = pipeline._prepare_text_ids(embeds[None]).to(self.device)
         if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
             job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
-        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
+        self.start_passes(job)
 
-    @staticmethod
-    def _pass(jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
-        """One pass's transformer arguments, its rows padded, and each row's cache owner."""
-        n = len(jobs)
-        size = pad_to(n)
+    def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
         first = jobs[0].step_kwargs  # one group: one size and one text length a pass, so one set of ids
-        dtype = jobs[0].step_kwargs["dtype"]
-        kwargs = {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)).to(dtype),
-                  "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
-                                                  for job in jobs], size)) / 1000,
-                  "guidance": None if "guidance" not in first else
-                  torch.cat(pad_rows([job.step_kwargs["guidance"] for job in jobs], size)),
-                  "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
-                  "txt_ids": first[f"txt_ids_{branch}"], "img_ids": first["img_ids"], "return_dict": False}
-        return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
+        return {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)).to(first["dtype"]),
+                "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
+                                                for job in jobs], size)) / 1000,
+                "guidance": None if "guidance" not in first else
+                torch.cat(pad_rows([job.step_kwargs["guidance"] for job in jobs], size)),
+                "encoder_hidden_states": embeds, "txt_ids": first[f"txt_ids_{branch}"], "img_ids": first["img_ids"]}
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
-        kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
-        with self.cached(rows):
-            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
-
-    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
-        guided = [job for job in jobs if job.uncond is not None]
-        negatives = [job.uncond for job in guided]
-        remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
-        if remote is not None:  # CFG parallel: the negatives' pass on the second GPU (cfg_parallel.py)
-            self.cfg_parallel.send(*remote)
-        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
-        if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
-            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
-        else:
-            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
-        self.count_skips(jobs)
-        preds = []
-        for job, pred in zip(jobs, cond, strict=True):
-            pred = pred[None, : job.latents.shape[1]]
-            if job.uncond is not None:
-                negative = next(uncond)[None, : job.latents.shape[1]]
-                pred = negative + job.guidance_scale * (pred - negative)
-            preds.append(pred)
-        return preds
+    def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        return negative + job.guidance_scale * (pred - negative)
 
     def decode(self, jobs: list) -> torch.Tensor:
         pipeline, vae = self.pipeline, self.pipeline.vae
@@ -149,29 +117,18 @@ class Flux2Steps(FlowStepAdapter):
         return (images / 2 + 0.5).clamp(0, 1)
 
 
-def build_tiny(out: Path, distilled: bool = False) -> None:
-    """A ``Flux2KleinPipeline`` at about the shape of diffusers' pipeline test: a Qwen3 causal LM
-    of 28 layers (so that layers 9, 18 and 27 exist, none of them the final norm's), 16 wide, so
-    that the DiT reads 48; one double-stream and two single-stream blocks; a two-level FLUX.2 VAE
-    (32² pixels: 8² packed latents); the flow-matching scheduler. ``distilled``: the step-distilled
-    variant's flag (no guidance)."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _tiny_dit_and_vae(text_width: int, guidance_embeds: bool):
+    """The tiny demos' DiT (one double-stream and two single-stream blocks, reading ``text_width``)
+    and their two-level FLUX.2 VAE (32² pixels: 8² packed latents)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+    from triton_omni.demo_models import amplify
 
-    hidden = 16
-    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
     torch.manual_seed(0)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=len(LAYERS) * hidden, timestep_guidance_channels=256,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        num_attention_heads=2, joint_attention_dim=text_width, timestep_guidance_channels=256,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds,
     )
     # At random init the tiny DiT barely reads its text (most of its 512 rows are padding): the
     # double-stream attention, where the text meets the image, and the single-stream blocks are
@@ -184,6 +141,26 @@ def build_tiny(out: Path, distilled: bool = False) -> None:
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
         latent_channels=4, norm_num_groups=16, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
     )
+    return transformer, vae
+
+
+def build_tiny(out: Path, distilled: bool = False) -> None:
+    """A ``Flux2KleinPipeline`` at about the shape of diffusers' pipeline test: a Qwen3 causal LM
+    of 28 layers (so that layers 9, 18 and 27 exist, none of them the final norm's), 16 wide, so
+    that the DiT reads 48; one double-stream and two single-stream blocks; a two-level FLUX.2 VAE
+    (32² pixels: 8² packed latents); the flow-matching scheduler. ``distilled``: the step-distilled
+    variant's flag (no guidance)."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
+
+    hidden = 16
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True)
+    transformer, vae = _tiny_dit_and_vae(len(LAYERS) * hidden, guidance_embeds=False)
     torch.manual_seed(0)
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         hidden_size=hidden, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
@@ -218,29 +195,16 @@ def build_tiny_dev(out: Path) -> None:
     prompt as Mistral's does, BOS included (the real pipeline's tokenizer is Mistral's processor,
     whose chat template and tokenizer these stand in for: text-only prompts go through the same
     calls); the guidance-embedding DiT; the VAE and scheduler of the [klein] demo."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
 
     hidden = 16
     tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], template=SYSTEM_MESSAGE,
                                 markers=MISTRAL_MARKERS, chat_template=MISTRAL_TEMPLATE, bos="<s>")
-    torch.manual_seed(0)
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=len(DEV_LAYERS) * hidden, timestep_guidance_channels=256,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
-    )
-    amplify(transformer, 6.0, lambda name: name.startswith("single_transformer_blocks.") or
-            (name.startswith("transformer_blocks.") and ".attn." in name))
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
-        latent_channels=4, norm_num_groups=16, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
-    )
+    transformer, vae = _tiny_dit_and_vae(len(DEV_LAYERS) * hidden, guidance_embeds=True)
     torch.manual_seed(0)
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}

@@ -17,9 +17,8 @@ from triton_omni.families.base import (
     Demo,
     EncoderRecipe,
     Family,
-    FlowStepAdapter,
     Guidance,
-    PadTo,
+    TwoPassStepAdapter,
     check_even_patches,
     flow_schedule,
     ones_mask,
@@ -38,13 +37,9 @@ RECIPE = EncoderRecipe("qwen_image", lambda tokenizer, prompt: TEMPLATE.format(p
                        absent_negative=None)
 
 
-class QwenImageSteps(FlowStepAdapter):
+class QwenImageSteps(TwoPassStepAdapter):
     """The MMDiT's loop: packed latents, the prompt and its negative in two passes, each with its
-    own text length, combined with true CFG and rescaled to the prompt's norm.
-
-    CFG parallel (``cfg_parallel``, set by the runner): the negatives' pass runs on a second GPU,
-    in a worker process (cfg_parallel.py), while the prompts' pass runs on the first; the same
-    kernels on the same rows, so the image is the one GPU's."""
+    own text length, combined with true CFG and rescaled to the prompt's norm."""
 
     def start(self, job) -> None:
         pipeline = self.pipeline
@@ -54,48 +49,19 @@ class QwenImageSteps(FlowStepAdapter):
         flow_schedule(pipeline, job, self.device, job.latents.shape[1], np.linspace(1.0, 1 / job.steps, job.steps))
         factor = pipeline.vae_scale_factor
         job.step_kwargs = {"img_shape": (1, job.height // factor // 2, job.width // factor // 2)}
-        # the pipeline's cache contexts: the prompt's pass and the negative's keep apart states
-        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
+        self.start_passes(job)
 
-    @staticmethod
-    def _pass(jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
-        """One pass's transformer arguments, its rows padded, and each row's cache owner."""
-        n = len(jobs)
-        size = pad_to(n)
+    def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
         latents = torch.cat(pad_rows([job.latents for job in jobs], size))
         timesteps = torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs],
                                        size))
-        kwargs = {"hidden_states": latents, "timestep": timesteps / 1000, "guidance": None,
-                  "encoder_hidden_states_mask": None, "encoder_hidden_states": torch.stack(pad_rows(embeds, size)),
-                  "img_shapes": [[jobs[0].step_kwargs["img_shape"]]] * size, "return_dict": False}
-        return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
+        return {"hidden_states": latents, "timestep": timesteps / 1000, "guidance": None,
+                "encoder_hidden_states_mask": None, "encoder_hidden_states": embeds,
+                "img_shapes": [[jobs[0].step_kwargs["img_shape"]]] * size}
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
-        kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
-        with self.cached(rows):
-            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
-
-    def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
-        guided = [job for job in jobs if job.uncond is not None]
-        negatives = [job.uncond for job in guided]
-        remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
-        if remote is not None:
-            self.cfg_parallel.send(*remote)
-        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
-        if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
-            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
-        else:
-            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
-        self.count_skips(jobs)
-        preds = []
-        for job, pred in zip(jobs, cond, strict=True):
-            pred = pred[None]
-            if job.uncond is not None:
-                negative = next(uncond)[None]
-                combined = negative + job.guidance_scale * (pred - negative)
-                pred = combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
-            preds.append(pred)
-        return preds
+    def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        combined = negative + job.guidance_scale * (pred - negative)
+        return combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def decode(self, jobs: list) -> torch.Tensor:
         pipeline, vae = self.pipeline, self.pipeline.vae
