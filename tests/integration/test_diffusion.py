@@ -113,10 +113,26 @@ def test_request_batching_batches(http_url):
             stats = c.get_inference_statistics("diffusion_exact")["model_stats"][0]
         return stats["inference_count"], stats["execution_count"]
 
-    before = counts()
+    def settled() -> tuple[int, int]:
+        """The counts once they stop moving: a batch's statistics are recorded when its execute
+        returns, which can be after its responses reached the clients (they leave from the
+        response thread)."""
+        deadline = time.monotonic() + 30
+        previous = counts()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            current = counts()
+            if current == previous:
+                return current
+            previous = current
+        return previous
+
+    before = settled()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda r: _generate(OmniClient(http_url, "http"), r, "diffusion_exact"), [MIXED[0]] * 8))
-    after = counts()
+    deadline = time.monotonic() + 30
+    while (after := counts())[0] < before[0] + 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert after[0] - before[0] == 8 and after[1] - before[1] < 8
 
 
