@@ -265,7 +265,8 @@ class Flux2Klein(Family):
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         """The step-distilled variant never guides (its pipeline ignores the scale)."""
-        return not self.pipeline.config.is_distilled and super().uses_guidance(guidance_scale, has_negative)
+        return not self.pipeline.config.get("is_distilled", False) and super().uses_guidance(guidance_scale,
+                                                                                           has_negative)
 
     def hidden_size(self) -> int:
         return int(self.network.config.joint_attention_dim)
@@ -292,14 +293,10 @@ class Flux2Klein(Family):
 class Flux2Dev(Flux2Klein):
     name = "flux2_dev"
     pipeline_class = "Flux2Pipeline"
-    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)  # no negative pass to move
+    # the scale goes into the DiT: one pass, no negative (the base rule), nothing for CFG parallel to move
+    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
     demo_folders: ClassVar[dict] = {}
     realistic: ClassVar[dict] = {}
 
-    def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
-        return False  # the scale goes into the DiT: one pass, no negative
-
-    def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
-        return {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
