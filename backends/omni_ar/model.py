@@ -193,6 +193,9 @@ class TritonPythonModel:
                 mask = hidden.new_ones(hidden.shape[0], dtype=torch.int32)
                 outputs += [self.encode_outputs.tensor(name, hidden, batched=True),
                             self.encode_outputs.tensor(f"{name}_mask", mask, batched=True)]
+        # always there (zero values for a family without one): the text_to_image ensemble maps it
+        pooled = result.pooled if result.pooled is not None else result.hidden_states.new_empty(0)
+        outputs.append(self.encode_outputs.tensor("pooled_prompt_embeds", pooled, batched=True))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def finalize(self):

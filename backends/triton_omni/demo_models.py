@@ -146,13 +146,14 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_position_embeddings"],
                     chat: bool = False, template: str = "", markers: tuple[str, ...] = (),
-                    chat_template: str | None = None, bos: str | None = None):
+                    chat_template: str | None = None, bos: str | None = None, eos_after: bool = False):
     """A byte-level BPE trained on the built-in corpus. ``template``: a prompt template the model's
     pipeline wraps every prompt in, trained on until each of its words is one token, as in the real
     tokenizer, so that the template's tokens a pipeline drops by count are the template's own.
     ``chat``: Qwen's chat markers and a template shaped like Qwen3's; or ``markers`` and
     ``chat_template``, another family's. ``bos``: a token put before every text the tokenizer
-    encodes with its special tokens (as Mistral's and Llama's tokenizers do)."""
+    encodes with its special tokens (as Mistral's and Llama's tokenizers do); ``eos_after``: the EOS
+    put after it (as CLIP's and T5's tokenizers do)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -167,11 +168,13 @@ def build_tokenizer(out: Path, vocab_size: int, max_length: int = AR_SHAPE["max_
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.splitlines() * 4 + template.splitlines() * 20, trainer)
-    if bos:
+    if bos or eos_after:
         from tokenizers import processors
 
+        around = [*([bos] if bos else []), "$A", *(["<|endoftext|>"] if eos_after else [])]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+            single=" ".join(around), special_tokens=[(token, tokenizer.token_to_id(token)) for token in around
+                                                     if token != "$A"])
     chat_template = CHAT_TEMPLATE if chat else chat_template
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=max_length,

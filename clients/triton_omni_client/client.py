@@ -205,8 +205,17 @@ class OmniClient:
         encoder answers what the pipeline uses without one, the encoding of ``""`` (Z-Image, SD)
         or zero tokens (Qwen-Image, which then runs without true CFG). Both go to ``diffusion``
         as ``prompt_embeds`` and ``negative_prompt_embeds``, as ``text_to_image`` sends them."""
+        conditioning = self.encode_conditioning(prompt, negative_prompt, model)
+        return conditioning["prompt_embeds"], conditioning["negative_prompt_embeds"]
+
+    def encode_conditioning(self, prompt: str, negative_prompt: str | None = None,
+                            model: str = "ar_encoder") -> dict[str, np.ndarray]:
+        """Everything ``diffusion`` is conditioned on for this prompt, as keyword arguments of
+        ``generate_image``: ``prompt_embeds``, ``negative_prompt_embeds`` (as
+        ``encode_with_negative``) and, for a family whose DiT reads one (FLUX.1's CLIP vector),
+        ``pooled_prompt_embeds``."""
         client_module = _client_module(self.protocol)
-        names = ("prompt_embeds", "negative_prompt_embeds")
+        names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds")
         with client_module.InferenceServerClient(self.url) as client:
             try:
                 result = client.infer(model, batched_inputs(client_module, text_input=prompt,
@@ -214,28 +223,33 @@ class OmniClient:
                                       outputs=[client_module.InferRequestedOutput(name) for name in names])
             except Exception as exc:
                 raise as_omni_error(exc) from None
-            embeds, negative = (result.as_numpy(name)[0] for name in names)
-            return embeds, negative
-
+        conditioning = {name: result.as_numpy(name)[0] for name in names}
+        if conditioning["pooled_prompt_embeds"].size == 0:  # the family reads none
+            del conditioning["pooled_prompt_embeds"]
+        return conditioning
 
     # -- images ----------------------------------------------------------------
 
     def generate_image(self, prompt: str | None = None, *, prompt_embeds: np.ndarray | None = None,
                        negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
-                       model: str = "diffusion", **options: Any) -> np.ndarray:
+                       pooled_prompt_embeds: np.ndarray | None = None, model: str = "diffusion",
+                       **options: Any) -> np.ndarray:
         """An image ``[H, W, 3]`` uint8. ``options``: num_inference_steps,
         guidance_scale, height, width, seed. ``model``: ``diffusion`` (or a
         copy of it), or the ``text_to_image`` ensemble, whose text input is
-        ``text_input``. ``negative_prompt``: None leaves it out, which is not ``""``: each
-        means what it means to the family's pipeline (docs/pipelines.md). A value its input
-        cannot hold (a seed past INT64) raises ``InputValueError`` naming it, before sending."""
+        ``text_input``. ``pooled_prompt_embeds``: beside ``prompt_embeds`` for a family whose
+        DiT reads one (FLUX.1; ``encode_conditioning`` gives all three). ``negative_prompt``:
+        None leaves it out, which is not ``""``: each means what it means to the family's
+        pipeline (docs/pipelines.md). A value its input cannot hold (a seed past INT64) raises
+        ``InputValueError`` naming it, before sending."""
         client_module = _client_module(self.protocol)
         with client_module.InferenceServerClient(self.url) as client:
             text = {"prompt": prompt, "negative_prompt": negative_prompt}
             if prompt is not None and "text_input" in self._inputs_of(client, model):
                 text = {"text_input": prompt, "negative_prompt": negative_prompt}
             inputs = batched_inputs(client_module, prompt_embeds=prompt_embeds,
-                                    negative_prompt_embeds=negative_prompt_embeds, **text, **options)
+                                    negative_prompt_embeds=negative_prompt_embeds,
+                                    pooled_prompt_embeds=pooled_prompt_embeds, **text, **options)
             try:
                 result = client.infer(model, inputs)
             except Exception as exc:
@@ -282,8 +296,8 @@ def batched_inputs(client_module, **values: Any) -> list:
             array, type_name = SCALAR_INPUTS[name].scalar(value)[None], SCALAR_INPUTS[name].wire_type
         elif isinstance(value, str):
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
-        else:  # prompt embeddings
-            array = np.ascontiguousarray(value)[None] if value.ndim == 2 else np.ascontiguousarray(value)
+        else:  # prompt embeddings [tokens, hidden], a pooled embedding [width]: the batch dimension added
+            array = np.ascontiguousarray(value)[None] if value.ndim < 3 else np.ascontiguousarray(value)
             type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
         tensor = client_module.InferInput(name, list(array.shape), type_name)
         tensor.set_data_from_numpy(array)

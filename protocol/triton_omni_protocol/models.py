@@ -62,6 +62,8 @@ def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
         TensorSpec("prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
         TensorSpec("negative_prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1, -1)),
         TensorSpec("negative_prompt_embeds_mask", "TYPE_INT32", dims=(-1,)),
+        # the prompt's pooled embedding where the family's DiT reads one (FLUX.1's CLIP vector), else [0]
+        TensorSpec("pooled_prompt_embeds", EMBEDS_TYPES[embeds_dtype], dims=(-1,)),
     ]
 
 
@@ -73,6 +75,8 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
         TensorSpec("negative_prompt", "TYPE_STRING"),
         TensorSpec("negative_prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
+        # beside prompt_embeds, for a family whose DiT reads a pooled embedding (FLUX.1); [0]: none
+        TensorSpec("pooled_prompt_embeds", embeds_type, dims=(-1,), kind="array"),
         TensorSpec("num_inference_steps", "TYPE_INT32"),
         TensorSpec("guidance_scale", "TYPE_FP32"),
         TensorSpec("height", "TYPE_INT32"),

@@ -1,7 +1,8 @@
 """The tiny demo pipelines can tell their inputs apart: another prompt, negative prompt, guidance
 scale or step count moves each family's image far past the parity tests' tolerance (1 level of
-255), so a parity test fails when a route encodes or guides a request wrongly. (FLUX.2 [dev] takes
-no negative: its DiT reads the scale, so 1 is a guidance like any other.)"""
+255), so a parity test fails when a route encodes or guides a request wrongly. (FLUX.2 [dev] and
+FLUX.1 [dev] run no negative pass: their DiT reads the scale, so 1 is a guidance like any other.)
+FLUX.1's pooled CLIP vector moves the image on its own too (test_diffusion_families.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def changes(family: str) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein", "flux2-dev"])
+@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev"])
 def test_each_input_moves_the_image_far_past_the_parity_tolerance(family):
     base = reference(family, **BASE)
     moved = {name: levels_apart(base, reference(family, **(BASE | change))) for name, change in changes(family).items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
@@ -16,7 +17,7 @@ from tests.support.pipelines import call
 
 STEPS, SIZE = 2, 32
 MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
-          "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev"}
+          "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -45,6 +46,13 @@ def encoded(runner: DiffusionRunner, text: str) -> torch.Tensor:
     """``text`` as the runner encodes a prompt: its pipeline's encoding, under inference mode (with
     autograd on, CPU attention takes another kernel and the last bits differ)."""
     return runner._encode_text(text)
+
+
+def conditioning(runner: DiffusionRunner, text: str) -> dict:
+    """``text``'s request inputs as ar_encoder sends them: its embeddings, and its pooled embedding
+    where the family reads one (FLUX.1's CLIP vector)."""
+    embeds, pooled = runner._encode_prompt(text)
+    return {"prompt_embeds": embeds} | ({} if pooled is None else {"pooled_prompt_embeds": pooled})
 
 
 def test_served_alone_equals_the_pipelines_own_call(runner):
@@ -79,11 +87,10 @@ def test_batched_beside_other_requests_stays_within_one_level(runner):
 
 def test_prompt_embeds_give_the_prompts_image(runner):
     """What `ar_encoder` sends for a family: the pipeline's own encoding of the prompt."""
-    embeds = encoded(runner, "a red fox")
     negative = encoded(runner, "blurry")
     [from_text, from_embeds] = served(
         runner, {"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "seed": 3},
-        {"prompt_embeds": embeds, "negative_prompt_embeds": negative, "guidance_scale": 4.0, "seed": 3})
+        conditioning(runner, "a red fox") | {"negative_prompt_embeds": negative, "guidance_scale": 4.0, "seed": 3})
     assert torch.equal(from_text, from_embeds)
 
 
@@ -91,14 +98,14 @@ def test_embeddings_without_a_negative_get_the_pipelines_default_negative(runner
     """No negative at all: the family's pipeline default, from its own text encoder (SD and Z-Image:
     the encoding of ""; Qwen-Image: no true CFG). Zero negative tokens (ar_encoder's answer where
     the pipeline runs without a negative) guide against the null condition, or not at all."""
-    embeds = encoded(runner, "a red fox")
+    given = conditioning(runner, "a red fox")
+    embeds = given["prompt_embeds"]
     # one call each: FLUX.2's two would share a batch (every prompt is 512 tokens), whose size moves the last bit
-    [image] = served(runner, {"prompt_embeds": embeds, "guidance_scale": 4.0, "seed": 2})
-    [nulled] = served(runner, {"prompt_embeds": embeds, "negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0,
-                               "seed": 2})
+    [image] = served(runner, given | {"guidance_scale": 4.0, "seed": 2})
+    [nulled] = served(runner, given | {"negative_prompt_embeds": embeds[:0], "guidance_scale": 4.0, "seed": 2})
     assert torch.equal(image, reference(runner, "a red fox", 2, 4.0))
     if runner.family.name == "qwen_image" or not runner.family.uses_guidance(4.0, has_negative=True):
-        assert torch.equal(nulled, image)  # Qwen-Image: no negative, no true CFG; FLUX.2 [dev]: never a negative
+        assert torch.equal(nulled, image)  # Qwen-Image: no negative, no true CFG; FLUX [dev]: never a negative
     else:
         assert (nulled.int() - image.int()).abs().max() >= 10
 
@@ -118,9 +125,10 @@ def test_the_empty_prompt_is_encoded_once(runner, monkeypatch):
 
 
 def test_without_a_text_encoder_guided_embeddings_need_their_negative(runner, monkeypatch):
-    embeds = encoded(runner, "a red fox")
+    given = conditioning(runner, "a red fox")
+    embeds = given["prompt_embeds"]
     monkeypatch.setattr(runner.family, "has_text_encoder", lambda: False)  # as the realistic GPU presets
-    request = {"prompt_embeds": embeds, "guidance_scale": 4.0}
+    request = given | {"guidance_scale": 4.0}
     if not runner.family.uses_guidance(4.0, has_negative=False):  # Qwen-Image, FLUX.2 [dev]: nothing to encode
         runner.parse(request)
         return
@@ -266,5 +274,40 @@ def test_flux2_embeddings_of_any_length_each_pass_its_own_text_ids():
                                        guidance_scale=4.0, num_inference_steps=STEPS, height=SIZE, width=SIZE,
                                        generator=torch.Generator().manual_seed(3), output_type="pt").images
         assert (image.int() - to_pixels(expected)[0].int()).abs().max() <= 1
+    finally:
+        runner.close()
+
+
+def test_flux1_reads_its_pooled_embedding():
+    """FLUX.1's DiT reads CLIP's pooled vector beside T5's sequence: another prompt's vector moves
+    the image far, one left out or of another width is refused by name, and a family that reads none
+    refuses one (zero values, what ar_encoder sends for such a family, mean none)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS["flux1"], exact_batching=False))
+    given = conditioning(runner, "a red fox") | {"guidance_scale": 3.5, "seed": 3}
+    other = conditioning(runner, "a watercolor lighthouse")["pooled_prompt_embeds"]
+    [image, swapped] = [served(runner, values)[0] for values in (given, given | {"pooled_prompt_embeds": other})]
+    assert (image.int() - swapped.int()).abs().max() >= 10
+    for values, message in (({"prompt_embeds": given["prompt_embeds"]}, "is required"),
+                            (given | {"pooled_prompt_embeds": other[:16]}, r"must be \[32\]"),
+                            ({"prompt": "a red fox", "pooled_prompt_embeds": other}, "goes with prompt_embeds")):
+        with pytest.raises(RequestValidationError, match=f"`pooled_prompt_embeds`: {message}"):
+            runner.parse(values)
+    limits = DiffusionLimits(hidden_size=32)  # a family without a pooled embedding
+    with pytest.raises(RequestValidationError, match="reads no pooled embedding"):
+        DiffusionRequest.from_inputs({"prompt_embeds": given["prompt_embeds"], "pooled_prompt_embeds": other}, limits)
+    assert DiffusionRequest.from_inputs({"prompt_embeds": given["prompt_embeds"],
+                                         "pooled_prompt_embeds": other[:0]}, limits).pooled_prompt_embeds is None
+
+
+@pytest.mark.parametrize("batching", ["request", "step"])
+def test_flux1_schnell_has_no_guidance(batching):
+    """FLUX.1 [schnell]'s DiT has no guidance input: its users' call (guidance 0, 4 steps) and any
+    other scale give the same image, which the server gives too."""
+    runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-schnell", batching=batching, batch_size=4))
+    try:
+        [image] = served(runner, {"prompt": "a red fox", "guidance_scale": 3.5, "seed": 3, "num_inference_steps": 4})
+        expected = reference(runner, "a red fox", 3, 0.0, steps=4)
+        assert (image.int() - expected.int()).abs().max() <= (1 if batching == "step" else 0)
+        assert torch.equal(expected, reference(runner, "a red fox", 3, 3.5, steps=4))
     finally:
         runner.close()

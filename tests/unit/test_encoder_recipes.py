@@ -20,11 +20,24 @@ from triton_omni.demo_models import resolve_model
 
 PROMPTS = ["a red fox", "a watercolor lighthouse by the sea, at night", "robot"]
 CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image", "flux2_klein": "demo:tiny-flux2-klein",
-         "flux2_dev": "demo:tiny-flux2-dev"}
+         "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev"}
 
 
 def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
+    return pipeline_encoding(model, prompt)[0]
+
+
+def pipeline_encoding(model: str, prompt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pipeline's own encoding of ``prompt``: its sequence, and its pooled embedding (FLUX.1)."""
     pipeline = DiffusionPipeline.from_pretrained(resolve_model(model))
+    with torch.inference_mode():
+        if type(pipeline).__name__ == "FluxPipeline":  # T5's 512 rows, CLIP's pooled vector
+            embeds, pooled, _ = pipeline.encode_prompt(prompt=prompt, prompt_2=None, device="cpu")
+            return embeds[0], pooled[0]
+        return _sequence(pipeline, prompt), None
+
+
+def _sequence(pipeline, prompt: str) -> torch.Tensor:
     with torch.inference_mode():
         if type(pipeline).__name__ == "QwenImagePipeline":
             embeds, mask = pipeline.encode_prompt(prompt=prompt, device="cpu")
@@ -47,9 +60,12 @@ def test_a_batch_of_prompts_equals_the_pipelines_encoding(encoder):
     recipe, runner = encoder
     results = runner.loop.run(runner.encode([EncodeRequest(prompt) for prompt in PROMPTS]))
     for prompt, result in zip(PROMPTS, results, strict=True):
-        expected = pipeline_embeds(CASES[recipe], prompt)
+        expected, pooled = pipeline_encoding(CASES[recipe], prompt)
         assert result.hidden_states.shape == expected.shape, prompt
         assert (result.hidden_states - expected).abs().max() <= 1e-4, prompt
+        assert (result.pooled is None) == (pooled is None), prompt
+        if pooled is not None:
+            assert result.pooled.shape == pooled.shape and (result.pooled - pooled).abs().max() <= 1e-4, prompt
 
 
 def test_the_negative_side_is_the_pipelines_encoding_of_what_it_was_given(encoder):
@@ -60,7 +76,7 @@ def test_the_negative_side_is_the_pipelines_encoding_of_what_it_was_given(encode
     results = runner.loop.run(runner.encode(requests))
     for request, result in zip(requests, results, strict=True):
         assert (result.hidden_states - pipeline_embeds(CASES[recipe], "a red fox")).abs().max() <= 1e-4
-        if request.negative_prompt is None and recipe == "qwen_image":
+        if request.negative_prompt is None and runner.recipe.absent_negative is None:  # Qwen-Image, FLUX.1
             assert result.negative_hidden_states.shape == (0, runner.hidden_size)
             continue
         expected = pipeline_embeds(CASES[recipe], request.negative_prompt or "")
@@ -112,16 +128,19 @@ def test_auto_engine_takes_transformers_for_a_pipelines_encoder_and_says_so(capl
 
 
 @pytest.mark.parametrize(("recipe", "reason"), [("z_image", "it needs hidden layers -2"),
-                                              ("flux2_klein", "it needs hidden layers 9, 18, 27")])
+                                              ("flux2_klein", "it needs hidden layers 9, 18, 27"),
+                                              ("flux1", "its text encoders are not one causal LM: it runs "
+                                                        "the pipeline's own encode_prompt")])
 def test_a_recipe_vllm_cannot_run_is_refused_on_vllm_by_name(recipe, reason):
     with pytest.raises(ValueError, match=f"recipe '{recipe}' cannot run on vLLM \\({reason}\\)"):
         ArRunner(ArRunnerConfig(CASES[recipe], mode="encode", engine="vllm", recipe=recipe))
 
 
-def test_a_prompt_longer_than_the_pipelines_padded_length_is_refused_by_name():
-    """FLUX.2 [klein]'s pipeline cuts a prompt at 512 tokens; ar_encoder refuses it instead, naming it."""
-    runner = ArRunner(ArRunnerConfig(CASES["flux2_klein"], mode="encode", engine="transformers",
-                                     recipe="flux2_klein"))
+@pytest.mark.parametrize("recipe", ["flux2_klein", "flux1"])
+def test_a_prompt_longer_than_the_pipelines_padded_length_is_refused_by_name(recipe):
+    """FLUX's pipelines cut a prompt at 512 tokens (FLUX.1: of T5's); ar_encoder refuses it instead,
+    naming it."""
+    runner = ArRunner(ArRunnerConfig(CASES[recipe], mode="encode", engine="transformers", recipe=recipe))
     try:
         [result] = runner.loop.run(runner.encode([EncodeRequest("fox " * 600)]))
         assert "at most 512" in str(result) and result.parameter == "text_input"

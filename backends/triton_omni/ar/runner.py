@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
+from triton_omni.ar.engine_pipeline import PipelineTextEngine
 from triton_omni.ar.language_model import architecture, has_language_model, language_model
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
@@ -35,6 +36,7 @@ from triton_omni.gpu_memory import cap_torch
 logger = logging.getLogger(__name__)
 
 EngineName = Literal["auto", "vllm", "transformers"]
+Side = tuple[str, list[int]]  # a text to encode and its token ids (none: zero tokens, the encoder not run)
 Mode = Literal["generate", "encode"]
 
 __all__ = ["ArResponse", "ArRunner", "ArRunnerConfig", "Delta", "Embedding"]
@@ -90,6 +92,7 @@ class Embedding:
 
     hidden_states: torch.Tensor
     negative_hidden_states: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None  # [P], the prompt's pooled embedding where the family reads one (FLUX.1)
 
 
 class ArRunner:
@@ -98,7 +101,7 @@ class ArRunner:
         self.config = config
         self.seat = seat
         self.recipe: EncoderRecipe = recipe(config.recipe)
-        self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model))
+        self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model), self.recipe.tokenizer)
         self.engine_name = config.resolved_engine()
         if self.engine_name == "vllm" and has_language_model(self.model_path):
             self.model_path = language_model(self.model_path, tokenizer_path)
@@ -108,13 +111,17 @@ class ArRunner:
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
-        self.engine: ArEngine = self.loop.run(self._build_engine())
+        self.engine: ArEngine | PipelineTextEngine = self.loop.run(self._build_engine())
         logger.info("AR runner ready: model=%s engine=%s mode=%s%s", self.model_path, self.engine_name, config.mode,
                     f" recipe={self.recipe.name}" if config.mode == "encode" else "")
 
 
-    async def _build_engine(self) -> ArEngine:
+    async def _build_engine(self) -> ArEngine | PipelineTextEngine:
         cfg = self.config
+        if cfg.mode == "encode" and self.recipe.by_pipeline:
+            if cfg.gpu_memory_utilization is not None:
+                cap_torch(cfg.gpu_memory_utilization, cfg.device)
+            return PipelineTextEngine(self.model_path.parent, cfg.device, cfg.torch_dtype())
         if self.engine_name == "vllm":
             from triton_omni.ar.engine_vllm import VllmEngine
 
@@ -211,22 +218,38 @@ class ArRunner:
         rest of the batch is encoded as usual. A text that renders to no
         tokens encodes to zero tokens without reaching the engine.
         """
-        plans: list[tuple[list[int], list[int] | None] | RequestValidationError] = []
+        plans: list[tuple[Side, Side | None] | RequestValidationError] = []
         for request in requests:
             try:
-                plans.append((self.tokenize(request.prompt), self._negative_ids(request)))
+                plans.append(((request.prompt, self.tokenize(request.prompt)), self._negative_side(request)))
             except RequestValidationError as exc:
                 plans.append(exc)
-        texts = [ids for plan in plans if not isinstance(plan, Exception) for ids in plan if ids]
-        hidden = iter(await self._encode_texts(texts)) if texts else iter(())
+        sides = [side for plan in plans if not isinstance(plan, Exception) for side in plan if side and side[1]]
+        encoded = iter(await self._encode_sides(sides)) if sides else iter(())
         dtype = getattr(torch, self.config.embeds_dtype)
 
-        def states(ids: list[int] | None) -> torch.Tensor | None:
-            if ids is None:
-                return None
-            return self.recipe.select(next(hidden)).to(dtype) if ids else torch.empty(0, self.hidden_size, dtype=dtype)
+        def states(side: Side | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if side is None:
+                return None, None
+            if not side[1]:
+                return torch.empty(0, self.hidden_size, dtype=dtype), None
+            hidden, pooled = next(encoded)
+            return self.recipe.select(hidden).to(dtype), None if pooled is None else pooled.to(dtype)
 
-        return [plan if isinstance(plan, Exception) else Embedding(states(plan[0]), states(plan[1])) for plan in plans]
+        results: list[Embedding | RequestValidationError] = []
+        for plan in plans:
+            if isinstance(plan, Exception):
+                results.append(plan)
+                continue
+            (hidden, pooled), (negative, _) = states(plan[0]), states(plan[1])
+            results.append(Embedding(hidden, negative, pooled))
+        return results
+
+    async def _encode_sides(self, sides: list[Side]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each side's states (and pooled embedding, where the recipe's pipeline makes one)."""
+        if isinstance(self.engine, PipelineTextEngine):
+            return await self.engine.encode_prompts([text for text, _ in sides])
+        return [(hidden, None) for hidden in await self._encode_texts([ids for _, ids in sides])]
 
     async def _encode_texts(self, texts: list[list[int]]) -> list[torch.Tensor]:
         """Each text's states of the recipe's layers; padded to the recipe's length first where its
@@ -238,13 +261,13 @@ class ArRunner:
         return await self.engine.encode([ids + [pad] * (length - len(ids)) for ids in texts], self.recipe.layers,
                                         attended=[len(ids) for ids in texts])
 
-    def _negative_ids(self, request: EncodeRequest) -> list[int] | None:
-        """The negative side's token ids: its text's, the recipe's stand-in for an absent one, or
-        none at all ([]) where the family's pipeline runs without a negative prompt."""
+    def _negative_side(self, request: EncodeRequest) -> Side | None:
+        """The negative side: its text's, the recipe's stand-in for an absent one, or none at all (no
+        tokens) where the family's pipeline runs without a negative prompt."""
         if not request.with_negative:
             return None
         text = request.negative_prompt if request.negative_prompt is not None else self.recipe.absent_negative
-        return [] if text is None else self.tokenize(text, "negative_prompt")
+        return ("", []) if text is None else (text, self.tokenize(text, "negative_prompt"))
 
     def close(self) -> None:
         try:
@@ -258,6 +281,8 @@ def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
     returns the last layer of a causal LM's attended tokens, not other layers nor
     padding; a pipeline's text encoder only where it is a vision-language model
     whose language model it can load (language_model.py)."""
+    if encoding.by_pipeline:
+        return "its text encoders are not one causal LM: it runs the pipeline's own encode_prompt"
     if encoding.layers != (-1,):
         return f"it needs hidden layers {', '.join(map(str, encoding.layers))}"
     if encoding.padded_to is not None:
@@ -268,12 +293,12 @@ def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
     return None
 
 
-def _encoder_paths(path: str) -> tuple[Path, Path]:
-    """(model, tokenizer) folders: a diffusers pipeline's ``text_encoder`` and
-    ``tokenizer`` when ``path`` is one (``model_index.json``), else ``path`` twice."""
+def _encoder_paths(path: str, tokenizer: str = "tokenizer") -> tuple[Path, Path]:
+    """(model, tokenizer) folders: a diffusers pipeline's ``text_encoder`` and its tokenizer
+    (``tokenizer``: the recipe's) when ``path`` is one (``model_index.json``), else ``path`` twice."""
     root = Path(path)
     if (root / "model_index.json").exists():
-        return root / "text_encoder", root / "tokenizer"
+        return root / "text_encoder", root / tokenizer
     return root, root
 
 

@@ -34,6 +34,7 @@ class DiffusionLimits:
     max_embeds_bytes: int | None = None
     max_prompt_chars: int = 10_000
     size_multiple: int = 8  # the VAE's factor, times the patch for a DiT (families.py)
+    pooled_size: int = 0  # the pooled embedding's width the family reads beside the sequence (FLUX.1); 0: none
 
     def __post_init__(self):
         if self.max_embeds_bytes is None:
@@ -52,6 +53,7 @@ class DiffusionRequest:
     width: int
     seed: int | None
     step_cache: StepCacheConfig | None = None  # None: the model's (step_cache.py)
+    pooled_prompt_embeds: torch.Tensor | None = None  # [P], beside prompt_embeds where the family reads one
 
     @property
     def has_negative(self) -> bool:
@@ -69,6 +71,7 @@ class DiffusionRequest:
         prompt, embeds = _one_of(values, "prompt", "prompt_embeds", limits, required=True)
         negative, negative_embeds = _one_of(values, "negative_prompt", "negative_prompt_embeds", limits,
                                             required=False)
+        pooled = _pooled(values.get("pooled_prompt_embeds"), embeds is not None, limits)
         # 2. Scalar options.
         steps = as_int("num_inference_steps", values["num_inference_steps"])
         in_range("num_inference_steps", steps, 1, limits.max_steps)
@@ -83,7 +86,37 @@ class DiffusionRequest:
                 step_cache = parse_step_cache(as_str("step_cache", step_cache))
             except ValueError as exc:
                 raise RequestValidationError("step_cache", str(exc), step_cache) from None
-        return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache)
+        return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
+                   pooled)
+
+
+def _pooled(pooled: Any, with_embeds: bool, limits: DiffusionLimits) -> torch.Tensor | None:
+    """``pooled_prompt_embeds``: ``[P]`` (or ``[1, P]``) beside ``prompt_embeds`` for a family that
+    reads one (``limits.pooled_size``); zero values, as ar_encoder sends for a family that reads
+    none, mean none."""
+    name = "pooled_prompt_embeds"
+    if pooled is not None and not (isinstance(pooled, torch.Tensor) and pooled.dtype in ALLOWED_EMBEDS_DTYPES):
+        raise RequestValidationError(name, "must be a tensor of "
+                                     f"{[str(d).removeprefix('torch.') for d in ALLOWED_EMBEDS_DTYPES]}",
+                                     str(getattr(pooled, "dtype", type(pooled).__name__)))
+    if pooled is not None and pooled.numel() == 0:
+        pooled = None
+    if pooled is None:
+        if with_embeds and limits.pooled_size:
+            raise RequestValidationError(name, "is required with prompt_embeds: this model reads a pooled "
+                                         f"embedding of {limits.pooled_size} values beside them (ar_encoder "
+                                         "returns both)", None, show_value=False)
+        return None
+    if not with_embeds:
+        raise RequestValidationError(name, "goes with prompt_embeds (a text prompt is encoded here, its pooled "
+                                     "embedding included)", None, show_value=False)
+    require(limits.pooled_size > 0, name, "this model reads no pooled embedding", list(pooled.shape))
+    shape = tuple(pooled.shape)
+    require(shape in ((limits.pooled_size,), (1, limits.pooled_size)), name,
+            f"must be [{limits.pooled_size}]", list(shape))
+    pooled = pooled.reshape(limits.pooled_size)
+    require(bool(torch.isfinite(pooled).all()), name, "must hold only finite values (no NaN/inf)", "non-finite values")
+    return pooled
 
 
 def _one_of(values, text_name: str, embeds_name: str, limits: DiffusionLimits, required: bool):

@@ -153,6 +153,7 @@ class _Job:
     request: DiffusionRequest
     cond: torch.Tensor  # [T, H]
     uncond: torch.Tensor | None  # [T', H] when guidance is on
+    pooled: torch.Tensor | None = None  # [P] where the family reads a pooled embedding
     scale_read: bool = False  # the network reads the scale itself (guidance-distilled), negative pass or not
 
     def group_key(self) -> tuple:
@@ -190,8 +191,8 @@ class DiffusionRunner:
             load()
         capabilities = self.family.capabilities
         hidden = self.family.hidden_size()
-        self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple()}
-                                         | config.limits))
+        self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
+                                          "pooled_size": self.family.pooled_size()} | config.limits))
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
             # step batching: a graph per (bucket, size, token count) in use
@@ -273,9 +274,9 @@ class DiffusionRunner:
         """Step batching: one request into the running batch. The future
         resolves to its image ``[H, W, 3]`` uint8 (or its error). ``on_cached``:
         (steps computed, steps skipped) when it ends, if it used the step cache."""
-        def prepare() -> tuple[torch.Tensor, torch.Tensor | None]:  # on the engine's thread, at admission
+        def prepare() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # on the engine's thread
             job = self._prepare(0, request)
-            return job.cond, job.uncond
+            return job.cond, job.uncond, job.pooled
 
         guided = self._guided(request)
         step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale,
@@ -360,14 +361,16 @@ class DiffusionRunner:
     # -- steps of the recipe ------------------------------------------------------
 
     def _prepare(self, index: int, request: DiffusionRequest) -> _Job:
-        cond = request.prompt_embeds if request.prompt is None else self._encode_text(request.prompt)
+        cond, pooled = (request.prompt_embeds, request.pooled_prompt_embeds) if request.prompt is None \
+            else self._encode_prompt(request.prompt)
         cond = to_device(cond, self.device, self.dtype)
+        pooled = None if pooled is None else to_device(pooled, self.device, self.dtype)
         uncond = None
         if self._guided(request):
             uncond = to_device(self._negative(request, cond), self.device, self.dtype)
             if self.family.negatives_in_one_batch:
                 cond, uncond = _same_length(cond, uncond)
-        return _Job(index, request, cond, uncond, self.family.capabilities.guidance is Guidance.DISTILLED)
+        return _Job(index, request, cond, uncond, pooled, self.family.capabilities.guidance is Guidance.DISTILLED)
 
     def _guided(self, request: DiffusionRequest) -> bool:
         """Whether the request runs classifier-free guidance, by its family's rule."""
@@ -385,8 +388,12 @@ class DiffusionRunner:
         return self._encode_text(request.negative_prompt) if request.negative_prompt else self._empty_prompt()
 
     def _encode_text(self, prompt: str) -> torch.Tensor:
+        return self._encode_prompt(prompt)[0]
+
+    def _encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt's sequence and, where the family reads one, its pooled embedding."""
         with torch.inference_mode():
-            return self.family.encode(prompt, self.device)
+            return self.family.encode_prompt(prompt, self.device)
 
     def _empty_prompt(self) -> torch.Tensor:
         """The encoding of "", every guided request's negative side when it has none: encoded once,
@@ -403,6 +410,8 @@ class DiffusionRunner:
         guided = jobs[0].uncond is not None
         kwargs: dict[str, Any] = self.family.call_kwargs(
             [job.cond for job in rows], [job.uncond for job in rows] if guided else None, first.guidance_scale)
+        if jobs[0].pooled is not None:
+            kwargs |= self.family.pooled_kwargs([job.pooled for job in rows])
         kwargs |= {
             "num_inference_steps": first.num_inference_steps,
             "height": first.height,

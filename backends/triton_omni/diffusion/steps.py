@@ -77,7 +77,8 @@ STEPS_AHEAD = 2
 class StepJob:
     """One request in the engine: its inputs, and the state owned here."""
 
-    prepare: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]  # (cond, uncond), run at admission
+    # (cond, uncond, pooled), run at admission
+    prepare: Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     rows: int  # denoiser rows per step: 2 with guidance (prompt and negative), else 1
     guidance_scale: float
     steps: int
@@ -93,6 +94,7 @@ class StepJob:
     # set when admitted
     cond: torch.Tensor | None = None  # [T, H]
     uncond: torch.Tensor | None = None  # [T, H] with guidance
+    pooled: torch.Tensor | None = None  # [P] where the family reads a pooled embedding (FLUX.1)
     scheduler: Any = None
     timesteps: torch.Tensor | None = None  # on the device: the denoiser's input
     schedule: list[int] = field(default_factory=list)  # the same timesteps as ints: the scheduler's input
@@ -293,7 +295,7 @@ class StepEngine:
     def _start(self, job: StepJob) -> None:
         """The job's prompt encoded, its own scheduler, timesteps and initial noise; it joins its group."""
         try:
-            job.cond, job.uncond = job.prepare()
+            job.cond, job.uncond, job.pooled = job.prepare()
             with torch.inference_mode():
                 self.adapter.start(job)
             job.key = self.adapter.group(job)

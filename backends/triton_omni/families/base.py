@@ -81,6 +81,11 @@ class EncoderRecipe:
     # whether the tokenizer adds its special tokens (a BOS) to the rendered text: the pipelines that
     # tokenize a chat template's output through apply_chat_template do not (the template has them)
     special_tokens: bool = True
+    # True: the text encoders are not one causal LM (FLUX.1's CLIP and T5): ar_encoder loads the
+    # pipeline without its DiT and VAE and encodes through its own encode_prompt (the family's
+    # ``encode_batch``), on the transformers engine
+    by_pipeline: bool = False
+    tokenizer: str = "tokenizer"  # the pipeline's tokenizer whose tokens a prompt's length is counted in
 
     def select(self, hidden: torch.Tensor) -> torch.Tensor:
         """One prompt's ``[num_tokens, hidden]`` of the recipe's layers, template tokens dropped."""
@@ -145,6 +150,19 @@ class Family:
         """One prompt alone, as the pipeline encodes it: ``[num_tokens, hidden]``."""
         raise NotImplementedError
 
+    def pooled_size(self) -> int:
+        """The width of the pooled embedding the DiT reads beside the sequence (FLUX.1's CLIP
+        vector); 0: none."""
+        return 0
+
+    def encode_prompt(self, prompt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prompt alone: its sequence and, where the family reads one, its pooled embedding."""
+        return self.encode(prompt, device), None
+
+    def encode_batch(self, prompts: list[str], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ar_encoder's batch for a recipe ``by_pipeline``: each prompt's sequence and pooled embedding."""
+        raise NotImplementedError
+
     def has_text_encoder(self) -> bool:
         return getattr(self.pipeline, "text_encoder", None) is not None
 
@@ -158,6 +176,10 @@ class Family:
                     guidance_scale: float) -> dict[str, Any]:
         """One batched call's conditioning: rows of one token count (the runner groups them so)."""
         raise NotImplementedError
+
+    def pooled_kwargs(self, pooled: list[torch.Tensor]) -> dict[str, Any]:
+        """One batched call's pooled embeddings (rows as ``call_kwargs``'), where the family reads them."""
+        return {}
 
     def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
         """Refuse a request size sequence parallel cannot split (``RequestValidationError``)."""

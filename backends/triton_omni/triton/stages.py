@@ -45,12 +45,19 @@ _SCALAR_TYPES = {spec.name: spec.numpy_dtype for spec in diffusion_inputs() if s
 
 
 class TritonEmbeds:
-    """``prompt_embeds`` of ``ar_encoder``, ``[1, tokens, hidden]``, kept as a Triton tensor."""
+    """``prompt_embeds`` of ``ar_encoder``, ``[1, tokens, hidden]``, kept as a Triton tensor, and
+    its ``pooled_prompt_embeds`` where the family reads one (FLUX.1)."""
 
-    def __init__(self, tensor):
+    def __init__(self, tensor, pooled=None):
         self.tensor = tensor
         view = torch.from_dlpack(tensor.to_dlpack())
         self.nbytes = view.numel() * view.element_size()
+        self.pooled = None
+        if pooled is not None:
+            pooled_view = torch.from_dlpack(pooled.to_dlpack())
+            if pooled_view.numel():  # zero values: the family reads none
+                self.pooled = pooled
+                self.nbytes += pooled_view.numel() * pooled_view.element_size()
 
     def named(self, name: str):
         return pb_utils.Tensor.from_dlpack(name, self.tensor.to_dlpack())
@@ -99,11 +106,13 @@ class TritonStages:
             inputs.append(_text("negative_prompt", negative_prompt, batched=True))
         request = pb_utils.InferenceRequest(
             model_name=self.models["encoder"], inputs=inputs,
-            requested_output_names=["prompt_embeds", "negative_prompt_embeds"], parameters={KEY_PARAMETER: key},
+            requested_output_names=["prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds"],
+            parameters={KEY_PARAMETER: key},
         )
         response = await self._exec(key, self.models["encoder"], request.exec)
         _raise_if_error(self.models["encoder"], response)
-        return (TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds")),
+        return (TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "prompt_embeds"),
+                             pb_utils.get_output_tensor_by_name(response, "pooled_prompt_embeds")),
                 TritonEmbeds(pb_utils.get_output_tensor_by_name(response, "negative_prompt_embeds")))
 
     async def diffuse(self, embeds: TritonEmbeds, negative: TritonEmbeds | None, options: dict[str, Any],
@@ -112,6 +121,8 @@ class TritonStages:
         each denoising step through the progress channel."""
         key = new_id()
         inputs = [embeds.named("prompt_embeds")]
+        if embeds.pooled is not None:
+            inputs.append(pb_utils.Tensor.from_dlpack("pooled_prompt_embeds", embeds.pooled.to_dlpack()))
         if negative is not None:
             inputs.append(negative.named("negative_prompt_embeds"))
         inputs += [pb_utils.Tensor(name, np.array([[value]], dtype=_SCALAR_TYPES[name]))

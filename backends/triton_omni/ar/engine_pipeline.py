@@ -1,0 +1,41 @@
+"""``ar_encoder`` for a family whose text encoders are not one causal LM (FLUX.1: CLIP's pooled
+vector and T5's sequence): the family's pipeline loaded without its DiT and VAE, each batch encoded
+by the pipeline's own ``encode_prompt`` (the family's ``encode_batch``), so that the embeddings
+are the pipeline's by construction. It runs on transformers' models; vLLM serves neither CLIP nor
+T5 as a pooling model that returns these."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from triton_omni.families import family_of
+
+
+class PipelineTextEngine:
+    name = "transformers"
+
+    def __init__(self, pipeline_path: Path, device: str, dtype: torch.dtype):
+        from diffusers import DiffusionPipeline
+
+        self.device = torch.device(device)
+        pipeline = DiffusionPipeline.from_pretrained(pipeline_path, transformer=None, vae=None, dtype=dtype)
+        pipeline.to(self.device)
+        self.family = family_of(pipeline)
+        self.hidden_size = self.family.hidden_size()
+        self.pooled_size = self.family.pooled_size()
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-encode")
+
+    async def encode_prompts(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each prompt's sequence ``[tokens, hidden]`` and pooled embedding ``[pooled]``, one batch."""
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, prompts)
+
+    def _encode_blocking(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        with torch.inference_mode():
+            return self.family.encode_batch(prompts, self.device)
+
+    async def shutdown(self) -> None:
+        self._encoder.shutdown(wait=True)
