@@ -1,5 +1,5 @@
-"""Qwen-Image or Z-Image through Triton against diffusers' own pipeline, on one
-machine, with the same weights, embeddings and seeds.
+"""A pipeline family (Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.1) through Triton against
+diffusers' own pipeline, on one machine, with the same weights, embeddings and seeds.
 
 * direct: the family's pipeline in this process; concurrency ``c`` is one
   ``__call__`` with a batch of ``c`` (diffusers' best), latency and images/s;
@@ -22,6 +22,8 @@ concurrency 1 it is).
     python benchmarks/families.py --family z-image --preset realistic --end-to-end     # text_to_image, encoder included
     python benchmarks/families.py --family flux2-klein --preset realistic         # GPU: 1024², 50 steps, CFG 4
     python benchmarks/families.py --family flux2-klein-distilled --preset realistic  # GPU: 1024², 4 steps
+    python benchmarks/families.py --family flux1-dev --preset realistic           # GPU: 1024², 28 steps, guidance 3.5
+    python benchmarks/families.py --family flux1-schnell --preset realistic       # GPU: 1024², 4 steps
 
 ``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
 DiT's blocks) against the pipeline as diffusers runs it by default (eager);
@@ -35,6 +37,10 @@ tokenizer) against Triton's ``text_to_image`` ensemble (``ar_encoder`` with the
 family's recipe, then ``diffusion``). On the realistic preset the encoder is
 at its real size with random weights (Z-Image: Qwen3-4B, built once into the
 cache, about 8 GB); the tiny preset uses the tiny pipeline's own.
+
+``--aa``: the direct side measured a second time right after the first, with the same rounds,
+requests and warm-up: the host against itself (an A/A), printed beside each ratio. A Triton/direct
+ratio within the A/A's distance from 1 is not resolved by this host.
 
 ``--exact-batching pipeline``: the server runs each request's forward passes
 alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
@@ -69,7 +75,7 @@ class Setup:
     model: str
     size: int
     steps: int
-    guidance: float  # Qwen-Image: true CFG scale (with a negative); Z-Image, FLUX.2: guidance_scale (Z 0: turbo)
+    guidance: float  # Qwen-Image: true CFG scale (with a negative); the others: guidance_scale (Z 0: turbo)
     concurrency: tuple[int, ...]
     tokens: int = 64  # prompt tokens
     negative_tokens: int | None = None  # None: 3/4 as many (FLUX.2 pads every text to 512)
@@ -96,9 +102,15 @@ SETUPS = {
     ("flux2-klein", "realistic"): Setup("demo:realistic-flux2-klein", 1024, 50, 4.0, (1, 4), 512, 512),
     ("flux2-klein-distilled", "realistic"): Setup("demo:realistic-flux2-klein-distilled", 1024, 4, 1.0, (1, 4),
                                                   512, 512),
+    ("flux1-dev", "tiny"): Setup("demo:tiny-flux1-dev", 32, 2, 3.5, (1, 4), 512),
+    # FLUX.1 [dev]'s model card: 28 steps, guidance 3.5; [schnell]'s: 4 steps, guidance 0
+    ("flux1-dev", "realistic"): Setup("demo:realistic-flux1-dev", 1024, 28, 3.5, (1, 4), 512),
+    ("flux1-schnell", "realistic"): Setup("demo:realistic-flux1-schnell", 1024, 4, 0.0, (1, 4), 512),
 }
 GUIDES_ABOVE = {"z-image": 0.0}  # the others guide above 1
-STACKED = {"qwen-image", "flux2-klein", "flux2-klein-distilled"}  # embeddings as one tensor (Z-Image: a list)
+NEVER_GUIDED = {"flux1-dev", "flux1-schnell"}  # guidance-distilled or none: no negative pass at any scale
+# embeddings as one tensor (Z-Image: a list)
+STACKED = {"qwen-image", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell"}
 
 
 def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
@@ -109,9 +121,10 @@ def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
 class Requests:
     """Request ``i``'s embeddings and seed, the same on both sides."""
 
-    def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False):
+    def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False, pooled_size: int = 0):
         self.family, self.setup, self.hidden, self.end_to_end = family, setup, hidden, end_to_end
-        self.guided = setup.guidance > GUIDES_ABOVE.get(family, 1.0)
+        self.pooled_size = pooled_size  # FLUX.1: CLIP's pooled vector beside the sequence
+        self.guided = setup.guidance > GUIDES_ABOVE.get(family, 1.0) and family not in NEVER_GUIDED
 
     def prompt_text(self, i: int) -> str:
         return f"{PROMPT} {i}"
@@ -125,6 +138,9 @@ class Requests:
     def negative(self, i: int) -> np.ndarray | None:
         tokens = self.setup.negative_tokens or self.setup.tokens * 3 // 4
         return embeds(self.hidden, 2000 + i, tokens) if self.guided else None
+
+    def pooled(self, i: int) -> np.ndarray | None:
+        return embeds(self.pooled_size, 3000 + i, 1)[0] if self.pooled_size else None
 
     def seed(self, i: int) -> int:
         return 7 + i
@@ -152,6 +168,10 @@ def hidden_size(pipeline) -> int:
     return int(config.joint_attention_dim if hasattr(config, "joint_attention_dim") else config.cap_feat_dim)
 
 
+def pooled_size(pipeline) -> int:
+    return int(getattr(pipeline.transformer.config, "pooled_projection_dim", 0))
+
+
 WARM_UP_STEPS = 2
 
 
@@ -173,6 +193,8 @@ def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: to
         kwargs |= {"prompt_embeds": tensors([requests.prompt(i) for i in indices]),
                    "negative_prompt_embeds": tensors([requests.negative(i) for i in indices]) if requests.guided
                    else None}
+        if requests.pooled_size:
+            kwargs["pooled_prompt_embeds"] = tensors([requests.pooled(i) for i in indices])
     with torch.inference_mode():
         images = pipeline(num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
                           generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
@@ -210,7 +232,8 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
                                          model="text_to_image", seed=requests.seed(i), num_inference_steps=steps,
                                          **options)
         return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
-                                     seed=requests.seed(i), num_inference_steps=steps, **options)
+                                     pooled_prompt_embeds=requests.pooled(i), seed=requests.seed(i),
+                                     num_inference_steps=steps, **options)
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(concurrency), [min(WARM_UP_STEPS, setup.steps)] * concurrency))
@@ -246,7 +269,8 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
 
 
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
-        compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False) -> dict:
+        compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
+        aa: bool = False) -> dict:
     setup = SETUPS[(family, preset)]
     levels = concurrency or setup.concurrency
     device = "cuda" if preset == "realistic" else "cpu"
@@ -257,8 +281,9 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     pipeline = pipeline_of(setup, device, dtype, encoder[0] if encoder else None)
     if compile_direct:
         pipeline.transformer.compile_repeated_blocks()
-    requests = Requests(family, setup, hidden_size(pipeline), end_to_end)
+    requests = Requests(family, setup, hidden_size(pipeline), end_to_end, pooled_size(pipeline))
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
+    again = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels} if aa else {}
     del pipeline
     gc.collect()
     if device == "cuda":
@@ -278,6 +303,9 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
                        "latency_ratio": t["latency_s"] / d["latency_s"],
                        "throughput_ratio": t["images_per_s"] / d["images_per_s"],
                        "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max())})
+        if c in again:  # the A/A: the direct side against itself
+            points[-1] |= {"aa_latency_ratio": again[c][0]["latency_s"] / d["latency_s"],
+                           "aa_throughput_ratio": again[c][0]["images_per_s"] / d["images_per_s"]}
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
             "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
             "end_to_end": end_to_end,
@@ -301,6 +329,10 @@ def report(result: dict) -> None:
         print(f"{p['concurrency']:>4} {p['direct']['latency_s']:>9.3f} {p['triton']['latency_s']:>9.3f} "
               f"{p['latency_ratio']:>12.3f} {p['direct']['images_per_s']:>13.3f} {p['triton']['images_per_s']:>13.3f} "
               f"{p['throughput_ratio']:>15.3f} {p['first_image_max_diff']:>10}")
+    for p in result["points"]:
+        if "aa_latency_ratio" in p:
+            print(f"A/A, concurrency {p['concurrency']}: direct / direct latency {p['aa_latency_ratio']:.3f}, "
+                  f"throughput {p['aa_throughput_ratio']:.3f}")
 
 
 def main() -> None:
@@ -315,11 +347,12 @@ def main() -> None:
                         help="the server's exact_batching (pipeline: each request's passes alone)")
     parser.add_argument("--end-to-end", action="store_true",
                         help="prompts, the text encoder included: text_to_image against the pipeline's own call")
+    parser.add_argument("--aa", action="store_true", help="the direct side twice: the host against itself")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
-                 args.exact_batching, args.end_to_end)
+                 args.exact_batching, args.end_to_end, args.aa)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -1,4 +1,4 @@
-"""Qwen-Image, Z-Image and FLUX.2 [klein] at their real shapes (random weights, built on the
+"""Qwen-Image, Z-Image, FLUX.2 [klein] and FLUX.1 [dev] at their real shapes (random weights, built on the
 GPU in bf16) on a GPU: a request's image through step batching against the
 pipeline's own call with the same embeddings and seeded generator. Alone it
 runs the pipeline's batch of one: bit-exact. Beside requests of other steps,
@@ -20,8 +20,8 @@ from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
 
 FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image",
-            "flux2_klein": "demo:realistic-flux2-klein"}
-STACKED = {"qwen_image", "flux2_klein"}  # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
+            "flux2_klein": "demo:realistic-flux2-klein", "flux1": "demo:realistic-flux1-dev"}
+STACKED = {"qwen_image", "flux2_klein", "flux1"}  # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
 SIZE, STEPS = 512, 4
 # Per pixel channel, out of 255, for a request that shares its forward passes with others: bf16
 # at these depths carries a kernel's low-bit difference over the steps (an H100 gave up to 4
@@ -54,8 +54,10 @@ def request_values(runner: DiffusionRunner, seed: int, guidance: float, steps: i
                    tokens: int = 32) -> dict:
     values = {"prompt_embeds": embeds(runner, seed, tokens), "guidance_scale": guidance, "seed": seed,
               "num_inference_steps": steps, "height": size, "width": size}
-    if guidance > (0.0 if runner.family.name == "z_image" else 1.0):
+    if runner.family.uses_guidance(guidance, has_negative=True):
         values["negative_prompt_embeds"] = embeds(runner, seed + 100, tokens - 8)
+    if runner.limits.pooled_size:  # FLUX.1: CLIP's pooled vector
+        values["pooled_prompt_embeds"] = embeds(runner, seed + 200, 1)[0, : runner.limits.pooled_size]
     return values
 
 
@@ -63,6 +65,8 @@ def reference(runner: DiffusionRunner, values: dict) -> torch.Tensor:
     qwen = runner.family.name == "qwen_image"
     negative = values.get("negative_prompt_embeds")
     kwargs = {"true_cfg_scale" if qwen else "guidance_scale": values["guidance_scale"]}
+    if "pooled_prompt_embeds" in values:
+        kwargs["pooled_prompt_embeds"] = values["pooled_prompt_embeds"][None].cuda()
     as_input = (lambda e: e[None].cuda()) if runner.family.name in STACKED else (lambda e: [e.cuda()])
     with torch.inference_mode():
         images = runner.pipeline(

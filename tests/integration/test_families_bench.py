@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # Z-Image's run also covers --end-to-end (text_to_image against the pipeline called with the
-# prompt) and a server with exact_batching: pipeline.
+# prompt) and a server with exact_batching: pipeline; FLUX.1's, the pooled embedding and --aa.
 @pytest.mark.parametrize("family, options", [("qwen-image", []),
-                                             ("z-image", ["--end-to-end", "--exact-batching", "pipeline"])])
+                                             ("z-image", ["--end-to-end", "--exact-batching", "pipeline"]),
+                                             ("flux1-dev", ["--aa"])])
 def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
     out_file = tmp_path / "families.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "families.py"), "--family", family,
@@ -32,5 +33,8 @@ def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
     for point in report["points"]:
         assert point["direct"]["images_per_s"] > 0 and point["triton"]["images_per_s"] > 0
     # alone, the served image is the pipeline's (end to end: the encoder's float32 low bits, one level)
-    assert report["points"][0]["first_image_max_diff"] <= (1 if options else 0)
-    assert report["end_to_end"] == bool(options)
+    end_to_end = "--end-to-end" in options
+    assert report["points"][0]["first_image_max_diff"] <= (1 if end_to_end else 0)
+    assert report["end_to_end"] == end_to_end
+    if "--aa" in options:
+        assert all(point["aa_latency_ratio"] > 0 for point in report["points"]) and "A/A" in result.stdout

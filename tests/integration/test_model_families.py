@@ -1,5 +1,5 @@
 """The LLM-conditioned DiT families served end to end (`omni-triton serve
---demo qwen-image|z-image|flux2-klein|flux2-dev`), and the parity matrix:
+--demo qwen-image|z-image|flux2-klein|flux2-dev|flux1-dev`), and the parity matrix:
 every route a user reaches a family by, with every form of negative prompt
 under guidance (and without guidance, left out and a text), gives the image
 of the family's own diffusers pipeline called the way its users call it (the
@@ -11,7 +11,7 @@ levels (tests/unit/test_demo_sensitivity.py).
 
 The routes: `diffusion` with the prompt as text; `diffusion` with
 `ar_encoder`'s embeddings (the negative's left out when the negative prompt
-is); the `text_to_image` ensemble; the `omni` scheduler; and the OpenAI
+is; FLUX.1's pooled CLIP vector beside them); the `text_to_image` ensemble; the `omni` scheduler; and the OpenAI
 gateway's `/v1/images/generations` through the `openai` SDK."""
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
-from tests.support.pipelines import ABSENT, NO_GUIDANCE, encoded, levels_apart, reference
+from tests.support.pipelines import ABSENT, NO_GUIDANCE, NO_NEGATIVE, encoded, levels_apart, reference
 from tests.support.server import metric_value, text_to_image
 
-FAMILIES = ["qwen-image", "z-image", "flux2-klein", "flux2-dev"]
+FAMILIES = ["qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev"]
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7}
 PROMPT = "a red fox"
 NEGATIVES = {"absent": ABSENT, "empty": "", "blank": " ", "text": "blurry"}
@@ -73,9 +73,10 @@ def served(route: str, server, negative, guidance: float) -> np.ndarray:
     if route == "diffusion":
         return client.generate_image(PROMPT, **given, **options)
     if route == "diffusion_embeds":
-        embeds, negative_embeds = client.encode_with_negative(PROMPT, given.get("negative_prompt"))
-        return client.generate_image(prompt_embeds=embeds, **options,
-                                     negative_prompt_embeds=negative_embeds if given else None)
+        conditioning = client.encode_conditioning(PROMPT, given.get("negative_prompt"))
+        if not given:
+            del conditioning["negative_prompt_embeds"]
+        return client.generate_image(**conditioning, **options)
     if route == "text_to_image":
         return client.generate_image(PROMPT, model="text_to_image", **given, **options)
     if route == "omni":
@@ -143,7 +144,7 @@ def test_the_readings_the_routes_gave_before_are_far_from_the_pipelines(family_s
     family, server = family_server
     client = OmniClient(server.grpc_url)
     guided = OPTIONS | {"guidance_scale": GUIDED}
-    if family == "flux2-dev":  # guidance-distilled: a scale the DiT was not given reads as another image
+    if family in NO_NEGATIVE:  # guidance-distilled: a scale the DiT was not given reads as another image
         assert levels_apart(client.generate_image(PROMPT, **(guided | {"guidance_scale": 1.0})),
                             reference(family, PROMPT, **guided)) >= 10
     elif family != "qwen-image":
@@ -197,7 +198,7 @@ def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
 
 # thresholds at which the tiny DiTs skip some of 10 steps
 STEP_CACHE = {"qwen-image": "first_block:0.4", "z-image": "first_block:0.8", "flux2-klein": "first_block:0.8",
-              "flux2-dev": "first_block:0.8"}
+              "flux2-dev": "first_block:0.8", "flux1-dev": "first_block:0.2"}
 
 
 def test_a_request_chooses_its_step_cache_on_every_route(family_server):

@@ -76,6 +76,8 @@ def test_cfg_parallel_is_refused_where_it_cannot_run():
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
     with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image, flux2_klein\)"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
+    with pytest.raises(ValueError, match=r"the flux1 family does not"):  # guidance-distilled: one pass a step
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", cfg_device="cpu"))
 
 
 @pytest.mark.parametrize(("kind", "gpus", "message"), [
