@@ -42,6 +42,11 @@ cache, about 8 GB); the tiny preset uses the tiny pipeline's own.
 requests and warm-up: the host against itself (an A/A), printed beside each ratio. A Triton/direct
 ratio within the A/A's distance from 1 is not resolved by this host.
 
+``--shared-memory``: the client sends the embeddings through system shared memory (Triton's
+mechanism for a client on the server's host) rather than in the gRPC request, whose Python
+serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each row also prints a
+request's mean time inside the server, so the rest of its latency is the client's and gRPC's.
+
 ``--exact-batching pipeline``: the server runs each request's forward passes
 alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
 bit, in any company), so the throughput ratio at concurrency above 1 prints
@@ -51,12 +56,14 @@ what that exactness costs against the default's shared passes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
 import statistics
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,8 +228,22 @@ def measure_direct(pipeline, requests: Requests, concurrency: int, rounds: int, 
     return figures(latencies, concurrency), images[0][0]
 
 
-def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rounds: int) -> tuple[dict, np.ndarray]:
-    """The same work as ``measure_direct``: ``concurrency`` requests at once, a warm-up round first."""
+def in_server(metrics_url: str) -> tuple[float, float]:
+    """(seconds, requests) ``diffusion`` has spent on the requests it finished: from receiving
+    each to its response (its ``omni_diffusion_request_duration_seconds``)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in totals:
+            if line.startswith(f"omni_diffusion_request_duration_seconds{suffix}{{") and 'model="diffusion"' in line:
+                totals[suffix] += float(line.rsplit(" ", 1)[1])
+    return totals["_sum"], totals["_count"]
+
+
+def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rounds: int,
+                   metrics_url: str) -> tuple[dict, np.ndarray]:
+    """The same work as ``measure_direct``: ``concurrency`` requests at once, a warm-up round first;
+    also the mean time a request spent inside the server (the rest is the client's and gRPC's)."""
     setup = requests.setup
     options = {"height": setup.size, "width": setup.size, "guidance_scale": setup.guidance}
 
@@ -238,11 +259,14 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(concurrency), [min(WARM_UP_STEPS, setup.steps)] * concurrency))
         latencies, images = [], []
+        before = in_server(metrics_url)
         for _ in range(rounds):
             started = time.perf_counter()
             images.append(list(pool.map(one, range(concurrency), [setup.steps] * concurrency)))
             latencies.append(time.perf_counter() - started)
-    return figures(latencies, concurrency), images[0][0]
+        after = in_server(metrics_url)
+    served = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return figures(latencies, concurrency) | {"in_server_s": served}, images[0][0]
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:
@@ -270,8 +294,10 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
 
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
-        aa: bool = False) -> dict:
+        aa: bool = False, tokens: int | None = None, shared_memory: bool = False) -> dict:
     setup = SETUPS[(family, preset)]
+    if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
+        setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
     levels = concurrency or setup.concurrency
     device = "cuda" if preset == "realistic" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -294,8 +320,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
             log_file=Path(tmp) / "tritonserver.log")) as server:
-        client = OmniClient(server.grpc_url)
-        triton = {c: measure_triton(client, requests, c, rounds) for c in levels}
+        client = OmniClient(server.grpc_url, shared_memory=shared_memory, admin_key=server.admin_key)
+        triton = {c: measure_triton(client, requests, c, rounds, server.metrics_url) for c in levels}
     points = []
     for c in levels:
         (d, d_image), (t, t_image) = direct[c], triton[c]
@@ -308,7 +334,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
                            "aa_throughput_ratio": again[c][0]["images_per_s"] / d["images_per_s"]}
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
             "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
-            "end_to_end": end_to_end,
+            "end_to_end": end_to_end, "shared_memory": shared_memory,
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
 
@@ -322,7 +348,8 @@ def report(result: dict) -> None:
     print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
           f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}, "
           f"server exact_batching: {result.get('exact_batching', 'false')}, "
-          f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}")
+          f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}"
+          f"{', through shared memory' if result.get('shared_memory') else ''}")
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
           f"{'img/s triton':>13} {'throughput t/d':>15} {'image diff':>10}")
     for p in result["points"]:
@@ -330,6 +357,8 @@ def report(result: dict) -> None:
               f"{p['latency_ratio']:>12.3f} {p['direct']['images_per_s']:>13.3f} {p['triton']['images_per_s']:>13.3f} "
               f"{p['throughput_ratio']:>15.3f} {p['first_image_max_diff']:>10}")
     for p in result["points"]:
+        print(f"concurrency {p['concurrency']}: a request's mean time inside the server "
+              f"{p['triton']['in_server_s']:.3f} s (the rest of its latency: the client and gRPC)")
         if "aa_latency_ratio" in p:
             print(f"A/A, concurrency {p['concurrency']}: direct / direct latency {p['aa_latency_ratio']:.3f}, "
                   f"throughput {p['aa_throughput_ratio']:.3f}")
@@ -348,11 +377,14 @@ def main() -> None:
     parser.add_argument("--end-to-end", action="store_true",
                         help="prompts, the text encoder included: text_to_image against the pipeline's own call")
     parser.add_argument("--aa", action="store_true", help="the direct side twice: the host against itself")
+    parser.add_argument("--tokens", type=int, help="the embeddings' token count (default: the setup's)")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="the client sends the embeddings through system shared memory, not in the request")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
-                 args.exact_batching, args.end_to_end, args.aa)
+                 args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

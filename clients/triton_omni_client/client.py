@@ -7,7 +7,9 @@ endpoints, because Triton's HTTP ``/infer`` does not serve decoupled models.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import re
 import urllib.error
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from triton_omni_protocol import parse_status, scalar_inputs
+from triton_omni_protocol import ADMIN_HEADER, parse_status, scalar_inputs
+
+from triton_omni_client.shared_memory import system_regions
 
 Protocol = Literal["grpc", "http"]
 
@@ -86,9 +90,18 @@ class TextChunk:
 
 
 class OmniClient:
-    def __init__(self, url: str | None = None, protocol: Protocol = "grpc"):
+    def __init__(self, url: str | None = None, protocol: Protocol = "grpc", shared_memory: bool = False,
+                 admin_key: str | None = None):
+        """``shared_memory``: send embeddings through system shared memory (a client on the server's
+        own host: shared_memory.py) instead of in the request body. Registering a region is one of
+        Triton's restricted APIs: it takes the server's ``admin_key`` (``omni-triton serve`` prints
+        where it is; ``TRITON_OMNI_ADMIN_KEY`` by default)."""
         self.protocol = protocol
         self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
+        self.shared_memory = shared_memory
+        admin_key = admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY")
+        header = f"triton-grpc-protocol-{ADMIN_HEADER}" if protocol == "grpc" else ADMIN_HEADER
+        self._admin_headers = {header: admin_key} if admin_key else None
         self._input_names: dict[str, set[str]] = {}  # model -> its input names (metadata, read once)
 
     # -- text ------------------------------------------------------------------
@@ -247,11 +260,13 @@ class OmniClient:
             text = {"prompt": prompt, "negative_prompt": negative_prompt}
             if prompt is not None and "text_input" in self._inputs_of(client, model):
                 text = {"text_input": prompt, "negative_prompt": negative_prompt}
-            inputs = batched_inputs(client_module, prompt_embeds=prompt_embeds,
+            shared: list | None = [] if self.shared_memory else None
+            inputs = batched_inputs(client_module, shared, prompt_embeds=prompt_embeds,
                                     negative_prompt_embeds=negative_prompt_embeds,
                                     pooled_prompt_embeds=pooled_prompt_embeds, **text, **options)
             try:
-                result = client.infer(model, inputs)
+                with system_regions(client, shared, self._admin_headers) if shared else contextlib.nullcontext():
+                    result = client.infer(model, inputs)
             except Exception as exc:
                 raise as_omni_error(exc) from None
             return result.as_numpy("image")[0]
@@ -284,10 +299,11 @@ class OmniClient:
         raise OmniError("INTERNAL", f"'{model}' ended its stream without an image")
 
 
-def batched_inputs(client_module, **values: Any) -> list:
+def batched_inputs(client_module, shared: list | None = None, **values: Any) -> list:
     """Input tensors of a batched model (``ar_encoder``, ``diffusion``,
     ``text_to_image``), with a batch dimension of 1: text as BYTES, prompt
-    embeddings as float arrays, scalars with their declared types."""
+    embeddings as float arrays, scalars with their declared types. ``shared``: the embeddings'
+    tensors are left without data, and each ``(tensor, array)`` appended to it (for shared memory)."""
     inputs = []
     for name, value in values.items():
         if value is None:
@@ -300,7 +316,10 @@ def batched_inputs(client_module, **values: Any) -> list:
             array = np.ascontiguousarray(value)[None] if value.ndim < 3 else np.ascontiguousarray(value)
             type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
         tensor = client_module.InferInput(name, list(array.shape), type_name)
-        tensor.set_data_from_numpy(array)
+        if shared is not None and type_name.startswith("FP") and name not in SCALAR_INPUTS:
+            shared.append((tensor, array))
+        else:
+            tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
 

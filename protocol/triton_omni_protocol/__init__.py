@@ -22,7 +22,12 @@ from triton_omni_protocol.models import (
 from triton_omni_protocol.status import STATUS_NAMES, parse_status, tag_status
 from triton_omni_protocol.tensors import EMBEDS_TYPES, InputValueError, TensorSpec
 
+# The header that carries the admin key to Triton's restricted APIs (model repository, shared
+# memory, trace, logging); over gRPC Triton reads it as ``triton-grpc-protocol-<header>``.
+ADMIN_HEADER = "omni-admin-key"
+
 __all__ = [
+    "ADMIN_HEADER",
     "AR_ENCODE_INPUTS",
     "AR_GENERATE_INPUTS",
     "AR_GENERATE_OUTPUTS",

@@ -26,8 +26,10 @@ from triton_omni_client import OmniClient
 
 from tests.support.runners import alone_then_together
 
-MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image", "demo:realistic-flux2-klein"]
-TOLERANCE = {"demo:realistic-qwen-image": 8, "demo:realistic-z-image": 16, "demo:realistic-flux2-klein": 16}
+MODELS = ["demo:realistic-qwen-image", "demo:realistic-z-image", "demo:realistic-flux2-klein",
+          "demo:realistic-flux1-dev"]
+TOLERANCE = {"demo:realistic-qwen-image": 8, "demo:realistic-z-image": 16, "demo:realistic-flux2-klein": 16,
+             "demo:realistic-flux1-dev": 16}
 
 
 def requests(hidden: int) -> list[dict]:

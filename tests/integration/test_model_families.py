@@ -27,6 +27,7 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_protocol import ADMIN_HEADER
 from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
@@ -187,6 +188,31 @@ def test_a_blank_negative_prompt_is_a_prompt_and_a_blank_prompt_an_error_naming_
     with pytest.raises(OmniError, match="negative_prompt") as caught:
         client.generate_image(PROMPT, negative_prompt=too_long, model="text_to_image", **OPTIONS)
     assert caught.value.status == "INVALID_ARG"
+
+
+# The first family's server (the same parameter index: one server); the transport is every family's
+@pytest.mark.parametrize("family_server", [WITH_AR], indirect=True, scope="module")
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_embeddings_through_shared_memory_give_the_same_image(family_server, protocol):
+    """`OmniClient(shared_memory=True)`: the embeddings go through system shared memory regions (a
+    client on the server's host); the image is the one sent in the request body, a bad tensor is
+    refused by name as ever, and no region is left registered after either."""
+    import tritonclient.grpc as grpcclient
+
+    _, server = family_server
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    conditioning = OmniClient(server.grpc_url).encode_conditioning(PROMPT, "blurry")
+    options = OPTIONS | {"guidance_scale": GUIDED}
+    in_body = OmniClient(url, protocol).generate_image(**conditioning, **options)
+    shared = OmniClient(url, protocol, shared_memory=True, admin_key=server.admin_key)
+    assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
+    with pytest.raises(OmniError, match="prompt_embeds") as caught:
+        shared.generate_image(**(conditioning | {"prompt_embeds": conditioning["prompt_embeds"][:, :5]}), **options)
+    assert caught.value.status == "INVALID_ARG"
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        admin = {f"triton-grpc-protocol-{ADMIN_HEADER}": server.admin_key}
+        status = client.get_system_shared_memory_status(headers=admin, as_json=True)
+        assert not status.get("regions")
 
 
 def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):

@@ -17,7 +17,8 @@ def alone_then_together(config: DiffusionRunnerConfig, requests: Callable[[int],
     runner = DiffusionRunner(config)
     on_cached = None if cached_steps is None else lambda computed, skipped: cached_steps.append((computed, skipped))
     try:
-        values = requests(runner.limits.hidden_size)
+        values = [with_pooled(v, runner.limits.pooled_size, seed) for seed, v in
+                  enumerate(requests(runner.limits.hidden_size))]
         alone = [runner.submit(runner.parse(v), on_cached=on_cached).result() for v in values]
         together = [f.result() for f in [runner.submit(runner.parse(v), on_cached=on_cached) for v in values]]
         return alone + together
@@ -26,3 +27,11 @@ def alone_then_together(config: DiffusionRunnerConfig, requests: Callable[[int],
         del runner
         gc.collect()  # the runner's reference cycles: its GPU memory goes only with them
         torch.cuda.empty_cache()
+
+
+def with_pooled(values: dict, size: int, seed: int) -> dict:
+    """``values`` with a seeded pooled embedding where the family reads one (FLUX.1) and none is given."""
+    if not size or "pooled_prompt_embeds" in values:
+        return values
+    pooled = torch.randn(size, generator=torch.Generator().manual_seed(5000 + seed)) * 0.5
+    return values | {"pooled_prompt_embeds": pooled.to(torch.bfloat16)}

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from triton_omni_protocol import ADMIN_HEADER
+
 from triton_omni_tools import memory_plan, placement
 from triton_omni_tools.demos import demo_edits
 from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
@@ -93,7 +95,6 @@ class ServerInstall:
 
 # Triton's APIs that change or expose the server beyond inference: restricted by default.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
-ADMIN_HEADER = "omni-admin-key"
 # Stopping: Triton stops taking requests and gives those in flight this long to finish
 # (--exit-timeout-secs), then unloads the models; whatever is left after STOP_TIMEOUT_S
 # is killed. A container's grace period must cover both (deploy/kubernetes.yaml).
