@@ -271,6 +271,13 @@ class OmniClient:
                 raise as_omni_error(exc) from None
             return result.as_numpy("image")[0]
 
+    def edit_image(self, prompt: str, images: list, *, model: str = "diffusion", **options: Any) -> np.ndarray:
+        """An image from ``prompt`` and input images (FLUX.2's reference images), ``[H, W, 3]``
+        uint8. ``images``: encoded files (PNG, JPEG or WebP, as bytes or paths) or RGB pixel arrays
+        ``[H, W, 3]`` uint8 (sent as PNG); ``options`` as ``generate_image``'s. Without ``height`` and
+        ``width`` the output takes the last image's size, as the pipeline does."""
+        return self.generate_image(prompt, images=[_encoded(image) for image in images], model=model, **options)
+
     def _inputs_of(self, client, model: str) -> set[str]:
         """``model``'s input names, from its metadata (asked once per client and model)."""
         if model not in self._input_names:
@@ -312,6 +319,8 @@ def batched_inputs(client_module, shared: list | None = None, **values: Any) -> 
             array, type_name = SCALAR_INPUTS[name].scalar(value)[None], SCALAR_INPUTS[name].wire_type
         elif isinstance(value, str):
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
+        elif isinstance(value, list):  # encoded files (input images)
+            array, type_name = np.array([[bytes(item) for item in value]], dtype=np.object_), "BYTES"
         else:  # prompt embeddings [tokens, hidden], a pooled embedding [width]: the batch dimension added
             array = np.ascontiguousarray(value)[None] if value.ndim < 3 else np.ascontiguousarray(value)
             type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
@@ -322,6 +331,22 @@ def batched_inputs(client_module, shared: list | None = None, **values: Any) -> 
             tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
+
+
+def _encoded(image: Any) -> bytes:
+    """An input image as an encoded file's bytes: bytes as given, a path's contents, pixels as PNG."""
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, np.ndarray):
+        import io
+
+        from PIL import Image
+
+        out = io.BytesIO()
+        Image.fromarray(image).save(out, format="PNG")
+        return out.getvalue()
+    with open(image, "rb") as file:  # a path
+        return file.read()
 
 
 def check_scalars(values: dict[str, Any]) -> None:

@@ -77,6 +77,10 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("negative_prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
         # beside prompt_embeds, for a family whose DiT reads a pooled embedding (FLUX.1); [0]: none
         TensorSpec("pooled_prompt_embeds", embeds_type, dims=(-1,), kind="array"),
+        # input images for a family that takes them (FLUX.2's reference images): one RGB image as
+        # pixels, or one or several encoded PNG / JPEG / WebP files (docs/models.md, "Input images")
+        TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3), kind="array"),
+        TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
         TensorSpec("num_inference_steps", "TYPE_INT32"),
         TensorSpec("guidance_scale", "TYPE_FP32"),
         TensorSpec("height", "TYPE_INT32"),

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-Kind = Literal["scalar", "list", "array"]
+Kind = Literal["scalar", "list", "array", "blobs"]  # blobs: BYTES elements as raw bytes (encoded images)
 
 # Triton config type -> (KServe wire type, NumPy dtype)
 TYPES: dict[str, tuple[str, Any]] = {

@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--model", help="default diffusion (diffusion_stream with --stream); or text_to_image")
     image.add_argument("--stream", action="store_true",
                        help="a progress bar fed by a decoupled diffusion model's steps (gRPC; docs/models.md)")
+    image.add_argument("--image", action="append", type=Path, default=[], dest="images", metavar="IN.png",
+                       help="an input image (PNG, JPEG or WebP; FLUX.2's reference images), repeatable")
     _add_image_options(image)
     image.set_defaults(run=_generate_image)
 
@@ -360,6 +362,10 @@ def _generate_image(args) -> int:
     try:
         if args.stream:
             pixels = _stream_image(client, args, options)
+        elif args.images:
+            pixels = client.edit_image(args.prompt, [str(path) for path in args.images],
+                                       negative_prompt=args.negative_prompt, model=args.model or "diffusion",
+                                       **options)
         else:
             pixels = client.generate_image(args.prompt, negative_prompt=args.negative_prompt,
                                            model=args.model or "diffusion", **options)

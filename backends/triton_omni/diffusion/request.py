@@ -8,11 +8,12 @@ client sends is unpickled or ``torch.load``-ed: embeddings arrive as tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from triton_omni.diffusion.images import ImageLimits, decode_images
 from triton_omni.diffusion.step_cache import StepCacheConfig, parse_step_cache
 from triton_omni.errors import RequestValidationError
 from triton_omni.validation import as_float, as_int, as_str, in_range, require
@@ -35,6 +36,14 @@ class DiffusionLimits:
     max_prompt_chars: int = 10_000
     size_multiple: int = 8  # the VAE's factor, times the patch for a DiT (families.py)
     pooled_size: int = 0  # the pooled embedding's width the family reads beside the sequence (FLUX.1); 0: none
+    # input images (images.py): how many the family takes (0: none), and each one's bounds
+    max_images: int = 0
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    min_image_side: int = 1
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels, self.min_image_side)
 
     def __post_init__(self):
         if self.max_embeds_bytes is None:
@@ -54,6 +63,9 @@ class DiffusionRequest:
     seed: int | None
     step_cache: StepCacheConfig | None = None  # None: the model's (step_cache.py)
     pooled_prompt_embeds: torch.Tensor | None = None  # [P], beside prompt_embeds where the family reads one
+    images: list = field(default_factory=list)  # input images (RGB PIL images), for a family that takes them
+    sized: tuple[bool, bool] = (True, True)  # whether height and width were given (else the images' may be taken)
+    images_field: str = "images"  # the input the images came in: "image" (pixels) or "images" (files)
 
     @property
     def has_negative(self) -> bool:
@@ -72,6 +84,7 @@ class DiffusionRequest:
         negative, negative_embeds = _one_of(values, "negative_prompt", "negative_prompt_embeds", limits,
                                             required=False)
         pooled = _pooled(values.get("pooled_prompt_embeds"), embeds is not None, limits)
+        images = decode_images(values.get("image"), values.get("images"), limits.image_limits())
         # 2. Scalar options.
         steps = as_int("num_inference_steps", values["num_inference_steps"])
         in_range("num_inference_steps", steps, 1, limits.max_steps)
@@ -87,7 +100,8 @@ class DiffusionRequest:
             except ValueError as exc:
                 raise RequestValidationError("step_cache", str(exc), step_cache) from None
         return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
-                   pooled)
+                   pooled, images, ("height" in inputs, "width" in inputs),
+                   "image" if values.get("image") is not None else "images")
 
 
 def _pooled(pooled: Any, with_embeds: bool, limits: DiffusionLimits) -> torch.Tensor | None:

@@ -160,7 +160,8 @@ class _Job:
         r = self.request
         guided = self.uncond is not None
         return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided or self.scale_read else 0.0,
-                self.cond.shape[0], self.uncond.shape[0] if guided else 0)
+                self.cond.shape[0], self.uncond.shape[0] if guided else 0,
+                id(r) if r.images else None)  # a call's input images are every row's: such a request runs alone
 
 
 class DiffusionRunner:
@@ -192,7 +193,8 @@ class DiffusionRunner:
         capabilities = self.family.capabilities
         hidden = self.family.hidden_size()
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
-                                          "pooled_size": self.family.pooled_size()} | config.limits))
+                                          "pooled_size": self.family.pooled_size(),
+                                          "max_images": capabilities.images} | config.limits))
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
             # step batching: a graph per (bucket, size, token count) in use
@@ -282,7 +284,8 @@ class DiffusionRunner:
         step_job = StepJob(prepare, 2 if guided else 1, request.guidance_scale,
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled,
-                           step_cache=request.step_cache or self.step_cache, on_cached=on_cached)
+                           step_cache=request.step_cache or self.step_cache, on_cached=on_cached,
+                           images=request.images)
         return self.steps.submit(step_job)
 
     def close(self) -> None:
@@ -295,6 +298,8 @@ class DiffusionRunner:
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        if request.images:
+            self._size_from_images(request)
         if (request.prompt is None and request.negative_prompt_embeds is None and request.negative_prompt is None
                 and self._guided(request) and not self.family.has_text_encoder()):
             raise RequestValidationError("negative_prompt_embeds", "is required for guidance with prompt_embeds: "
@@ -314,6 +319,18 @@ class DiffusionRunner:
                 raise RequestValidationError("step_cache", f"the {self.family.name} family has no step cache (it "
                                              "skips a diffusion transformer's blocks)", str(request.step_cache))
         return request
+
+    def _size_from_images(self, request: DiffusionRequest) -> None:
+        """The pipeline's checks of its input images, and, for a side the request did not give, the
+        output's size the pipeline takes from them, held to this model's limits."""
+        height, width = self.family.check_images(request.images, request.images_field)
+        limits = self.limits
+        for name, given, value in (("height", request.sized[0], height), ("width", request.sized[1], width)):
+            if not given:
+                if not limits.min_size <= value <= limits.max_size:
+                    raise RequestValidationError(name, f"the input image gives {value}, outside this model's "
+                                                 f"[{limits.min_size}, {limits.max_size}]: give {name}", value)
+                setattr(request, name, value)
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:
@@ -410,6 +427,8 @@ class DiffusionRunner:
         guided = jobs[0].uncond is not None
         kwargs: dict[str, Any] = self.family.call_kwargs(
             [job.cond for job in rows], [job.uncond for job in rows] if guided else None, first.guidance_scale)
+        if first.images:
+            kwargs |= self.family.image_kwargs(first.images)
         if jobs[0].pooled is not None:
             kwargs |= self.family.pooled_kwargs([job.pooled for job in rows])
         kwargs |= {

@@ -60,6 +60,7 @@ class Capabilities:
     sequence_parallel: bool = False  # the network's tokens split over GPUs (sequence_parallel.py)
     cuda_graphs: bool = False  # the UNet's steps replayed as CUDA graphs (cuda_graphs.py)
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
+    images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,16 @@ class Family:
                     guidance_scale: float) -> dict[str, Any]:
         """One batched call's conditioning: rows of one token count (the runner groups them so)."""
         raise NotImplementedError
+
+    def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
+        """Refuse input images the pipeline refuses (``RequestValidationError`` naming the image, in
+        ``field``: ``image`` or ``images``);
+        the output's (height, width) the pipeline takes from them when the request gives none."""
+        raise NotImplementedError
+
+    def image_kwargs(self, images: list) -> dict[str, Any]:
+        """One batched call's input images (every row's the same: the runner batches them so)."""
+        return {"image": images}
 
     def pooled_kwargs(self, pooled: list[torch.Tensor]) -> dict[str, Any]:
         """One batched call's pooled embeddings (rows as ``call_kwargs``'), where the family reads them."""

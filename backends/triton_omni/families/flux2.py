@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from triton_omni.errors import RequestValidationError
 from triton_omni.families.base import (
     Capabilities,
     Demo,
@@ -62,11 +63,32 @@ DEV_RECIPE = EncoderRecipe("flux2_dev", _mistral_chat, layers=DEV_LAYERS, padded
                            special_tokens=False)
 
 
+MAX_REFERENCES = 4  # reference images a request may give
+
+
+def conditions(pipeline, images: list) -> tuple[list[torch.Tensor], tuple[int, int]]:
+    """The pipelines' reading of reference images (``__call__``'s step 4, line by line): each
+    checked, brought down to 1024² of area, cropped to the latents' multiple and normalized; and
+    the (height, width) the pipeline takes for its output when given none: the last image's."""
+    processor, multiple = pipeline.image_processor, pipeline.vae_scale_factor * 2
+    tensors, size = [], (0, 0)
+    for image in images:
+        width, height = image.size
+        if width * height > 1024 * 1024:
+            image = processor._resize_to_target_area(image, 1024 * 1024)
+            width, height = image.size
+        width, height = (width // multiple) * multiple, (height // multiple) * multiple
+        tensors.append(processor.preprocess(image, height=height, width=width, resize_mode="crop"))
+        size = (height, width)
+    return tensors, size
+
+
 class Flux2Steps(TwoPassStepAdapter):
     """The Flux2 DiT's loop: packed latents with their position ids, each pass's text ids, the
     prompts' pass and the negatives' pass (as the pipeline runs them, so that ``exact_batching:
     pipeline`` is its image bit for bit), combined as ``neg + g (pos - neg)``; the scale per row
-    into a guidance-distilled DiT."""
+    into a guidance-distilled DiT. Reference images: their VAE latents follow the image's tokens in
+    every pass, with their own position ids (the prediction keeps the image's tokens only)."""
 
     def start(self, job) -> None:
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
@@ -87,11 +109,23 @@ class Flux2Steps(TwoPassStepAdapter):
                 job.step_kwargs[f"txt_ids_{branch}"] = pipeline._prepare_text_ids(embeds[None]).to(self.device)
         if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
             job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
+        if job.images:
+            references, _ = conditions(pipeline, job.images)
+            latents, ids = pipeline.prepare_image_latents(images=references, batch_size=1, generator=job.generator,
+                                                          device=self.device, dtype=pipeline.vae.dtype)
+            job.step_kwargs |= {"references": latents, "img_ids": torch.cat([image_ids, ids], dim=1),
+                                "reference_shapes": tuple(tuple(reference.shape) for reference in references)}
         self.start_passes(job)
+
+    def group(self, job) -> tuple:
+        """Requests with reference images of the same shapes share a pass (their ids are the same)."""
+        return (*super().group(job), job.step_kwargs.get("reference_shapes", ()))
 
     def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
         first = jobs[0].step_kwargs  # one group: one size and one text length a pass, so one set of ids
-        return {"hidden_states": torch.cat(pad_rows([job.latents for job in jobs], size)).to(first["dtype"]),
+        rows = [job.latents if "references" not in job.step_kwargs else
+                torch.cat([job.latents, job.step_kwargs["references"]], dim=1) for job in jobs]
+        return {"hidden_states": torch.cat(pad_rows(rows, size)).to(first["dtype"]),
                 "timestep": torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype)
                                                 for job in jobs], size)) / 1000,
                 "guidance": None if "guidance" not in first else
@@ -255,7 +289,7 @@ class Flux2Klein(Family):
     name = "flux2_klein"
     pipeline_class = "Flux2KleinPipeline"
     capabilities = Capabilities(Guidance.CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
-                                sequence_parallel=True, compile=True)
+                                sequence_parallel=True, compile=True, images=MAX_REFERENCES)
     recipe = RECIPE
     step_adapter = Flux2Steps
     demo = Demo("flux2-klein", "tiny-flux2-klein", build_tiny)
@@ -283,6 +317,15 @@ class Flux2Klein(Family):
         2, 4 or 8 ranks divide) at the transformer's entry."""
         check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
 
+    def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
+        for index, image in enumerate(images):
+            try:
+                self.pipeline.image_processor.check_image_input(image)
+            except ValueError as exc:  # too small, or too far from square, for the pipeline
+                name = field if field == "image" else f"{field}[{index}]"
+                raise RequestValidationError(name, str(exc), "x".join(map(str, image.size))) from None
+        return conditions(self.pipeline, images)[1]
+
     def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
         if unconds is not None:
@@ -294,7 +337,7 @@ class Flux2Dev(Flux2Klein):
     name = "flux2_dev"
     pipeline_class = "Flux2Pipeline"
     # the scale goes into the DiT: one pass, no negative (the base rule), nothing for CFG parallel to move
-    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True)
+    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True, images=MAX_REFERENCES)
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
     demo_folders: ClassVar[dict] = {}

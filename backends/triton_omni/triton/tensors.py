@@ -47,6 +47,8 @@ def _decode(spec: TensorSpec, tensor) -> Any:
     if spec.kind == "array":
         return torch.from_dlpack(tensor.to_dlpack())
     flat = tensor.as_numpy().reshape(-1)
+    if spec.kind == "blobs":
+        return [item if isinstance(item, bytes) else bytes(item) for item in flat]
     is_text = spec.data_type == "TYPE_STRING"
     items = [_utf8(spec.name, item) for item in flat] if is_text else flat.tolist()
     if spec.kind == "list":
