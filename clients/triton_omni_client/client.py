@@ -321,9 +321,12 @@ def batched_inputs(client_module, shared: list | None = None, **values: Any) -> 
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
         elif isinstance(value, list):  # encoded files (input images)
             array, type_name = np.array([[bytes(item) for item in value]], dtype=np.object_), "BYTES"
-        else:  # prompt embeddings [tokens, hidden], a pooled embedding [width]: the batch dimension added
-            array = np.ascontiguousarray(value)[None] if value.ndim < 3 else np.ascontiguousarray(value)
-            type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64"}.get(array.dtype.type, "FP32")
+        else:  # embeddings [tokens, hidden], a pooled embedding [width], pixels [H, W, 3]: a batch dimension added
+            unbatched = 3 if value.dtype == np.uint8 else 2  # pixels [H, W, 3]; embeddings [T, H] or [P]
+            array = np.ascontiguousarray(value)
+            array = array[None] if array.ndim <= unbatched else array
+            type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64",
+                         np.uint8: "UINT8"}.get(array.dtype.type, "FP32")  # UINT8: an input image's pixels
         tensor = client_module.InferInput(name, list(array.shape), type_name)
         if shared is not None and type_name.startswith("FP") and name not in SCALAR_INPUTS:
             shared.append((tensor, array))

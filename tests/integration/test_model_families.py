@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from triton_omni_protocol import ADMIN_HEADER
 from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
-from tests.support.pipelines import ABSENT, NO_GUIDANCE, NO_NEGATIVE, encoded, levels_apart, reference
+from tests.support.pipelines import ABSENT, NO_GUIDANCE, NO_NEGATIVE, call, encoded, levels_apart, pipeline, reference
 from tests.support.server import metric_value, text_to_image
 
 FAMILIES = ["qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev"]
@@ -213,6 +214,54 @@ def test_embeddings_through_shared_memory_give_the_same_image(family_server, pro
         admin = {f"triton-grpc-protocol-{ADMIN_HEADER}": server.admin_key}
         status = client.get_system_shared_memory_status(headers=admin, as_json=True)
         assert not status.get("regions")
+
+
+# The families that read input images (FLUX.2's reference images); the others refuse them by name
+TAKES_IMAGES = {"flux2-klein", "flux2-dev"}
+
+
+def png(seed: int, height: int = 64, width: int = 80) -> bytes:
+    y, x = np.mgrid[0:height, 0:width]
+    offset = np.random.default_rng(seed).random(3) * 255
+    pixels = np.stack([(x * 3 + offset[0]) % 256, (y * 4 + offset[1]) % 256, ((x + y) * 2 + offset[2]) % 256], -1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_server, tmp_path):
+    """`OmniClient.edit_image` and `generate-image --image`: the pipeline's image with the same input
+    images; bad images are INVALID_ARG naming the field, and the server serves on; a family that reads
+    no image says so."""
+    family, server = family_server
+    client = OmniClient(server.grpc_url)
+    options = OPTIONS | {"guidance_scale": GUIDED}
+    if family not in TAKES_IMAGES:
+        with pytest.raises(OmniError, match="takes no input image") as caught:
+            client.edit_image(PROMPT, [png(1)], **options)
+        assert caught.value.status == "INVALID_ARG"
+        return
+    files = [png(1), png(2, 64, 96)]
+    expected = call(pipeline(family), PROMPT, guidance_scale=GUIDED, seed=OPTIONS["seed"], height=32, width=32,
+                    num_inference_steps=OPTIONS["num_inference_steps"],
+                    image=[Image.open(io.BytesIO(data)) for data in files])[0].numpy()
+    assert_close(client.edit_image(PROMPT, files, **options), expected)
+    paths = [tmp_path / "first.png", tmp_path / "second.png"]
+    for path, data in zip(paths, files, strict=True):
+        path.write_bytes(data)
+    out = tmp_path / "edited.png"
+    subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate-image", PROMPT, "--image",
+                    str(paths[0]), "--image", str(paths[1]), "--out", str(out), "--url", server.grpc_url, "--steps",
+                    str(OPTIONS["num_inference_steps"]), "--seed", str(OPTIONS["seed"]), "--guidance", str(GUIDED),
+                    "--height", "32", "--width", "32"], check=True)
+    with Image.open(out) as written:
+        assert_close(np.asarray(written), expected)
+    for images, field in (([b"\x89PNG\r\n\x1a\n" + b"\x00" * 40], "images[0]"), ([png(1)] * 5, "images"),
+                          ([png(1), b""], "images[1]"), ([png(1, 32, 32)], "images[0]")):
+        with pytest.raises(OmniError, match=re.escape(field)) as caught:
+            client.edit_image(PROMPT, images, **options)
+        assert caught.value.status == "INVALID_ARG"
+    assert client.edit_image(PROMPT, files, **options).shape == (32, 32, 3)  # served on
 
 
 def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):
