@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
 from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
-from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
+from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse, parse_edit
 from triton_omni_gateway.templates import ChatTemplates
 from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, whole
 from triton_omni_gateway.triton import Triton
@@ -36,6 +36,7 @@ class GatewaySettings:
     api_key: str | None = None  # None: $TRITON_OMNI_API_KEY, and no key at all when that is unset too
     tokenizers: dict[str, str] = field(default_factory=dict)  # text model -> its tokenizer (chat templates)
     max_body_bytes: int = 4 * 2**20
+    max_upload_bytes: int = 64 * 2**20  # /v1/images/edits: the images ride in the body
 
     @property
     def key(self) -> str | None:
@@ -63,15 +64,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def body_of(request: Request, kind) -> Any:
         """The request, authorized and parsed; a body past the size limit is refused unread."""
         authorize(request, settings.key)
+        return parse(kind, await raw_body(request, settings.max_body_bytes))
+
+    async def raw_body(request: Request, limit: int) -> bytes:
+        """The body, read up to ``limit`` bytes (past it: a 413, the rest unread)."""
         size = 0
         chunks = []
         async for chunk in request.stream():
             size += len(chunk)
-            if size > settings.max_body_bytes:
-                raise OpenAIError(413, f"The body is larger than {settings.max_body_bytes} bytes",
+            if size > limit:
+                raise OpenAIError(413, f"The body is larger than {limit} bytes",
                                   code="body_too_large")
             chunks.append(chunk)
-        return parse(kind, b"".join(chunks))
+        return b"".join(chunks)
 
     async def unless_disconnected(request: Request, work: Awaitable) -> Any:
         """``work``, cancelled (and its Triton request with it) if the client goes away first."""
@@ -92,6 +97,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def generate_images(request: Request):
         body = await body_of(request, ImageRequest)
         return await unless_disconnected(request, images.generate(body))
+
+    @app.post("/v1/images/edits")
+    async def edit_images(request: Request):
+        """multipart/form-data: read whole within the body limit, then parsed as a form."""
+        authorize(request, settings.key)
+        request._body = await raw_body(request, settings.max_upload_bytes)  # the form parser reads it from here
+        try:
+            # more files than a model takes reach the model, which names its limit
+            form = await request.form(max_files=16, max_fields=64)
+        except Exception as error:  # not multipart, or malformed: Starlette's and python-multipart's own errors
+            raise OpenAIError(400, f"The body is not multipart/form-data with the image files: {error}",
+                              code="invalid_multipart") from None
+        try:
+            body = await parse_edit(form)
+        finally:
+            await form.close()
+        return await unless_disconnected(request, images.edit(body))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -1,4 +1,4 @@
-"""``/v1/images/generations`` on the image models.
+"""``/v1/images/generations`` and ``/v1/images/edits`` on the image models.
 
 Which inputs a model takes follows from its config, read once per model:
 an ensemble (``text_to_image``) takes ``text_input``, the ``omni`` scheduler
@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from triton_omni_gateway.errors import OpenAIError, model_not_found
-from triton_omni_gateway.requests import ImageRequest
+from triton_omni_gateway.requests import ImageEditRequest, ImageRequest
 from triton_omni_gateway.triton import Triton, first
 
 # a model's input -> the API's field: an error names the field the user sent
@@ -69,6 +69,18 @@ class ImageModels:
         return {"created": int(time.time()),
                 "data": [{"b64_json": data} | ({"revised_prompt": revised} if revised else {}) for data in encoded]}
 
+    async def edit(self, request: ImageEditRequest) -> dict:
+        """``n`` images from the prompt and the input images, from a ``diffusion`` model."""
+        if await self.kind(request.model) != "diffusion":
+            raise OpenAIError(400, f"model '{request.model}' takes no input images: edit with a diffusion model "
+                              "(diffusion)", param="model", code="invalid_value")
+        values = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "images": request.images}
+        options = _options(request)
+        images = await asyncio.gather(*(self._one(request.model, values | _seeded(options, i))
+                                        for i in range(request.n)))
+        encoded = await asyncio.gather(*(asyncio.to_thread(png, image) for image in images))
+        return {"created": int(time.time()), "data": [{"b64_json": data} for data in encoded]}
+
     async def _one(self, model: str, values: dict[str, Any]) -> np.ndarray:
         try:
             result = await self.triton.infer(model, values)
@@ -106,10 +118,13 @@ def _seeded(options: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def _in_api_terms(error: OpenAIError) -> OpenAIError:
-    """A model's refusal of ``height`` is the API's refusal of ``size``, of ``text_input`` of ``prompt``."""
-    if error.param in API_FIELDS:
-        error.message = f"{API_FIELDS[error.param]}: {error.message}"
-        error.param = API_FIELDS[error.param]
+    """A model's refusal of ``height`` is the API's refusal of ``size``, of ``text_input`` of ``prompt``,
+    of ``images[1]`` of ``image[1]`` (the form's files)."""
+    param = error.param or ""
+    field = API_FIELDS.get(param) or ("image" + param.removeprefix("images") if param.startswith("images") else None)
+    if field is not None:
+        error.message = f"{field}: {error.message}"
+        error.param = field
     return error
 
 

@@ -193,6 +193,61 @@ class ImageRequest(_Body):
         return self.true_cfg_scale if self.true_cfg_scale is not None else self.guidance_scale
 
 
+class ImageEditRequest(ImageRequest):
+    """``/v1/images/edits``: the generations' fields and extensions, sent as multipart/form-data
+    beside the input images (``image``, or ``image[]`` for several, as the ``openai`` SDK sends
+    them), which ``images`` holds as files. The model defaults to ``diffusion``: the stage that
+    reads input images (``text_to_image`` and ``omni`` do not, yet)."""
+
+    model: StrictStr = "diffusion"
+    images: list[bytes] = Field(default_factory=list, exclude=True)
+
+
+# Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes
+FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float}
+FORM_BOOLS = {"enhance_prompt"}
+
+
+async def parse_edit(form) -> ImageEditRequest:
+    """A multipart form (Starlette's) as an ``ImageEditRequest``, or a 400 naming the field at fault."""
+    if "mask" in form:
+        raise invalid("mask", "inpainting is not served: send the image to edit and describe the change")
+    files = [*form.getlist("image"), *form.getlist("image[]")]
+    if not files:
+        raise invalid("image", "is required: one image file, or several as image[]")
+    fields: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if name in ("image", "image[]"):
+            continue
+        if not isinstance(value, str):
+            raise invalid(name, "must be a text field, not a file")
+        if name in fields:
+            raise invalid(name, "is given more than once")
+        fields[name] = _form_value(name, value)
+    images = []
+    for file in files:
+        if isinstance(file, str):
+            raise invalid("image", "must be a file (multipart/form-data), not a text field")
+        images.append(await file.read())
+    request = parse(ImageEditRequest, json.dumps(fields).encode())
+    request.images = images
+    return request
+
+
+def _form_value(name: str, text: str) -> Any:
+    if name in FORM_NUMBERS:
+        try:
+            number = FORM_NUMBERS[name](text)
+        except ValueError:
+            raise invalid(name, f"must be a number, got {text!r:.40}") from None
+        return number
+    if name in FORM_BOOLS:
+        if text.lower() not in ("true", "false"):
+            raise invalid(name, f"must be true or false, got {text!r:.40}")
+        return text.lower() == "true"
+    return text
+
+
 def _union_member(part: int | str) -> bool:
     """Pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``): not a field."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)

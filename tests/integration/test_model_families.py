@@ -16,6 +16,7 @@ gateway's `/v1/images/generations` through the `openai` SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import re
@@ -230,9 +231,9 @@ def png(seed: int, height: int = 64, width: int = 80) -> bytes:
 
 
 def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_server, tmp_path):
-    """`OmniClient.edit_image` and `generate-image --image`: the pipeline's image with the same input
-    images; bad images are INVALID_ARG naming the field, and the server serves on; a family that reads
-    no image says so."""
+    """`OmniClient.edit_image`, `generate-image --image` and OpenAI's `/v1/images/edits`: the
+    pipeline's image with the same input images; bad images are INVALID_ARG (400) naming the field,
+    and the server serves on; a family that reads no image says so."""
     family, server = family_server
     client = OmniClient(server.grpc_url)
     options = OPTIONS | {"guidance_scale": GUIDED}
@@ -240,6 +241,9 @@ def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_ser
         with pytest.raises(OmniError, match="takes no input image") as caught:
             client.edit_image(PROMPT, [png(1)], **options)
         assert caught.value.status == "INVALID_ARG"
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.openai.images.edit(model="diffusion", image=("a.png", png(1), "image/png"), prompt=PROMPT)
+        assert refused.value.body["param"] == "image"
         return
     files = [png(1), png(2, 64, 96)]
     expected = call(pipeline(family), PROMPT, guidance_scale=GUIDED, seed=OPTIONS["seed"], height=32, width=32,
@@ -262,6 +266,42 @@ def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_ser
             client.edit_image(PROMPT, images, **options)
         assert caught.value.status == "INVALID_ARG"
     assert client.edit_image(PROMPT, files, **options).shape == (32, 32, 3)  # served on
+    openai_edits_give_the_pipelines_image(family, server, files)
+
+
+def openai_edits_give_the_pipelines_image(family: str, server, files: list[bytes]) -> None:
+    """`/v1/images/edits` through the `openai` SDK, sync and async, one image and several (`image[]`):
+    the pipeline's image; a mask, a bad file and a model that reads no image are 400s naming the field."""
+    extensions = {"seed": OPTIONS["seed"], "num_inference_steps": OPTIONS["num_inference_steps"],
+                  "guidance_scale": GUIDED}
+
+    def expected(count: int) -> np.ndarray:
+        return call(pipeline(family), PROMPT, guidance_scale=GUIDED, seed=OPTIONS["seed"], height=32, width=32,
+                    num_inference_steps=OPTIONS["num_inference_steps"],
+                    image=[Image.open(io.BytesIO(data)) for data in files[:count]])[0].numpy()
+
+    def pixels(response) -> np.ndarray:
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))).convert("RGB"))
+
+    as_files = [(f"{i}.png", data, "image/png") for i, data in enumerate(files)]
+    one = server.openai.images.edit(model="diffusion", image=as_files[0], prompt=PROMPT, size="32x32",
+                                    extra_body=extensions)
+    assert_close(pixels(one), expected(1))
+    asynchronous = openai.AsyncOpenAI(base_url=str(server.openai.base_url), api_key="unused")
+
+    async def edit_async():
+        async with asynchronous:
+            return await asynchronous.images.edit(model="diffusion", image=as_files, prompt=PROMPT, size="32x32",
+                                                  n=2, extra_body=extensions)
+
+    both = asyncio.run(edit_async())
+    assert len(both.data) == 2
+    assert_close(pixels(both), expected(2))
+    for kwargs, param in (({"mask": as_files[0]}, "mask"), ({"image": ("x.png", b"nope", "image/png")}, "image[0]"),
+                          ({"model": "text_to_image"}, "model")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.openai.images.edit(**({"model": "diffusion", "image": as_files[0], "prompt": PROMPT} | kwargs))
+        assert refused.value.body["param"] == param
 
 
 def test_a_size_off_the_patch_grid_is_refused_by_name(family_server):

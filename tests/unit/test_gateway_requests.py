@@ -104,3 +104,49 @@ def test_outputs_read_from_the_raw_bytes_as_as_numpy_would():
     assert found == {"text_output": [" fox", "", "é"], "num_output_tokens": [2, 0, 1],
                      "cumulative_logprob": [-1.5, 0.0, -2.0]}
     assert [v.decode() for v in result.as_numpy("text_output")] == found["text_output"]
+
+
+def edit_form(*items):
+    import io
+
+    from starlette.datastructures import FormData, UploadFile
+
+    image = UploadFile(io.BytesIO(b"\x89PNG..."), filename="a.png")
+    return FormData([("image", image), ("prompt", "a red fox"), *items])
+
+
+@pytest.mark.parametrize(("items", "param", "words"), [
+    ((("mask", "x"),), "mask", "inpainting is not served"),
+    ((("n", "two"),), "n", "must be a number"),
+    ((("n", "2"), ("n", "3")), "n", "more than once"),
+    ((("enhance_prompt", "maybe"),), "enhance_prompt", "true or false"),
+    ((("style", "vivid"),), "style", "no style setting"),
+    ((("colour", "red"),), "colour", "unknown field"),
+    ((("n", "11"),), "n", "less than or equal to 10"),
+])
+def test_an_edit_form_is_refused_naming_its_field(items, param, words):
+    import asyncio
+
+    from triton_omni_gateway.requests import parse_edit
+
+    with pytest.raises(OpenAIError) as error:
+        asyncio.run(parse_edit(edit_form(*items)))
+    assert error.value.status == 400 and error.value.param == param and words in error.value.message
+
+
+def test_an_edit_form_reads_its_numbers_and_files():
+    import asyncio
+    import io
+
+    from starlette.datastructures import FormData, UploadFile
+    from triton_omni_gateway.requests import parse_edit
+
+    request = asyncio.run(parse_edit(edit_form(("n", "2"), ("seed", "7"), ("guidance_scale", "3.5"),
+                                               ("enhance_prompt", "true"))))
+    assert (request.n, request.seed, request.guidance_scale, request.model) == (2, 7, 3.5, "diffusion")
+    assert request.images == [b"\x89PNG..."] and _options(request) == {"seed": 7, "guidance_scale": 3.5}
+    several = FormData([("image[]", UploadFile(io.BytesIO(data), filename="x.png")) for data in (b"a", b"b")]
+                       + [("prompt", "x")])
+    assert asyncio.run(parse_edit(several)).images == [b"a", b"b"]
+    with pytest.raises(OpenAIError, match="image: is required"):
+        asyncio.run(parse_edit(FormData([("prompt", "x")])))
