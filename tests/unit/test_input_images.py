@@ -154,3 +154,33 @@ def test_a_model_that_takes_no_image_says_so():
 def test_what_a_diffusers_user_converts_is_converted_to_rgb(make):
     [image] = decode_images(None, [make()], LIMITS)
     assert image.mode == "RGB" and image.size == (80, 64)
+
+
+def test_a_cached_request_with_reference_images_takes_its_decisions_alone_in_company():
+    """The step cache on reference images: a cached request's skips and image are its own, alone or
+    beside others (with other images, none, uncached)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux2-klein", batching="step", batch_size=8,
+                                                   exact_batching=False))
+    cached = BASE | {"num_inference_steps": 10, "step_cache": "first_block:0.8", "images": [encoded(picture(1))]}
+
+    def submit(values: dict, counts: list):
+        return runner.submit(runner.parse(values), on_cached=lambda c, s: counts.append((c, s)))
+
+    try:
+        alone_counts: list = []
+        alone = submit(cached, alone_counts).result()
+        company = [cached, BASE | {"num_inference_steps": 10, "images": [encoded(picture(2))]},
+                   BASE | {"num_inference_steps": 10, "seed": 9}]
+        counts: list = [[] for _ in company]
+        images = [future.result() for future in [submit(v, counts[i]) for i, v in enumerate(company)]]
+    finally:
+        runner.close()
+    assert alone_counts and 0 < alone_counts[0][1] < 10, alone_counts  # some steps skipped, not all
+    assert counts[0] == alone_counts and levels(images[0], alone) <= 1
+
+
+def test_sequence_parallel_refuses_input_images_by_name(monkeypatch):
+    runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux2-klein", batching="request"))
+    monkeypatch.setattr(runner, "sequence_parallel", object())  # as a runner with `parallel: sp` has one
+    with pytest.raises(RequestValidationError, match="`images`: not with sequence parallel"):
+        runner.parse(BASE | {"images": [encoded(picture(1))]})

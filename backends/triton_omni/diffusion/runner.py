@@ -299,6 +299,9 @@ class DiffusionRunner:
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
         if request.images:
+            if self.sequence_parallel is not None:
+                raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
+                                             "output image's tokens)", None, show_value=False)
             self._size_from_images(request)
         if (request.prompt is None and request.negative_prompt_embeds is None and request.negative_prompt is None
                 and self._guided(request) and not self.family.has_text_encoder()):
