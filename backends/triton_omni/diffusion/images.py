@@ -15,6 +15,7 @@ pipelines read three channels.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,9 @@ def _from_file(data: bytes, index: int, limits: ImageLimits):
     # ours, and the size in the header is checked below before a pixel is decoded
     Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # between the limit and twice it Pillow only warns: refused below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
         raise RequestValidationError(field, f"has more than {limits.max_image_pixels} pixels", None,
                                      show_value=False) from None
