@@ -71,10 +71,12 @@ class ImageModels:
 
     async def edit(self, request: ImageEditRequest) -> dict:
         """``n`` images from the prompt and the input images, from a ``diffusion`` model."""
-        if await self.kind(request.model) != "diffusion":
-            raise OpenAIError(400, f"model '{request.model}' takes no input images: edit with a diffusion model "
-                              "(diffusion)", param="model", code="invalid_value")
-        values = {"prompt": request.prompt, "negative_prompt": request.negative_prompt, "images": request.images}
+        kind = await self.kind(request.model)
+        if kind == "omni":
+            raise OpenAIError(400, f"model '{request.model}' takes no input images: edit with diffusion or "
+                              "text_to_image", param="model", code="invalid_value")
+        values = {"text_input" if kind == "ensemble" else "prompt": request.prompt,
+                  "negative_prompt": request.negative_prompt, "images": request.images}
         options = _options(request)
         images = await asyncio.gather(*(self._one(request.model, values | _seeded(options, i))
                                         for i in range(request.n)))
