@@ -170,7 +170,8 @@ class OmniClient:
         """Run one ``omni`` request; yields its events (one when ``stream`` is
         false). ``options``: text options (max_tokens, temperature, top_p,
         top_k), image options (negative_prompt, num_inference_steps,
-        guidance_scale, height, width), seed, num_images. ``timeout_s``
+        guidance_scale, height, width; ``images``: input image files, for a family that reads them),
+        seed, num_images. ``timeout_s``
         (gRPC): the longest wait for the next event, past which the request
         is cancelled and ``TimeoutError`` raised."""
         values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,
@@ -440,9 +441,11 @@ def _first(get, name: str, kind):
     return None if value is None else kind(np.ravel(value)[0])
 
 
-def _bytes_input(module, name: str, values: list[str]):
+def _bytes_input(module, name: str, values: list[str | bytes]):
+    """A BYTES tensor of texts (UTF-8) or files (as they are: input images)."""
     tensor = module.InferInput(name, [len(values)], "BYTES")
-    tensor.set_data_from_numpy(np.array([v.encode() for v in values], dtype=np.object_))
+    tensor.set_data_from_numpy(np.array([v if isinstance(v, bytes) else v.encode() for v in values],
+                                        dtype=np.object_))
     return tensor
 
 

@@ -52,9 +52,10 @@ class ImageModels:
                                   "diffusion)", param="model", code="not_an_image_model")
         return self._kinds[model]
 
-    async def generate(self, request: ImageRequest) -> dict:
+    async def generate(self, request: ImageRequest, inputs: list[bytes] | None = None) -> dict:
+        """``n`` images; ``inputs``: the input image files of an edit (every kind takes them)."""
         kind = await self.kind(request.model)
-        options = _options(request)
+        options = _options(request) | ({"images": inputs} if inputs else {})
         if kind == "omni":
             images, revised = await self._omni(request, options)
         else:
@@ -70,18 +71,8 @@ class ImageModels:
                 "data": [{"b64_json": data} | ({"revised_prompt": revised} if revised else {}) for data in encoded]}
 
     async def edit(self, request: ImageEditRequest) -> dict:
-        """``n`` images from the prompt and the input images, from a ``diffusion`` model."""
-        kind = await self.kind(request.model)
-        if kind == "omni":
-            raise OpenAIError(400, f"model '{request.model}' takes no input images: edit with diffusion or "
-                              "text_to_image", param="model", code="invalid_value")
-        values = {"text_input" if kind == "ensemble" else "prompt": request.prompt,
-                  "negative_prompt": request.negative_prompt, "images": request.images}
-        options = _options(request)
-        images = await asyncio.gather(*(self._one(request.model, values | _seeded(options, i))
-                                        for i in range(request.n)))
-        encoded = await asyncio.gather(*(asyncio.to_thread(png, image) for image in images))
-        return {"created": int(time.time()), "data": [{"b64_json": data} for data in encoded]}
+        """``n`` images from the prompt and the input images: ``diffusion``, ``text_to_image`` or ``omni``."""
+        return await self.generate(request, request.images)
 
     async def _one(self, model: str, values: dict[str, Any]) -> np.ndarray:
         try:

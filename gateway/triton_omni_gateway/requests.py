@@ -197,7 +197,7 @@ class ImageEditRequest(ImageRequest):
     """``/v1/images/edits``: the generations' fields and extensions, sent as multipart/form-data
     beside the input images (``image``, or ``image[]`` for several, as the ``openai`` SDK sends
     them), which ``images`` holds as files. The model defaults to ``diffusion`` (``text_to_image``
-    takes them too; ``omni`` does not, yet)."""
+    and ``omni`` take them too)."""
 
     model: StrictStr = "diffusion"
     images: list[bytes] = Field(default_factory=list, exclude=True)

@@ -124,6 +124,8 @@ OMNI_INPUTS = [
     TensorSpec("width", "TYPE_INT32"),
     TensorSpec("seed", "TYPE_INT64"),
     TensorSpec("step_cache", "TYPE_STRING"),
+    # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
+    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
 ]
 # A streamed response carries the outputs of one event; the non-streaming
 # response carries them all.

@@ -251,6 +251,9 @@ def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_ser
                     image=[Image.open(io.BytesIO(data)) for data in files])[0].numpy()
     assert_close(client.edit_image(PROMPT, files, **options), expected)
     assert_close(client.edit_image(PROMPT, files, model="text_to_image", **options), expected)  # ar_encoder's text
+    [by_omni] = [event.image[0] for event in client.generate(PROMPT, modalities=["image"], images=files, **options)
+                 if event.image is not None]
+    assert_close(by_omni, expected)
     paths = [tmp_path / "first.png", tmp_path / "second.png"]
     for path, data in zip(paths, files, strict=True):
         path.write_bytes(data)
@@ -298,11 +301,12 @@ def openai_edits_give_the_pipelines_image(family: str, server, files: list[bytes
     both = asyncio.run(edit_async())
     assert len(both.data) == 2
     assert_close(pixels(both), expected(2))
-    by_ensemble = server.openai.images.edit(model="text_to_image", image=as_files[0], prompt=PROMPT, size="32x32",
-                                            extra_body=extensions)
-    assert_close(pixels(by_ensemble), expected(1))
+    for model in ("text_to_image", "omni"):
+        response = server.openai.images.edit(model=model, image=as_files[0], prompt=PROMPT, size="32x32",
+                                             extra_body=extensions)
+        assert_close(pixels(response), expected(1))
     for kwargs, param in (({"mask": as_files[0]}, "mask"), ({"image": ("x.png", b"nope", "image/png")}, "image[0]"),
-                          ({"model": "omni"}, "model")):
+                          ({"model": "ar_encoder"}, "model")):
         with pytest.raises(openai.BadRequestError) as refused:
             server.openai.images.edit(**({"model": "diffusion", "image": as_files[0], "prompt": PROMPT} | kwargs))
         assert refused.value.body["param"] == param

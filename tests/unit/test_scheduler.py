@@ -184,3 +184,14 @@ def test_a_failing_stage_fails_the_request_and_cancels_the_other_branch():
     with pytest.raises(StageError, match="bad height"):
         scheduled(stages, text_input="a fox", modalities=["text", "image"])
     assert stages.cancelled == ["generate"]
+
+
+def test_input_images_need_the_image_modality_and_pass_through_untouched():
+    from triton_omni.errors import RequestValidationError
+    from triton_omni.scheduler.request import OmniRequest, SchedulerLimits
+
+    with pytest.raises(RequestValidationError, match="`images`: input images need modalities"):
+        OmniRequest.from_inputs({"text_input": "a fox", "images": [b"png"]}, SchedulerLimits())
+    request = OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image"], "images": [b"a", b"b"]},
+                                      SchedulerLimits())
+    assert request.images == [b"a", b"b"] and "images" not in request.image_options

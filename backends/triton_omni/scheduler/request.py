@@ -62,6 +62,7 @@ class OmniRequest:
     stream: bool = False
     text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
+    images: list[bytes] = field(default_factory=list)  # input image files, for `diffusion` to decode and check
 
     @property
     def wants_text(self) -> bool:
@@ -87,7 +88,7 @@ class OmniRequest:
         name = "options" if "options" in inputs else "parameters"
         values = as_json_object(name, inputs.get(name)) | _checked(request_parameters or {}, "request parameters")
         _checked(values, name)
-        values |= {k: v for k, v in inputs.items() if k not in ("parameters", "options")}
+        values |= {k: v for k, v in inputs.items() if k not in ("parameters", "options", "images")}
 
         if "text_input" not in values:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
@@ -108,6 +109,10 @@ class OmniRequest:
         require(seed <= INT64_MAX - (num_images - 1), "seed",
                 f"must be at most {INT64_MAX - (num_images - 1)} with num_images={num_images}", seed)
 
+        images = list(inputs.get("images") or [])
+        require(not images or "image" in modalities, "images", "input images need modalities ['image']",
+                len(images))
+
         return cls(
             prompt=prompt,
             modalities=modalities,
@@ -116,6 +121,7 @@ class OmniRequest:
             stream=as_bool("stream", values.get("stream", False)),
             text_options={k: v for k, v in values.items() if k in TEXT_OPTIONS},
             image_options={k: IMAGE_OPTIONS[k](k, v) for k, v in values.items() if k in IMAGE_OPTIONS},
+            images=images,
         )
 
     def image_options_for(self, index: int) -> dict[str, Any]:

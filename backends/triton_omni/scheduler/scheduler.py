@@ -126,6 +126,8 @@ class OmniScheduler:
         async with self.budget.reserve(nbytes * request.num_images), asyncio.TaskGroup() as group:
             for index in range(request.num_images):
                 options = {k: v for k, v in request.image_options_for(index).items() if k != "negative_prompt"}
+                if request.images:  # diffusion decodes and checks them, naming a bad one
+                    options["images"] = request.images
                 group.create_task(self._image(index, embeds, negative_embeds, options, emit))
 
     async def _image(self, index: int, embeds, negative, options: dict[str, Any],

@@ -125,7 +125,8 @@ class TritonStages:
             inputs.append(pb_utils.Tensor.from_dlpack("pooled_prompt_embeds", embeds.pooled.to_dlpack()))
         if negative is not None:
             inputs.append(negative.named("negative_prompt_embeds"))
-        inputs += [pb_utils.Tensor(name, np.array([[value]], dtype=_SCALAR_TYPES[name]))
+        inputs += [pb_utils.Tensor(name, np.array([value], dtype=np.object_) if name == "images" else
+                                   np.array([[value]], dtype=_SCALAR_TYPES[name]))
                    for name, value in options.items()]
         request = pb_utils.InferenceRequest(
             model_name=self.models["diffusion"], inputs=inputs, requested_output_names=["image"],
