@@ -34,7 +34,7 @@ TRITON_STATUS = {
 }
 
 
-_INVALID_PARAMETER = re.compile(r"invalid `([\w.]+)`")
+_INVALID_PARAMETER = re.compile(r"invalid `([\w.\[\]]+)`")  # images[1] too
 
 
 class OpenAIError(Exception):
