@@ -8,6 +8,7 @@ encoder's language model) with a cosine of at least 0.999 per token."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -23,13 +24,18 @@ CASES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image", "
          "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev"}
 
 
+@functools.cache
+def loaded(model: str) -> DiffusionPipeline:
+    return DiffusionPipeline.from_pretrained(resolve_model(model))
+
+
 def pipeline_embeds(model: str, prompt: str) -> torch.Tensor:
     return pipeline_encoding(model, prompt)[0]
 
 
 def pipeline_encoding(model: str, prompt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pipeline's own encoding of ``prompt``: its sequence, and its pooled embedding (FLUX.1)."""
-    pipeline = DiffusionPipeline.from_pretrained(resolve_model(model))
+    pipeline = loaded(model)
     with torch.inference_mode():
         if type(pipeline).__name__ == "FluxPipeline":  # T5's 512 rows, CLIP's pooled vector
             embeds, pooled, _ = pipeline.encode_prompt(prompt=prompt, prompt_2=None, device="cpu")
