@@ -193,7 +193,11 @@ class Family:
         return {}
 
     def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        """Refuse a request size sequence parallel cannot split (``RequestValidationError``)."""
+        """Refuse a request size sequence parallel cannot split (``RequestValidationError``). The
+        default is diffusers' own plans' need: they split the image's tokens (and the text's: 512
+        from ar_encoder for FLUX, which 2, 4 or 8 ranks divide) at the transformer's entry, and on
+        the CPU gloo gathers equal shares only."""
+        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
 
     @staticmethod
     def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:

@@ -29,7 +29,6 @@ from triton_omni.families.base import (
     Family,
     Guidance,
     TwoPassStepAdapter,
-    check_even_patches,
     flow_schedule,
     pad_rows,
 )
@@ -204,11 +203,6 @@ class Flux1(Family):
         self.require_text_encoder()
         embeds, pooled, _ = self.pipeline.encode_prompt(prompts, prompt_2=None, device=device)
         return list(zip(embeds, pooled, strict=True))
-
-    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        """diffusers' own plan splits the image's tokens and the text's (512 from ar_encoder, which
-        2, 4 or 8 ranks divide) at the transformer's entry."""
-        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
 
     def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
         return {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}

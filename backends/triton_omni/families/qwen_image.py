@@ -19,7 +19,6 @@ from triton_omni.families.base import (
     Family,
     Guidance,
     TwoPassStepAdapter,
-    check_even_patches,
     flow_schedule,
     ones_mask,
     pad_rows,
@@ -171,5 +170,3 @@ class QwenImage(Family):
             kwargs["negative_prompt_embeds_mask"] = ones_mask(unconds)
         return kwargs
 
-    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())

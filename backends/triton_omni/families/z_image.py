@@ -204,6 +204,9 @@ class ZImage(Family):
             kwargs["negative_prompt_embeds"] = list(unconds)
         return kwargs
 
+    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
+        """Our plan pads the joint sequence it splits (sequence_parallel.py): any size splits."""
+
     @staticmethod
     def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:
         if type(transformer).__name__ != "ZImageTransformer2DModel":
