@@ -14,6 +14,7 @@ The pipelines are the reference."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,7 +29,6 @@ from triton_omni.families.base import (
     Family,
     Guidance,
     TwoPassStepAdapter,
-    check_even_patches,
     flow_schedule,
     pad_rows,
 )
@@ -66,21 +66,32 @@ DEV_RECIPE = EncoderRecipe("flux2_dev", _mistral_chat, layers=DEV_LAYERS, padded
 MAX_REFERENCES = 4  # reference images a request may give
 
 
-def conditions(pipeline, images: list) -> tuple[list[torch.Tensor], tuple[int, int]]:
+MAX_AREA = 1024 * 1024  # the pipelines bring a larger reference image down to this many pixels
+
+
+def conditions(pipeline, images: list) -> list[torch.Tensor]:
     """The pipelines' reading of reference images (``__call__``'s step 4, line by line): each
-    checked, brought down to 1024² of area, cropped to the latents' multiple and normalized; and
-    the (height, width) the pipeline takes for its output when given none: the last image's."""
+    brought down to 1024² of area, cropped to the latents' multiple and normalized."""
     processor, multiple = pipeline.image_processor, pipeline.vae_scale_factor * 2
-    tensors, size = [], (0, 0)
+    tensors = []
     for image in images:
+        if image.size[0] * image.size[1] > MAX_AREA:
+            image = processor._resize_to_target_area(image, MAX_AREA)
         width, height = image.size
-        if width * height > 1024 * 1024:
-            image = processor._resize_to_target_area(image, 1024 * 1024)
-            width, height = image.size
         width, height = (width // multiple) * multiple, (height // multiple) * multiple
         tensors.append(processor.preprocess(image, height=height, width=width, resize_mode="crop"))
-        size = (height, width)
-    return tensors, size
+    return tensors
+
+
+def output_size(pipeline, image) -> tuple[int, int]:
+    """The (height, width) a pipeline takes for its output from its last reference image when given
+    none: ``conditions``' size for it, by arithmetic (``_resize_to_target_area``'s), without resizing."""
+    width, height = image.size
+    if width * height > MAX_AREA:
+        scale = math.sqrt(MAX_AREA / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    multiple = pipeline.vae_scale_factor * 2
+    return (height // multiple) * multiple, (width // multiple) * multiple
 
 
 class Flux2Steps(TwoPassStepAdapter):
@@ -110,7 +121,7 @@ class Flux2Steps(TwoPassStepAdapter):
         if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
             job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
         if job.images:
-            references, _ = conditions(pipeline, job.images)
+            references = conditions(pipeline, job.images)
             latents, ids = pipeline.prepare_image_latents(images=references, batch_size=1, generator=job.generator,
                                                           device=self.device, dtype=pipeline.vae.dtype)
             job.step_kwargs |= {"references": latents, "img_ids": torch.cat([image_ids, ids], dim=1),
@@ -312,11 +323,6 @@ class Flux2Klein(Family):
         self.require_text_encoder()
         return self.pipeline.encode_prompt(prompt, device=device)[0][0]
 
-    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        """diffusers' own plan splits the image's tokens and the text's (512 from ar_encoder, which
-        2, 4 or 8 ranks divide) at the transformer's entry."""
-        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
-
     def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
         for index, image in enumerate(images):
             try:
@@ -324,7 +330,7 @@ class Flux2Klein(Family):
             except ValueError as exc:  # too small, or too far from square, for the pipeline
                 name = field if field == "image" else f"{field}[{index}]"
                 raise RequestValidationError(name, str(exc), "x".join(map(str, image.size))) from None
-        return conditions(self.pipeline, images)[1]
+        return output_size(self.pipeline, images[-1])
 
     def call_kwargs(self, conds, unconds, guidance_scale) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"prompt_embeds": torch.stack(conds), "guidance_scale": guidance_scale}
