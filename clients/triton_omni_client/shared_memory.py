@@ -26,13 +26,13 @@ def system_regions(client, tensors: list[tuple[object, np.ndarray]],
     memory API being restricted)."""
     import tritonclient.utils.shared_memory as shm
 
-    made: list[tuple[str, object]] = []
+    made: list = []  # the regions' handles
     registered: list[str] = []
     try:
         for tensor, array in tensors:
             name = f"omni-{os.getpid()}-{uuid.uuid4().hex[:16]}"
             handle = shm.create_shared_memory_region(name, "/" + name, array.nbytes)
-            made.append((name, handle))
+            made.append(handle)
             shm.set_shared_memory_region(handle, [array])
             client.register_system_shared_memory(name, "/" + name, array.nbytes, headers=headers)
             registered.append(name)
@@ -42,5 +42,5 @@ def system_regions(client, tensors: list[tuple[object, np.ndarray]],
         for name in registered:
             with contextlib.suppress(Exception):  # the server may be gone: the region is ours to free anyway
                 client.unregister_system_shared_memory(name, headers=headers)
-        for _, handle in made:
+        for handle in made:
             shm.destroy_shared_memory_region(handle)

@@ -33,6 +33,7 @@ from triton_omni_protocol import ADMIN_HEADER
 from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
+from tests.support.images import png
 from tests.support.pipelines import ABSENT, NO_GUIDANCE, NO_NEGATIVE, call, encoded, levels_apart, pipeline, reference
 from tests.support.server import metric_value, text_to_image
 
@@ -219,15 +220,6 @@ def test_embeddings_through_shared_memory_give_the_same_image(family_server, pro
 
 # The families that read input images (FLUX.2's reference images); the others refuse them by name
 TAKES_IMAGES = {"flux2-klein", "flux2-dev"}
-
-
-def png(seed: int, height: int = 64, width: int = 80) -> bytes:
-    y, x = np.mgrid[0:height, 0:width]
-    offset = np.random.default_rng(seed).random(3) * 255
-    pixels = np.stack([(x * 3 + offset[0]) % 256, (y * 4 + offset[1]) % 256, ((x + y) * 2 + offset[2]) % 256], -1)
-    out = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
-    return out.getvalue()
 
 
 def test_input_images_give_the_pipelines_image_or_are_refused_by_name(family_server, tmp_path):

@@ -5,8 +5,6 @@ before its pixels are decoded where the header already says no."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
@@ -15,26 +13,12 @@ from triton_omni.diffusion.images import ImageLimits, decode_images
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.errors import RequestValidationError
 
+from tests.support.images import encoded, picture
 from tests.support.pipelines import call
 
 SIZE, STEPS = 32, 2
 BASE = {"prompt": "a red fox", "guidance_scale": 4.0, "seed": 3, "num_inference_steps": STEPS, "height": SIZE,
         "width": SIZE}
-
-
-def picture(seed: int, height: int = 64, width: int = 80) -> np.ndarray:
-    """A structured RGB picture (gradients, offset per seed): random noise pictures look alike to a VAE."""
-    y, x = np.mgrid[0:height, 0:width]
-    offset = np.random.default_rng(seed).random(3) * 255
-    channels = [(x * 3 + offset[0]) % 256, (y * 4 + offset[1]) % 256, ((x + y) * 2 + offset[2]) % 256]
-    return np.stack(channels, -1).astype(np.uint8)
-
-
-def encoded(image: Image.Image | np.ndarray, format: str = "PNG", **options) -> bytes:
-    image = Image.fromarray(image) if isinstance(image, np.ndarray) else image
-    out = io.BytesIO()
-    image.save(out, format=format, **options)
-    return out.getvalue()
 
 
 def levels(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -16,8 +16,6 @@ from triton_omni.families import family_of
 
 
 class PipelineTextEngine:
-    name = "transformers"
-
     def __init__(self, pipeline_path: Path, device: str, dtype: torch.dtype):
         from diffusers import DiffusionPipeline
 
@@ -26,7 +24,6 @@ class PipelineTextEngine:
         pipeline.to(self.device)
         self.family = family_of(pipeline)
         self.hidden_size = self.family.hidden_size()
-        self.pooled_size = self.family.pooled_size()
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-encode")
 
     async def encode_prompts(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
