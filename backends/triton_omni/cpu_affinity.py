@@ -67,16 +67,25 @@ def descendants(pid: int) -> list[int]:
 
 def pin_process_tree(pid: int, cpus: frozenset[int]) -> list[int]:
     """Every thread of ``pid`` and of the processes under it runs on ``cpus``
-    from now on (threads they start later inherit it). Returns the processes."""
-    tree = descendants(pid)
-    for process in tree:
-        for task in Path(f"/proc/{process}/task").glob("*"):
+    from now on (threads they start later inherit it). Returns the processes.
+
+    A thread an unpinned thread starts while the tree is walked would keep the
+    old CPUs (a fresh-clone run saw one): the walk repeats until it finds no
+    thread it has not pinned yet."""
+    pinned: set[int] = set()  # thread ids (unique across processes)
+    while True:
+        tree = descendants(pid)
+        tasks = {int(task.name) for process in tree for task in Path(f"/proc/{process}/task").glob("*")}
+        if tasks <= pinned:
+            break
+        for task in tasks - pinned:
             try:
-                os.sched_setaffinity(int(task.name), cpus)
+                os.sched_setaffinity(task, cpus)
             except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
                 continue
             except OSError as error:  # EINVAL: none of them in this container's cpuset
                 raise ValueError(f"engine_cpus {format_cpus(cpus)}: the kernel refused them ({error.strerror}); "
                                  f"this process may run on CPUs {format_cpus(os.sched_getaffinity(0))}") from None
+        pinned |= tasks
     logger.info("processes %s pinned to CPUs %s", tree, format_cpus(cpus))
     return tree
