@@ -180,7 +180,8 @@ class TritonPythonModel:
         """The negative side is encoded when given, or when its output is asked for (the
         text_to_image ensemble maps it; a caller that asks for every output gets it too)."""
         wanted = "negative_prompt_embeds" in request.requested_output_names()
-        return EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits, wanted)
+        return EncodeRequest.from_inputs(read_inputs(request, AR_ENCODE_INPUTS), self.config.limits, wanted,
+                                         self.runner.image_limits)
 
     def _encode_response(self, result, started: float):
         if isinstance(result, Exception):

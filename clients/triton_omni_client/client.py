@@ -223,17 +223,19 @@ class OmniClient:
         return conditioning["prompt_embeds"], conditioning["negative_prompt_embeds"]
 
     def encode_conditioning(self, prompt: str, negative_prompt: str | None = None,
-                            model: str = "ar_encoder") -> dict[str, np.ndarray]:
+                            model: str = "ar_encoder", images: list | None = None) -> dict[str, np.ndarray]:
         """Everything ``diffusion`` is conditioned on for this prompt, as keyword arguments of
         ``generate_image``: ``prompt_embeds``, ``negative_prompt_embeds`` (as
         ``encode_with_negative``) and, for a family whose DiT reads one (FLUX.1's CLIP vector),
-        ``pooled_prompt_embeds``."""
+        ``pooled_prompt_embeds``. ``images`` (as ``edit_image``'s): an edit family's encoder reads
+        the prompt with them (Qwen-Image-Edit); send the same images to ``edit_image`` then."""
         client_module = _client_module(self.protocol)
         names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds")
+        files = None if images is None else [_encoded(image) for image in images]
         with client_module.InferenceServerClient(self.url) as client:
             try:
                 result = client.infer(model, batched_inputs(client_module, text_input=prompt,
-                                                            negative_prompt=negative_prompt),
+                                                            negative_prompt=negative_prompt, images=files),
                                       outputs=[client_module.InferRequestedOutput(name) for name in names])
             except Exception as exc:
                 raise as_omni_error(exc) from None
@@ -272,11 +274,14 @@ class OmniClient:
                 raise as_omni_error(exc) from None
             return result.as_numpy("image")[0]
 
-    def edit_image(self, prompt: str, images: list, *, model: str = "diffusion", **options: Any) -> np.ndarray:
-        """An image from ``prompt`` and input images (FLUX.2's reference images), ``[H, W, 3]``
-        uint8. ``images``: encoded files (PNG, JPEG or WebP, as bytes or paths) or RGB pixel arrays
-        ``[H, W, 3]`` uint8 (sent as PNG); ``options`` as ``generate_image``'s. Without ``height`` and
-        ``width`` the output takes the last image's size, as the pipeline does."""
+    def edit_image(self, prompt: str | None, images: list, *, model: str = "diffusion",
+                   **options: Any) -> np.ndarray:
+        """An image from ``prompt`` and input images (FLUX.2's reference images, the image
+        Qwen-Image-Edit edits), ``[H, W, 3]`` uint8. ``images``: encoded files (PNG, JPEG or WebP,
+        as bytes or paths) or RGB pixel arrays ``[H, W, 3]`` uint8 (sent as PNG); ``options`` as
+        ``generate_image``'s (``prompt_embeds`` from ``encode_conditioning`` with the same images,
+        in place of ``prompt``). Without ``height`` and ``width`` the output takes the size the
+        pipeline takes from the images."""
         return self.generate_image(prompt, images=[_encoded(image) for image in images], model=model, **options)
 
     def _inputs_of(self, client, model: str) -> set[str]:

@@ -51,7 +51,10 @@ AR_GENERATE_OUTPUTS = [
 # negative prompt they hold what the family's pipeline uses then (the encoding of "", or zero
 # tokens: no negative), which is how text_to_image tells absent from "" (docs/pipelines.md).
 AR_ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False),
-                    TensorSpec("negative_prompt", "TYPE_STRING")]
+                    TensorSpec("negative_prompt", "TYPE_STRING"),
+                    # input image files, read with the prompt where the family's text encoder reads
+                    # them (Qwen-Image-Edit's vision tower); ignored otherwise (they are the DiT's)
+                    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs")]
 
 
 def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:

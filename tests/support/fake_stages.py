@@ -45,7 +45,8 @@ class FakeStages:
             await asyncio.sleep(0)
             yield TextDelta(word, "length" if i == len(self.words) - 1 else None)
 
-    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[FakeEmbeds, FakeEmbeds]:
+    async def encode(self, prompt: str, negative_prompt: str | None,
+                     images: list[bytes]) -> tuple[FakeEmbeds, FakeEmbeds]:
         await self._enter("encode", (prompt, negative_prompt))
         return FakeEmbeds(prompt), FakeEmbeds("<absent>" if negative_prompt is None else negative_prompt)
 

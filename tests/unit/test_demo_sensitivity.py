@@ -2,18 +2,22 @@
 scale or step count moves each family's image far past the parity tests' tolerance (1 level of
 255), so a parity test fails when a route encodes or guides a request wrongly. (FLUX.2 [dev] and
 FLUX.1 [dev] run no negative pass: their DiT reads the scale, so 1 is a guidance like any other.)
-FLUX.1's pooled CLIP vector moves the image on its own too (test_diffusion_families.py)."""
+FLUX.1's pooled CLIP vector moves the image on its own too (test_diffusion_families.py).
+Qwen-Image-Edit's image moves it too: another input image."""
 
 from __future__ import annotations
 
 import pytest
+from PIL import Image
 
+from tests.support.images import picture
 from tests.support.pipelines import NO_GUIDANCE, NO_NEGATIVE, levels_apart, reference
 
 # The parity tests' request (tests/integration/test_model_families.py)
 BASE = {"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.0, "num_inference_steps": 2,
         "height": 32, "width": 32, "seed": 7}
 MIN_LEVELS = 10
+EDITS = {"qwen-image-edit"}  # the families that edit an input image: every call gives one
 
 
 def changes(family: str) -> dict[str, dict]:
@@ -25,12 +29,16 @@ def changes(family: str) -> dict[str, dict]:
         "guidance scale": {"guidance_scale": 1.5},
         "guidance off": {"guidance_scale": NO_GUIDANCE[family]},
         "step count": {"num_inference_steps": 3},
+        **({"input image": {"image": Image.fromarray(picture(2))}} if family in EDITS else {}),
     }
 
 
-@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev"])
+@pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev",
+                                    "qwen-image-edit"])
 def test_each_input_moves_the_image_far_past_the_parity_tolerance(family):
-    base = reference(family, **BASE)
-    moved = {name: levels_apart(base, reference(family, **(BASE | change))) for name, change in changes(family).items()}
+    given = BASE | ({"image": Image.fromarray(picture(1))} if family in EDITS else {})
+    base = reference(family, **given)
+    moved = {name: levels_apart(base, reference(family, **(given | change)))
+             for name, change in changes(family).items()}
     print(f"{family}: levels of 255 each change moved the image by: {moved}")  # pytest -s shows them
     assert all(levels >= MIN_LEVELS for levels in moved.values()), moved

@@ -45,7 +45,7 @@ def reference(runner: DiffusionRunner, prompt: str, seed: int, guidance: float, 
 def encoded(runner: DiffusionRunner, text: str) -> torch.Tensor:
     """``text`` as the runner encodes a prompt: its pipeline's encoding, under inference mode (with
     autograd on, CPU attention takes another kernel and the last bits differ)."""
-    return runner._encode_text(text)
+    return runner._encode_prompt(text)[0]
 
 
 def conditioning(runner: DiffusionRunner, text: str) -> dict:

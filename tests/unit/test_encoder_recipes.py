@@ -136,10 +136,14 @@ def test_auto_engine_takes_transformers_for_a_pipelines_encoder_and_says_so(capl
 @pytest.mark.parametrize(("recipe", "reason"), [("z_image", "it needs hidden layers -2"),
                                               ("flux2_klein", "it needs hidden layers 9, 18, 27"),
                                               ("flux1", "its text encoders are not one causal LM: it runs "
-                                                        "the pipeline's own encode_prompt")])
+                                                        "the pipeline's own encode_prompt"),
+                                              ("qwen_image_edit", "it reads the input image with the prompt \\(the "
+                                                                  "vision tower\\)")])
 def test_a_recipe_vllm_cannot_run_is_refused_on_vllm_by_name(recipe, reason):
-    with pytest.raises(ValueError, match=f"recipe '{recipe}' cannot run on vLLM \\({reason}\\)"):
-        ArRunner(ArRunnerConfig(CASES[recipe], mode="encode", engine="vllm", recipe=recipe))
+    """(Qwen-Image-Edit's recipe: test_image_edits.py.)"""
+    model = CASES.get(recipe, "demo:tiny-qwen-image-edit")
+    with pytest.raises(ValueError, match=f"recipe '{recipe}' cannot run on vLLM \\({reason}"):
+        ArRunner(ArRunnerConfig(model, mode="encode", engine="vllm", recipe=recipe))
 
 
 @pytest.mark.parametrize("recipe", ["flux2_klein", "flux1"])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from triton_omni.diffusion.images import ImageLimits, decode_images
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.errors import RequestValidationError
+from triton_omni.images import ImageLimits, decode_images
 
 from tests.support.images import encoded, picture
 from tests.support.pipelines import call

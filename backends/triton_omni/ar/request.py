@@ -24,6 +24,7 @@ from typing import Any
 
 from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.errors import RequestValidationError
+from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_bool, as_json_object, as_str, require
 
 # Input tensors that carry one sampling option each: tensor name -> option.
@@ -153,14 +154,24 @@ class EncodeRequest:
     prompt: str
     negative_prompt: str | None = None
     with_negative: bool = False  # also encode the negative side (given, or asked for by its output)
+    images: list = field(default_factory=list)  # input images (RGB PIL images) the encoder reads with both sides
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits, negative_wanted: bool = False) -> EncodeRequest:
-        """``negative_wanted``: the caller asked for the ``negative_prompt_embeds`` output."""
+    def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits, negative_wanted: bool = False,
+                    images: ImageLimits | None = None) -> EncodeRequest:
+        """``negative_wanted``: the caller asked for the ``negative_prompt_embeds`` output;
+        ``images``: the bounds of the input images the recipe reads (None: it reads none, and
+        images sent along, the DiT's, are left alone). A recipe that reads them needs them."""
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
         negative = inputs.get("negative_prompt")
         if negative is not None:
             negative = _verify_prompt(negative, limits, "negative_prompt", blank=True)
-        return cls(prompt, negative, with_negative=negative_wanted or negative is not None)
+        decoded = []
+        if images is not None:
+            decoded = decode_images(None, inputs.get("images"), images)
+            if not decoded:
+                raise RequestValidationError("images", "is required: this encoder reads the prompt with its input "
+                                             "image", None, show_value=False)
+        return cls(prompt, negative, with_negative=negative_wanted or negative is not None, images=decoded)

@@ -32,6 +32,7 @@ from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestValidationError
 from triton_omni.families import EncoderRecipe, recipe
 from triton_omni.gpu_memory import cap_torch
+from triton_omni.images import ImageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class ArRunner:
         self.config = config
         self.seat = seat
         self.recipe: EncoderRecipe = recipe(config.recipe)
+        # the input images an encoding recipe reads with the prompt (None: it reads none)
+        self.image_limits = ImageLimits(max_images=self.recipe.images) \
+            if config.mode == "encode" and self.recipe.images else None
         self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model), self.recipe.tokenizer)
         self.engine_name = config.resolved_engine()
         if self.engine_name == "vllm" and has_language_model(self.model_path):
@@ -224,8 +228,14 @@ class ArRunner:
                 plans.append(((request.prompt, self.tokenize(request.prompt)), self._negative_side(request)))
             except RequestValidationError as exc:
                 plans.append(exc)
-        sides = [side for plan in plans if not isinstance(plan, Exception) for side in plan if side and side[1]]
-        encoded = iter(await self._encode_sides(sides)) if sides else iter(())
+        sides, images = [], []  # each side to encode, and its request's input images (a recipe may read them)
+        for request, plan in zip(requests, plans, strict=True):
+            if not isinstance(plan, Exception):
+                for side in plan:
+                    if side and side[1]:
+                        sides.append(side)
+                        images.append(request.images)
+        encoded = iter(await self._encode_sides(sides, images)) if sides else iter(())
         dtype = getattr(torch, self.config.embeds_dtype)
 
         def states(side: Side | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -245,10 +255,12 @@ class ArRunner:
             results.append(Embedding(hidden, negative, pooled))
         return results
 
-    async def _encode_sides(self, sides: list[Side]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Each side's states (and pooled embedding, where the recipe's pipeline makes one)."""
+    async def _encode_sides(self, sides: list[Side], images: list[list]) -> list[tuple[torch.Tensor,
+                                                                                       torch.Tensor | None]]:
+        """Each side's states (and pooled embedding, where the recipe's pipeline makes one);
+        ``images``: each side's input images, which a recipe ``by_pipeline`` may read."""
         if isinstance(self.engine, PipelineTextEngine):
-            return await self.engine.encode_prompts([text for text, _ in sides])
+            return await self.engine.encode_prompts([text for text, _ in sides], images)
         return [(hidden, None) for hidden in await self._encode_texts([ids for _, ids in sides])]
 
     async def _encode_texts(self, texts: list[list[int]]) -> list[torch.Tensor]:
@@ -281,6 +293,9 @@ def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
     returns the last layer of a causal LM's attended tokens, not other layers nor
     padding; a pipeline's text encoder only where it is a vision-language model
     whose language model it can load (language_model.py)."""
+    if encoding.images:
+        return ("it reads the input image with the prompt (the vision tower), and vLLM's pooling runner returns "
+                "no hidden states for multimodal input: it runs the pipeline's own encode_prompt")
     if encoding.by_pipeline:
         return "its text encoders are not one causal LM: it runs the pipeline's own encode_prompt"
     if encoding.layers != (-1,):

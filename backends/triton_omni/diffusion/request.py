@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from triton_omni.diffusion.images import ImageLimits, decode_images
 from triton_omni.diffusion.step_cache import StepCacheConfig, parse_step_cache
 from triton_omni.errors import RequestValidationError
+from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_float, as_int, as_str, in_range, require
 
 ALLOWED_EMBEDS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

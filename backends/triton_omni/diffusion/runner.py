@@ -192,9 +192,10 @@ class DiffusionRunner:
             load()
         capabilities = self.family.capabilities
         hidden = self.family.hidden_size()
+        # an edit's output is its input image's size by default: about 1024² pixels, a side up to 2048
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
-                                          "pooled_size": self.family.pooled_size(),
-                                          "max_images": capabilities.images} | config.limits))
+                                          "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
+                                         | ({"max_size": 2048} if capabilities.edits else {}) | config.limits))
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
             # step batching: a graph per (bucket, size, token count) in use
@@ -298,6 +299,9 @@ class DiffusionRunner:
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)
+        if self.family.capabilities.edits and not request.images:
+            raise RequestValidationError("images", f"is required: {type(self.pipeline).__name__} edits an input "
+                                         "image (give `images`, or `image` as pixels)", None, show_value=False)
         if request.images:
             if self.sequence_parallel is not None:
                 raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
@@ -382,7 +386,7 @@ class DiffusionRunner:
 
     def _prepare(self, index: int, request: DiffusionRequest) -> _Job:
         cond, pooled = (request.prompt_embeds, request.pooled_prompt_embeds) if request.prompt is None \
-            else self._encode_prompt(request.prompt)
+            else self._encode_prompt(request.prompt, request.images)
         cond = to_device(cond, self.device, self.dtype)
         pooled = None if pooled is None else to_device(pooled, self.device, self.dtype)
         uncond = None
@@ -405,21 +409,21 @@ class DiffusionRunner:
         embeds = request.negative_prompt_embeds
         if embeds is not None:
             return embeds if embeds.shape[0] > 0 else torch.zeros_like(cond)
-        return self._encode_text(request.negative_prompt) if request.negative_prompt else self._empty_prompt()
+        if request.negative_prompt or self.family.recipe.images:  # an edit's encoder reads "" with the image
+            return self._encode_prompt(request.negative_prompt or "", request.images)[0]
+        return self._empty_prompt()
 
-    def _encode_text(self, prompt: str) -> torch.Tensor:
-        return self._encode_prompt(prompt)[0]
-
-    def _encode_prompt(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A prompt's sequence and, where the family reads one, its pooled embedding."""
+    def _encode_prompt(self, prompt: str, images: list = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt's sequence and, where the family reads one, its pooled embedding (``images``: the
+        request's, which an edit family's text encoder reads with the prompt)."""
         with torch.inference_mode():
-            return self.family.encode_prompt(prompt, self.device)
+            return self.family.encode_prompt(prompt, self.device, images)
 
     def _empty_prompt(self) -> torch.Tensor:
         """The encoding of "", every guided request's negative side when it has none: encoded once,
         so that such a request's admission neither runs the text encoder nor waits for the GPU."""
         if self._empty is None:
-            self._empty = self._encode_text("")
+            self._empty = self._encode_prompt("")[0]
         return self._empty
 
     def _run_chunk(self, jobs: list[_Job], on_step, is_cancelled) -> list[torch.Tensor | Exception]:

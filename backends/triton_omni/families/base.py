@@ -61,6 +61,7 @@ class Capabilities:
     cuda_graphs: bool = False  # the UNet's steps replayed as CUDA graphs (cuda_graphs.py)
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
+    edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class EncoderRecipe:
     # ``encode_batch``), on the transformers engine
     by_pipeline: bool = False
     tokenizer: str = "tokenizer"  # the pipeline's tokenizer whose tokens a prompt's length is counted in
+    # how many input images the encoder reads with the prompt (a vision-language model's vision
+    # tower, as Qwen-Image-Edit's pipeline runs it); 0: a request's images, if any, are the DiT's alone
+    images: int = 0
 
     def select(self, hidden: torch.Tensor) -> torch.Tensor:
         """One prompt's ``[num_tokens, hidden]`` of the recipe's layers, template tokens dropped."""
@@ -156,12 +160,16 @@ class Family:
         vector); 0: none."""
         return 0
 
-    def encode_prompt(self, prompt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One prompt alone: its sequence and, where the family reads one, its pooled embedding."""
+    def encode_prompt(self, prompt: str, device: torch.device,
+                      images: list = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prompt alone: its sequence and, where the family reads one, its pooled embedding
+        (``images``: the request's input images, for a family whose encoder reads them)."""
         return self.encode(prompt, device), None
 
-    def encode_batch(self, prompts: list[str], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """ar_encoder's batch for a recipe ``by_pipeline``: each prompt's sequence and pooled embedding."""
+    def encode_batch(self, prompts: list[str], device: torch.device,
+                     images: list[list] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """ar_encoder's batch for a recipe ``by_pipeline``: each prompt's sequence and pooled embedding
+        (``images``: each prompt's input images, where the recipe reads them)."""
         raise NotImplementedError
 
     def has_text_encoder(self) -> bool:

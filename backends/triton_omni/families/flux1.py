@@ -190,14 +190,16 @@ class Flux1(Family):
     def size_multiple(self) -> int:
         return int(self.pipeline.vae_scale_factor) * 2  # the VAE's factor, then 2x2 latents packed into one token
 
-    def encode_prompt(self, prompt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def encode_prompt(self, prompt: str, device: torch.device,
+                      images: list = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         [(embeds, pooled)] = self.encode_batch([prompt], device)
         return embeds, pooled
 
     def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
         return self.encode_prompt(prompt, device)[0]
 
-    def encode_batch(self, prompts: list[str], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def encode_batch(self, prompts: list[str], device: torch.device,
+                     images: list[list] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each prompt's T5 sequence and CLIP vector, by the pipeline's own ``encode_prompt`` (every
         row padded to the same length, unmasked: a row's states do not depend on its company)."""
         self.require_text_encoder()

@@ -42,21 +42,30 @@ class QwenImageSteps(TwoPassStepAdapter):
 
     def start(self, job) -> None:
         pipeline = self.pipeline
-        channels = pipeline.transformer.config.in_channels // 4
-        job.latents = pipeline.prepare_latents(1, channels, job.height, job.width, job.cond.dtype, self.device,
-                                               job.generator)
-        flow_schedule(pipeline, job, self.device, job.latents.shape[1], np.linspace(1.0, 1 / job.steps, job.steps))
         factor = pipeline.vae_scale_factor
-        job.step_kwargs = {"img_shape": (1, job.height // factor // 2, job.width // factor // 2)}
+        job.step_kwargs = {"img_shapes": [(1, job.height // factor // 2, job.width // factor // 2)]}
+        job.latents = self.noise(job, pipeline.transformer.config.in_channels // 4)
+        flow_schedule(pipeline, job, self.device, job.latents.shape[1], np.linspace(1.0, 1 / job.steps, job.steps))
         self.start_passes(job)
 
+    def noise(self, job, channels: int) -> torch.Tensor:
+        """The request's starting latents, drawn as its pipeline draws them."""
+        return self.pipeline.prepare_latents(1, channels, job.height, job.width, job.cond.dtype, self.device,
+                                             job.generator)
+
+    def group(self, job) -> tuple:
+        """Requests share a pass when their sequences have one layout (an edit's image latents too)."""
+        return (*super().group(job), tuple(job.step_kwargs["img_shapes"]))
+
     def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
-        latents = torch.cat(pad_rows([job.latents for job in jobs], size))
+        # an edit's image latents follow the output's in the sequence (the prediction keeps the output's)
+        rows = [torch.cat([job.latents, job.step_kwargs["references"]], dim=1) if "references" in job.step_kwargs
+                else job.latents for job in jobs]
         timesteps = torch.cat(pad_rows([job.schedule[job.done].expand(1).to(job.latents.dtype) for job in jobs],
                                        size))
-        return {"hidden_states": latents, "timestep": timesteps / 1000, "guidance": None,
+        return {"hidden_states": torch.cat(pad_rows(rows, size)), "timestep": timesteps / 1000, "guidance": None,
                 "encoder_hidden_states_mask": None, "encoder_hidden_states": embeds,
-                "img_shapes": [[jobs[0].step_kwargs["img_shape"]]] * size}
+                "img_shapes": [jobs[0].step_kwargs["img_shapes"]] * size}
 
     def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
         combined = negative + job.guidance_scale * (pred - negative)
@@ -74,34 +83,39 @@ class QwenImageSteps(TwoPassStepAdapter):
         return (images / 2 + 0.5).clamp(0, 1)
 
 
+def tiny_transformer(text_width: int):
+    """The tiny demos' MMDiT, at the shape of diffusers' pipeline test, reading ``text_width``."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from triton_omni.demo_models import amplify
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=text_width, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+    # the blocks after the first: the step cache compares the first block's output between steps,
+    # and keeps the decisions it made on the model as built
+    amplify(transformer, 6.0, lambda name: name.startswith("transformer_blocks.") and
+            not name.startswith("transformer_blocks.0."))
+    return transformer
+
+
 def build_tiny(out: Path) -> None:
     """A ``QwenImagePipeline`` at the shape of diffusers' pipeline test: a Qwen2.5-VL text encoder,
     an MMDiT, Qwen-Image's VAE and flow-matching scheduler. Its text encoder's hidden size is 64
     wide here (head_dim 32), so that the same checkpoint also loads as ``ar_encoder``."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
 
     hidden = 64
     # QwenImagePipeline drops its template's first 34 tokens, Qwen2.5-VL's count for its system prompt
     tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True, template=TEMPLATE.format(""))
     prefix = TEMPLATE[: TEMPLATE.index("{}")]
     assert len(tokenizer(prefix).input_ids) == DROPPED, "the template's prefix must be what is dropped"
-    torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
-        joint_attention_dim=hidden, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
-    )
-    # the blocks after the first: the step cache compares the first block's output between steps,
-    # and keeps the decisions it made on the model as built
-    amplify(transformer, 6.0, lambda name: name.startswith("transformer_blocks.") and
-            not name.startswith("transformer_blocks.0."))
+    transformer = tiny_transformer(hidden)
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                  temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)

@@ -65,8 +65,9 @@ class Embeds(Protocol):
 class Stages(Protocol):
     def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]: ...
 
-    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[Embeds, Embeds]:
-        """The prompt's embeddings and its negative side's (``negative_prompt`` None: absent)."""
+    async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
+        """The prompt's embeddings and its negative side's (``negative_prompt`` None: absent);
+        ``images``: input image files, which an edit family's encoder reads with the prompt."""
         ...
 
     async def diffuse(self, embeds: Embeds, negative: Embeds | None, options: dict[str, Any],
@@ -120,7 +121,8 @@ class OmniScheduler:
     async def _images(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         prompt = await self._enhanced(request, emit) if request.enhance_prompt else request.prompt
         # absent, "" and " " are three different negative prompts (the family's pipeline decides)
-        embeds, negative_embeds = await self.stages.encode(prompt, request.image_options.get("negative_prompt"))
+        embeds, negative_embeds = await self.stages.encode(prompt, request.image_options.get("negative_prompt"),
+                                                           request.images)
         emit(Progress("encode", 1, 1))
         nbytes = embeds.nbytes + negative_embeds.nbytes
         async with self.budget.reserve(nbytes * request.num_images), asyncio.TaskGroup() as group:

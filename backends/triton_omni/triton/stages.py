@@ -96,14 +96,18 @@ class TritonStages:
             if delta.text or delta.finish_reason:  # vLLM sends empty deltas for partial UTF-8 characters
                 yield delta
 
-    async def encode(self, prompt: str, negative_prompt: str | None) -> tuple[TritonEmbeds, TritonEmbeds]:
+    async def encode(self, prompt: str, negative_prompt: str | None,
+                     images: list[bytes]) -> tuple[TritonEmbeds, TritonEmbeds]:
         """The prompt's embeddings and its negative side's, in one ``ar_encoder`` request; an
         absent negative prompt is left out, and the encoder answers what the family's pipeline
-        uses without one (zero tokens: none)."""
+        uses without one (zero tokens: none). Input image files go along: an edit family's
+        encoder reads them with the prompt (the others' leave them to diffusion)."""
         key = new_id()
         inputs = [_text("text_input", prompt, batched=True)]
         if negative_prompt is not None:
             inputs.append(_text("negative_prompt", negative_prompt, batched=True))
+        if images:
+            inputs.append(pb_utils.Tensor("images", np.array([images], dtype=np.object_)))
         request = pb_utils.InferenceRequest(
             model_name=self.models["encoder"], inputs=inputs,
             requested_output_names=["prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds"],

@@ -1,0 +1,185 @@
+"""Qwen-Image-Edit: Qwen-Image's MMDiT editing an input image. The image enters twice, as the
+pipeline has it: Qwen2.5-VL reads it with the instruction (its vision tower, in the edit
+template, whose 64 system tokens are dropped), and its VAE latents follow the output's latents in
+the DiT's sequence. Both read the image brought to about 1024² pixels at its aspect ratio, which
+is also the output's size when the request gives none. True CFG as Qwen-Image (the negative
+prompt is encoded with the same image). ``QwenImageEditPipeline`` is the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import Qwen2VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+from triton_omni.errors import RequestValidationError
+from triton_omni.families.base import Capabilities, Demo, EncoderRecipe, Guidance
+from triton_omni.families.qwen_image import QwenImage, QwenImageSteps
+
+# QwenImageEditPipeline.prompt_template_encode and prompt_template_encode_start_idx (diffusers 0.42)
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROPPED = 64
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+AREA = 1024 * 1024  # the pipeline reads its input image brought to this many pixels
+
+# The prompt is read with the image, by the pipeline's own encode_prompt (ar_encoder loads the
+# pipeline without its DiT and VAE); the length counted is the template's, one token for the image.
+RECIPE = EncoderRecipe("qwen_image_edit", lambda tokenizer, prompt: TEMPLATE.format(prompt), dropped=0,
+                       absent_negative=None, by_pipeline=True, images=1)
+
+
+class ImageTextProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor for images and text, without its video processor: transformers builds
+    that one on torchvision, which has no CPU build on PyPI. The tiny demo's pipeline holds this
+    one (its image processing is Qwen2-VL's own, ``Qwen2VLImageProcessorPil``); a released
+    checkpoint holds the full processor. diffusers loads it once this module is imported, as the
+    runtime's families are."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token = self.video_token_id = None
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def condition_size(image) -> tuple[int, int]:
+    """The (height, width) the pipeline brings its input image to: about 1024² pixels at the
+    image's aspect ratio, each side a multiple of 32 (``calculate_dimensions``)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    width, height, _ = calculate_dimensions(AREA, image.size[0] / image.size[1])
+    return int(height), int(width)
+
+
+def encoder_image(pipeline, image):
+    """The input image as the pipeline's text encoder reads it: resized to ``condition_size``."""
+    return pipeline.image_processor.resize(image, *condition_size(image))
+
+
+class QwenImageEditSteps(QwenImageSteps):
+    """Qwen-Image's loop with the input image's VAE latents after the output's in every pass, and
+    their grid in ``img_shapes`` (the prediction keeps the output's tokens)."""
+
+    def noise(self, job, channels: int) -> torch.Tensor:
+        pipeline = self.pipeline
+        height, width = condition_size(job.images[0])
+        pixels = pipeline.image_processor.preprocess(encoder_image(pipeline, job.images[0]), height, width)
+        latents, references = pipeline.prepare_latents(pixels.unsqueeze(2), 1, channels, job.height, job.width,
+                                                       job.cond.dtype, self.device, job.generator)
+        factor = pipeline.vae_scale_factor
+        job.step_kwargs["references"] = references
+        job.step_kwargs["img_shapes"].append((1, height // factor // 2, width // factor // 2))
+        return latents
+
+
+def build_tiny(out: Path) -> None:
+    """A ``QwenImageEditPipeline`` at about the shape of diffusers' pipeline test: the tiny
+    Qwen-Image demo's DiT, with its attention's query and key norms scaled so that its few output
+    tokens read the input image's thousands (about 1024² pixels at the VAE's factor of 8); a
+    Qwen2.5-VL with a two-block vision tower, whose image processor reads at most 112² pixels; a
+    tokenizer whose vision markers are the model's and whose template prefix is the 64 tokens the
+    pipeline drops."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
+    from triton_omni.families.qwen_image import tiny_transformer
+
+    hidden, vocab = 64, AR_SHAPE["vocab_size"]
+    tokenizer = build_tokenizer(out / "tokenizer", vocab, chat=True, template=TEMPLATE.format(""),
+                                markers=VISION_TOKENS)
+    prefix = TEMPLATE[: TEMPLATE.index(VISION_TOKENS[0])]
+    assert len(tokenizer(prefix).input_ids) == DROPPED, "the template's system prompt must be what is dropped"
+    marker = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    transformer = tiny_transformer(hidden)
+    with torch.no_grad():  # the norms undo a scaled projection: scaling them sharpens the attention
+        for name, module in transformer.named_modules():
+            if name.endswith((".norm_q", ".norm_k", ".norm_added_q", ".norm_added_k")):
+                module.weight.mul_(4.0)
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                 latents_std=[1.0] * 4)
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": vocab,
+                     "rope_scaling": {"mrope_section": [4, 6, 6], "rope_type": "default", "type": "default"},
+                     "rope_theta": 1000000.0},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": hidden},
+        vocab_size=vocab, vision_start_token_id=marker["<|vision_start|>"],
+        vision_end_token_id=marker["<|vision_end|>"], image_token_id=marker["<|image_pad|>"],
+    )).eval()
+    processor = ImageTextProcessor(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112), tokenizer)
+    QwenImageEditPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                          text_encoder=text_encoder, tokenizer=tokenizer, processor=processor).save_pretrained(out)
+
+
+def build_realistic(device, dtype):
+    """Qwen-Image-Edit's 20.4 B MMDiT (Qwen-Image's), VAE and scheduler, random weights, in memory
+    on ``device``; no text encoder (it serves ``prompt_embeds`` with the input image)."""
+    from diffusers import QwenImageEditPipeline
+
+    from triton_omni.families.qwen_image import build_realistic as build_qwen_image
+
+    base = build_qwen_image(device, dtype)
+    return QwenImageEditPipeline(transformer=base.transformer, vae=base.vae, scheduler=base.scheduler,
+                                 text_encoder=None, tokenizer=None, processor=None)
+
+
+class QwenImageEdit(QwenImage):
+    name = "qwen_image_edit"
+    pipeline_class = "QwenImageEditPipeline"
+    # sequence parallel splits the output's tokens, which an edit's image latents follow: not served
+    capabilities = Capabilities(Guidance.TRUE_CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
+                                compile=True, images=1, edits=True)
+    recipe = RECIPE
+    step_adapter = QwenImageEditSteps
+    demo = Demo("qwen-image-edit", "tiny-qwen-image-edit", build_tiny)
+    realistic: ClassVar[dict] = {"demo:realistic-qwen-image-edit": build_realistic}
+
+    def hidden_size(self) -> int:
+        """The DiT's text width, or (ar_encoder loads the pipeline without its DiT) the encoder's."""
+        if self.pipeline.transformer is not None:
+            return super().hidden_size()
+        return int(self.pipeline.text_encoder.config.text_config.hidden_size)
+
+    def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
+        raise RequestValidationError("images", "is required: this model edits an input image (its text encoder "
+                                     "reads the prompt with it)", None, show_value=False)
+
+    def encode_prompt(self, prompt: str, device: torch.device,
+                      images: list = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        [(embeds, _)] = self.encode_batch([prompt], device, [list(images)])
+        return embeds, None
+
+    def encode_batch(self, prompts: list[str], device: torch.device,
+                     images: list[list] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each prompt read with its image by the pipeline's own ``encode_prompt``, one at a time
+        (a row's vision tokens and positions are its own)."""
+        self.require_text_encoder()
+        encoded = []
+        for prompt, given in zip(prompts, images or [[]] * len(prompts), strict=True):
+            if not given:
+                self.encode(prompt, device)
+            embeds, mask = self.pipeline.encode_prompt(prompt, image=encoder_image(self.pipeline, given[0]),
+                                                       device=device)
+            encoded.append((embeds[0] if mask is None else embeds[0][mask[0].bool()], None))
+        return encoded
+
+    def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
+        multiple = self.size_multiple()
+        height, width = condition_size(images[0])
+        return height // multiple * multiple, width // multiple * multiple
+
+    def image_kwargs(self, images: list) -> dict[str, Any]:
+        return {"image": images[0]}

@@ -1,0 +1,148 @@
+"""Qwen-Image-Edit in the runtime, without a server: an edit equals `QwenImageEditPipeline`'s own
+call with the same image, prompt, negative prompt and seed (request batching and step batching,
+alone and beside other edits, with the step cache as diffusers' own First Block Cache); the
+output's size is the pipeline's, taken from the image; `ar_encoder`'s recipe reads the prompt
+with the image as the pipeline's `encode_prompt` does (the vision tower). The tiny demo is
+sensitive to its input image as much as to its prompt (test_demo_sensitivity.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FirstBlockCacheConfig
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
+from triton_omni.ar import EncodeRequest
+from triton_omni.ar.runner import ArRunner, ArRunnerConfig
+from triton_omni.ar.sampling import ArLimits
+from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion.steps import to_pixels
+from triton_omni.errors import RequestValidationError
+from triton_omni.families.qwen_image_edit import encoder_image
+
+from tests.support.images import encoded, picture
+from tests.support.pipelines import ABSENT, levels_apart, pipeline, reference
+
+MODEL = "demo:tiny-qwen-image-edit"
+FAMILY = "qwen-image-edit"
+PICTURES = {"first": picture(1), "second": picture(2, 48, 96)}
+OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7}
+PROMPT = "make the fox blue"
+
+
+def request(prompt: str = PROMPT, negative=ABSENT, guidance: float = 4.0, image: str = "first", **options) -> dict:
+    given = {} if negative is ABSENT else {"negative_prompt": negative}
+    return {"prompt": prompt, **given, "guidance_scale": guidance, "images": [encoded(PICTURES[image])],
+            **(OPTIONS | options)}
+
+
+def expected(prompt: str = PROMPT, negative=ABSENT, guidance: float = 4.0, image: str = "first", **options):
+    return reference(FAMILY, prompt, negative, guidance_scale=guidance, image=Image.fromarray(PICTURES[image]),
+                     **(OPTIONS | options))
+
+
+@pytest.fixture(scope="module", params=["request", "step"])
+def runner(request):
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching=request.param, batch_size=4))
+    yield runner
+    runner.close()
+
+
+def test_an_edit_equals_the_pipelines_own_call(runner):
+    """A text negative under true CFG, with each batching (the other forms below, step-batched)."""
+    [image] = runner.run([runner.parse(request(negative="blurry"))])
+    assert levels_apart(image.numpy(), expected(negative="blurry")) <= 1
+
+
+def test_edits_step_batched_together_each_give_their_own_image():
+    """Edits of other images, prompts, negatives ("": a negative all the same; none: no true CFG)
+    and output sizes in one batch (their sequences differ: each steps in its own group, or beside
+    the edit of its layout)."""
+    cases = [{"image": "first", "negative": ""}, {"image": "second", "prompt": "a lighthouse", "negative": "blurry"},
+             {"image": "second", "height": 64}]
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", batch_size=4))
+    try:
+        images = runner.run([runner.parse(request(**case)) for case in cases])
+    finally:
+        runner.close()
+    for case, image in zip(cases, images, strict=True):
+        assert levels_apart(image.numpy(), expected(**case)) <= 1, case
+
+
+def test_the_output_takes_the_pipelines_size_from_the_image(runner):
+    """Without height and width the pipeline edits at about 1024² pixels, at the image's aspect."""
+    parsed = runner.parse({"prompt": PROMPT, "images": [encoded(PICTURES["second"])]})
+    width, height, _ = calculate_dimensions(1024 * 1024, 96 / 48)
+    assert (parsed.height, parsed.width) == (height, width)
+
+
+def test_an_edit_without_an_image_is_refused_naming_images(runner):
+    for inputs in ({"prompt": PROMPT}, {"prompt_embeds": torch.zeros(4, 64)}):
+        with pytest.raises(RequestValidationError, match="invalid `images`: is required") as caught:
+            runner.parse(inputs | OPTIONS)
+        assert caught.value.parameter == "images"
+
+
+def test_the_step_cache_takes_diffusers_first_block_cache_decisions():
+    """An edit with the step cache, against diffusers' own hook on the pipeline's own loop."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step"))
+    counts = []
+    try:
+        parsed = runner.parse(request(negative="blurry", num_inference_steps=6, step_cache="first_block:0.4"))
+        ours = runner.submit(parsed, on_cached=lambda computed, skipped: counts.append((computed, skipped))).result()
+    finally:
+        runner.close()
+    cached = DiffusionPipeline.from_pretrained(resolve_model(MODEL))
+    cached.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+    with torch.inference_mode():
+        images = cached(image=Image.fromarray(PICTURES["first"]), prompt=PROMPT, negative_prompt="blurry",
+                        true_cfg_scale=4.0, num_inference_steps=6, height=32, width=32, output_type="pt",
+                        generator=torch.Generator().manual_seed(OPTIONS["seed"])).images
+    [(computed, skipped)] = counts
+    assert computed + skipped == 6 and 0 < skipped < 6, counts
+    assert levels_apart(ours.numpy(), to_pixels(images)[0].numpy()) == 0
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    runner = ArRunner(ArRunnerConfig(MODEL, mode="encode", engine="transformers", recipe="qwen_image_edit"))
+    yield runner
+    runner.close()
+
+
+def encode(runner: ArRunner, inputs: dict):
+    parsed = EncodeRequest.from_inputs(inputs, ArLimits(), False, runner.image_limits)
+    [result] = runner.loop.run(runner.encode([parsed]))
+    return result
+
+
+def pipeline_encoding(prompt: str, image: str) -> torch.Tensor:
+    edit = pipeline(FAMILY)
+    with torch.inference_mode():
+        embeds, mask = edit.encode_prompt(prompt, image=encoder_image(edit, Image.fromarray(PICTURES[image])))
+    return embeds[0] if mask is None else embeds[0][mask[0].bool()]
+
+
+@pytest.mark.parametrize("negative", ["blurry", "", None])
+def test_ar_encoder_reads_the_prompt_with_the_image_as_the_pipeline(encoder, negative):
+    """Both sides read the image; an absent negative prompt is zero tokens (no true CFG)."""
+    given = {} if negative is None else {"negative_prompt": negative}
+    for image in PICTURES:
+        result = encode(encoder, {"text_input": PROMPT, **given, "images": [encoded(PICTURES[image])]})
+        assert (result.hidden_states - pipeline_encoding(PROMPT, image)).abs().max() <= 1e-4
+        if negative is None:
+            assert result.negative_hidden_states is None
+        else:
+            expected_negative = pipeline_encoding(negative, image)
+            assert result.negative_hidden_states.shape == expected_negative.shape
+            assert (result.negative_hidden_states - expected_negative).abs().max() <= 1e-4
+    other = pipeline_encoding(PROMPT, "second")[: result.hidden_states.shape[0]]
+    assert (pipeline_encoding(PROMPT, "first")[: other.shape[0]] - other).abs().max() > 0.1  # the image is read
+
+
+def test_ar_encoder_refuses_a_prompt_without_its_image(encoder):
+    with pytest.raises(RequestValidationError, match="invalid `images`: is required"):
+        encode(encoder, {"text_input": PROMPT})
+    with pytest.raises(RequestValidationError, match="invalid `images`: this model takes at most 1"):
+        encode(encoder, {"text_input": PROMPT, "images": [encoded(PICTURES["first"])] * 2})
