@@ -24,6 +24,10 @@ concurrency 1 it is).
     python benchmarks/families.py --family flux2-klein-distilled --preset realistic  # GPU: 1024², 4 steps
     python benchmarks/families.py --family flux1-dev --preset realistic           # GPU: 1024², 28 steps, guidance 3.5
     python benchmarks/families.py --family flux1-schnell --preset realistic       # GPU: 1024², 4 steps
+    python benchmarks/families.py --family qwen-image-edit --preset realistic     # GPU: edit 1024², 50 steps, CFG 4
+
+An edit family's requests (Qwen-Image-Edit) each send the same input image, 1024² (``edit_picture``):
+the pipeline's ``image`` on the direct side, the request's ``images`` on Triton's.
 
 ``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
 DiT's blocks) against the pipeline as diffusers runs it by default (eager);
@@ -58,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import io
 import json
 import platform
 import statistics
@@ -73,6 +78,7 @@ import torch
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni_client import OmniClient
+from triton_omni_tools.bench.presets import edit_picture
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_repositories
 
@@ -113,11 +119,16 @@ SETUPS = {
     # FLUX.1 [dev]'s model card: 28 steps, guidance 3.5; [schnell]'s: 4 steps, guidance 0
     ("flux1-dev", "realistic"): Setup("demo:realistic-flux1-dev", 1024, 28, 3.5, (1, 4), 512),
     ("flux1-schnell", "realistic"): Setup("demo:realistic-flux1-schnell", 1024, 4, 0.0, (1, 4), 512),
+    ("qwen-image-edit", "tiny"): Setup("demo:tiny-qwen-image-edit", 32, 2, 4.0, (1, 4)),
+    # vLLM-Omni's published figure's setting: 1024², 50 steps, true CFG 4
+    ("qwen-image-edit", "realistic"): Setup("demo:realistic-qwen-image-edit", 1024, 50, 4.0, (1, 4)),
 }
 GUIDES_ABOVE = {"z-image": 0.0}  # the others guide above 1
 NEVER_GUIDED = {"flux1-dev", "flux1-schnell"}  # guidance-distilled or none: no negative pass at any scale
 # embeddings as one tensor (Z-Image: a list)
-STACKED = {"qwen-image", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell"}
+STACKED = {"qwen-image", "qwen-image-edit", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell"}
+TRUE_CFG = {"qwen-image", "qwen-image-edit"}  # the scale is true_cfg_scale
+EDITS = {"qwen-image-edit"}  # every request edits an input image
 
 
 def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
@@ -132,6 +143,7 @@ class Requests:
         self.family, self.setup, self.hidden, self.end_to_end = family, setup, hidden, end_to_end
         self.pooled_size = pooled_size  # FLUX.1: CLIP's pooled vector beside the sequence
         self.guided = setup.guidance > GUIDES_ABOVE.get(family, 1.0) and family not in NEVER_GUIDED
+        self.image = edit_picture() if family in EDITS else None  # an edit's input image, a PNG
 
     def prompt_text(self, i: int) -> str:
         return f"{PROMPT} {i}"
@@ -185,7 +197,7 @@ WARM_UP_STEPS = 2
 def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: torch.dtype,
                 steps: int) -> np.ndarray:
     """One pipeline call for requests 0 .. ``count - 1``: their images, uint8."""
-    setup, qwen = requests.setup, requests.family == "qwen-image"
+    setup, qwen = requests.setup, requests.family in TRUE_CFG
     indices = range(count)
 
     def tensors(arrays):
@@ -202,6 +214,10 @@ def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: to
                    else None}
         if requests.pooled_size:
             kwargs["pooled_prompt_embeds"] = tensors([requests.pooled(i) for i in indices])
+    if requests.image is not None:  # one image for the batch, as a user edits it: the pipeline repeats its latents
+        from PIL import Image
+
+        kwargs["image"] = Image.open(io.BytesIO(requests.image)).convert("RGB")
     with torch.inference_mode():
         images = pipeline(num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
                           generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
@@ -246,6 +262,8 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     also the mean time a request spent inside the server (the rest is the client's and gRPC's)."""
     setup = requests.setup
     options = {"height": setup.size, "width": setup.size, "guidance_scale": setup.guidance}
+    if requests.image is not None:
+        options["images"] = [requests.image]
 
     def one(i: int, steps: int) -> np.ndarray:
         if requests.end_to_end:

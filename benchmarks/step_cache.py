@@ -12,6 +12,7 @@ residuals change differently from step to step, and so do its skips.
 
     .venv/bin/python benchmarks/step_cache.py --family qwen-image                      # CPU, tiny pipelines
     python benchmarks/step_cache.py --family qwen-image --preset realistic --threshold 0.1   # GPU
+    python benchmarks/step_cache.py --family qwen-image-edit --preset realistic --threshold 0.1  # an edit of 1024²
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from pathlib import Path
 
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni_tools.bench.presets import edit_picture
 
 SETUPS = {  # (model, size, steps, guidance): as benchmarks/families.py
     ("qwen-image", "tiny"): ("demo:tiny-qwen-image", 32, 10, 4.0),
     ("z-image", "tiny"): ("demo:tiny-z-image", 32, 10, 4.0),
     ("qwen-image", "realistic"): ("demo:realistic-qwen-image", 1024, 50, 4.0),
     ("z-image", "realistic"): ("demo:realistic-z-image", 1024, 8, 0.0),
+    ("qwen-image-edit", "tiny"): ("demo:tiny-qwen-image-edit", 32, 10, 4.0),
+    ("qwen-image-edit", "realistic"): ("demo:realistic-qwen-image-edit", 1024, 50, 4.0),
 }
 TOKENS = 64
+EDITS = {"demo:tiny-qwen-image-edit", "demo:realistic-qwen-image-edit"}  # every request edits an input image
 
 
 def request(runner: DiffusionRunner, index: int, size: int, steps: int, guidance: float, step_cache: str):
@@ -40,6 +45,8 @@ def request(runner: DiffusionRunner, index: int, size: int, steps: int, guidance
     values = {"prompt_embeds": torch.randn(TOKENS, hidden, generator=generator) * 0.5, "seed": 7 + index,
               "num_inference_steps": steps, "guidance_scale": guidance, "height": size, "width": size,
               "step_cache": step_cache}
+    if runner.config.model in EDITS:
+        values["images"] = [edit_picture()]
     if guidance > 0:
         values["negative_prompt_embeds"] = torch.randn(TOKENS * 3 // 4, hidden, generator=generator) * 0.5
     return runner.parse(values)
@@ -75,7 +82,7 @@ def measure(runner: DiffusionRunner, concurrency: int, setup: tuple, method: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=["qwen-image", "z-image"], required=True)
+    parser.add_argument("--family", choices=sorted({family for family, _ in SETUPS}), required=True)
     parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
     parser.add_argument("--method", default="first_block", help="the step cache's method (step_cache.py)")
     parser.add_argument("--threshold", type=float, help="its threshold (default: the method's)")

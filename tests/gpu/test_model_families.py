@@ -1,6 +1,6 @@
-"""Qwen-Image, Z-Image, FLUX.2 [klein] and FLUX.1 [dev] at their real shapes (random weights, built on the
-GPU in bf16) on a GPU: a request's image through step batching against the
-pipeline's own call with the same embeddings and seeded generator. Alone it
+"""Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2 [klein] and FLUX.1 [dev] at their real shapes (random
+weights, built on the GPU in bf16) on a GPU: a request's image through step batching against the
+pipeline's own call with the same embeddings, seeded generator and (an edit) input image. Alone it
 runs the pipeline's batch of one: bit-exact. Beside requests of other steps,
 sizes and guidance its forward passes run at other batch sizes, whose bf16
 kernels differ in the low bits, and the test states how far that carries
@@ -9,19 +9,26 @@ kernels differ in the low bits, and the test states how far that carries
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
+from PIL import Image
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
+from triton_omni.families import Guidance
+from triton_omni_tools.bench.presets import edit_picture
 
-FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "z_image": "demo:realistic-z-image",
-            "flux2_klein": "demo:realistic-flux2-klein", "flux1": "demo:realistic-flux1-dev"}
-STACKED = {"qwen_image", "flux2_klein", "flux1"}  # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
+FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "qwen_image_edit": "demo:realistic-qwen-image-edit",
+            "z_image": "demo:realistic-z-image", "flux2_klein": "demo:realistic-flux2-klein",
+            "flux1": "demo:realistic-flux1-dev"}
+# pipelines taking [batch, tokens, hidden]; Z-Image takes a list
+STACKED = {"qwen_image", "qwen_image_edit", "flux2_klein", "flux1"}
+EDITED = edit_picture(512, 768)  # an edit's input image: the pipeline reads it at about 1024², 3:2
 SIZE, STEPS = 512, 4
 # Per pixel channel, out of 255, for a request that shares its forward passes with others: bf16
 # at these depths carries a kernel's low-bit difference over the steps (an H100 gave up to 4
@@ -58,13 +65,17 @@ def request_values(runner: DiffusionRunner, seed: int, guidance: float, steps: i
         values["negative_prompt_embeds"] = embeds(runner, seed + 100, tokens - 8)
     if runner.limits.pooled_size:  # FLUX.1: CLIP's pooled vector
         values["pooled_prompt_embeds"] = embeds(runner, seed + 200, 1)[0, : runner.limits.pooled_size]
+    if runner.family.capabilities.edits:
+        values["images"] = [EDITED]
     return values
 
 
 def reference(runner: DiffusionRunner, values: dict) -> torch.Tensor:
-    qwen = runner.family.name == "qwen_image"
+    true_cfg = runner.family.capabilities.guidance is Guidance.TRUE_CFG
     negative = values.get("negative_prompt_embeds")
-    kwargs = {"true_cfg_scale" if qwen else "guidance_scale": values["guidance_scale"]}
+    kwargs = {"true_cfg_scale" if true_cfg else "guidance_scale": values["guidance_scale"]}
+    if "images" in values:
+        kwargs["image"] = Image.open(io.BytesIO(values["images"][0])).convert("RGB")
     if "pooled_prompt_embeds" in values:
         kwargs["pooled_prompt_embeds"] = values["pooled_prompt_embeds"][None].cuda()
     as_input = (lambda e: e[None].cuda()) if runner.family.name in STACKED else (lambda e: [e.cuda()])

@@ -123,3 +123,18 @@ BATCH_SIZE_METRICS = {"ar_encoder": "omni_ar_batch_size", "diffusion": "omni_dif
 def models_for(workloads: tuple[str, ...]) -> list[str]:
     """Only the models the workloads use are loaded (each holds GPU memory and a process)."""
     return sorted({model for workload in workloads for model in WORKLOADS[workload].models})
+
+
+def edit_picture(height: int = 1024, width: int = 1024) -> bytes:
+    """The input image the edit benchmarks send (a PNG of RGB gradients): the same on both sides;
+    at 1024² the edit pipelines read it at its own size."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([(x // 4) % 256, (y // 4) % 256, ((x + y) // 8) % 256], -1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
