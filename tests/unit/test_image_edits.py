@@ -146,3 +146,21 @@ def test_ar_encoder_refuses_a_prompt_without_its_image(encoder):
         encode(encoder, {"text_input": PROMPT})
     with pytest.raises(RequestValidationError, match="invalid `images`: this model takes at most 1"):
         encode(encoder, {"text_input": PROMPT, "images": [encoded(PICTURES["first"])] * 2})
+
+
+def test_cfg_parallel_gives_the_one_device_edit():
+    """The negatives' passes of an edit in a worker process (on the CPU here): the same image."""
+    edits = {}
+    for cfg_device in (None, "cpu"):
+        runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device=cfg_device))
+        try:
+            edits[cfg_device] = runner.submit(runner.parse(request(negative="blurry"))).result()
+        finally:
+            runner.close()
+    assert levels_apart(edits["cpu"].numpy(), edits[None].numpy()) == 0
+
+
+def test_sequence_parallel_is_refused_at_load_naming_it():
+    """It splits the output's tokens, which an edit's image latents follow."""
+    with pytest.raises(ValueError, match="the qwen_image_edit family does not take sequence parallel"):
+        DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")))

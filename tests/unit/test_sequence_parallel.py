@@ -97,7 +97,7 @@ def test_what_sequence_parallel_does_not_combine_with_is_refused_by_name():
                            "CFG parallel"), ({"compile": "blocks"}, "compile 'blocks'")):
         with pytest.raises(ValueError, match=f"sequence parallel does not combine with {message}"):
             DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu",), **clash)
-    with pytest.raises(ValueError, match="the stable_diffusion family has none"):
+    with pytest.raises(ValueError, match="the stable_diffusion family does not take sequence parallel"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", sp_devices=("cpu",)))
     with pytest.raises(ValueError, match="has 2 attention heads, and each device takes at least one"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", sp_devices=("cpu", "cpu")))

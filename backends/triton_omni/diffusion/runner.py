@@ -236,8 +236,8 @@ class DiffusionRunner:
 
     def _sequence_parallel(self, devices: list[torch.device]) -> None:
         if not self.family.capabilities.sequence_parallel:
-            raise ValueError(f"sequence parallel splits a diffusion transformer's tokens: the {self.family.name} "
-                             "family has none")
+            raise ValueError(f"parallel 'sp': the {self.family.name} family does not take sequence parallel (it "
+                             "splits a diffusion transformer's output tokens)")
         transformer = self.family.network
         self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(transformer, devices))
         logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
