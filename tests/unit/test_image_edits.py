@@ -2,10 +2,13 @@
 call with the same image, prompt, negative prompt and seed (request batching and step batching,
 alone and beside other edits, with the step cache as diffusers' own First Block Cache); the
 output's size is the pipeline's, taken from the image; `ar_encoder`'s recipe reads the prompt
-with the image as the pipeline's `encode_prompt` does (the vision tower). The tiny demo is
-sensitive to its input image as much as to its prompt (test_demo_sensitivity.py)."""
+with the image as the pipeline's `encode_prompt` does (the vision tower). Edit-Plus
+(`QwenImageEditPlusPipeline`) likewise, with several images. The tiny demo is sensitive to its
+input image as much as to its prompt (test_demo_sensitivity.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
-from triton_omni.families.qwen_image_edit import encoder_image
+from triton_omni.families.qwen_image_edit import encoder_images
 
 from tests.support.images import encoded, picture
 from tests.support.pipelines import ABSENT, levels_apart, pipeline, reference
@@ -37,20 +40,22 @@ def request(prompt: str = PROMPT, negative=ABSENT, guidance: float = 4.0, image:
             **(OPTIONS | options)}
 
 
+@functools.cache
 def expected(prompt: str = PROMPT, negative=ABSENT, guidance: float = 4.0, image: str = "first", **options):
     return reference(FAMILY, prompt, negative, guidance_scale=guidance, image=Image.fromarray(PICTURES[image]),
                      **(OPTIONS | options))
 
 
-@pytest.fixture(scope="module", params=["request", "step"])
-def runner(request):
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching=request.param, batch_size=4))
+@pytest.fixture(scope="module")
+def runner():
+    """Request batching (step batching: the company test below)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="request", batch_size=4))
     yield runner
     runner.close()
 
 
 def test_an_edit_equals_the_pipelines_own_call(runner):
-    """A text negative under true CFG, with each batching (the other forms below, step-batched)."""
+    """A text negative under true CFG (the other forms below, step-batched)."""
     [image] = runner.run([runner.parse(request(negative="blurry"))])
     assert levels_apart(image.numpy(), expected(negative="blurry")) <= 1
 
@@ -89,7 +94,7 @@ def test_the_step_cache_takes_diffusers_first_block_cache_decisions():
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step"))
     counts = []
     try:
-        parsed = runner.parse(request(negative="blurry", num_inference_steps=6, step_cache="first_block:0.4"))
+        parsed = runner.parse(request(negative="blurry", num_inference_steps=4, step_cache="first_block:0.4"))
         ours = runner.submit(parsed, on_cached=lambda computed, skipped: counts.append((computed, skipped))).result()
     finally:
         runner.close()
@@ -97,10 +102,10 @@ def test_the_step_cache_takes_diffusers_first_block_cache_decisions():
     cached.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
     with torch.inference_mode():
         images = cached(image=Image.fromarray(PICTURES["first"]), prompt=PROMPT, negative_prompt="blurry",
-                        true_cfg_scale=4.0, num_inference_steps=6, height=32, width=32, output_type="pt",
+                        true_cfg_scale=4.0, num_inference_steps=4, height=32, width=32, output_type="pt",
                         generator=torch.Generator().manual_seed(OPTIONS["seed"])).images
     [(computed, skipped)] = counts
-    assert computed + skipped == 6 and 0 < skipped < 6, counts
+    assert computed + skipped == 4 and 0 < skipped < 4, counts
     assert levels_apart(ours.numpy(), to_pixels(images)[0].numpy()) == 0
 
 
@@ -117,10 +122,12 @@ def encode(runner: ArRunner, inputs: dict):
     return result
 
 
-def pipeline_encoding(prompt: str, image: str) -> torch.Tensor:
-    edit = pipeline(FAMILY)
+def pipeline_encoding(prompt: str, image: str, family: str = FAMILY) -> torch.Tensor:
+    """The pipeline's ``encode_prompt`` with ``image`` (Edit-Plus: every picture, ``image`` last)."""
+    edit = pipeline(family)
+    images = [Image.fromarray(PICTURES[name]) for name in ([image] if family == FAMILY else PLUS_ORDER[image])]
     with torch.inference_mode():
-        embeds, mask = edit.encode_prompt(prompt, image=encoder_image(edit, Image.fromarray(PICTURES[image])))
+        embeds, mask = edit.encode_prompt(prompt, image=encoder_images(edit, images))
     return embeds[0] if mask is None else embeds[0][mask[0].bool()]
 
 
@@ -148,19 +155,49 @@ def test_ar_encoder_refuses_a_prompt_without_its_image(encoder):
         encode(encoder, {"text_input": PROMPT, "images": [encoded(PICTURES["first"])] * 2})
 
 
-def test_cfg_parallel_gives_the_one_device_edit():
-    """The negatives' passes of an edit in a worker process (on the CPU here): the same image."""
-    edits = {}
-    for cfg_device in (None, "cpu"):
-        runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device=cfg_device))
-        try:
-            edits[cfg_device] = runner.submit(runner.parse(request(negative="blurry"))).result()
-        finally:
-            runner.close()
-    assert levels_apart(edits["cpu"].numpy(), edits[None].numpy()) == 0
+def test_cfg_parallel_gives_the_pipelines_edit():
+    """The negatives' passes of an edit in a worker process (on the CPU here)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", cfg_device="cpu"))
+    try:
+        edit = runner.submit(runner.parse(request(negative="blurry"))).result()
+    finally:
+        runner.close()
+    assert levels_apart(edit.numpy(), expected(negative="blurry")) <= 1
 
 
 def test_sequence_parallel_is_refused_at_load_naming_it():
     """It splits the output's tokens, which an edit's image latents follow."""
     with pytest.raises(ValueError, match="the qwen_image_edit family does not take sequence parallel"):
         DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", sp_devices=("cpu", "cpu")))
+
+
+PLUS = "demo:tiny-qwen-image-edit-plus"
+PLUS_ORDER = {"first": ["second", "first"], "second": ["first", "second"]}  # the output takes the last one's size
+
+
+def test_edit_plus_with_two_images_equals_the_pipelines_own_call():
+    """Both images read by the text encoder (at about 384² each) and by the VAE (about 1024² each),
+    step-batched; the prompt read with both."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(PLUS, batching="step", batch_size=4))
+    try:
+        files = [encoded(PICTURES[name]) for name in PLUS_ORDER["first"]]
+        [image] = runner.run([runner.parse(request(negative="blurry") | {"images": files})])
+    finally:
+        runner.close()
+    reference_image = reference("qwen-image-edit-plus", PROMPT, "blurry", guidance_scale=4.0,
+                                image=[Image.fromarray(PICTURES[name]) for name in PLUS_ORDER["first"]], **OPTIONS)
+    assert levels_apart(image.numpy(), reference_image) <= 1
+    assert levels_apart(image.numpy(), expected(negative="blurry")) >= 10  # not the one-image edit
+
+
+def test_ar_encoder_reads_the_prompt_with_every_image_of_an_edit_plus():
+    runner = ArRunner(ArRunnerConfig(PLUS, mode="encode", engine="transformers", recipe="qwen_image_edit_plus"))
+    try:
+        files = [encoded(PICTURES[name]) for name in PLUS_ORDER["first"]]
+        result = encode(runner, {"text_input": PROMPT, "negative_prompt": "", "images": files})
+    finally:
+        runner.close()
+    expected_states = pipeline_encoding(PROMPT, "first", "qwen-image-edit-plus")
+    assert result.hidden_states.shape == expected_states.shape
+    assert (result.hidden_states - expected_states).abs().max() <= 1e-4
+    assert (result.negative_hidden_states - pipeline_encoding("", "first", "qwen-image-edit-plus")).abs().max() <= 1e-4

@@ -1,9 +1,16 @@
 """Qwen-Image-Edit: Qwen-Image's MMDiT editing an input image. The image enters twice, as the
 pipeline has it: Qwen2.5-VL reads it with the instruction (its vision tower, in the edit
 template, whose 64 system tokens are dropped), and its VAE latents follow the output's latents in
-the DiT's sequence. Both read the image brought to about 1024² pixels at its aspect ratio, which
-is also the output's size when the request gives none. True CFG as Qwen-Image (the negative
-prompt is encoded with the same image). ``QwenImageEditPipeline`` is the reference."""
+the DiT's sequence. True CFG as Qwen-Image (the negative prompt is encoded with the same image).
+
+- Qwen-Image-Edit (``QwenImageEditPipeline``): one image, read by both at about 1024² pixels at its
+  aspect ratio, which is also the output's size when the request gives none.
+- Qwen-Image-Edit-Plus (``QwenImageEditPlusPipeline``, the 2509 and 2511 releases): several
+  images, each announced as "Picture i:" before the instruction; the text encoder reads each at
+  about 384², the VAE at about 1024², and their latents follow one another; the output takes the
+  last image's size.
+
+The pipelines are the reference."""
 
 from __future__ import annotations
 
@@ -29,11 +36,20 @@ TEMPLATE = (
 DROPPED = 64
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 AREA = 1024 * 1024  # the pipeline reads its input image brought to this many pixels
+PLUS_ENCODER_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE (its VAE reads AREA)
+PLUS_IMAGES = 4  # input images an Edit-Plus request may give (the releases show up to 3)
 
 # The prompt is read with the image, by the pipeline's own encode_prompt (ar_encoder loads the
 # pipeline without its DiT and VAE); the length counted is the template's, one token for the image.
 RECIPE = EncoderRecipe("qwen_image_edit", lambda tokenizer, prompt: TEMPLATE.format(prompt), dropped=0,
                        absent_negative=None, by_pipeline=True, images=1)
+# Edit-Plus's template has no vision markers of its own: each image's "Picture i: ..." goes before the
+# prompt (counted here for one image)
+PLUS_TEMPLATE = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+PLUS_RECIPE = EncoderRecipe(
+    "qwen_image_edit_plus",
+    lambda tokenizer, prompt: PLUS_TEMPLATE.format(f"Picture 1: {''.join(VISION_TOKENS)}{prompt}"), dropped=0,
+    absent_negative=None, by_pipeline=True, images=PLUS_IMAGES)
 
 
 class ImageTextProcessor(Qwen2VLProcessor):
@@ -50,18 +66,27 @@ class ImageTextProcessor(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
-def condition_size(image) -> tuple[int, int]:
-    """The (height, width) the pipeline brings its input image to: about 1024² pixels at the
+def condition_size(image, area: int = AREA) -> tuple[int, int]:
+    """The (height, width) the pipelines bring an input image to: about ``area`` pixels at the
     image's aspect ratio, each side a multiple of 32 (``calculate_dimensions``)."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    import math
 
-    width, height, _ = calculate_dimensions(AREA, image.size[0] / image.size[1])
-    return int(height), int(width)
+    ratio = image.size[0] / image.size[1]
+    width = math.sqrt(area * ratio)
+    return round(width / ratio / 32) * 32, round(width / 32) * 32
 
 
 def encoder_image(pipeline, image):
-    """The input image as the pipeline's text encoder reads it: resized to ``condition_size``."""
+    """The input image as Qwen-Image-Edit's text encoder reads it: resized to ``condition_size``."""
     return pipeline.image_processor.resize(image, *condition_size(image))
+
+
+def encoder_images(pipeline, images: list):
+    """What the pipeline's ``encode_prompt`` is given as ``image``: Qwen-Image-Edit's one image at
+    about 1024²; Edit-Plus's each at about 384², as a list."""
+    if type(pipeline).__name__ != "QwenImageEditPlusPipeline":
+        return encoder_image(pipeline, images[0])
+    return [pipeline.image_processor.resize(image, *condition_size(image, PLUS_ENCODER_AREA)) for image in images]
 
 
 class QwenImageEditSteps(QwenImageSteps):
@@ -69,25 +94,41 @@ class QwenImageEditSteps(QwenImageSteps):
     their grid in ``img_shapes`` (the prediction keeps the output's tokens)."""
 
     def noise(self, job, channels: int) -> torch.Tensor:
-        pipeline = self.pipeline
-        height, width = condition_size(job.images[0])
-        pixels = pipeline.image_processor.preprocess(encoder_image(pipeline, job.images[0]), height, width)
-        latents, references = pipeline.prepare_latents(pixels.unsqueeze(2), 1, channels, job.height, job.width,
-                                                       job.cond.dtype, self.device, job.generator)
-        factor = pipeline.vae_scale_factor
+        pixels, sizes = self.vae_images(job.images)
+        latents, references = self.pipeline.prepare_latents(pixels, 1, channels, job.height, job.width,
+                                                            job.cond.dtype, self.device, job.generator)
+        factor = self.pipeline.vae_scale_factor
         job.step_kwargs["references"] = references
-        job.step_kwargs["img_shapes"].append((1, height // factor // 2, width // factor // 2))
+        job.step_kwargs["img_shapes"] += [(1, height // factor // 2, width // factor // 2) for height, width in sizes]
         return latents
 
+    def vae_images(self, images: list) -> tuple[Any, list[tuple[int, int]]]:
+        """The pipeline's ``prepare_latents``' images and each one's (height, width): the one image,
+        resized as its text encoder reads it, then normalized."""
+        height, width = condition_size(images[0])
+        image = self.pipeline.image_processor.preprocess(encoder_image(self.pipeline, images[0]), height, width)
+        return image.unsqueeze(2), [(height, width)]
 
-def build_tiny(out: Path) -> None:
+
+class QwenImageEditPlusSteps(QwenImageEditSteps):
+    """Edit-Plus: each image brought to about 1024² from the image as given, their latents one after
+    another."""
+
+    def vae_images(self, images: list) -> tuple[Any, list[tuple[int, int]]]:
+        sizes = [condition_size(image) for image in images]
+        return [self.pipeline.image_processor.preprocess(image, height, width).unsqueeze(2)
+                for image, (height, width) in zip(images, sizes, strict=True)], sizes
+
+
+def build_tiny(out: Path, pipeline_class: str = "QwenImageEditPipeline") -> None:
     """A ``QwenImageEditPipeline`` at about the shape of diffusers' pipeline test: the tiny
     Qwen-Image demo's DiT, with its attention's query and key norms scaled so that its few output
     tokens read the input image's thousands (about 1024² pixels at the VAE's factor of 8); a
     Qwen2.5-VL with a two-block vision tower, whose image processor reads at most 112² pixels; a
     tokenizer whose vision markers are the model's and whose template prefix is the 64 tokens the
     pipeline drops."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     from triton_omni.demo_models import AR_SHAPE, build_tokenizer
@@ -105,7 +146,7 @@ def build_tiny(out: Path) -> None:
             if name.endswith((".norm_q", ".norm_k", ".norm_added_q", ".norm_added_k")):
                 module.weight.mul_(4.0)
     torch.manual_seed(0)
-    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
                                  latents_std=[1.0] * 4)
     torch.manual_seed(0)
@@ -120,20 +161,30 @@ def build_tiny(out: Path) -> None:
         vision_end_token_id=marker["<|vision_end|>"], image_token_id=marker["<|image_pad|>"],
     )).eval()
     processor = ImageTextProcessor(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112), tokenizer)
-    QwenImageEditPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
-                          text_encoder=text_encoder, tokenizer=tokenizer, processor=processor).save_pretrained(out)
+    getattr(diffusers, pipeline_class)(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                       text_encoder=text_encoder, tokenizer=tokenizer,
+                                       processor=processor).save_pretrained(out)
 
 
-def build_realistic(device, dtype):
+def build_tiny_plus(out: Path) -> None:
+    """The tiny demo's components as a ``QwenImageEditPlusPipeline``."""
+    build_tiny(out, "QwenImageEditPlusPipeline")
+
+
+def build_realistic(device, dtype, pipeline_class: str = "QwenImageEditPipeline"):
     """Qwen-Image-Edit's 20.4 B MMDiT (Qwen-Image's), VAE and scheduler, random weights, in memory
     on ``device``; no text encoder (it serves ``prompt_embeds`` with the input image)."""
-    from diffusers import QwenImageEditPipeline
+    import diffusers
 
     from triton_omni.families.qwen_image import build_realistic as build_qwen_image
 
     base = build_qwen_image(device, dtype)
-    return QwenImageEditPipeline(transformer=base.transformer, vae=base.vae, scheduler=base.scheduler,
-                                 text_encoder=None, tokenizer=None, processor=None)
+    return getattr(diffusers, pipeline_class)(transformer=base.transformer, vae=base.vae, scheduler=base.scheduler,
+                                              text_encoder=None, tokenizer=None, processor=None)
+
+
+def build_realistic_plus(device, dtype):
+    return build_realistic(device, dtype, "QwenImageEditPlusPipeline")
 
 
 class QwenImageEdit(QwenImage):
@@ -171,15 +222,29 @@ class QwenImageEdit(QwenImage):
         for prompt, given in zip(prompts, images or [[]] * len(prompts), strict=True):
             if not given:
                 self.encode(prompt, device)
-            embeds, mask = self.pipeline.encode_prompt(prompt, image=encoder_image(self.pipeline, given[0]),
+            embeds, mask = self.pipeline.encode_prompt(prompt, image=encoder_images(self.pipeline, given),
                                                        device=device)
             encoded.append((embeds[0] if mask is None else embeds[0][mask[0].bool()], None))
         return encoded
 
     def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
         multiple = self.size_multiple()
-        height, width = condition_size(images[0])
+        height, width = condition_size(images[-1])
         return height // multiple * multiple, width // multiple * multiple
 
     def image_kwargs(self, images: list) -> dict[str, Any]:
         return {"image": images[0]}
+
+
+class QwenImageEditPlus(QwenImageEdit):
+    name = "qwen_image_edit_plus"
+    pipeline_class = "QwenImageEditPlusPipeline"
+    capabilities = Capabilities(Guidance.TRUE_CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
+                                compile=True, images=PLUS_IMAGES, edits=True)
+    recipe = PLUS_RECIPE
+    step_adapter = QwenImageEditPlusSteps
+    demo = Demo("qwen-image-edit-plus", "tiny-qwen-image-edit-plus", build_tiny_plus)
+    realistic: ClassVar[dict] = {"demo:realistic-qwen-image-edit-plus": build_realistic_plus}
+
+    def image_kwargs(self, images: list) -> dict[str, Any]:
+        return {"image": list(images)}
