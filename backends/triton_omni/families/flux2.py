@@ -14,6 +14,7 @@ The pipelines are the reference."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, ClassVar
@@ -233,6 +234,17 @@ MISTRAL_TEMPLATE = (
 )
 
 
+def mistral_tokenizer(out: Path):
+    """The demos' stand-in for Mistral's tokenizer: its chat template and BOS, the system message
+    in single tokens (``build_tokenizer``)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
+
+    return build_tokenizer(out, AR_SHAPE["vocab_size"], template=SYSTEM_MESSAGE, markers=MISTRAL_MARKERS,
+                           chat_template=MISTRAL_TEMPLATE, bos="<s>")
+
+
 def build_tiny_dev(out: Path) -> None:
     """A ``Flux2Pipeline`` at about the shape of diffusers' pipeline test: a Mistral3 text encoder
     of 31 layers (layers 10, 20 and 30 exist, none of them the final norm's) with a tiny Pixtral
@@ -241,14 +253,12 @@ def build_tiny_dev(out: Path) -> None:
     whose chat template and tokenizer these stand in for: text-only prompts go through the same
     calls); the guidance-embedding DiT; the VAE and scheduler of the [klein] demo."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
+    from triton_omni.demo_models import AR_SHAPE
 
     hidden = 16
-    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], template=SYSTEM_MESSAGE,
-                                markers=MISTRAL_MARKERS, chat_template=MISTRAL_TEMPLATE, bos="<s>")
+    tokenizer = mistral_tokenizer(out / "tokenizer")
     transformer, vae = _tiny_dit_and_vae(len(DEV_LAYERS) * hidden, guidance_embeds=True)
     torch.manual_seed(0)
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -267,6 +277,14 @@ def build_tiny_dev(out: Path) -> None:
     pipeline.save_pretrained(out)
 
 
+def _flux2_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(  # FLUX's dynamic shift: the pipeline passes its mu
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+        use_dynamic_shifting=True)
+
+
 def build_realistic_klein(device, dtype, distilled: bool = False):
     """FLUX.2 [klein] 4B's DiT (5 double-stream and 20 single-stream blocks, 24 heads of 128, read
     from three layers of Qwen3-4B: 3 x 2560) and FLUX.2's VAE and scheduler, random weights, in
@@ -274,7 +292,6 @@ def build_realistic_klein(device, dtype, distilled: bool = False):
     variant's flag."""
     from diffusers import (
         AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
         Flux2KleinPipeline,
         Flux2Transformer2DModel,
     )
@@ -285,15 +302,57 @@ def build_realistic_klein(device, dtype, distilled: bool = False):
         transformer = Flux2Transformer2DModel(in_channels=128, num_layers=5, num_single_layers=20,
                                               attention_head_dim=128, num_attention_heads=24,
                                               joint_attention_dim=len(LAYERS) * 2560, guidance_embeds=False)
-        scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX's dynamic shift: the pipeline passes its mu
-            base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
-            use_dynamic_shifting=True)
-        return Flux2KleinPipeline(transformer=transformer, vae=AutoencoderKLFlux2(), scheduler=scheduler,
+        return Flux2KleinPipeline(transformer=transformer, vae=AutoencoderKLFlux2(), scheduler=_flux2_scheduler(),
                                   text_encoder=None, tokenizer=None, is_distilled=distilled)
 
 
 def build_realistic_klein_distilled(device, dtype):
     return build_realistic_klein(device, dtype, distilled=True)
+
+
+def build_realistic_dev(device, dtype):
+    """FLUX.2 [dev]'s 32 B DiT (diffusers' class defaults: 8 double-stream and 48 single-stream
+    blocks, 48 heads of 128, guidance embedding, reading three layers of Mistral-Small-3.1: 3 x
+    5120) and FLUX.2's VAE and scheduler, random weights, in memory on ``device`` (about 64 GB in
+    bf16); no text encoder: ``ar_encoder`` serves it from another GPU (docs/gpu.md)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+
+    from triton_omni.demo_models import built_as
+
+    with built_as(device, dtype):
+        return Flux2Pipeline(transformer=Flux2Transformer2DModel(), vae=AutoencoderKLFlux2(),
+                             scheduler=_flux2_scheduler(), text_encoder=None, tokenizer=None)
+
+
+# Mistral-Small-3.1-24B's language model (its text_config): what FLUX.2 [dev]'s text encoder runs on a prompt
+MISTRAL_SMALL_SHAPE = {"vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768, "num_hidden_layers": 40,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 131072, "rope_theta": 1000000000.0, "rms_norm_eps": 1e-05,
+                       "sliding_window": None}
+
+
+def build_realistic_dev_encoder(out: Path) -> None:
+    """FLUX.2 [dev]'s text encoder for text, at Mistral-Small-3.1-24B's language-model shape (a
+    ``MistralModel``: for a text prompt the vision tower of its ``Mistral3ForConditionalGeneration``
+    takes no part), random weights, bf16 (about 46 GB), with the demos' Mistral-shaped tokenizer, as
+    a pipeline folder: ``ar_encoder``'s model beside the in-memory 32 B DiT, on another GPU. Built on
+    a GPU where there is one (``CUDA_VISIBLE_DEVICES`` picks which), then saved."""
+    from transformers import MistralConfig, MistralModel
+
+    from triton_omni.demo_models import built_as
+
+    tokenizer = mistral_tokenizer(out / "tokenizer")
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    with built_as("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16):
+        encoder = MistralModel(MistralConfig(**MISTRAL_SMALL_SHAPE, **ids, torch_dtype="bfloat16")).eval()
+    encoder.save_pretrained(out / "text_encoder", max_shard_size="5GB")
+    del encoder
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    (out / "model_index.json").write_text(json.dumps({
+        "_class_name": "Flux2Pipeline", "text_encoder": ["transformers", "MistralModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}, indent=2))
 
 
 class Flux2Klein(Family):
@@ -346,6 +405,6 @@ class Flux2Dev(Flux2Klein):
     capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True, images=MAX_REFERENCES)
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
-    demo_folders: ClassVar[dict] = {}
-    realistic: ClassVar[dict] = {}
+    demo_folders: ClassVar[dict] = {"realistic-flux2-dev-encoder": build_realistic_dev_encoder}
+    realistic: ClassVar[dict] = {"demo:realistic-flux2-dev": build_realistic_dev}
 
