@@ -21,17 +21,12 @@ if torch.cuda.device_count() < 2:
 
 from triton_omni.demo_models import resolve_model
 from triton_omni_client import OmniClient
+from triton_omni_tools.bench.presets import FLUX2_DEV_PLACED
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.memory_plan import MemoryPlanError
 from triton_omni_tools.repository import copy_repositories
 
-ENCODER = "demo:realistic-flux2-dev-encoder"
-EDITS = {
-    "diffusion": {"parameters": {"model": "demo:realistic-flux2-dev", "dtype": "bfloat16",
-                                 "gpu_memory_utilization": "0.93", "limits": {"max_size": 1024}}},
-    "ar_encoder": {"parameters": {"model": ENCODER, "recipe": "flux2_dev", "dtype": "bfloat16",
-                                  "engine": "transformers", "gpu_memory_utilization": "0.70"}},
-}
+ENCODER = FLUX2_DEV_PLACED["ar_encoder"]["parameters"]["model"]
 REQUEST = {"num_inference_steps": 4, "guidance_scale": 4.0, "height": 1024, "width": 1024, "seed": 3}
 
 
@@ -53,7 +48,7 @@ def test_flux2_dev_serves_with_its_encoder_on_the_other_gpu():
     resolve_model(ENCODER)
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
-        repositories = copy_repositories(DEFAULT_REPOSITORIES, Path(tmp) / "repos", EDITS)
+        repositories = copy_repositories(DEFAULT_REPOSITORIES, Path(tmp) / "repos", FLUX2_DEV_PLACED)
         together = TritonServer(options(repositories, ["ar_encoder=0", "diffusion=0"], Path(tmp) / "refused.log"))
         with pytest.raises(MemoryPlanError, match="GPU 0"):  # 0.93 + 0.70 of one GPU, refused before loading
             together.check_memory_plan()

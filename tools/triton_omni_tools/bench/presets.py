@@ -138,3 +138,13 @@ def edit_picture(height: int = 1024, width: int = 1024) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
     return out.getvalue()
+
+
+# FLUX.2 [dev] at full size (random weights): its 32 B DiT and its 24 B encoder, placed on two GPUs
+# with `--place diffusion=0 --place ar_encoder=1` (docs/gpu.md): the repository edits
+FLUX2_DEV_PLACED = {
+    "diffusion": {"parameters": {"model": "demo:realistic-flux2-dev", "dtype": "bfloat16",
+                                 "gpu_memory_utilization": "0.93", "limits": {"max_size": 1024}}},
+    "ar_encoder": {"parameters": {"model": "demo:realistic-flux2-dev-encoder", "recipe": "flux2_dev",
+                                  "dtype": "bfloat16", "engine": "transformers", "gpu_memory_utilization": "0.70"}},
+}
