@@ -15,6 +15,16 @@ ratio printed is the median of the rounds' ratios:
   its answer's usage needs); ``--direct-outputs minimal`` asks the direct side
   for the text and output token count only.
 
+`--edits` measures image edits instead (Qwen-Image-Edit): `text_to_image` with
+one input image at concurrency 16, through `/v1/images/edits` (multipart: the
+image file and the form fields, as the `openai` SDK sends them; PNG, base64)
+against `tritonclient.grpc.aio`'s `infer` with the same file in `images`.
+`--preset tiny` serves the tiny edit demo (32², 2 steps); `realistic` the
+20 B edit DiT and a Qwen2.5-VL-7B-shaped encoder with its vision tower
+(random weights; the encoder folder, about 17 GB, built into the cache on
+first use), at 1024² and `--edit-steps` steps (4 by default: 16 edits of 50
+steps are minutes a round). The input image is a 1024² PNG either way.
+
 `--aa` runs the direct side against itself: the spread of those ratios is
 the finest difference this host can resolve.
 
@@ -23,6 +33,7 @@ By default it starts its own server and gateway (the demo models); give
 (a GPU host, `--demo`, real models).
 
     .venv/bin/python benchmarks/openai_gateway.py --json .cache/openai-gateway.json
+    python benchmarks/openai_gateway.py --edits --preset realistic [--aa]      # GPU: Qwen-Image-Edit's edits
 """
 
 from __future__ import annotations
@@ -46,9 +57,9 @@ from triton_omni_client.client import batched_inputs, omni_inputs
 from triton_omni_gateway.requests import ChatRequest
 from triton_omni_gateway.text import ar_values
 from triton_omni_tools.bench.harness import bench_repository
-from triton_omni_tools.bench.presets import PRESETS, Preset
+from triton_omni_tools.bench.presets import PRESETS, Preset, edit_picture
 from triton_omni_tools.gateway import Gateway, default_workers, text_model_tokenizers
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 
 PROMPT = "a lighthouse on a cliff at dusk"
 MESSAGES = [{"role": "user", "content": "Describe a lighthouse on a cliff at dusk."}]
@@ -91,6 +102,31 @@ class Images:
                 "num_inference_steps": self.options["num_inference_steps"],
                 "guidance_scale": self.options["guidance_scale"]}
         response = await self.http.post("/v1/images/generations", json=body)
+        response.raise_for_status()
+        return len(response.json()["data"])
+
+
+class Edits:
+    """An edit of one input image through `text_to_image`: its encoder reads the image with the
+    prompt, its DiT the image's latents."""
+
+    name, unit = "edits", "images/s"
+
+    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, options: dict, image: bytes):
+        self.grpc, self.http, self.options, self.image = grpc, http, options, image
+
+    async def direct(self) -> int:
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, images=[self.image], **self.options)
+        result = await self.grpc.infer("text_to_image", inputs)
+        assert result.as_numpy("image").shape[0] == 1
+        return 1
+
+    async def gateway(self) -> int:
+        size = f"{self.options['width']}x{self.options['height']}"
+        fields = {"model": "text_to_image", "prompt": PROMPT, "size": size,
+                  **{name: str(self.options[name]) for name in ("seed", "num_inference_steps", "guidance_scale")}}
+        response = await self.http.post("/v1/images/edits", data=fields,
+                                        files={"image": ("in.png", self.image, "image/png")})
         response.raise_for_status()
         return len(response.json()["data"])
 
@@ -229,6 +265,10 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with aioclient.InferenceServerClient(grpc_url) as grpc, \
             httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
+        if args.edits:
+            edits = Edits(grpc, http, options, edit_picture())
+            return [await compare(edits, args.image_concurrency, args.image_requests, args.rounds, args.aa,
+                                  args.gateway_pid)]
         prompt = rendered_prompt(args.tokenizer)
         chat_http = AiohttpClient(openai_url) if args.http_client == "aiohttp" else http
         images, chat = Images(grpc, http, options), Chat(grpc, chat_http, prompt, args.tokens, args.direct_outputs)
@@ -263,6 +303,38 @@ def report(results: list[dict]) -> None:
         gateway, direct = r["cores"]["gateway"], r["cores"]["direct"]
         print(f"{'':<8} cores busy, gateway process / clients: {gateway[0]:.2f} / {gateway[1]:.2f} on the gateway "
               f"side, {direct[0]:.2f} / {direct[1]:.2f} on the direct side")
+
+
+# --edits --preset realistic: the edit DiT and its encoder at their real shapes, on one GPU
+REALISTIC_EDITS = {
+    "diffusion": {"parameters": {"model": "demo:realistic-qwen-image-edit", "dtype": "bfloat16",
+                                 "gpu_memory_utilization": "0.62", "limits": {"max_size": 1024}}},
+    "ar_encoder": {"parameters": {"model": "demo:realistic-qwen-image-edit-encoder", "recipe": "qwen_image_edit",
+                                  "dtype": "bfloat16", "engine": "transformers", "gpu_memory_utilization": "0.30"}},
+}
+
+
+@contextlib.contextmanager
+def edits_server(preset: str, workers: int):
+    """The edit models on a server of this run's own, and a gateway in front of it."""
+    from triton_omni.demo_models import resolve_model
+    from triton_omni_tools.repository import copy_repositories
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if preset == "realistic":
+            resolve_model(REALISTIC_EDITS["ar_encoder"]["parameters"]["model"])  # built before the server needs the GPU
+            extra = {"model_repositories": copy_repositories(DEFAULT_REPOSITORIES, Path(tmp) / "repos",
+                                                             REALISTIC_EDITS)}
+        else:
+            extra = {"demo": "qwen-image-edit"}
+        with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                        model_control_mode="explicit",
+                                        load_models=["ar_encoder", "diffusion", "text_to_image"], **extra)) as server:
+            gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}, workers=workers).start()
+            try:
+                yield server.grpc_url, f"http://{gateway.url}", None, gateway.process.pid
+            finally:
+                gateway.stop()
 
 
 @contextlib.contextmanager
@@ -303,10 +375,15 @@ def main() -> None:
                         "or for the text and token count only")
     parser.add_argument("--aa", action="store_true", help="direct against direct: the spread this host "
                         "shows with no gateway at all (run it first on a new host)")
+    parser.add_argument("--edits", action="store_true", help="image edits (Qwen-Image-Edit) through "
+                        "/v1/images/edits against gRPC, instead of the images and chat workloads")
+    parser.add_argument("--edit-steps", type=int, default=4, help="--edits --preset realistic: steps per edit")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     args.steps, args.size, args.guidance, args.tokens = preset.steps, preset.size, preset.guidance, preset.max_tokens
+    if args.edits:  # true CFG needs a negative prompt: 4 is the edit pipeline's scale, here without one
+        args.steps, args.size, args.guidance = (2, 32, 4.0) if args.preset == "tiny" else (args.edit_steps, 1024, 4.0)
 
     with contextlib.suppress(ImportError):  # the clients' loop: uvloop where installed, as the gateway's is
         import uvloop
@@ -314,6 +391,10 @@ def main() -> None:
         uvloop.install()
     if args.grpc_url:
         results = asyncio.run(run(args.grpc_url, args.openai_url, args))
+    elif args.edits:
+        with edits_server(args.preset, args.workers) as (grpc_url, openai_url, _, gateway_pid):
+            args.gateway_pid = args.gateway_pid or gateway_pid
+            results = asyncio.run(run(grpc_url, openai_url, args))
     else:
         from triton_omni.demo_models import build_all
 

@@ -171,6 +171,43 @@ def build_tiny_plus(out: Path) -> None:
     build_tiny(out, "QwenImageEditPlusPipeline")
 
 
+# Qwen2.5-VL-7B-Instruct's config: the language model and the vision tower Qwen-Image-Edit reads with
+QWEN25_VL_7B_TEXT = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                     "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "vocab_size": 152064,
+                     "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}}
+QWEN25_VL_7B_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}
+
+
+def build_realistic_encoder(out: Path) -> None:
+    """Qwen-Image-Edit's text encoder at Qwen2.5-VL-7B's shape, vision tower included (8.3 B
+    parameters, random, bf16, about 17 GB), with the tiny demo's tokenizer (its vision markers'
+    ids given to the model) and Qwen2-VL's image processor at its released pixel bounds, as a
+    pipeline folder without DiT and VAE: ``ar_encoder``'s model beside the in-memory realistic
+    DiT. Built on a GPU where there is one, then saved."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer, built_as
+
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], chat=True, template=TEMPLATE.format(""),
+                                markers=VISION_TOKENS)
+    marker = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    with built_as("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16):
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=QWEN25_VL_7B_TEXT, vision_config=QWEN25_VL_7B_VISION, vocab_size=152064,
+            vision_start_token_id=marker["<|vision_start|>"], vision_end_token_id=marker["<|vision_end|>"],
+            image_token_id=marker["<|image_pad|>"], torch_dtype="bfloat16")).eval()
+    processor = ImageTextProcessor(Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056), tokenizer)
+    QwenImageEditPipeline(transformer=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                          text_encoder=encoder, tokenizer=tokenizer, processor=processor).save_pretrained(out)
+    del encoder
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def build_realistic(device, dtype, pipeline_class: str = "QwenImageEditPipeline"):
     """Qwen-Image-Edit's 20.4 B MMDiT (Qwen-Image's), VAE and scheduler, random weights, in memory
     on ``device``; no text encoder (it serves ``prompt_embeds`` with the input image)."""
@@ -196,6 +233,7 @@ class QwenImageEdit(QwenImage):
     recipe = RECIPE
     step_adapter = QwenImageEditSteps
     demo = Demo("qwen-image-edit", "tiny-qwen-image-edit", build_tiny)
+    demo_folders: ClassVar[dict] = {"realistic-qwen-image-edit-encoder": build_realistic_encoder}
     realistic: ClassVar[dict] = {"demo:realistic-qwen-image-edit": build_realistic}
 
     def hidden_size(self) -> int:
@@ -244,6 +282,7 @@ class QwenImageEditPlus(QwenImageEdit):
     recipe = PLUS_RECIPE
     step_adapter = QwenImageEditPlusSteps
     demo = Demo("qwen-image-edit-plus", "tiny-qwen-image-edit-plus", build_tiny_plus)
+    demo_folders: ClassVar[dict] = {}
     realistic: ClassVar[dict] = {"demo:realistic-qwen-image-edit-plus": build_realistic_plus}
 
     def image_kwargs(self, images: list) -> dict[str, Any]:
