@@ -82,6 +82,13 @@ def test_the_output_takes_the_pipelines_size_from_the_image(runner):
     assert (parsed.height, parsed.width) == (height, width)
 
 
+def test_an_edit_takes_embeddings_as_long_as_its_images_make_them(runner):
+    """A released processor reads a 1024² image as about 1340 vision tokens, which the prompt's
+    embeddings hold: an edit model's default bound is 2048 tokens, not 512."""
+    parsed = runner.parse({"prompt_embeds": torch.zeros(1500, 64), "images": [encoded(PICTURES["first"])]} | OPTIONS)
+    assert parsed.prompt_embeds.shape[0] == 1500 and runner.limits.max_embeds_tokens == 2048
+
+
 def test_an_edit_without_an_image_is_refused_naming_images(runner):
     for inputs in ({"prompt": PROMPT}, {"prompt_embeds": torch.zeros(4, 64)}):
         with pytest.raises(RequestValidationError, match="invalid `images`: is required") as caught:

@@ -147,6 +147,9 @@ class DiffusionRunnerConfig:
         return torch_dtype(self.dtype, self.device, cuda_default=torch.float16)
 
 
+# An edit model's defaults where they differ (a model's `limits` parameter still sets them)
+EDIT_LIMITS = {"max_size": 2048, "max_embeds_tokens": 2048}
+
 @dataclass
 class _Job:
     index: int
@@ -192,10 +195,11 @@ class DiffusionRunner:
             load()
         capabilities = self.family.capabilities
         hidden = self.family.hidden_size()
-        # an edit's output is its input image's size by default: about 1024² pixels, a side up to 2048
+        # an edit's output is its input image's size by default (about 1024² pixels, a side up to 2048),
+        # and its embeddings hold the image's vision tokens beside the prompt's (about 1340 for 1024²)
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
                                           "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
-                                         | ({"max_size": 2048} if capabilities.edits else {}) | config.limits))
+                                         | (EDIT_LIMITS if capabilities.edits else {}) | config.limits))
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
             # step batching: a graph per (bucket, size, token count) in use
