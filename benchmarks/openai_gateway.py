@@ -334,11 +334,7 @@ def edits_server(preset: str, workers: int):
         with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                         model_control_mode="explicit",
                                         load_models=["ar_encoder", "diffusion", "text_to_image"], **extra)) as server:
-            gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}, workers=workers).start()
-            try:
-                yield server.grpc_url, f"http://{gateway.url}", None, gateway.process.pid
-            finally:
-                gateway.stop()
+            yield from fronted(server, {}, workers)
 
 
 @contextlib.contextmanager
@@ -347,12 +343,17 @@ def own_server(preset: Preset, workers: int):
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
             model_repositories=bench_repository(preset, Path(tmp)), http_port=free_port(), grpc_port=free_port(),
             metrics_port=free_port())) as server:
-        tokenizers = text_model_tokenizers(server.repositories)
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers, workers=workers).start()
-        try:
-            yield server.grpc_url, f"http://{gateway.url}", tokenizers["ar"], gateway.process.pid
-        finally:
-            gateway.stop()
+        yield from fronted(server, text_model_tokenizers(server.repositories), workers)
+
+
+def fronted(server: TritonServer, tokenizers: dict, workers: int):
+    """A gateway in front of ``server`` for as long as the caller holds it: (gRPC URL, gateway URL,
+    the ``ar`` model's tokenizer or None, the gateway's pid)."""
+    gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers, workers=workers).start()
+    try:
+        yield server.grpc_url, f"http://{gateway.url}", tokenizers.get("ar"), gateway.process.pid
+    finally:
+        gateway.stop()
 
 
 def main() -> None:

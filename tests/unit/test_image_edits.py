@@ -22,7 +22,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.diffusion.runner import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
-from triton_omni.families.qwen_image_edit import encoder_images
+from triton_omni.families import family_of
 
 from tests.support.images import encoded, picture
 from tests.support.pipelines import ABSENT, levels_apart, pipeline, reference
@@ -134,7 +134,7 @@ def pipeline_encoding(prompt: str, image: str, family: str = FAMILY) -> torch.Te
     edit = pipeline(family)
     images = [Image.fromarray(PICTURES[name]) for name in ([image] if family == FAMILY else PLUS_ORDER[image])]
     with torch.inference_mode():
-        embeds, mask = edit.encode_prompt(prompt, image=encoder_images(edit, images))
+        embeds, mask = edit.encode_prompt(prompt, image=family_of(edit).encoder_images(images))
     return embeds[0] if mask is None else embeds[0][mask[0].bool()]
 
 

@@ -68,25 +68,21 @@ class ImageTextProcessor(Qwen2VLProcessor):
 
 def condition_size(image, area: int = AREA) -> tuple[int, int]:
     """The (height, width) the pipelines bring an input image to: about ``area`` pixels at the
-    image's aspect ratio, each side a multiple of 32 (``calculate_dimensions``)."""
-    import math
+    image's aspect ratio, each side a multiple of 32 (their ``calculate_dimensions``)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    ratio = image.size[0] / image.size[1]
-    width = math.sqrt(area * ratio)
-    return round(width / ratio / 32) * 32, round(width / 32) * 32
-
-
-def encoder_image(pipeline, image):
-    """The input image as Qwen-Image-Edit's text encoder reads it: resized to ``condition_size``."""
-    return pipeline.image_processor.resize(image, *condition_size(image))
+    width, height, _ = calculate_dimensions(area, image.size[0] / image.size[1])
+    return int(height), int(width)
 
 
-def encoder_images(pipeline, images: list):
-    """What the pipeline's ``encode_prompt`` is given as ``image``: Qwen-Image-Edit's one image at
-    about 1024²; Edit-Plus's each at about 384², as a list."""
-    if type(pipeline).__name__ != "QwenImageEditPlusPipeline":
-        return encoder_image(pipeline, images[0])
-    return [pipeline.image_processor.resize(image, *condition_size(image, PLUS_ENCODER_AREA)) for image in images]
+def encoder_image(pipeline, image, area: int = AREA):
+    """An input image resized as the pipeline's text encoder reads it: to ``condition_size``."""
+    return pipeline.image_processor.resize(image, *condition_size(image, area))
+
+
+def _image_required() -> RequestValidationError:
+    return RequestValidationError("images", "is required: this model edits an input image (its text encoder "
+                                  "reads the prompt with it)", None, show_value=False)
 
 
 class QwenImageEditSteps(QwenImageSteps):
@@ -243,8 +239,11 @@ class QwenImageEdit(QwenImage):
         return int(self.pipeline.text_encoder.config.text_config.hidden_size)
 
     def encode(self, prompt: str, device: torch.device) -> torch.Tensor:
-        raise RequestValidationError("images", "is required: this model edits an input image (its text encoder "
-                                     "reads the prompt with it)", None, show_value=False)
+        raise _image_required()
+
+    def encoder_images(self, images: list):
+        """What the pipeline's ``encode_prompt`` is given as ``image``: the one image, at about 1024²."""
+        return encoder_image(self.pipeline, images[0])
 
     def encode_prompt(self, prompt: str, device: torch.device,
                       images: list = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -259,9 +258,8 @@ class QwenImageEdit(QwenImage):
         encoded = []
         for prompt, given in zip(prompts, images or [[]] * len(prompts), strict=True):
             if not given:
-                self.encode(prompt, device)
-            embeds, mask = self.pipeline.encode_prompt(prompt, image=encoder_images(self.pipeline, given),
-                                                       device=device)
+                raise _image_required()
+            embeds, mask = self.pipeline.encode_prompt(prompt, image=self.encoder_images(given), device=device)
             encoded.append((embeds[0] if mask is None else embeds[0][mask[0].bool()], None))
         return encoded
 
@@ -284,6 +282,10 @@ class QwenImageEditPlus(QwenImageEdit):
     demo = Demo("qwen-image-edit-plus", "tiny-qwen-image-edit-plus", build_tiny_plus)
     demo_folders: ClassVar[dict] = {}
     realistic: ClassVar[dict] = {"demo:realistic-qwen-image-edit-plus": build_realistic_plus}
+
+    def encoder_images(self, images: list):
+        """Every image, each at about 384², as a list."""
+        return [encoder_image(self.pipeline, image, PLUS_ENCODER_AREA) for image in images]
 
     def image_kwargs(self, images: list) -> dict[str, Any]:
         return {"image": list(images)}
