@@ -91,6 +91,9 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("seed", "TYPE_INT64"),
         # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
         TensorSpec("step_cache", "TYPE_STRING"),
+        # a LoRA adapter the model serves (its lora_adapters parameter), and its scale (1.0 unless given)
+        TensorSpec("lora", "TYPE_STRING"),
+        TensorSpec("lora_scale", "TYPE_FP32"),
     ]
 
 
@@ -127,6 +130,8 @@ OMNI_INPUTS = [
     TensorSpec("width", "TYPE_INT32"),
     TensorSpec("seed", "TYPE_INT64"),
     TensorSpec("step_cache", "TYPE_STRING"),
+    TensorSpec("lora", "TYPE_STRING"),
+    TensorSpec("lora_scale", "TYPE_FP32"),
     # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
     TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
 ]

@@ -19,6 +19,7 @@ from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_float, as_int, as_str, in_range, require
 
 ALLOWED_EMBEDS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_LORA_SCALE = 10.0  # |lora_scale| at most: far past any adapter's useful range (0 to about 2)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class DiffusionRequest:
     images: list = field(default_factory=list)  # input images (RGB PIL images), for a family that takes them
     sized: tuple[bool, bool] = (True, True)  # whether height and width were given (else the images' may be taken)
     images_field: str = "images"  # the input the images came in: "image" (pixels) or "images" (files)
+    lora: str | None = None  # the LoRA adapter it runs with (lora.py), by name; None: the base weights
+    lora_scale: float = 1.0
 
     @property
     def has_negative(self) -> bool:
@@ -99,9 +102,22 @@ class DiffusionRequest:
                 step_cache = parse_step_cache(as_str("step_cache", step_cache))
             except ValueError as exc:
                 raise RequestValidationError("step_cache", str(exc), step_cache) from None
+        lora, lora_scale = _lora(values.get("lora"), values.get("lora_scale"))
         return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
                    pooled, images, ("height" in inputs, "width" in inputs),
-                   "image" if values.get("image") is not None else "images")
+                   "image" if values.get("image") is not None else "images", lora, lora_scale)
+
+
+def _lora(name: Any, scale: Any) -> tuple[str | None, float]:
+    """``lora`` (empty: none) and ``lora_scale``, which needs it; whether the model serves the
+    adapter is the runner's check."""
+    name = None if name is None else as_str("lora", name).strip() or None
+    if scale is None:
+        return name, 1.0
+    scale = as_float("lora_scale", scale)
+    require(name is not None, "lora_scale", "goes with lora (the adapter it scales)", scale)
+    in_range("lora_scale", scale, -MAX_LORA_SCALE, MAX_LORA_SCALE)
+    return name, scale
 
 
 def _pooled(pooled: Any, with_embeds: bool, limits: DiffusionLimits) -> torch.Tensor | None:

@@ -27,11 +27,12 @@ denoising step; ``submit`` hands it one request at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
+from triton_omni.diffusion.lora import Adapters
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
@@ -107,6 +109,9 @@ class DiffusionRunnerConfig:
     compile: str = "off"
     # sequence parallel: the transformer's forward over this device and these (sequence_parallel.py)
     sp_devices: tuple[str, ...] = ()
+    # LoRA adapters a request may name (lora.py): name -> folder, file or hub id; and how many stay on the device
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -128,6 +133,9 @@ class DiffusionRunnerConfig:
                              f"got {self.compile!r}")
         if self.sp_devices:
             self._check_sequence_parallel(step_cache.on)
+        if self.lora_adapters and (self.sp_devices or self.cfg_device is not None):
+            raise ValueError("model parameter lora_adapters: not with a parallel mode (its workers hold the "
+                             "transformer without the adapters)")
 
     def _check_sequence_parallel(self, step_cache: bool) -> None:
         """What sequence parallel does not combine with, refused at load: every rank must run the
@@ -164,7 +172,8 @@ class _Job:
         guided = self.uncond is not None
         return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided or self.scale_read else 0.0,
                 self.cond.shape[0], self.uncond.shape[0] if guided else 0,
-                id(r) if r.images else None)  # a call's input images are every row's: such a request runs alone
+                id(r) if r.images else None,  # a call's input images are every row's: such a request runs alone
+                r.lora, r.lora_scale if r.lora else None)  # and so is its adapter
 
 
 class DiffusionRunner:
@@ -207,8 +216,11 @@ class DiffusionRunner:
                                           on_capture=on_capture)
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
+        self.adapters: Adapters | None = None
         self._empty: torch.Tensor | None = None  # the encoding of "" (_empty_prompt)
         try:
+            if config.lora_adapters:  # before compile: the adapted layers are part of the compiled blocks
+                self._load_adapters()
             if config.sp_devices:
                 self._sequence_parallel([torch.device(d) for d in config.sp_devices])
             if self.step_cache.on and not capabilities.step_cache:
@@ -223,6 +235,20 @@ class DiffusionRunner:
         logger.info("Diffusion runner ready: %s (%s, family %s) on %s, %s, hidden %d, CUDA graphs %s, %s batching",
                     path, type(self.pipeline).__name__, self.family.name, self.device, self.dtype, hidden,
                     "on" if self.graphs else "off", config.batching)
+
+    def _load_adapters(self) -> None:
+        if not self.family.capabilities.lora:
+            raise ValueError(f"model parameter lora_adapters: the {self.family.name} family takes no LoRA adapters "
+                             "per request (its denoiser is not a diffusion transformer)")
+        c = self.config
+        self.adapters = self._on_torch_thread(lambda: Adapters(
+            self.pipeline, self.family.network, c.lora_adapters, c.max_loras, self.family.lora_flattened,
+            run=self._on_torch_thread))
+        if self.steps is not None:
+            self.steps.adapter.lora_rows = self.adapters.rows
+        if self.graphs is not None:  # a captured graph would hold one pass's adapters
+            logger.info("CUDA graphs off: LoRA adapters change between passes")
+            self.graphs = None
 
     def _compile(self) -> None:
         """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled
@@ -291,9 +317,35 @@ class DiffusionRunner:
                            self._generator(request.seed), on_step, is_cancelled,
                            step_cache=request.step_cache or self.step_cache, on_cached=on_cached,
                            images=request.images)
-        return self.steps.submit(step_job)
+        if request.lora is None:
+            return self.steps.submit(step_job)
+        return self._submit_adapted(step_job, request.lora, request.lora_scale)
+
+    def _submit_adapted(self, step_job: StepJob, name: str, scale: float) -> Future:
+        """A request with an adapter enters the engine once its adapter is in a slot (read and copied
+        in by the adapters' loader meanwhile, while the engine keeps stepping), and leaves it pinned
+        until its image is done."""
+        result: Future = Future()
+
+        def enter(slot: Future) -> None:
+            if slot.exception() is not None:
+                result.set_exception(slot.exception())
+                return
+            step_job.lora = (slot.result(), scale)
+            try:
+                future = self.steps.submit(step_job)
+            except Exception as exc:
+                self.adapters.release(step_job.lora[0])
+                result.set_exception(exc)
+                return
+            future.add_done_callback(lambda done: (self.adapters.release(step_job.lora[0]), _chain(done, result)))
+
+        self.adapters.acquire(name).add_done_callback(enter)
+        return result
 
     def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
         if self.steps is not None:
             self.steps.stop()
         for parallel in (self.sequence_parallel, self.cfg_parallel):
@@ -319,6 +371,11 @@ class DiffusionRunner:
         if self.sequence_parallel is not None:  # a size the family's sequence cannot share over the ranks
             self.family.check_sequence_parallel(request.height, request.width, len(self.sequence_parallel.devices),
                                                 on_cpu=self.device.type == "cpu")
+        if request.lora is not None:
+            if self.adapters is None:
+                raise RequestValidationError("lora", "this model serves no LoRA adapters (its lora_adapters "
+                                             "parameter names none)", request.lora)
+            self.adapters.check(request.lora)
         if request.step_cache is not None and request.step_cache.on:
             if self.sequence_parallel is not None:
                 raise RequestValidationError("step_cache", "not with sequence parallel (every GPU must run the same "
@@ -451,7 +508,7 @@ class DiffusionRunner:
             "callback_on_step_end": self._step_callback(jobs, on_step, is_cancelled),
         }
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._adapter(first):
             images = self.pipeline(**kwargs).images[: len(jobs)]
         queued = time.perf_counter()
         # Images are final outputs that leave the server over the network: one
@@ -462,6 +519,19 @@ class DiffusionRunner:
                      (queued - started) * 1e3, (time.perf_counter() - queued) * 1e3)
         cancelled = is_cancelled or (lambda i: False)
         return [RequestCancelledError() if cancelled(job.index) else pixels[k] for k, job in enumerate(jobs)]
+
+    @contextlib.contextmanager
+    def _adapter(self, request: DiffusionRequest) -> Iterator[None]:
+        """Around one pipeline call whose rows all run ``request``'s adapter (request batching groups so)."""
+        if request.lora is None:
+            yield
+            return
+        slot = self.adapters.acquire(request.lora).result()
+        try:
+            with self.adapters.rows.bind([(slot, request.lora_scale)], self.device):
+                yield
+        finally:
+            self.adapters.release(slot)
 
     def _step_callback(self, jobs: list[_Job], on_step, is_cancelled):
         total = jobs[0].request.num_inference_steps
@@ -479,6 +549,14 @@ class DiffusionRunner:
 
     def _generator(self, seed: int | None) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def _chain(done: Future, result: Future) -> None:
+    """``result`` takes ``done``'s outcome."""
+    if done.exception() is not None:
+        result.set_exception(done.exception())
+    else:
+        result.set_result(done.result())
 
 
 def _same_length(cond: torch.Tensor, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ written here: the state per request and the split of a batch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +90,9 @@ class FirstBlockCache:
             raise ValueError(f"{type(transformer).__name__} has no transformer blocks First Block Cache can skip")
         self.rows: list[PassCache | None] | None = None  # this forward pass's rows' owners
         self.compute: list[int] | None = None  # the rows running the remaining blocks (None: all)
+        # around a block run by those rows alone: what else follows a pass's rows follows them (LoRA's)
+        self.narrow: Callable[[torch.Tensor], contextlib.AbstractContextManager] = \
+            lambda rows: contextlib.nullcontext()
         for index, block in enumerate(blocks):
             metadata = TransformerBlockRegistry.get(type(block))
             hook = _HeadHook(self, metadata) if index == 0 else \
@@ -199,9 +202,10 @@ class _BlockHook(_HeadHook):
         else:
             hidden_in, encoder_in = _inputs(args, kwargs)
             batch, rows = hidden_in.shape[0], torch.tensor(compute, device=hidden_in.device)
-            part = self.fn_ref.original_forward(
-                *(_rows_of(a, rows, batch) for a in args),
-                **{k: v if k in UNBATCHED_ARGUMENTS else _rows_of(v, rows, batch) for k, v in kwargs.items()})
+            with cache.narrow(rows):
+                part = self.fn_ref.original_forward(
+                    *(_rows_of(a, rows, batch) for a in args),
+                    **{k: v if k in UNBATCHED_ARGUMENTS else _rows_of(v, rows, batch) for k, v in kwargs.items()})
             hidden_part, encoder_part = _outputs(part, metadata)
             hidden = hidden_in.index_copy(0, rows, hidden_part)
             encoder = None if encoder_in is None else encoder_in.index_copy(0, rows, encoder_part)

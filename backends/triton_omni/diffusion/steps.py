@@ -90,6 +90,7 @@ class StepJob:
     step_cache: Any = None  # its StepCacheConfig (step_cache.py) when it caches, else None
     on_cached: Callable[[int, int], None] | None = None  # (steps computed, steps skipped), when it ends
     images: list = field(default_factory=list)  # input images (the family's step adapter reads them)
+    lora: tuple[int, float] | None = None  # its LoRA adapter's (slot, scale) (lora.py), pinned while it runs
     future: Future = field(default_factory=Future)
     submitted: float = 0.0  # time.monotonic() when the engine got it (most_behind)
     # set when admitted

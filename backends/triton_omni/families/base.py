@@ -62,6 +62,7 @@ class Capabilities:
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
+    lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (diffusion/lora.py)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,9 @@ class Family:
     demo_folders: ClassVar[dict[str, Callable[[Path], None]]] = {}
     # real shapes, random weights, built in memory on the GPU: ``demo:<name>`` -> builder(device, dtype)
     realistic: ClassVar[dict[str, Callable[[Any, Any], Any]]] = {}
+    # the denoiser's layers (name prefixes) whose input holds every row's tokens at once, not a row
+    # per request: adapters per request cannot apply there, and an adapter targeting them is refused
+    lora_flattened: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -246,6 +250,12 @@ class StepAdapter:
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline, self.device, self.dtype = pipeline, device, dtype
+        self.lora_rows = None  # the model's AdapterRows (diffusion/lora.py), set by the runner where it has adapters
+
+    def adapted(self, rows: list) -> contextlib.AbstractContextManager:
+        """Around a forward pass whose row ``i`` runs ``rows[i]``'s adapter (a job's ``lora``: (slot,
+        scale), or None: none, as a padding row)."""
+        return contextlib.nullcontext() if self.lora_rows is None else self.lora_rows.bind(rows, self.device)
 
     def group(self, job) -> tuple:
         raise NotImplementedError
@@ -281,6 +291,8 @@ class FlowStepAdapter(StepAdapter):
             return
         if self._step_cache is None:
             self._step_cache = FirstBlockCache(self.pipeline.transformer)
+            if self.lora_rows is not None:  # the rows that compute the remaining blocks keep their adapters
+                self._step_cache.narrow = self.lora_rows.narrowed
         job.cache = {name: PassCache(job.step_cache.threshold) for name in passes}
 
     def cached(self, rows: list) -> contextlib.AbstractContextManager:
@@ -327,7 +339,7 @@ class TwoPassStepAdapter(FlowStepAdapter):
 
     def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
         kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
-        with self.cached(rows):
+        with self.cached(rows), self.adapted([job.lora for job in jobs] + [None] * (len(rows) - len(jobs))):
             return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:

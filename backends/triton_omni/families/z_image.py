@@ -71,7 +71,8 @@ class ZImageSteps(FlowStepAdapter):
         n = len(latents)
         size = pad_to(n)
         owners = [job.cache and job.cache["all"] for job in jobs + guided]
-        with self.cached(owners + [None] * (size - n)):
+        with self.cached(owners + [None] * (size - n)), \
+                self.adapted([job.lora for job in jobs + guided] + [None] * (size - n)):
             out = self.pipeline.transformer([x[0].unsqueeze(1) for x in pad_rows(latents, size)],
                                             torch.cat(pad_rows(timesteps, size)), pad_rows(embeds, size),
                                             return_dict=False)[0][:n]
@@ -179,7 +180,9 @@ class ZImage(Family):
     name = "z_image"
     pipeline_class = "ZImagePipeline"
     capabilities = Capabilities(Guidance.CFG, guides_above=0.0, step_cache=True, sequence_parallel=True,
-                                compile=True)
+                                compile=True, lora=True)
+    # the patch and caption embedders read every row's tokens concatenated (the transformer's forward)
+    lora_flattened = ("all_x_embedder", "cap_embedder")
     recipe = RECIPE
     step_adapter = ZImageSteps
     demo = Demo("z-image", "tiny-z-image", build_tiny)

@@ -37,6 +37,8 @@ IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "width": as_int32,
     "seed": as_int,
     "step_cache": as_str,
+    "lora": as_str,
+    "lora_scale": as_float,
 }
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
 # Sampling keys `ar` takes that the omni text route cannot return the result of.

@@ -1,0 +1,335 @@
+"""LoRA adapters per request, several in one forward pass, none merged.
+
+A model names the adapters it may use (``lora_adapters``: name -> folder or
+file) and how many stay on the device (``max_loras``; the least recently used
+unpinned one goes first). Each request names its adapter (``lora``) and
+scale (``lora_scale``), or none.
+
+How a batch runs several adapters at once: every linear layer some adapter
+targets is wrapped (``LoraLinear``) once, at load, with ``max_loras`` slots of
+low-rank factors ``A [slots, rank, in]`` and ``B [slots, out, rank]`` (zero
+where an adapter's rank is smaller or it leaves the layer out). A forward
+pass gives each of its rows a slot and a scale (``AdapterRows``); the layer
+adds ``scale * scaling * B[slot] @ A[slot] @ x`` to each row's base output.
+A row without an adapter gets scale 0, so its output is the base layer's bit
+for bit, and a pass where no row has one skips the factors altogether. The
+shapes never depend on which adapters are loaded, so ``compile: blocks``
+compiles a block once for any mix of them: loading an adapter copies its
+factors into a slot's existing tensors.
+
+What an adapter means is diffusers' and PEFT's: its files are read by the
+pipeline class's own ``lora_state_dict`` (which converts the community
+formats), and its rank and alpha per layer by the ``LoraConfig`` diffusers
+builds for ``load_lora_weights``, so a request's image is the pipeline's with
+``load_lora_weights(...)`` and ``set_adapters([name], [scale])``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from triton_omni.errors import RequestValidationError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "transformer"  # where a diffusers LoRA file keeps the denoiser's layers (a UNet's: "unet")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be read or does not fit the model, naming it (and the layer)."""
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter as read from its files: per layer, ``(A [r, in], B [out, r], alpha / r)``."""
+
+    name: str
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def read_adapter(pipeline, network: torch.nn.Module, prefix: str, name: str, source: str) -> AdapterWeights:
+    """An adapter's factors and scalings, as ``pipeline.load_lora_weights(source)`` would load them
+    into ``network``; ``AdapterError`` names the adapter, and the layer where one does not fit."""
+    from diffusers.utils.peft_utils import _create_lora_config
+    from peft.utils.other import get_pattern_key
+
+    try:
+        read = type(pipeline).lora_state_dict(source, return_lora_metadata=True)
+    except Exception as exc:  # a missing folder, a corrupt safetensors file, a format diffusers cannot convert
+        raise AdapterError(f"LoRA adapter {name!r} ({source}) could not be read: {type(exc).__name__}: {exc}") \
+            from None
+    # (state, metadata), or (state, network alphas, metadata) where the format keeps alphas apart (FLUX.1)
+    state, alphas, metadata = read[0], read[1] if len(read) == 3 else None, read[-1]
+    state, alphas, metadata = (None if d is None else {k.removeprefix(f"{prefix}."): v for k, v in d.items()
+                                                       if k.startswith(f"{prefix}.")} or None
+                               for d in (state, alphas, metadata))
+    if state is None:
+        raise AdapterError(f"LoRA adapter {name!r} ({source}) has no layers of the {prefix}")
+    unsupported = sorted({key.rsplit(".", 1)[0] for key in state if (".lora_A." not in key and ".lora_B." not in key)
+                          or key.endswith("lora_B.bias")})
+    if unsupported:
+        raise AdapterError(f"LoRA adapter {name!r}: only plain LoRA factors are served (lora_A, lora_B weights), "
+                           f"found {unsupported[0]}")
+    rank = {f"^{key}": value.shape[1] for key, value in state.items() if "lora_B" in key}
+    config = _create_lora_config(state, alphas, metadata, rank, model_state_dict={}, adapter_name=name)
+    if config.use_dora:
+        raise AdapterError(f"LoRA adapter {name!r} is a DoRA adapter: not served")
+    modules = dict(network.named_modules())
+    layers = {}
+    for key in sorted(state):
+        if not key.endswith(".lora_A.weight"):
+            continue
+        layer = key.removesuffix(".lora_A.weight")
+        a, b = state[key], state.get(f"{layer}.lora_B.weight")
+        base = modules.get(layer)
+        base = base.base if isinstance(base, LoraLinear) else base  # adapted already (a load after the first)
+        if not isinstance(base, torch.nn.Linear):
+            what = "no such layer" if base is None else f"a {type(base).__name__}, not a Linear"
+            raise AdapterError(f"LoRA adapter {name!r} does not fit this model: {layer} ({what})")
+        if b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != base.in_features or \
+                b.shape[0] != base.out_features or a.shape[0] != b.shape[1]:
+            got = "no lora_B" if b is None else f"A {tuple(a.shape)}, B {tuple(b.shape)}"
+            raise AdapterError(f"LoRA adapter {name!r} does not fit this model at {layer}: the layer is "
+                               f"{base.in_features} -> {base.out_features}, the adapter's factors are {got}")
+        r = a.shape[0]
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), layer), config.lora_alpha)
+        layers[layer] = (a, b, alpha / (math.sqrt(r) if config.use_rslora else r))
+    return AdapterWeights(name, layers)
+
+
+class AdapterRows:
+    """Whose rows a forward pass runs: each row's slot and scale (one entry: every row's), read by
+    every ``LoraLinear``. None: no row has an adapter."""
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None  # [rows] int64
+        self.scales: torch.Tensor | None = None  # [rows] float32: 0 for a row without an adapter
+
+    @contextlib.contextmanager
+    def bind(self, rows: list[tuple[int, float] | None], device: torch.device) -> Iterator[None]:
+        """A forward pass whose row ``i`` uses ``rows[i]`` ((slot, scale), or None)."""
+        if all(row is None for row in rows):
+            yield
+            return
+        if len(set(rows)) == 1:  # one adapter for all: one entry, which fits any leading dimension
+            rows = rows[:1]
+        slots = [row[0] if row else 0 for row in rows]
+        scales = [row[1] if row else 0.0 for row in rows]
+        self.slots = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        self.scales = torch.tensor(scales, dtype=torch.float32).to(device, non_blocking=True)
+        try:
+            yield
+        finally:
+            self.slots = self.scales = None
+
+    @contextlib.contextmanager
+    def narrowed(self, rows: torch.Tensor) -> Iterator[None]:
+        """Only ``rows`` of the bound pass run (the step cache's rows that compute)."""
+        slots, scales = self.slots, self.scales
+        if slots is not None and slots.shape[0] > 1:
+            self.slots, self.scales = slots.index_select(0, rows), scales.index_select(0, rows)
+        try:
+            yield
+        finally:
+            self.slots, self.scales = slots, scales
+
+
+class LoraLinear(torch.nn.Module):
+    """A linear layer with ``slots`` adapters' factors beside it, applied per row (module docstring)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, slots: int, rows: AdapterRows, name: str):
+        super().__init__()
+        self.base, self.rows, self.name = base, rows, name
+        weight = base.weight
+        self.register_buffer("lora_a", weight.new_zeros(slots, rank, base.in_features), persistent=False)
+        self.register_buffer("lora_b", weight.new_zeros(slots, base.out_features, rank), persistent=False)
+        self.register_buffer("scaling", torch.zeros(slots, device=weight.device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        slots, scales = self.rows.slots, self.rows.scales
+        if slots is None:
+            return out
+        n = slots.shape[0]
+        if n > 1 and x.shape[0] != n:
+            raise RuntimeError(f"{self.name} got {x.shape[0]} rows in a pass bound to {n}: its input does not "
+                               "keep one row per request (the family's lora_flattened should name it)")
+        h = x.reshape(n, -1, x.shape[-1]).to(self.lora_a.dtype)
+        delta = torch.bmm(torch.bmm(h, self.lora_a.index_select(0, slots).transpose(1, 2)),
+                          self.lora_b.index_select(0, slots).transpose(1, 2))
+        weight = (scales * self.scaling.index_select(0, slots)).to(delta.dtype)
+        return out + (delta * weight.view(n, 1, 1)).reshape(out.shape).to(out.dtype)
+
+    def install(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        """An adapter's factors into ``slot`` (None: the adapter leaves this layer out)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.scaling[slot] = 0.0
+        if factors is not None:
+            a, b, scaling = factors
+            self.lora_a[slot, : a.shape[0]].copy_(a)
+            self.lora_b[slot, :, : b.shape[1]].copy_(b)
+            self.scaling[slot] = scaling
+
+
+@dataclass
+class _Slot:
+    name: str | None = None  # the adapter it holds
+    pins: int = 0  # requests in flight on it
+
+
+class Adapters:
+    """A model's adapters: the configured ones, checked at load; the ``max_loras`` slots on the
+    device, filled on a request's first use (read on a loader thread, copied on the model's torch
+    thread by ``run``), pinned while a request uses them, the least recently used unpinned one
+    emptied first; the counts the metrics report."""
+
+    def __init__(self, pipeline, network: torch.nn.Module, sources: dict[str, str], max_loaded: int,
+                 flattened: tuple[str, ...] = (), prefix: str = PREFIX,
+                 run: Callable[[Callable[[], None]], None] = lambda fn: fn()):
+        if not sources:
+            raise ValueError("no LoRA adapters configured")
+        if max_loaded < 1:
+            raise ValueError(f"model parameter max_loras must be at least 1, got {max_loaded}")
+        self.pipeline, self.network, self.sources, self.prefix, self.run = pipeline, network, sources, prefix, run
+        self.device, self.dtype = next(network.parameters()).device, next(network.parameters()).dtype
+        ranks: dict[str, int] = {}
+        for name, source in sources.items():  # every adapter read once now: one that does not fit fails the load
+            for layer, (a, _, _) in read_adapter(pipeline, network, prefix, name, source).layers.items():
+                if layer.startswith(flattened):
+                    raise AdapterError(f"LoRA adapter {name!r} targets {layer}, whose input holds every request's "
+                                       "tokens at once: adapters per request cannot apply there")
+                ranks[layer] = max(ranks.get(layer, 0), a.shape[0])
+        self.rows = AdapterRows()
+        self.layers = self._wrap(ranks, min(max_loaded, len(sources)))
+        self.slots = [_Slot() for _ in range(min(max_loaded, len(sources)))]
+        self._lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recent first
+        self._loading: dict[str, Future] = {}
+        self._lock = threading.Condition()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="omni-lora-loader")
+        self.requests: Counter[str] = Counter()  # requests per adapter
+        self.loads = 0
+        self.evictions = 0
+        logger.info("LoRA: %d adapters (%s), %d slots on %s, %d layers adapted", len(sources),
+                    ", ".join(sources), len(self.slots), self.device, len(self.layers))
+
+    def _wrap(self, ranks: dict[str, int], slots: int) -> dict[str, LoraLinear]:
+        layers = {}
+        for name, rank in ranks.items():
+            parent, _, child = name.rpartition(".")
+            owner = self.network.get_submodule(parent) if parent else self.network
+            layers[name] = LoraLinear(getattr(owner, child), rank, slots, self.rows, name)
+            setattr(owner, child, layers[name])
+        return layers
+
+    def check(self, name: str) -> None:
+        if name not in self.sources:
+            raise RequestValidationError("lora", f"unknown adapter; this model serves {sorted(self.sources)}", name)
+
+    def acquire(self, name: str) -> Future:
+        """A future of the slot holding ``name``, pinned until ``release``: at once if it is
+        resident, else once it is read and copied in (other requests keep stepping meanwhile)."""
+        self.check(name)
+        with self._lock:
+            self.requests[name] += 1
+            slot = self._lru.get(name)
+            if slot is not None:
+                self._lru.move_to_end(name)
+                self.slots[slot].pins += 1
+                done: Future = Future()
+                done.set_result(slot)
+                return done
+            if name not in self._loading:
+                self._loading[name] = self._loader.submit(self._load, name)
+            loading = self._loading[name]
+        pinned: Future = Future()
+        loading.add_done_callback(lambda f: self._pin_after_load(name, f, pinned))
+        return pinned
+
+    def _pin_after_load(self, name: str, loaded: Future, pinned: Future) -> None:
+        if loaded.exception() is not None:
+            pinned.set_exception(loaded.exception())
+            return
+        with self._lock:
+            slot = self._lru.get(name)
+            if slot is None:  # emptied again before this request pinned it (many adapters, few slots): reload
+                self._loading.setdefault(name, self._loader.submit(self._load, name))
+                self._loading[name].add_done_callback(lambda f: self._pin_after_load(name, f, pinned))
+                return
+            self.slots[slot].pins += 1
+        pinned.set_result(slot)
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self.slots[slot].pins -= 1
+            self._lock.notify_all()
+
+    def _load(self, name: str) -> int:
+        """On the loader thread: read the adapter, move it to the device, wait for a free slot, copy it
+        in (on the model's torch thread)."""
+        try:
+            weights = read_adapter(self.pipeline, self.network, self.prefix, name, self.sources[name])
+            factors = {layer: (a.to(self.device, self.dtype), b.to(self.device, self.dtype), scaling)
+                       for layer, (a, b, scaling) in weights.layers.items()}
+            slot = self._free_slot()
+            self.run(lambda: [layer.install(slot, factors.get(name_)) for name_, layer in self.layers.items()])
+            with self._lock:
+                self.slots[slot].name = name
+                self._lru[name] = slot
+                self.loads += 1
+            logger.info("LoRA adapter %r loaded into slot %d", name, slot)
+            return slot
+        finally:
+            with self._lock:
+                self._loading.pop(name, None)
+
+    def _free_slot(self) -> int:
+        """An empty slot, or the least recently used unpinned one, emptied (waits while all are pinned)."""
+        with self._lock:
+            while True:
+                for index, slot in enumerate(self.slots):
+                    if slot.name is None:
+                        return index
+                for name, index in self._lru.items():
+                    if self.slots[index].pins == 0:
+                        del self._lru[name]
+                        self.slots[index].name = None
+                        self.evictions += 1
+                        logger.info("LoRA adapter %r evicted from slot %d", name, index)
+                        return index
+                self._lock.wait()
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return list(self._lru)
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def parse_sources(text: str, base: Path | None = None) -> dict[str, str]:
+    """The ``lora_adapters`` model parameter: a JSON object, adapter name -> folder, file or hub id
+    (a relative path is taken from ``base``, the model's folder)."""
+    import json
+
+    try:
+        sources = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model parameter lora_adapters must be a JSON object (name -> path): {exc}") from None
+    if not isinstance(sources, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                 for k, v in sources.items()):
+        raise ValueError("model parameter lora_adapters must be a JSON object of names to paths")
+    if base is not None:
+        sources = {k: str(base / v) if not Path(v).is_absolute() and (base / v).exists() else v
+                   for k, v in sources.items()}
+    return sources
