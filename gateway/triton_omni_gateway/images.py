@@ -99,7 +99,8 @@ class ImageModels:
 
 def _options(request: ImageRequest) -> dict[str, Any]:
     values = {"num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance(),
-              "seed": request.seed, "step_cache": request.step_cache}
+              "seed": request.seed, "step_cache": request.step_cache, "lora": request.lora,
+              "lora_scale": request.lora_scale}
     size = request.dimensions()
     if size is not None:
         values["width"], values["height"] = size

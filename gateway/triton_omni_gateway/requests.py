@@ -167,6 +167,8 @@ class ImageRequest(_Body):
     negative_prompt: StrictStr | None = None
     enhance_prompt: StrictBool | None = None  # the omni model's prompt rewrite
     step_cache: StrictStr | None = None  # the diffusion model's step cache (off, first_block[:THRESHOLD])
+    lora: StrictStr | None = None  # a LoRA adapter the diffusion model serves, and its scale
+    lora_scale: Number | StrictInt | None = None
 
     @field_validator("style")
     @classmethod
@@ -204,7 +206,8 @@ class ImageEditRequest(ImageRequest):
 
 
 # Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes
-FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float}
+FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float,
+                "lora_scale": float}
 FORM_BOOLS = {"enhance_prompt"}
 
 

@@ -167,6 +167,21 @@ def _add_image_options(parser) -> None:
     parser.add_argument("--width", type=int)
     parser.add_argument("--guidance", type=float, dest="guidance_scale")
     parser.add_argument("--negative-prompt")
+    parser.add_argument("--lora", type=_lora, metavar="NAME[:SCALE]",
+                        help="a LoRA adapter the diffusion model serves (its lora_adapters), at SCALE (default 1)")
+
+
+def _lora(text: str) -> dict:
+    """``--lora NAME[:SCALE]`` as the request's ``lora`` and ``lora_scale``."""
+    name, colon, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    if not name:
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME:SCALE, got {text!r}")
+    if not colon:
+        return {"lora": name}
+    try:
+        return {"lora": name, "lora_scale": float(scale)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the scale in {text!r} must be a number") from None
 
 
 def _add_param_option(parser, help_text: str) -> None:
@@ -241,7 +256,7 @@ def _generate(args) -> int:
         return 2
     names = ("max_tokens", "num_inference_steps", "seed", "height", "width", "guidance_scale", "negative_prompt",
              "num_images")
-    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None} | (args.lora or {})
     bars: dict[int, tqdm] = {}
     written = []
     # A bar as wide as the terminal wraps to a new line at every redraw in some terminals (tmux).
@@ -357,7 +372,7 @@ def _generate_image(args) -> int:
     from triton_omni_client import InputValueError, OmniClient, OmniError
 
     options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")
-               if getattr(args, k) is not None}
+               if getattr(args, k) is not None} | (args.lora or {})
     client = OmniClient(args.url, protocol=args.protocol)
     try:
         if args.stream:

@@ -196,12 +196,16 @@ class Adapters:
 
     def __init__(self, pipeline, network: torch.nn.Module, sources: dict[str, str], max_loaded: int,
                  flattened: tuple[str, ...] = (), prefix: str = PREFIX,
-                 run: Callable[[Callable[[], None]], None] = lambda fn: fn()):
+                 run: Callable[[Callable[[], None]], None] = lambda fn: fn(),
+                 on_event: Callable[[str, str], None] | None = None):
+        """``run(fn)``: ``fn`` on the model's torch thread, returning when it is done; ``on_event(event,
+        adapter)``: each ``request``, ``load`` and ``eviction`` (the metrics)."""
         if not sources:
             raise ValueError("no LoRA adapters configured")
         if max_loaded < 1:
             raise ValueError(f"model parameter max_loras must be at least 1, got {max_loaded}")
         self.pipeline, self.network, self.sources, self.prefix, self.run = pipeline, network, sources, prefix, run
+        self.on_event = on_event or (lambda event, name: None)
         self.device, self.dtype = next(network.parameters()).device, next(network.parameters()).dtype
         ranks: dict[str, int] = {}
         for name, source in sources.items():  # every adapter read once now: one that does not fit fails the load
@@ -217,9 +221,7 @@ class Adapters:
         self._loading: dict[str, Future] = {}
         self._lock = threading.Condition()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="omni-lora-loader")
-        self.requests: Counter[str] = Counter()  # requests per adapter
-        self.loads = 0
-        self.evictions = 0
+        self.counts: Counter[tuple[str, str]] = Counter()  # (event, adapter) -> times
         logger.info("LoRA: %d adapters (%s), %d slots on %s, %d layers adapted", len(sources),
                     ", ".join(sources), len(self.slots), self.device, len(self.layers))
 
@@ -240,8 +242,8 @@ class Adapters:
         """A future of the slot holding ``name``, pinned until ``release``: at once if it is
         resident, else once it is read and copied in (other requests keep stepping meanwhile)."""
         self.check(name)
+        self._count("request", name)
         with self._lock:
-            self.requests[name] += 1
             slot = self._lru.get(name)
             if slot is not None:
                 self._lru.move_to_end(name)
@@ -286,7 +288,7 @@ class Adapters:
             with self._lock:
                 self.slots[slot].name = name
                 self._lru[name] = slot
-                self.loads += 1
+            self._count("load", name)
             logger.info("LoRA adapter %r loaded into slot %d", name, slot)
             return slot
         finally:
@@ -304,10 +306,14 @@ class Adapters:
                     if self.slots[index].pins == 0:
                         del self._lru[name]
                         self.slots[index].name = None
-                        self.evictions += 1
+                        self._count("eviction", name)
                         logger.info("LoRA adapter %r evicted from slot %d", name, index)
                         return index
                 self._lock.wait()
+
+    def _count(self, event: str, name: str) -> None:
+        self.counts[event, name] += 1
+        self.on_event(event, name)
 
     def resident(self) -> list[str]:
         with self._lock:

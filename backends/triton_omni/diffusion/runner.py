@@ -178,9 +178,11 @@ class _Job:
 
 class DiffusionRunner:
     def __init__(self, config: DiffusionRunnerConfig, on_batch: Callable[[int], None] | None = None,
-                 on_capture: Callable[[], None] | None = None):
+                 on_capture: Callable[[], None] | None = None, on_lora: Callable[[str, str], None] | None = None):
         """``on_batch``: step batching calls it with each step's request count;
-        ``on_capture``: called after each CUDA graph capture."""
+        ``on_capture``: called after each CUDA graph capture; ``on_lora(event, adapter)``: each
+        request with an adapter, each adapter loaded and each evicted (``lora.Adapters``)."""
+        self._on_lora = on_lora
         from diffusers import DiffusionPipeline
 
         self.config = config
@@ -243,7 +245,7 @@ class DiffusionRunner:
         c = self.config
         self.adapters = self._on_torch_thread(lambda: Adapters(
             self.pipeline, self.family.network, c.lora_adapters, c.max_loras, self.family.lora_flattened,
-            run=self._on_torch_thread))
+            run=self._on_torch_thread, on_event=self._on_lora))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
         if self.graphs is not None:  # a captured graph would hold one pass's adapters

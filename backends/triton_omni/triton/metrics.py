@@ -185,14 +185,14 @@ class StageMetrics:
 
     def finished(self, outcome: str, started: float | None = None) -> None:
         """Count a finished request; ``started`` (``time.monotonic()``) adds its duration."""
-        self._count(self._requests, outcome=outcome)
+        self.count(self._requests, outcome=outcome)
         if started is not None:
             self.duration.observe(time.monotonic() - started)
 
     def rejected(self, reason: str) -> None:
-        self._count(self._rejected, reason=reason)
+        self.count(self._rejected, reason=reason)
 
-    def _count(self, metric_family, **extra: str) -> None:
+    def count(self, metric_family, **extra: str) -> None:
         """+1 on the family's metric with these extra labels (made on first use, on the submitting thread)."""
         key = (id(metric_family), *sorted(extra.items()))
         with self._by_label_lock:

@@ -1,0 +1,56 @@
+"""Tiny LoRA adapters for the demo pipelines, built the way their users train and save them: a
+PEFT ``LoraConfig`` added to the pipeline's transformer, its factors drawn at random (trained
+ones would be as arbitrary here), saved by the pipeline's own ``save_lora_weights``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from tests.support.pipelines import pipeline
+
+# Every linear layer of the blocks' attention; Z-Image's feed-forward too (its names differ)
+TARGETS = {"z-image": ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]}
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def build_lora(family: str, folder: Path, seed: int, rank: int = 4, alpha: float | None = None,
+               targets: list[str] | None = None, spread: float = 0.3) -> Path:
+    """A LoRA of ``family``'s demo transformer in ``folder`` (``pytorch_lora_weights.safetensors``)."""
+    pipe = pipeline(family)
+    transformer = copy.deepcopy(pipe.transformer)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets or TARGETS.get(family, ATTENTION),
+                        init_lora_weights=False)
+    transformer.add_adapter(config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in transformer.named_parameters():
+        if "lora_" in name:
+            parameter.data = torch.randn(parameter.shape, generator=generator) * spread
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                 transformer_lora_adapter_metadata=config.to_dict())
+    return folder
+
+
+def with_adapter(family: str, folder: Path | None, scale: float = 1.0):
+    """The demo pipeline with the adapter in ``folder`` loaded and set at ``scale`` (None: with none),
+    as its users run one: ``load_lora_weights`` then ``set_adapters``. Undone on exit."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def loaded():
+        pipe = pipeline(family)
+        if folder is None:
+            yield pipe
+            return
+        pipe.load_lora_weights(str(folder), adapter_name="request")
+        pipe.set_adapters(["request"], [scale])
+        try:
+            yield pipe
+        finally:
+            pipe.delete_adapters(["request"])
+
+    return loaded()
