@@ -258,6 +258,8 @@ BAD_INPUTS = {
     "steps 0": (_bad(prompt="x", num_inference_steps=0), "num_inference_steps"),
     "too many steps": (_bad(prompt="x", num_inference_steps=5000), "num_inference_steps"),
     "negative guidance": (_bad(prompt="x", guidance_scale=-1.0), "guidance_scale"),
+    "an adapter the model lacks": (_bad(prompt="x", lora="anime"), "lora"),
+    "a scale without an adapter": (_bad(prompt="x", lora_scale=0.5), "lora_scale"),
     "wrong dtype": (_bad(prompt_embeds=np.zeros((4, 128), np.float64)), "prompt_embeds"),
     # (a different token count is fine: the shorter side is padded)
     "negative embeds width": (_bad(prompt_embeds=embeds(0), negative_prompt_embeds=np.zeros((3, 64), np.float32),
@@ -335,3 +337,16 @@ def test_a_decoupled_diffusion_refuses_bad_input_by_name(server):
     with pytest.raises(OmniError, match="num_inference_steps") as error:
         OmniClient(server.grpc_url).stream_image("a red fox", num_inference_steps=0)
     assert error.value.status == "INVALID_ARG"
+
+
+@pytest.mark.parametrize("route", ["text_to_image", "omni"])
+def test_the_ensemble_and_omni_hand_lora_to_diffusion(grpc_url, route):
+    """They pass it on: the SD demo's diffusion serves no adapters, and says so naming it."""
+    client = OmniClient(grpc_url)
+    with pytest.raises(OmniError) as refused:
+        if route == "omni":
+            list(client.generate("a fox", modalities=["image"], lora="anime", num_inference_steps=2))
+        else:
+            client.generate_image("a fox", model=route, lora="anime", num_inference_steps=2)
+    assert refused.value.status == "INVALID_ARG" and "lora" in str(refused.value)
+    assert "serves no LoRA adapters" in str(refused.value)
