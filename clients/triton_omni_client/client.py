@@ -112,8 +112,8 @@ class OmniClient:
         """Yield text as it arrives (one chunk when ``stream`` is false).
 
         ``options``: the scalar inputs of ``ar`` (``max_tokens``, ``seed``,
-        ``return_logprobs``, ...); ``sampling_parameters``: any vLLM sampling
-        key. The last chunk carries ``finish_reason`` unless
+        ``return_logprobs``, ..., ``lora``: one of its LoRA adapters); ``sampling_parameters``: any
+        vLLM sampling key. The last chunk carries ``finish_reason`` unless
         ``return_finish_reason=False``."""
         options = {"stream": stream, "return_finish_reason": True, **options}
         if self.protocol == "http":
@@ -126,6 +126,9 @@ class OmniClient:
 
         inputs = [_bytes_input(grpcclient, "text_input", [prompt])]
         for name, value in options.items():
+            if isinstance(value, str):  # a text input (`lora`)
+                inputs.append(_bytes_input(grpcclient, name, [value]))
+                continue
             tensor = grpcclient.InferInput(name, [1], SCALAR_INPUTS[name].wire_type)
             tensor.set_data_from_numpy(SCALAR_INPUTS[name].scalar(value))
             inputs.append(tensor)

@@ -118,21 +118,30 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request, ChatRequest)
+        model, adapter = await served_by(body.model)
         try:
-            prompt = await templates.render(body.model, body.chat())
+            prompt = await templates.render(model, body.chat())
         except OpenAIError as error:
-            if error.param == "model" and body.model not in await triton.models():
+            if error.param == "model" and model not in await triton.models():
                 raise model_not_found(body.model) from None
             raise
-        return await text_response(request, body, chat_endpoint(body), prompt)
+        return await text_response(request, body, chat_endpoint(body), prompt, model, adapter)
 
     @app.post("/v1/completions")
     async def complete(request: Request):
         body = await body_of(request, CompletionRequest)
-        return await text_response(request, body, completion_endpoint(body), body.text())
+        return await text_response(request, body, completion_endpoint(body), body.text(),
+                                   *await served_by(body.model))
 
-    async def text_response(request: Request, body, endpoint, prompt: str):
-        stream = deltas(triton, body.model, prompt, body.sampling())
+    async def served_by(name: str) -> tuple[str, str | None]:
+        """(the Triton model, the LoRA adapter or None) a request's ``model`` names: an adapter of a
+        model (vLLM's convention: an adapter is a model of its own), else a model."""
+        base = (await triton.adapters()).get(name)
+        return (name, None) if base is None else (base, name)
+
+    async def text_response(request: Request, body, endpoint, prompt: str, model: str, adapter: str | None):
+        sampling = body.sampling() | ({"lora_name": adapter} if adapter else {})
+        stream = deltas(triton, model, prompt, sampling)
         if not body.stream:
             return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
         # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
@@ -149,14 +158,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request, settings.key)
-        return {"object": "list", "data": [_model(name) for name in await triton.models()]}
+        adapters = await triton.adapters()
+        return {"object": "list", "data": [_model(name) for name in await triton.models()] +
+                [_model(name, parent) for name, parent in adapters.items()]}
 
     @app.get("/v1/models/{name}")
     async def model(request: Request, name: str):
         authorize(request, settings.key)
-        if name not in await triton.models():
+        if name in await triton.models():
+            return _model(name)
+        parent = (await triton.adapters()).get(name)
+        if parent is None:
             raise model_not_found(name)
-        return _model(name)
+        return _model(name, parent)
 
     @app.get("/health")
     async def health():
@@ -211,5 +225,7 @@ def authorize(request: Request, key: str | None) -> None:
                           code="invalid_api_key")
 
 
-def _model(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "triton-omni"}
+def _model(name: str, parent: str | None = None) -> dict:
+    """A model's entry; an adapter's names its model as ``parent`` (vLLM's field)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "triton-omni"} | \
+        ({"parent": parent, "root": name} if parent else {})

@@ -8,7 +8,9 @@ the model (the ``ar`` model counts it as ``outcome="cancelled"``).
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -32,10 +34,14 @@ CHANNEL_ARGS = [
 ]
 
 
+ADAPTERS_TTL_S = 10.0
+
+
 class Triton:
     def __init__(self, url: str):
         self.url = url
         self._client: aioclient.InferenceServerClient | None = None
+        self._adapters: tuple[float, dict[str, str]] | None = None  # (when read, adapters)
 
     @property
     def client(self) -> aioclient.InferenceServerClient:
@@ -61,6 +67,35 @@ class Triton:
         except InferenceServerException as error:
             raise from_triton(as_omni_error(error), "") from None
         return sorted({m["name"] for m in statistics.get("model_stats", [])})
+
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters of the text models Triton serves: adapter name -> its model (the
+        ``lora_adapters`` parameter of an ``ar`` model's config). As vLLM's server does, each is a
+        model of its own to ``/v1/models`` and to a chat or completion request's ``model``. Read
+        again at most every ``ADAPTERS_TTL_S``: every text request asks, and a model's
+        configuration changes only when it is loaded again."""
+        now = time.monotonic()
+        if self._adapters is None or now - self._adapters[0] > ADAPTERS_TTL_S:
+            self._adapters = (now, await self._read_adapters())
+        return self._adapters[1]
+
+    async def _read_adapters(self) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for model in await self.models():
+            try:
+                config = (await self.client.get_model_config(model, as_json=True))["config"]
+            except InferenceServerException:
+                continue
+            parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+            if config.get("backend") != "omni_ar" or parameters.get("mode", "generate") != "generate":
+                continue
+            try:
+                names = json.loads(parameters.get("lora_adapters") or "{}")
+            except json.JSONDecodeError:
+                continue
+            for name in names:
+                found.setdefault(name, model)
+        return found
 
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""

@@ -34,6 +34,9 @@ AR_GENERATE_INPUTS = [
     TensorSpec("frequency_penalty", "TYPE_FP32"),
     TensorSpec("presence_penalty", "TYPE_FP32"),
     TensorSpec("repetition_penalty", "TYPE_FP32"),
+    # a LoRA adapter the model serves (its lora_adapters parameter); Triton's vLLM backend's clients
+    # name it `lora_name` in sampling_parameters, which is read too
+    TensorSpec("lora", "TYPE_STRING"),
 ]
 # One entry per completion (`n`), as in Triton's vLLM backend; all but
 # text_output are sent only when the matching return_* input is true.
@@ -54,7 +57,9 @@ AR_ENCODE_INPUTS = [TensorSpec("text_input", "TYPE_STRING", optional=False),
                     TensorSpec("negative_prompt", "TYPE_STRING"),
                     # input image files, read with the prompt where the family's text encoder reads
                     # them (Qwen-Image-Edit's vision tower); ignored otherwise (they are the DiT's)
-                    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs")]
+                    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
+                    # a LoRA adapter of the text encoder (its lora_adapters parameter), for both sides
+                    TensorSpec("lora", "TYPE_STRING")]
 
 
 def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:

@@ -3,7 +3,7 @@
 It serves the default repositories (``model_repository/`` with engine
 ``auto`` = vLLM here, and ``ensemble/``) plus a repository of variants:
 ``*_transformers`` copies of the AR configs, so both engines pass the same
-behaviour tests, ``diffusion_exact``, the diffusion stage with request
+behaviour tests (``ar_transformers`` with two LoRA adapters), ``diffusion_exact``, the diffusion stage with request
 batching padded to a fixed size (the default is step batching),
 ``diffusion_pair``, two instances of the default ``diffusion``
 (``diffusion_pair_small``: with room for two guided requests each),
@@ -17,6 +17,7 @@ in front of it on demand. Helpers live in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -34,6 +35,7 @@ from triton_omni_tools.launcher import (
 )
 from triton_omni_tools.repository import copy_model
 
+from tests.support.loras import build_llm_lora
 from tests.support.server import assert_group_gone, process_group, require_alive
 
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
@@ -44,7 +46,11 @@ DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
 def server(tmp_path_factory):
     build_all()
     variants = tmp_path_factory.mktemp("variants")
-    copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_transformers", parameters={"engine": "transformers"})
+    # with two LoRA adapters in its folder, named by relative paths (test_ar_lora.py)
+    lora_model = copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_transformers", parameters={
+        "engine": "transformers", "lora_adapters": json.dumps({"pirate": "loras/pirate", "poet": "loras/poet"})})
+    build_llm_lora(lora_model / "loras" / "pirate", seed=1)
+    build_llm_lora(lora_model / "loras" / "poet", seed=2, rank=4, targets=("q_proj", "v_proj"))
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_transformers",
                parameters={"engine": "transformers"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_exact",

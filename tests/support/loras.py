@@ -54,3 +54,37 @@ def with_adapter(family: str, folder: Path | None, scale: float = 1.0):
             pipe.delete_adapters(["request"])
 
     return loaded()
+
+
+def build_llm_lora(folder: Path, seed: int, rank: int = 8, alpha: float | None = None,
+                   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"), spread: float = 0.3) -> Path:
+    """A PEFT LoRA of the demo AR model (``demo:tiny-qwen2``) in ``folder``, as ``save_pretrained``
+    writes one (``adapter_config.json``, ``adapter_model.safetensors``)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from triton_omni.demo_models import AR_DEMO, resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(f"demo:{AR_DEMO}"), dtype=torch.float32)
+    adapted = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                                               init_lora_weights=False))
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in adapted.named_parameters():
+        if "lora_" in name:
+            parameter.data = torch.randn(parameter.shape, generator=generator) * spread
+    adapted.save_pretrained(folder)
+    return folder
+
+
+def merged_llm(adapter: Path, folder: Path) -> Path:
+    """The demo AR model with ``adapter`` merged into its weights by PEFT (``merge_and_unload``), saved
+    with its tokenizer in ``folder``: what the model with that adapter is, as one model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from triton_omni.demo_models import AR_DEMO, resolve_model
+
+    path = resolve_model(f"demo:{AR_DEMO}")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), str(adapter))
+    model.merge_and_unload().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
+    return folder

@@ -1,4 +1,4 @@
-"""LoRA adapters per request (``diffusion/lora.py``), on the tiny DiTs and the CPU: requests with
+"""LoRA adapters per request (``lora.py``), on the tiny DiTs and the CPU: requests with
 different adapters and scales share one step batch, and each image equals the family's pipeline
 with ``load_lora_weights(...)`` and ``set_adapters([name], [scale])`` for that request alone; a
 request without one equals the same batch on a model with no adapters, bit for bit. An adapter
@@ -14,8 +14,8 @@ import pytest
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion import runner as runner_module
-from triton_omni.diffusion.lora import AdapterError, parse_sources
 from triton_omni.errors import RequestValidationError
+from triton_omni.lora import AdapterError, parse_sources
 
 from tests.support.loras import build_lora, with_adapter
 from tests.support.pipelines import DEMO_PIPELINES, GUIDANCE_KEYWORD, call, levels_apart

@@ -20,6 +20,7 @@ attention layers (Llama, Qwen2, Mistral without a sliding window, ...).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the batcher for seeded requests
         self.text = _TextStream(tokenizer, options, emit)
         self.emit = emit
+        self.lora: tuple[int, float] | None = None  # its LoRA adapter's (slot, scale) (triton_omni.lora)
         self.done = False
         self._cancelled = threading.Event()
 
@@ -86,8 +88,10 @@ class Sequence:
 class StepBatcher:
     """Decodes the running sequences together, one step at a time, on its own thread."""
 
-    def __init__(self, model, device: torch.device, max_num_seqs: int):
+    def __init__(self, model, device: torch.device, max_num_seqs: int, adapter_rows=None):
+        """``adapter_rows``: the model's ``AdapterRows`` where it has LoRA adapters (each row its own)."""
         self.model = model
+        self.adapter_rows = adapter_rows
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device)  # for unseeded requests
@@ -152,7 +156,8 @@ class StepBatcher:
             return
         cache = DynamicCache()
         input_ids = torch.tensor([sequence.prompt_ids], device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with self._adapted([sequence]):
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         mask = torch.ones(1, len(sequence.prompt_ids), dtype=torch.long, device=self.device)
         self._stack(cache, mask)
         self.rows.append(sequence)
@@ -164,11 +169,18 @@ class StepBatcher:
         input_ids = torch.tensor([[s.output_ids[-1]] for s in rows], device=self.device)
         position_ids = torch.tensor([[s.position] for s in rows], device=self.device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
-        out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
-                         past_key_values=self._cache, use_cache=True)
+        with self._adapted(rows):
+            out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
+                             past_key_values=self._cache, use_cache=True)
         for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator), strict=True):
             sequence.position += 1
             sequence.accept(token)
+
+    def _adapted(self, rows: list[Sequence]) -> contextlib.AbstractContextManager:
+        """Around a forward pass of ``rows``: each row with its adapter."""
+        if self.adapter_rows is None:
+            return contextlib.nullcontext()
+        return self.adapter_rows.bind([sequence.lora for sequence in rows], self.device)
 
     def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         if not self.rows:

@@ -54,9 +54,9 @@ class ArEngine(ABC):
 
     @abstractmethod
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
-        """Generate, handing each delta to ``on_delta`` on the loop's thread as
-        it comes; return when the request is done (each completion's last
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
+        """Generate (``lora``: with that adapter of the model's), handing each delta to ``on_delta``
+        on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
         Cancelled, the engine forgets the request and calls ``on_delta`` no more.
 
@@ -73,8 +73,9 @@ class ArEngine(ABC):
 
     @abstractmethod
     async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
-                     attended: list[int] | None = None) -> list[torch.Tensor]:
-        """Hidden states ``[num_tokens, len(layers) * hidden]`` of each prompt: the states of
+                     attended: list[int] | None = None, loras: list[str | None] | None = None) -> list[torch.Tensor]:
+        """Hidden states ``[num_tokens, len(layers) * hidden]`` of each prompt (``loras``: each with
+        its adapter, or None), the states of
         ``layers`` (-1: the last) joined per token, layer after layer. ``attended``: how many of each
         prompt's leading tokens the model attends to; the rest is padding whose states are returned
         too (a pipeline that pads to a fixed length conditions on them). None: every token."""

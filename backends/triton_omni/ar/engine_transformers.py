@@ -15,6 +15,8 @@ other key set to a value that would change the result (``n > 1``, logprobs,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,7 @@ from triton_omni.ar.batching import Sequence, StepBatcher
 from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.sampling import TRANSFORMERS_KEYS, SamplingOptions
 from triton_omni.errors import RequestValidationError
+from triton_omni.lora import Adapters, read_peft_adapter
 
 DEFAULT_MAX_NUM_SEQS = 32  # rows decoded together; vLLM's name for the same bound
 
@@ -33,14 +36,19 @@ class TransformersEngine(ArEngine):
     name = "transformers"
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 encoder: bool = False):
+                 encoder: bool = False, adapters: dict[str, str] | None = None, max_loras: int = 4):
         """``encoder``: the model only encodes (``ar_encoder``): its base model, no LM head, no
-        batcher; any text model transformers knows, the text encoders of diffusion pipelines too."""
+        batcher; any text model transformers knows, the text encoders of diffusion pipelines too.
+        ``adapters``: LoRA adapters (name -> PEFT folder) requests may name, ``max_loras`` of them on
+        the device, requests with different ones decoded in one forward pass (``triton_omni.lora``)."""
         self.device = torch.device(device)
         load = AutoModel if encoder else AutoModelForCausalLM
         self.model = load.from_pretrained(model, dtype=dtype).to(self.device).eval()
         self.hidden_size = self.model.config.get_text_config().hidden_size
-        self.batcher = None if encoder else StepBatcher(self.model, self.device, max_num_seqs)
+        self.adapters = Adapters(self.model, functools.partial(read_peft_adapter, self.model), adapters,
+                                 max_loras) if adapters else None
+        rows = None if self.adapters is None else self.adapters.rows
+        self.batcher = None if encoder else StepBatcher(self.model, self.device, max_num_seqs, rows)
         if not encoder:
             self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-encode")
@@ -58,12 +66,30 @@ class TransformersEngine(ArEngine):
                 "supported by the transformers engine (engine 'vllm' supports them)", None, show_value=False)
 
     async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                       logprobs: int | None = None) -> AsyncIterator[Delta]:
+                       logprobs: int | None = None, lora: str | None = None) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
                             emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        async with self._adapter(lora) as slot:
+            sequence.lora = slot
+            async for delta in self._run(sequence, request_id, queue):
+                yield delta
+
+    @contextlib.asynccontextmanager
+    async def _adapter(self, lora: str | None):
+        """The (slot, scale) of ``lora`` on the device, pinned while the request runs (None: none)."""
+        if lora is None:
+            yield None
+            return
+        slot = await asyncio.wrap_future(self.adapters.acquire(lora))
+        try:
+            yield slot, 1.0
+        finally:
+            self.adapters.release(slot)
+
+    async def _run(self, sequence: Sequence, request_id: str, queue: asyncio.Queue) -> AsyncIterator[Delta]:
         self._sequences[request_id] = sequence
         self.batcher.submit(sequence)
         try:
@@ -79,8 +105,8 @@ class TransformersEngine(ArEngine):
             self._sequences.pop(request_id, None)
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
-        async for delta in self.generate(prompt_ids, options, request_id, logprobs):
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
+        async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:
@@ -93,12 +119,15 @@ class TransformersEngine(ArEngine):
             sequence.cancel()
 
     async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
-                     attended: list[int] | None = None) -> list[torch.Tensor]:
-        return await asyncio.get_running_loop().run_in_executor(self._encoder, self._encode_blocking, batch, layers,
-                                                                attended)
+                     attended: list[int] | None = None, loras: list[str | None] | None = None) -> list[torch.Tensor]:
+        loras = loras or [None] * len(batch)
+        async with contextlib.AsyncExitStack() as stack:
+            slots = {lora: await stack.enter_async_context(self._adapter(lora)) for lora in set(loras)}
+            return await asyncio.get_running_loop().run_in_executor(
+                self._encoder, self._encode_blocking, batch, layers, attended, [slots[lora] for lora in loras])
 
     def _encode_blocking(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
-                         attended: list[int] | None = None) -> list[torch.Tensor]:
+                         attended: list[int] | None = None, rows: list | None = None) -> list[torch.Tensor]:
         """One padded forward pass for the whole batch; right padding keeps
         each prompt's positions identical to an unbatched run."""
         lengths = [len(ids) for ids in batch]
@@ -108,13 +137,16 @@ class TransformersEngine(ArEngine):
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention_mask[row, : attended[row]] = 1
-        with torch.inference_mode():
+        adapted = contextlib.nullcontext() if self.adapters is None else self.adapters.rows.bind(rows, self.device)
+        with torch.inference_mode(), adapted:
             out = self.model(input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                              output_hidden_states=True)
         hidden = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
         return [hidden[row, :length] for row, length in enumerate(lengths)]
 
     async def shutdown(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
         if self.batcher is not None:
             self.batcher.stop()
         self._encoder.shutdown(wait=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -38,10 +39,13 @@ class VllmEngine(ArEngine):
     name = "vllm"
 
     def __init__(self, model: str, mode: str, dtype: str, max_model_len: int, engine_args: dict[str, Any],
-                 seat: EngineSeat | None = None, cpus: frozenset[int] | None = None):
+                 seat: EngineSeat | None = None, cpus: frozenset[int] | None = None,
+                 adapters: dict[str, str] | None = None, max_loras: int = 4):
         """``seat``: this instance's place in front of an engine core it
         shares with other instances (shared_engine.py); None: its own engine.
-        ``cpus``: the CPUs the engine core it starts runs on (cpu_affinity.py)."""
+        ``cpus``: the CPUs the engine core it starts runs on (cpu_affinity.py).
+        ``adapters``: LoRA adapters (name -> PEFT folder) requests may name; vLLM keeps
+        ``max_loras`` on the device and batches requests of different adapters together."""
         from transformers import AutoConfig
 
         # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
@@ -60,6 +64,11 @@ class VllmEngine(ArEngine):
             # wait for at every server start (benchmarks/engine_start.py). `engine_args`
             # {"enforce_eager": false} compiles.
             args["enforce_eager"] = True
+        self.adapters = {name: LoRARequest(name, index + 1, path)
+                         for index, (name, path) in enumerate(sorted((adapters or {}).items()))}
+        if self.adapters:
+            args |= {"enable_lora": True, "max_loras": min(max_loras, len(self.adapters)),
+                     "max_lora_rank": lora_rank(adapters.values())}
         args |= engine_args  # model parameter `engine_args` (JSON) overrides anything above
         self.seat, self._watch = seat, None
         if seat is None:
@@ -96,7 +105,7 @@ class VllmEngine(ArEngine):
             raise _validation_error(exc) from None
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None]) -> None:
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -125,7 +134,8 @@ class VllmEngine(ArEngine):
                 done.set_exception(exc)
 
         try:
-            collector = await self.engine.add_request(request_id, engine_input(prompt_ids), params)
+            collector = await self.engine.add_request(request_id, engine_input(prompt_ids), params,
+                                                      lora_request=self.adapters.get(lora) if lora else None)
         except Exception as exc:
             if type(exc).__name__ == "VLLMValidationError":  # raised by the engine's input checks
                 raise _validation_error(exc) from None
@@ -146,22 +156,25 @@ class VllmEngine(ArEngine):
         await self.engine.abort(request_id)
 
     async def encode(self, batch: list[list[int]], layers: tuple[int, ...] = (-1,),
-                     attended: list[int] | None = None) -> list[torch.Tensor]:
+                     attended: list[int] | None = None, loras: list[str | None] | None = None) -> list[torch.Tensor]:
         """All prompts go to the engine at once; its scheduler batches them.
         vLLM's pooling runner returns the last layer of attended tokens only (the runner never
         asks for more: ``_vllm_cannot_encode``)."""
         if tuple(layers) != (-1,) or attended is not None:
             raise ValueError(f"vLLM returns the last hidden layer of every token only, not layers {layers}"
                              f"{' with unattended padding' if attended is not None else ''}")
+        loras = loras or [None] * len(batch)
         if len(batch) == 1:  # the stub's one prompt per call: no task of its own
-            return [await self._encode_one(batch[0], 0)]
-        return list(await asyncio.gather(*(self._encode_one(ids, i) for i, ids in enumerate(batch))))
+            return [await self._encode_one(batch[0], 0, loras[0])]
+        return list(await asyncio.gather(*(self._encode_one(ids, i, lora)
+                                           for i, (ids, lora) in enumerate(zip(batch, loras, strict=True)))))
 
-    async def _encode_one(self, prompt_ids: list[int], index: int) -> torch.Tensor:
+    async def _encode_one(self, prompt_ids: list[int], index: int, lora: str | None = None) -> torch.Tensor:
         params = PoolingParams(task="token_embed", use_activation=False)
         request_id = f"encode-{uuid.uuid4().hex}-{index}"  # unique across concurrent batches
         result = None
-        async for output in self.engine.encode(engine_input(prompt_ids), params, request_id):
+        async for output in self.engine.encode(engine_input(prompt_ids), params, request_id,
+                                               lora_request=self.adapters.get(lora) if lora else None):
             result = output.outputs.data
         if result is None:
             raise RuntimeError(f"vLLM returned no embeddings for request {request_id}")
@@ -179,6 +192,21 @@ class VllmEngine(ArEngine):
         # now, while everything is still there, it is a no-op.
         del engine
         gc.collect()
+
+
+# vLLM's max_lora_rank takes one of these
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(folders) -> int:
+    """The smallest rank vLLM takes that holds every adapter's (their ``adapter_config.json``)."""
+    from peft import LoraConfig
+
+    ranks = []
+    for folder in folders:
+        config = LoraConfig.from_pretrained(folder)
+        ranks += [config.r, *config.rank_pattern.values()]
+    return next((rank for rank in VLLM_LORA_RANKS if rank >= max(ranks)), max(ranks))
 
 
 def _delta(completion) -> Delta:

@@ -105,6 +105,7 @@ class GenerateRequest:
     stream: bool = False
     include_prompt: bool = True  # prepend the prompt to the (non-streamed) text
     outputs: ReturnOptions = field(default_factory=ReturnOptions)
+    lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base weights)
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
@@ -116,6 +117,7 @@ class GenerateRequest:
         prompt = _verify_prompt(inputs["text_input"], limits)
         stream = as_bool("stream", inputs.get("stream", False))
         values, source = sampling_values(inputs, request_parameters or {})
+        lora = _lora(inputs.get("lora"), values.pop("lora_name", None))
         sampling = SamplingOptions.from_values(values, limits, source)
         outputs = ReturnOptions.from_inputs(inputs)
         # Log probabilities leave only through the `logprobs` output: asking for
@@ -124,7 +126,16 @@ class GenerateRequest:
                 "needs the `return_logprobs` input set to true (they come back on the `logprobs` output)",
                 sampling.logprobs)
         return cls(prompt=prompt, sampling=sampling, stream=stream,
-                   include_prompt=_include_prompt(inputs, stream), outputs=outputs)
+                   include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora)
+
+
+def _lora(tensor: Any, key: Any) -> str | None:
+    """The ``lora`` input, or ``lora_name`` among the sampling options (Triton's vLLM backend's
+    name); empty: none. Whether the model serves it is the runner's check."""
+    names = [None if v is None else as_str(n, v).strip() or None for n, v in (("lora", tensor), ("lora_name", key))]
+    if names[0] and names[1] and names[0] != names[1]:
+        raise RequestValidationError("lora", f"the `lora` input and `lora_name` ({names[1]!r}) differ", names[0])
+    return names[0] or names[1]
 
 
 def _include_prompt(inputs: dict[str, Any], stream: bool) -> bool:
@@ -155,6 +166,7 @@ class EncodeRequest:
     negative_prompt: str | None = None
     with_negative: bool = False  # also encode the negative side (given, or asked for by its output)
     images: list = field(default_factory=list)  # input images (RGB PIL images) the encoder reads with both sides
+    lora: str | None = None  # the text encoder's LoRA adapter, by name, for both sides
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits, negative_wanted: bool = False,
@@ -174,4 +186,5 @@ class EncodeRequest:
             if not decoded:
                 raise RequestValidationError("images", "is required: this encoder reads the prompt with its input "
                                              "image", None, show_value=False)
-        return cls(prompt, negative, with_negative=negative_wanted or negative is not None, images=decoded)
+        return cls(prompt, negative, with_negative=negative_wanted or negative is not None, images=decoded,
+                   lora=_lora(inputs.get("lora"), None))

@@ -37,6 +37,11 @@ from triton_omni.images import ImageLimits
 logger = logging.getLogger(__name__)
 
 EngineName = Literal["auto", "vllm", "transformers"]
+# Measured with vLLM 0.32 on the CPU: a request without an adapter that shares a step with one that has
+# one, the first in its prefill and the other decoding, gets the adapter's tokens (vLLM's offline LLM,
+# which prefills a batch together, and the same requests one at a time give the right ones)
+VLLM_CPU_LORA = ("vLLM's CPU LoRA kernels give a request without an adapter another's tokens when their "
+                 "prefill and decode share a step")
 Side = tuple[str, list[int]]  # a text to encode and its token ids (none: zero tokens, the encoder not run)
 Mode = Literal["generate", "encode"]
 
@@ -59,6 +64,9 @@ class ArRunnerConfig:
     engine_cpus: str = ""  # vLLM: the CPUs its engine core runs on (cpu_affinity.py); "": wherever the OS puts it
     # encode mode: the diffusion pipeline's text-encoding recipe (its family's, triton_omni.families)
     recipe: str = "last_hidden_state"
+    # LoRA adapters a request may name: name -> PEFT folder; and how many stay on the device
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -72,6 +80,11 @@ class ArRunnerConfig:
         encoding recipe vLLM cannot run (then the transformers engine, said in the log)."""
         engine = self.engine if self.engine != "auto" else \
             "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        if engine == "vllm" and self.lora_adapters and not torch.cuda.is_available():
+            if self.engine == "vllm":
+                raise ValueError(f"model parameter lora_adapters: {VLLM_CPU_LORA}; set engine 'transformers'")
+            logger.warning("LoRA adapters run on the transformers engine here: %s", VLLM_CPU_LORA)
+            return "transformers"
         if self.mode != "encode" or engine != "vllm":
             return engine
         reason = _vllm_cannot_encode(recipe(self.recipe), self.model)
@@ -123,6 +136,9 @@ class ArRunner:
     async def _build_engine(self) -> ArEngine | PipelineTextEngine:
         cfg = self.config
         if cfg.mode == "encode" and self.recipe.by_pipeline:
+            if cfg.lora_adapters:
+                raise ValueError(f"model parameter lora_adapters: recipe {self.recipe.name!r} encodes through its "
+                                 "pipeline's own encode_prompt, which takes no LoRA adapters here")
             if cfg.gpu_memory_utilization is not None:
                 cap_torch(cfg.gpu_memory_utilization, cfg.device)
             return PipelineTextEngine(self.model_path.parent, cfg.device, cfg.torch_dtype())
@@ -133,7 +149,7 @@ class ArRunner:
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
             return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args,
-                              self.seat, cpus)
+                              self.seat, cpus, cfg.lora_adapters, cfg.max_loras)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
         if cfg.engine_cpus:
@@ -147,7 +163,7 @@ class ArRunner:
         # vLLM's name for the bound on sequences decoded together, read by both engines
         max_num_seqs = int(cfg.engine_args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
         return TransformersEngine(str(self.model_path), cfg.device, cfg.torch_dtype(), max_num_seqs,
-                                  encoder=cfg.mode == "encode")
+                                  encoder=cfg.mode == "encode", adapters=cfg.lora_adapters, max_loras=cfg.max_loras)
 
     @property
     def hidden_size(self) -> int:
@@ -174,7 +190,16 @@ class ArRunner:
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
+        self.check_lora(request.lora)
         self.engine.check(request.sampling, _logprobs_needed(request))
+
+    def check_lora(self, name: str | None) -> None:
+        """``name`` (a request's ``lora``) is one of this model's adapters."""
+        adapters = self.config.lora_adapters
+        if name is not None and name not in adapters:
+            raise RequestValidationError("lora", f"unknown adapter; this model serves {sorted(adapters)}" if adapters
+                                         else "this model serves no LoRA adapters (its lora_adapters parameter "
+                                         "names none)", name)
 
     async def stream(self, request: GenerateRequest, request_id: str, on_response: Callable[[ArResponse], None],
                      on_first_token: Callable[[], None] | None = None) -> None:
@@ -194,7 +219,8 @@ class ArRunner:
             if response is not None:
                 on_response(response)
 
-        await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta)
+        await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
+                                 request.lora)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that
@@ -225,17 +251,19 @@ class ArRunner:
         plans: list[tuple[Side, Side | None] | RequestValidationError] = []
         for request in requests:
             try:
+                self.check_lora(request.lora)
                 plans.append(((request.prompt, self.tokenize(request.prompt)), self._negative_side(request)))
             except RequestValidationError as exc:
                 plans.append(exc)
-        sides, images = [], []  # each side to encode, and its request's input images (a recipe may read them)
+        sides, images, loras = [], [], []  # each side to encode, its request's input images and adapter
         for request, plan in zip(requests, plans, strict=True):
             if not isinstance(plan, Exception):
                 for side in plan:
                     if side and side[1]:
                         sides.append(side)
                         images.append(request.images)
-        encoded = iter(await self._encode_sides(sides, images)) if sides else iter(())
+                        loras.append(request.lora)
+        encoded = iter(await self._encode_sides(sides, images, loras)) if sides else iter(())
         dtype = getattr(torch, self.config.embeds_dtype)
 
         def states(side: Side | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -255,23 +283,24 @@ class ArRunner:
             results.append(Embedding(hidden, negative, pooled))
         return results
 
-    async def _encode_sides(self, sides: list[Side], images: list[list]) -> list[tuple[torch.Tensor,
-                                                                                       torch.Tensor | None]]:
+    async def _encode_sides(self, sides: list[Side], images: list[list], loras: list[str | None]) \
+            -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each side's states (and pooled embedding, where the recipe's pipeline makes one);
-        ``images``: each side's input images, which a recipe ``by_pipeline`` may read."""
+        ``images``: each side's input images, which a recipe ``by_pipeline`` may read; ``loras``:
+        each side's adapter."""
         if isinstance(self.engine, PipelineTextEngine):
             return await self.engine.encode_prompts([text for text, _ in sides], images)
-        return [(hidden, None) for hidden in await self._encode_texts([ids for _, ids in sides])]
+        return [(hidden, None) for hidden in await self._encode_texts([ids for _, ids in sides], loras)]
 
-    async def _encode_texts(self, texts: list[list[int]]) -> list[torch.Tensor]:
+    async def _encode_texts(self, texts: list[list[int]], loras: list[str | None]) -> list[torch.Tensor]:
         """Each text's states of the recipe's layers; padded to the recipe's length first where its
         pipeline pads (the padding unattended, its states kept)."""
         length = self.recipe.padded_to
         if length is None:
-            return await self.engine.encode(texts, self.recipe.layers)
+            return await self.engine.encode(texts, self.recipe.layers, loras=loras)
         pad = self.tokenizer.pad_token_id
         return await self.engine.encode([ids + [pad] * (length - len(ids)) for ids in texts], self.recipe.layers,
-                                        attended=[len(ids) for ids in texts])
+                                        attended=[len(ids) for ids in texts], loras=loras)
 
     def _negative_side(self, request: EncodeRequest) -> Side | None:
         """The negative side: its text's, the recipe's stand-in for an absent one, or none at all (no

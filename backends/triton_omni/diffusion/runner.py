@@ -28,6 +28,7 @@ denoising step; ``submit`` hands it one request at a time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -42,7 +43,6 @@ import torch
 from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
-from triton_omni.diffusion.lora import Adapters
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
@@ -51,6 +51,7 @@ from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.families import FAMILIES, Family, Guidance, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
+from triton_omni.lora import Adapters, read_pipeline_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +244,10 @@ class DiffusionRunner:
             raise ValueError(f"model parameter lora_adapters: the {self.family.name} family takes no LoRA adapters "
                              "per request (its denoiser is not a diffusion transformer)")
         c = self.config
+        network = self.family.network
         self.adapters = self._on_torch_thread(lambda: Adapters(
-            self.pipeline, self.family.network, c.lora_adapters, c.max_loras, self.family.lora_flattened,
-            run=self._on_torch_thread, on_event=self._on_lora))
+            network, functools.partial(read_pipeline_adapter, self.pipeline, network), c.lora_adapters, c.max_loras,
+            self.family.lora_flattened, run=self._on_torch_thread, on_event=self._on_lora))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
         if self.graphs is not None:  # a captured graph would hold one pass's adapters

@@ -62,7 +62,7 @@ class Capabilities:
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
-    lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (diffusion/lora.py)
+    lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (lora.py)
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ class StepAdapter:
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline, self.device, self.dtype = pipeline, device, dtype
-        self.lora_rows = None  # the model's AdapterRows (diffusion/lora.py), set by the runner where it has adapters
+        self.lora_rows = None  # the model's AdapterRows (lora.py), set by the runner where it has adapters
 
     def adapted(self, rows: list) -> contextlib.AbstractContextManager:
         """Around a forward pass whose row ``i`` runs ``rows[i]``'s adapter (a job's ``lora``: (slot,

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 
 from triton_omni.diffusion import DiffusionRunnerConfig
-from triton_omni.diffusion.lora import parse_sources
 from triton_omni.diffusion.steps import STEPS_AHEAD
 from triton_omni.gpu_memory import parse_gpus
-from triton_omni.triton.params import Placement, gpu_share, json_parameter, model_parameters, place_instance
+from triton_omni.lora import parse_sources
+from triton_omni.triton.params import (
+    Placement,
+    gpu_share,
+    json_parameter,
+    model_folder,
+    model_parameters,
+    place_instance,
+)
 from triton_omni.triton.tensors import complete_config
 
 
@@ -44,16 +49,10 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
         compile=params.get("compile", "off"),
-        lora_adapters=parse_sources(params.get("lora_adapters", ""), _model_folder(args)),
+        lora_adapters=parse_sources(params.get("lora_adapters", ""), model_folder(args)),
         max_loras=int(params.get("max_loras", "4")),
         **parallel,
     ), placement
-
-
-def _model_folder(args: dict) -> Path | None:
-    """The model's folder in its repository: where relative adapter paths are taken from."""
-    repository = args.get("model_repository")
-    return Path(repository) if repository else None
 
 
 def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from triton_omni.gpu_memory import parse_gpus, visible_to_physical
@@ -126,3 +127,10 @@ def channel_ids(request) -> tuple[str | None, str | None]:
 
 def client_parameters(request) -> dict[str, Any]:
     return split_parameters(request)[0]
+
+
+def model_folder(args: dict) -> Path | None:
+    """The model's folder in its repository (Triton's ``model_repository`` argument): where a
+    relative path in its parameters (a LoRA adapter's) is taken from."""
+    repository = args.get("model_repository")
+    return Path(repository) if repository else None

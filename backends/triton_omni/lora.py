@@ -1,4 +1,6 @@
-"""LoRA adapters per request, several in one forward pass, none merged.
+"""LoRA adapters per request, several in one forward pass, none merged: for the
+diffusion transformers (``diffusion``) and for the transformers engine's LLMs
+(``ar``, ``ar_encoder``; vLLM runs its own).
 
 A model names the adapters it may use (``lora_adapters``: name -> folder or
 file) and how many stay on the device (``max_loras``; the least recently used
@@ -17,11 +19,14 @@ shapes never depend on which adapters are loaded, so ``compile: blocks``
 compiles a block once for any mix of them: loading an adapter copies its
 factors into a slot's existing tensors.
 
-What an adapter means is diffusers' and PEFT's: its files are read by the
-pipeline class's own ``lora_state_dict`` (which converts the community
-formats), and its rank and alpha per layer by the ``LoraConfig`` diffusers
-builds for ``load_lora_weights``, so a request's image is the pipeline's with
-``load_lora_weights(...)`` and ``set_adapters([name], [scale])``.
+What an adapter means is diffusers' and PEFT's. A diffusion adapter's files
+are read by the pipeline class's own ``lora_state_dict`` (which converts the
+community formats), and its rank and alpha per layer by the ``LoraConfig``
+diffusers builds for ``load_lora_weights``, so a request's image is the
+pipeline's with ``load_lora_weights(...)`` and ``set_adapters([name],
+[scale])`` (``read_pipeline_adapter``). An LLM's adapter is a PEFT folder
+(``adapter_config.json``, ``adapter_model.safetensors``), read as
+``PeftModel.from_pretrained`` reads it (``read_peft_adapter``).
 """
 
 from __future__ import annotations
@@ -57,11 +62,14 @@ class AdapterWeights:
     layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
 
-def read_adapter(pipeline, network: torch.nn.Module, prefix: str, name: str, source: str) -> AdapterWeights:
-    """An adapter's factors and scalings, as ``pipeline.load_lora_weights(source)`` would load them
-    into ``network``; ``AdapterError`` names the adapter, and the layer where one does not fit."""
+Reader = Callable[[str, str], AdapterWeights]  # (name, source) -> the adapter, or AdapterError
+
+
+def read_pipeline_adapter(pipeline, network: torch.nn.Module, name: str, source: str,
+                          prefix: str = PREFIX) -> AdapterWeights:
+    """A diffusion adapter's factors and scalings, as ``pipeline.load_lora_weights(source)`` would
+    load them into ``network``; ``AdapterError`` names the adapter, and the layer where one does not fit."""
     from diffusers.utils.peft_utils import _create_lora_config
-    from peft.utils.other import get_pattern_key
 
     try:
         read = type(pipeline).lora_state_dict(source, return_lora_metadata=True)
@@ -75,13 +83,40 @@ def read_adapter(pipeline, network: torch.nn.Module, prefix: str, name: str, sou
                                for d in (state, alphas, metadata))
     if state is None:
         raise AdapterError(f"LoRA adapter {name!r} ({source}) has no layers of the {prefix}")
-    unsupported = sorted({key.rsplit(".", 1)[0] for key in state if (".lora_A." not in key and ".lora_B." not in key)
-                          or key.endswith("lora_B.bias")})
+    rank = {f"^{key}": value.shape[1] for key, value in state.items() if "lora_B" in key}
+    return _layers(name, state, _create_lora_config(state, alphas, metadata, rank, model_state_dict={},
+                                                    adapter_name=name), network)
+
+
+def read_peft_adapter(network: torch.nn.Module, name: str, source: str) -> AdapterWeights:
+    """An LLM's PEFT adapter folder, as ``PeftModel.from_pretrained`` loads it onto ``network`` (a
+    causal LM, or its base model: ``ar_encoder`` loads no LM head, so the adapter's ``model.``
+    prefix is dropped where the network has no such module)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    folder = Path(source)
+    try:
+        config = LoraConfig.from_pretrained(str(folder))
+        state = load_file(str(folder / "adapter_model.safetensors"))
+    except Exception as exc:
+        raise AdapterError(f"LoRA adapter {name!r} ({source}) could not be read: {type(exc).__name__}: {exc}") \
+            from None
+    state = {key.removeprefix("base_model.model."): value for key, value in state.items()}
+    if not hasattr(network, "model") and all(key.startswith("model.") for key in state):
+        state = {key.removeprefix("model."): value for key, value in state.items()}
+    return _layers(name, state, config, network)
+
+
+def _layers(name: str, state: dict[str, torch.Tensor], config, network: torch.nn.Module) -> AdapterWeights:
+    """Each adapted layer's ``(A, B, alpha / r)``, checked against ``network``'s layer."""
+    from peft.utils.other import get_pattern_key
+
+    unsupported = sorted({key.rsplit(".", 1)[0] for key in state
+                          if (".lora_A." not in key and ".lora_B." not in key) or key.endswith("lora_B.bias")})
     if unsupported:
         raise AdapterError(f"LoRA adapter {name!r}: only plain LoRA factors are served (lora_A, lora_B weights), "
                            f"found {unsupported[0]}")
-    rank = {f"^{key}": value.shape[1] for key, value in state.items() if "lora_B" in key}
-    config = _create_lora_config(state, alphas, metadata, rank, model_state_dict={}, adapter_name=name)
     if config.use_dora:
         raise AdapterError(f"LoRA adapter {name!r} is a DoRA adapter: not served")
     modules = dict(network.named_modules())
@@ -104,6 +139,8 @@ def read_adapter(pipeline, network: torch.nn.Module, prefix: str, name: str, sou
         r = a.shape[0]
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), layer), config.lora_alpha)
         layers[layer] = (a, b, alpha / (math.sqrt(r) if config.use_rslora else r))
+    if not layers:
+        raise AdapterError(f"LoRA adapter {name!r} has no LoRA layers")
     return AdapterWeights(name, layers)
 
 
@@ -194,22 +231,22 @@ class Adapters:
     thread by ``run``), pinned while a request uses them, the least recently used unpinned one
     emptied first; the counts the metrics report."""
 
-    def __init__(self, pipeline, network: torch.nn.Module, sources: dict[str, str], max_loaded: int,
-                 flattened: tuple[str, ...] = (), prefix: str = PREFIX,
-                 run: Callable[[Callable[[], None]], None] = lambda fn: fn(),
+    def __init__(self, network: torch.nn.Module, read: Reader, sources: dict[str, str], max_loaded: int,
+                 flattened: tuple[str, ...] = (), run: Callable[[Callable[[], None]], None] = lambda fn: fn(),
                  on_event: Callable[[str, str], None] | None = None):
-        """``run(fn)``: ``fn`` on the model's torch thread, returning when it is done; ``on_event(event,
-        adapter)``: each ``request``, ``load`` and ``eviction`` (the metrics)."""
+        """``read(name, source)``: an adapter's weights (``read_pipeline_adapter``,
+        ``read_peft_adapter``); ``run(fn)``: ``fn`` on the model's torch thread, returning when it is
+        done; ``on_event(event, adapter)``: each ``request``, ``load`` and ``eviction`` (the metrics)."""
         if not sources:
             raise ValueError("no LoRA adapters configured")
         if max_loaded < 1:
             raise ValueError(f"model parameter max_loras must be at least 1, got {max_loaded}")
-        self.pipeline, self.network, self.sources, self.prefix, self.run = pipeline, network, sources, prefix, run
+        self.network, self.read, self.sources, self.run = network, read, sources, run
         self.on_event = on_event or (lambda event, name: None)
         self.device, self.dtype = next(network.parameters()).device, next(network.parameters()).dtype
         ranks: dict[str, int] = {}
         for name, source in sources.items():  # every adapter read once now: one that does not fit fails the load
-            for layer, (a, _, _) in read_adapter(pipeline, network, prefix, name, source).layers.items():
+            for layer, (a, _, _) in read(name, source).layers.items():
                 if layer.startswith(flattened):
                     raise AdapterError(f"LoRA adapter {name!r} targets {layer}, whose input holds every request's "
                                        "tokens at once: adapters per request cannot apply there")
@@ -280,7 +317,7 @@ class Adapters:
         """On the loader thread: read the adapter, move it to the device, wait for a free slot, copy it
         in (on the model's torch thread)."""
         try:
-            weights = read_adapter(self.pipeline, self.network, self.prefix, name, self.sources[name])
+            weights = self.read(name, self.sources[name])
             factors = {layer: (a.to(self.device, self.dtype), b.to(self.device, self.dtype), scaling)
                        for layer, (a, b, scaling) in weights.layers.items()}
             slot = self._free_slot()
