@@ -42,11 +42,21 @@ TOKENS = 64
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-def write_adapters(runner: DiffusionRunner, folder: Path, ranks: list[int]) -> dict[str, str]:
+def shapes_of(model: str):
+    """The pipeline ``model`` names, its weights on the meta device (shapes, no memory)."""
+    from diffusers import DiffusionPipeline
+    from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
+
+    if in_memory(model):
+        return build_in_memory(model, "meta", torch.bfloat16)
+    return DiffusionPipeline.from_pretrained(resolve_model(model))
+
+
+def write_adapters(pipeline, folder: Path, ranks: list[int]) -> dict[str, str]:
     """One random adapter per rank, on every attention linear layer of the denoiser's blocks."""
     from peft import LoraConfig
 
-    network = runner.family.network
+    network = pipeline.transformer
     layers = {name: module for name, module in network.named_modules()
               if isinstance(module, torch.nn.Linear) and name.endswith(ATTENTION) and ".attn" in name}
     sources = {}
@@ -54,11 +64,11 @@ def write_adapters(runner: DiffusionRunner, folder: Path, ranks: list[int]) -> d
         generator = torch.Generator().manual_seed(index)
         state = {}
         for name, layer in layers.items():
-            state[f"{name}.lora_A.weight"] = torch.randn(rank, layer.in_features, generator=generator) * 0.01
-            state[f"{name}.lora_B.weight"] = torch.randn(layer.out_features, rank, generator=generator) * 0.01
+            for key, shape in (("lora_A", (rank, layer.in_features)), ("lora_B", (layer.out_features, rank))):
+                state[f"{name}.{key}.weight"] = (torch.randn(shape, generator=generator) * 0.01).to(torch.bfloat16)
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=sorted({n.rsplit(".", 1)[-1] for n in layers}))
         path = folder / f"r{rank}-{index}"
-        type(runner.pipeline).save_lora_weights(path, transformer_lora_layers=state,
+        type(pipeline).save_lora_weights(path, transformer_lora_layers=state,
                                                 transformer_lora_adapter_metadata=config.to_dict())
         sources[f"adapter{index}"] = str(path)
     return sources
@@ -118,7 +128,8 @@ def main() -> None:
     parser.add_argument("--ranks", default="16,64", help="the adapters' ranks, spread from the first to the last")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--load-seconds", type=float, default=0, help="loading under load (0: 10 steps' time x 4)")
+    parser.add_argument("--load-seconds", type=float, default=0,
+                        help="each window of the loading-under-load measure (0: 12 steps alone per request)")
     parser.add_argument("--compile", action="store_true", help="compile: blocks (and count the graphs)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -131,12 +142,7 @@ def main() -> None:
     config = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", batching="step",
                   batch_size=count, exact_batching=False, limits={"max_size": max(1024, size)},
                   compile="blocks" if args.compile else "off")
-    probe = DiffusionRunner(DiffusionRunnerConfig(model, **config))  # the network's shapes, for the adapters
-    try:
-        sources = write_adapters(probe, folder, ranks)
-    finally:
-        probe.close()
-        del probe
+    sources = write_adapters(shapes_of(model), folder, ranks)
     runner = DiffusionRunner(DiffusionRunnerConfig(model, lora_adapters=sources, max_loras=count + 1, **config))
     names = list(sources)
     every, fresh = names[:count], names[count:]
@@ -151,7 +157,7 @@ def main() -> None:
         first = burst(runner, [fresh[0]], size, args.steps, guidance)  # read, copied in (evicts one), run
         loaded = burst(runner, [fresh[0]], size, args.steps, guidance)
         step = loaded / args.steps
-        seconds = args.load_seconds or 40 * step * count
+        seconds = args.load_seconds or 12 * step * count
 
         def loads(stop: float) -> None:  # each adapter in turn, each evicting another: a load every request
             turn = 0
