@@ -116,6 +116,12 @@ def latencies_under(runner: DiffusionRunner, concurrency: int, seconds: float, s
     return found
 
 
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
 
@@ -147,15 +153,20 @@ def main() -> None:
     names = list(sources)
     every, fresh = names[:count], names[count:]
     try:
-        burst(runner, every, size, 2, guidance)  # warm-up: the adapters loaded, kernels chosen
-        burst(runner, [None] * count, size, 2, guidance)
+        # warm-up: the adapters loaded, kernels chosen (and compiled, for each batch size to come)
+        for loras in (every, [None] * count, [None] * (count - 1), every[:1], [None]):
+            burst(runner, loras, size, 2, guidance)
         plain, again, adapted = [], [], []
         for _ in range(args.rounds):
             plain.append(count / burst(runner, [None] * count, size, args.steps, guidance))
             adapted.append(count / burst(runner, every, size, args.steps, guidance))
             again.append(count / burst(runner, [None] * count, size, args.steps, guidance))
-        first = burst(runner, [fresh[0]], size, args.steps, guidance)  # read, copied in (evicts one), run
+        graphs = compiled_graphs()
+        first = burst(runner, [fresh[0]], size, args.steps, guidance)  # read, copied in, run
         loaded = burst(runner, [fresh[0]], size, args.steps, guidance)
+        started = time.perf_counter()  # a load alone: read from its file, moved to the device, copied into a slot
+        runner.adapters.release(runner.adapters.acquire(fresh[1]).result())
+        load_s = time.perf_counter() - started
         step = loaded / args.steps
         seconds = args.load_seconds or 12 * step * count
 
@@ -168,6 +179,7 @@ def main() -> None:
         quiet = latencies_under(runner, count - 1, seconds, size, args.steps, guidance)
         busy = latencies_under(runner, count - 1, seconds, size, args.steps, guidance, loads)
         loads_done = sum(n for (event, _), n in runner.adapters.counts.items() if event == "load")
+        graphs = compiled_graphs() - graphs
     finally:
         runner.close()
     device = torch.cuda.get_device_name(0) if cuda else "CPU"
@@ -177,17 +189,21 @@ def main() -> None:
         "images_per_s": {"plain": plain, "adapters": adapted, "plain_again": again},
         "throughput_ratio": statistics.median(a / p for a, p in zip(adapted, plain, strict=True)),
         "aa_ratio": statistics.median(a / p for a, p in zip(again, plain, strict=True)),
-        "first_use_s": first, "resident_s": loaded, "first_use_extra_s": first - loaded,
+        "first_use_s": first, "resident_s": loaded, "first_use_extra_s": first - loaded, "load_s": load_s,
+        "graphs_after_warm_up": graphs if args.compile else None,
         "p99_quiet_s": p99(quiet), "p99_loading_s": p99(busy), "p99_ratio": p99(busy) / p99(quiet),
         "loads": loads_done, "date": time.strftime("%Y-%m-%d")}
     print(f"LoRA per request: {args.family} ({args.preset}: {size}², {args.steps} steps, guidance {guidance}) on "
           f"{device}, {count} requests at once, ranks {ranks[:count]}{', compile: blocks' if args.compile else ''}")
     print(f"  images/s, {count} adapters over none: {result['throughput_ratio']:.3f}  (A/A, none over none: "
           f"{result['aa_ratio']:.3f}; rounds {[round(a / p, 3) for a, p in zip(adapted, plain, strict=True)]})")
-    print(f"  first use of an adapter: {first:.3f} s against {loaded:.3f} s resident: +{first - loaded:.3f} s")
+    print(f"  first use of an adapter: {first:.3f} s against {loaded:.3f} s resident ({first - loaded:+.3f} s); "
+          f"a load alone (read, to the device, into a slot): {load_s:.3f} s")
     print(f"  p99 of requests without one while adapters load: {result['p99_loading_s']:.3f} s against "
           f"{result['p99_quiet_s']:.3f} s quiet ({result['p99_ratio']:.3f}; {len(busy)} and {len(quiet)} "
           f"requests, {loads_done} loads in all)")
+    if args.compile:
+        print(f"  graphs compiled after the warm-up, through every mix of adapters and the loads: {graphs}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
