@@ -14,6 +14,8 @@ import openai
 import pytest
 from triton_omni_client import OmniClient, OmniError
 
+from tests.support.server import metric_value
+
 MODEL = "ar_transformers"
 PROMPT = "Once upon a time"
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -26,12 +28,14 @@ def text(url: str, protocol: str = "grpc", sampling: dict | None = None, **optio
     return "".join(chunk.text for chunk in chunks)
 
 
-def test_a_request_chooses_its_adapter_by_lora_or_lora_name(grpc_url, http_url):
+def test_a_request_chooses_its_adapter_by_lora_or_lora_name(server, grpc_url, http_url):
     with ThreadPoolExecutor(4) as pool:
         pirate, base, poet, again = pool.map(lambda lora: text(grpc_url, **({"lora": lora} if lora else {})),
                                              ["pirate", None, "poet", "pirate"])
     assert len({pirate, base, poet}) == 3 and again == pirate
     assert text(http_url, "http", sampling={"lora_name": "pirate"}) == pirate
+    assert metric_value(server, "omni_ar_lora_requests_total", model=MODEL, adapter="pirate") >= 3
+    assert metric_value(server, "omni_ar_lora_loads_total", model=MODEL, adapter="poet") >= 1
     with pytest.raises(OmniError) as refused:
         text(grpc_url, lora="parrot")
     assert refused.value.status == "INVALID_ARG" and "lora" in str(refused.value) and "parrot" in str(refused.value)

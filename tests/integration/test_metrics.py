@@ -16,9 +16,10 @@ ONLY_ON_FAILURE = {"omni_stage_restarts_total"}
 ONLY_ON_GPU = {"omni_diffusion_graph_captures_total"}
 # Served at zero by the SD demo: step caching is for the DiT families (test_model_families counts them).
 ONLY_WITH_A_STEP_CACHE = {"omni_diffusion_cached_steps_total", "omni_diffusion_skipped_step_ratio"}
-# Not served by the SD demo, which has no LoRA adapters: a series per adapter (test_lora.py counts them).
+# Served once a request names an adapter, a series per adapter (test_lora.py and test_ar_lora.py count them).
 ONLY_WITH_ADAPTERS = {"omni_diffusion_lora_requests_total", "omni_diffusion_lora_loads_total",
-                      "omni_diffusion_lora_evictions_total"}
+                      "omni_diffusion_lora_evictions_total", "omni_ar_lora_requests_total",
+                      "omni_ar_lora_loads_total", "omni_ar_lora_evictions_total"}
 
 
 def test_every_custom_metric_is_served_with_counts_after_a_mixed_run(server):

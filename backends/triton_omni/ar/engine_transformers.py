@@ -36,7 +36,8 @@ class TransformersEngine(ArEngine):
     name = "transformers"
 
     def __init__(self, model: str, device: str, dtype: torch.dtype, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 encoder: bool = False, adapters: dict[str, str] | None = None, max_loras: int = 4):
+                 encoder: bool = False, adapters: dict[str, str] | None = None, max_loras: int = 4,
+                 on_lora: Callable[[str, str], None] | None = None):
         """``encoder``: the model only encodes (``ar_encoder``): its base model, no LM head, no
         batcher; any text model transformers knows, the text encoders of diffusion pipelines too.
         ``adapters``: LoRA adapters (name -> PEFT folder) requests may name, ``max_loras`` of them on
@@ -46,7 +47,7 @@ class TransformersEngine(ArEngine):
         self.model = load.from_pretrained(model, dtype=dtype).to(self.device).eval()
         self.hidden_size = self.model.config.get_text_config().hidden_size
         self.adapters = Adapters(self.model, functools.partial(read_peft_adapter, self.model), adapters,
-                                 max_loras) if adapters else None
+                                 max_loras, on_event=on_lora) if adapters else None
         rows = None if self.adapters is None else self.adapters.rows
         self.batcher = None if encoder else StepBatcher(self.model, self.device, max_num_seqs, rows)
         if not encoder:

@@ -110,9 +110,13 @@ class Embedding:
 
 
 class ArRunner:
-    def __init__(self, config: ArRunnerConfig, seat: EngineSeat | None = None):
-        """``seat``: a vLLM engine core shared with other instances (shared_engine.py)."""
+    def __init__(self, config: ArRunnerConfig, seat: EngineSeat | None = None,
+                 on_lora: Callable[[str, str], None] | None = None):
+        """``seat``: a vLLM engine core shared with other instances (shared_engine.py);
+        ``on_lora(event, adapter)``: each request with a LoRA adapter (``request``), and where the
+        adapters are this process's (the transformers engine), each ``load`` and ``eviction``."""
         self.config = config
+        self._on_lora = on_lora or (lambda event, adapter: None)
         self.seat = seat
         self.recipe: EncoderRecipe = recipe(config.recipe)
         # the input images an encoding recipe reads with the prompt (None: it reads none)
@@ -163,7 +167,8 @@ class ArRunner:
         # vLLM's name for the bound on sequences decoded together, read by both engines
         max_num_seqs = int(cfg.engine_args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
         return TransformersEngine(str(self.model_path), cfg.device, cfg.torch_dtype(), max_num_seqs,
-                                  encoder=cfg.mode == "encode", adapters=cfg.lora_adapters, max_loras=cfg.max_loras)
+                                  encoder=cfg.mode == "encode", adapters=cfg.lora_adapters, max_loras=cfg.max_loras,
+                                  on_lora=lambda event, adapter: event != "request" and self._on_lora(event, adapter))
 
     @property
     def hidden_size(self) -> int:
@@ -207,6 +212,8 @@ class ArRunner:
         the loop's thread, as the engine produces it; the last one is final.
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
+        if request.lora is not None:
+            self._on_lora("request", request.lora)
         assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
                                       prompt=request.prompt if request.include_prompt else "")
 
@@ -263,6 +270,9 @@ class ArRunner:
                         sides.append(side)
                         images.append(request.images)
                         loras.append(request.lora)
+        for request, plan in zip(requests, plans, strict=True):
+            if request.lora is not None and not isinstance(plan, Exception):
+                self._on_lora("request", request.lora)
         encoded = iter(await self._encode_sides(sides, images, loras)) if sides else iter(())
         dtype = getattr(torch, self.config.embeds_dtype)
 
