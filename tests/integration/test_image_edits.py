@@ -21,11 +21,11 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_tools.gateway import Gateway
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import ServerOptions, free_port
 
 from tests.support.images import png
 from tests.support.pipelines import ABSENT, levels_apart, reference
+from tests.support.server import serving_openai
 
 PROMPT = "make the fox blue"
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7, "guidance_scale": 4.0}
@@ -38,13 +38,8 @@ def edit_server(tmp_path_factory):
                             model_control_mode="explicit", demo="qwen-image-edit",
                             load_models=["ar_encoder", "diffusion", "text_to_image", "omni"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
-    with TritonServer(options) as server:
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}).start()
-        try:
-            server.openai = openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused")
-            yield server
-        finally:
-            gateway.stop()
+    with serving_openai(options) as server:
+        yield server
 
 
 @functools.cache

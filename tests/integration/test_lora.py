@@ -21,13 +21,12 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_tools.gateway import Gateway
-from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, free_port
 from triton_omni_tools.repository import copy_model
 
 from tests.support.loras import build_lora, with_adapter
 from tests.support.pipelines import GUIDANCE_KEYWORD, call, levels_apart
-from tests.support.server import metric_value
+from tests.support.server import metric_value, serving_openai
 
 FAMILY = "z-image"
 PROMPT = "a red fox"
@@ -50,13 +49,8 @@ def lora_server(loras, tmp_path_factory):
     options = ServerOptions(model_repositories=[repository], http_port=free_port(), grpc_port=free_port(),
                             metrics_port=free_port(),
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
-    with TritonServer(options) as server:
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}).start()
-        try:
-            server.openai = openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused")
-            yield server
-        finally:
-            gateway.stop()
+    with serving_openai(options) as server:
+        yield server
 
 
 def expected(folder: Path | None, scale: float = 1.0) -> np.ndarray:

@@ -3,6 +3,7 @@ serve, process-group checks, metric reads, the server-alive guard."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -129,3 +130,19 @@ def xfail_if_triton_aborted_on_a_dead_stub(server: TritonServer) -> None:
     if TRITON_LOCK_ABORT in log:
         pytest.xfail(f"tritonserver 2.51 aborted on the killed stub's shared-memory lock ({TRITON_LOCK_ABORT}): "
                      "a Triton defect, documented in docs/operations.md")
+
+
+@contextlib.contextmanager
+def serving_openai(options: ServerOptions):
+    """A tritonserver with ``options`` and the OpenAI gateway in front of it, as `serve` runs them:
+    the server, its ``openai`` attribute an ``openai.OpenAI`` client of the gateway."""
+    import openai
+    from triton_omni_tools.gateway import Gateway
+
+    with TritonServer(options) as server:
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}).start()
+        try:
+            server.openai = openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused")
+            yield server
+        finally:
+            gateway.stop()
