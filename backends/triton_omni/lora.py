@@ -302,7 +302,8 @@ class Adapters:
         with self._lock:
             slot = self._lru.get(name)
             if slot is None:  # emptied again before this request pinned it (many adapters, few slots): reload
-                self._loading.setdefault(name, self._loader.submit(self._load, name))
+                if name not in self._loading:
+                    self._loading[name] = self._loader.submit(self._load, name)
                 self._loading[name].add_done_callback(lambda f: self._pin_after_load(name, f, pinned))
                 return
             self.slots[slot].pins += 1
