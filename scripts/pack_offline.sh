@@ -8,8 +8,8 @@
 #   scripts/pack_offline.sh --no-vllm  without vLLM (ar and ar_encoder then run on transformers)
 #
 #   .offline   the Triton 2.51 server, Python backend and 3.12 stub from the nvidia-pytriton
-#              wheel (trimmed), the diffusers, tritonclient, numpy 1.26.4 wheels, and uvicorn and
-#              httpx for the OpenAI gateway (~55 MB)
+#              wheel (trimmed), the diffusers, peft, accelerate, tritonclient, numpy 1.26.4 wheels,
+#              and uvicorn and httpx for the OpenAI gateway (~60 MB)
 #   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), and
 #              perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~45 MB)
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
@@ -38,6 +38,7 @@ wheels "$tmp" nvidia-pytriton==0.7.0
   && tar cJf tritonserver.tar.xz -C bundle tritonserver libs )
 mv "$tmp/tritonserver.tar.xz" .offline/
 wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4 pillow importlib_metadata zipp
+wheels .offline peft accelerate  # LoRA adapters: diffusers reads them through PEFT
 # the OpenAI gateway's server and the benchmark's HTTP client (FastAPI, Starlette and pydantic come with .vllm4)
 wheels .offline uvicorn h11 click httpx httpcore anyio idna certifi prometheus_client annotated-doc
 wheels .offline2 scipy==1.14.1 uvloop httptools  # uvicorn's fast event loop and HTTP parser, for the gateway

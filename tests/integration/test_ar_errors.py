@@ -51,7 +51,7 @@ BAD_INPUTS = {
     "unknown key": ([text(), sampling({"frobnicate": 3})], "frobnicate"),
     "typo key": ([text(), sampling({"max_token": 3})], "max_token"),
     "removed key best_of": ([text(), sampling({"best_of": 3})], "best_of"),
-    "lora_name without LoRA": ([text(), sampling({"lora_name": "x"})], "lora_name"),
+    "an adapter the model lacks, as lora_name": ([text(), sampling({"lora_name": "x"})], "lora_name"),
     "prompt_logprobs": ([text(), sampling({"prompt_logprobs": 1})], "prompt_logprobs"),
     "string that is not a number": ([text(), sampling({"temperature": "0.1x"})], "temperature"),
     "string that is not a boolean": ([text(), sampling({"ignore_eos": "yes please"})], "ignore_eos"),

@@ -99,11 +99,12 @@ def test_an_encoders_adapter_gives_peft_models_hidden_states(adapters):
 def test_bad_adapters_and_requests_are_refused_by_name(adapters, tmp_path):
     runner = ArRunner(ArRunnerConfig(f"demo:{AR_DEMO}", engine="transformers", lora_adapters=adapters))
     try:
-        for values, says in (({"lora": "nope"}, "unknown adapter"),
-                             ({"lora": "x", "sampling_parameters": '{"lora_name": "y"}'}, "differ")):
+        for values, field, says in (({"lora": "nope"}, "lora", "unknown adapter"),
+                                    ({"sampling_parameters": '{"lora_name": "nope"}'}, "lora_name", "unknown adapter"),
+                                    ({"lora": "x", "sampling_parameters": '{"lora_name": "y"}'}, "lora", "differ")):
             with pytest.raises(RequestValidationError) as refused:
                 runner.check(GenerateRequest.from_inputs({"text_input": PROMPT} | values, ArLimits()))
-            assert refused.value.parameter == "lora" and says in str(refused.value)
+            assert refused.value.parameter == field and says in str(refused.value)
         [error] = runner.loop.run(runner.encode([EncodeRequest(PROMPT, lora="nope")]))
         assert isinstance(error, RequestValidationError) and error.parameter == "lora"
     finally:

@@ -1,4 +1,4 @@
-"""LoRA adapters per request (``lora.py``), on the tiny DiTs and the CPU: requests with
+"""LoRA adapters per request (``lora.py``), on each DiT family's tiny demo and the CPU: requests with
 different adapters and scales share one step batch, and each image equals the family's pipeline
 with ``load_lora_weights(...)`` and ``set_adapters([name], [scale])`` for that request alone; a
 request without one equals the same batch on a model with no adapters, bit for bit. An adapter
@@ -20,7 +20,7 @@ from triton_omni.lora import AdapterError, parse_sources
 from tests.support.loras import build_lora, with_adapter
 from tests.support.pipelines import DEMO_PIPELINES, GUIDANCE_KEYWORD, call, levels_apart
 
-FAMILIES = ("qwen-image", "z-image")
+FAMILIES = ("qwen-image", "z-image", "flux2-klein", "flux1-dev")
 OPTIONS = {"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale": 4.0}
 PROMPT, NEGATIVE = "a red fox", "blurry"
 

@@ -106,6 +106,7 @@ class GenerateRequest:
     include_prompt: bool = True  # prepend the prompt to the (non-streamed) text
     outputs: ReturnOptions = field(default_factory=ReturnOptions)
     lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base weights)
+    lora_field: str = "lora"  # where it came from: the `lora` input, or `lora_name` among the sampling options
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
@@ -117,6 +118,7 @@ class GenerateRequest:
         prompt = _verify_prompt(inputs["text_input"], limits)
         stream = as_bool("stream", inputs.get("stream", False))
         values, source = sampling_values(inputs, request_parameters or {})
+        lora_field = "lora_name" if "lora" not in inputs and "lora_name" in values else "lora"
         lora = _lora(inputs.get("lora"), values.pop("lora_name", None))
         sampling = SamplingOptions.from_values(values, limits, source)
         outputs = ReturnOptions.from_inputs(inputs)
@@ -126,7 +128,7 @@ class GenerateRequest:
                 "needs the `return_logprobs` input set to true (they come back on the `logprobs` output)",
                 sampling.logprobs)
         return cls(prompt=prompt, sampling=sampling, stream=stream,
-                   include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora)
+                   include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora, lora_field=lora_field)
 
 
 def _lora(tensor: Any, key: Any) -> str | None:

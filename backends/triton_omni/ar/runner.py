@@ -195,14 +195,14 @@ class ArRunner:
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
-        self.check_lora(request.lora)
+        self.check_lora(request.lora, request.lora_field)
         self.engine.check(request.sampling, _logprobs_needed(request))
 
-    def check_lora(self, name: str | None) -> None:
-        """``name`` (a request's ``lora``) is one of this model's adapters."""
+    def check_lora(self, name: str | None, field: str = "lora") -> None:
+        """``name`` (a request's ``lora``, sent as ``field``) is one of this model's adapters."""
         adapters = self.config.lora_adapters
         if name is not None and name not in adapters:
-            raise RequestValidationError("lora", f"unknown adapter; this model serves {sorted(adapters)}" if adapters
+            raise RequestValidationError(field, f"unknown adapter; this model serves {sorted(adapters)}" if adapters
                                          else "this model serves no LoRA adapters (its lora_adapters parameter "
                                          "names none)", name)
 

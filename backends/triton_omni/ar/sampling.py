@@ -146,7 +146,6 @@ REFUSED_KEYS = {
     "best_of": "is not supported: vLLM V1 removed it; ask for `n` completions instead",
     "use_beam_search": "is not supported: vLLM V1 removed beam search from sampling parameters",
     "prompt_logprobs": "is not supported: no output of this model carries prompt log probabilities",
-    "lora_name": "is not supported: no LoRA adapters are configured for this model",
     "guided_decoding": "was renamed by vLLM; use `structured_outputs`",
 }
 
