@@ -150,6 +150,9 @@ class ArRunner:
             from triton_omni.ar.engine_vllm import VllmEngine
 
             dtype = str(cfg.torch_dtype()).removeprefix("torch.")
+            if cfg.lora_adapters and dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"model parameter lora_adapters: vLLM's LoRA kernels take bfloat16 or float16, "
+                                 f"not dtype {dtype}")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
             return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args,
