@@ -35,7 +35,7 @@ from triton_omni.triton import ar_io
 from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import COUNTER, StageMetrics, family, release_families, report_restarts
+from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
 from triton_omni.triton.params import split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -59,7 +59,9 @@ class TritonPythonModel:
             if self.config.gpu_memory_utilization is not None and (seat is None or seat.starts_engine):
                 # fail now, with the numbers, if the share is not free (an engine's first instance takes it)
                 check_share(self.model_name, self.config.gpu_memory_utilization, self.placement.gpus)
-            self.runner = ArRunner(self.config, seat, on_lora=self._count_lora)
+            # (the metrics come after the runner, whose engine start may fail)
+            self.runner = ArRunner(self.config, seat, on_lora=lambda event, adapter: self.metrics.lora_event(
+                event, adapter))
         except BaseException:
             if seat is not None:
                 seat.release()
@@ -75,13 +77,6 @@ class TritonPythonModel:
         # over the model's instances (one engine per GPU, --place ar=0,1) by their load
         returns_at_once = self.config.mode == "generate" or self.runner.engine_name == "vllm"
         self.loads = InstanceLoads.of_instance(args, model_config) if returns_at_once else None
-
-    def _count_lora(self, event: str, adapter: str) -> None:
-        """A LoRA adapter's request, load or eviction (``omni_ar_lora_*_total``)."""
-        name = f"omni_ar_lora_{event}s_total"
-        what = {"request": "Requests that named a LoRA adapter", "load": "LoRA adapters copied onto the device",
-                "eviction": "LoRA adapters emptied from the device for another"}[event]
-        self.metrics.count(family(name, f"{what}, per adapter", COUNTER), adapter=adapter)
 
     def execute(self, requests):
         if self.config.mode == "encode":

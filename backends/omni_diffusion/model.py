@@ -91,15 +91,8 @@ class TritonPythonModel:
             "omni_diffusion_skipped_step_ratio", "Per step-cached request: its steps skipped, over its steps",
             HISTOGRAM).Metric(labels=self.metrics.labels, buckets=SKIPPED_SHARE_BUCKETS), submit)
         # step batching: the batch size is the requests of each denoising step
-        # LoRA adapters (lora_adapters): requests, loads and evictions, per adapter
-        lora_events = {event: family(f"omni_diffusion_lora_{event}s_total", description, COUNTER) for event, description
-                       in (("request", "Requests that named a LoRA adapter, per adapter"),
-                           ("load", "LoRA adapters copied onto the device, per adapter"),
-                           ("eviction", "LoRA adapters emptied from the device for another, per adapter"))}
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n),
-                                      on_capture=lambda: captures.increment(1),
-                                      on_lora=lambda event, adapter: self.metrics.count(lora_events[event],
-                                                                                        adapter=adapter))
+                                      on_capture=lambda: captures.increment(1), on_lora=self.metrics.lora_event)
         self.cancellations = Cancellations()
         self.progress = ProgressSender()
         self.loads = None

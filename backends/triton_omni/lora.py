@@ -32,6 +32,7 @@ pipeline's with ``load_lora_weights(...)`` and ``set_adapters([name],
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -243,7 +244,8 @@ class Adapters:
             raise ValueError(f"model parameter max_loras must be at least 1, got {max_loaded}")
         self.network, self.read, self.sources, self.run = network, read, sources, run
         self.on_event = on_event or (lambda event, name: None)
-        self.device, self.dtype = next(network.parameters()).device, next(network.parameters()).dtype
+        weight = next(network.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         ranks: dict[str, int] = {}
         for name, source in sources.items():  # every adapter read once now: one that does not fit fails the load
             for layer, (a, _, _) in read(name, source).layers.items():
@@ -364,8 +366,6 @@ class Adapters:
 def parse_sources(text: str, base: Path | None = None) -> dict[str, str]:
     """The ``lora_adapters`` model parameter: a JSON object, adapter name -> folder, file or hub id
     (a relative path is taken from ``base``, the model's folder)."""
-    import json
-
     try:
         sources = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:

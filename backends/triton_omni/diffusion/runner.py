@@ -183,10 +183,10 @@ class DiffusionRunner:
         """``on_batch``: step batching calls it with each step's request count;
         ``on_capture``: called after each CUDA graph capture; ``on_lora(event, adapter)``: each
         request with an adapter, each adapter loaded and each evicted (``lora.Adapters``)."""
-        self._on_lora = on_lora
         from diffusers import DiffusionPipeline
 
         self.config = config
+        self._on_lora = on_lora
         self.step_cache = parse_step_cache(config.step_cache)  # the model's default
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()

@@ -12,13 +12,12 @@ from triton_omni_protocol import AR_ENCODE_INPUTS, AR_GENERATE_INPUTS, AR_GENERA
 
 from triton_omni.ar import ArLimits, ArResponse, ArRunnerConfig, ReturnOptions
 from triton_omni.ar.shared_engine import EngineSeat, take_seat
-from triton_omni.lora import parse_sources
 from triton_omni.processes import server_folder
 from triton_omni.triton.params import (
     Placement,
     gpu_share,
     json_parameter,
-    model_folder,
+    lora_settings,
     model_parameters,
     place_instance,
 )
@@ -54,10 +53,11 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         max_logprobs=int(params.get("max_logprobs", ArLimits.max_logprobs)),
         max_prompt_tokens=int(params["max_prompt_tokens"]) if params.get("max_prompt_tokens") else None,
     )
-    adapters = parse_sources(params.get("lora_adapters", ""), model_folder(args))
+    lora = lora_settings(params, args)
     engine = ArRunnerConfig(model=params.get("model", "demo:tiny-qwen2"), mode=params.get("mode", "generate"),  # type: ignore[arg-type]
                             engine=params.get("engine", "auto"),  # type: ignore[arg-type]
-                            recipe=params.get("recipe", "last_hidden_state"), lora_adapters=adapters).resolved_engine()
+                            recipe=params.get("recipe", "last_hidden_state"),
+                            lora_adapters=lora["lora_adapters"]).resolved_engine()
     placement = place_instance(args, params, spans_gpus=engine == "vllm")
     engine_args = json_parameter(params, "engine_args")
     if engine == "vllm" and len(placement.gpus) > 1:
@@ -75,8 +75,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         gpu_memory_utilization=gpu_share(params),
         engine_cpus=params.get("engine_cpus", ""),
         recipe=params.get("recipe", "last_hidden_state"),
-        lora_adapters=adapters,
-        max_loras=int(params.get("max_loras", "4")),
+        **lora,
     )
     return config, placement
 

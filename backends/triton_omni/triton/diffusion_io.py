@@ -7,12 +7,11 @@ from triton_omni_protocol import diffusion_inputs, diffusion_outputs
 from triton_omni.diffusion import DiffusionRunnerConfig
 from triton_omni.diffusion.steps import STEPS_AHEAD
 from triton_omni.gpu_memory import parse_gpus
-from triton_omni.lora import parse_sources
 from triton_omni.triton.params import (
     Placement,
     gpu_share,
     json_parameter,
-    model_folder,
+    lora_settings,
     model_parameters,
     place_instance,
 )
@@ -49,8 +48,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
         compile=params.get("compile", "off"),
-        lora_adapters=parse_sources(params.get("lora_adapters", ""), model_folder(args)),
-        max_loras=int(params.get("max_loras", "4")),
+        **lora_settings(params, args),
         **parallel,
     ), placement
 

@@ -192,6 +192,13 @@ class StageMetrics:
     def rejected(self, reason: str) -> None:
         self.count(self._rejected, reason=reason)
 
+    def lora_event(self, event: str, adapter: str) -> None:
+        """+1 on ``omni_<stage>_lora_<event>s_total`` for ``adapter``: a request that named it, its
+        load onto the device, or its eviction (``triton_omni.lora.Adapters``' events)."""
+        what = {"request": "Requests that named a LoRA adapter", "load": "LoRA adapters copied onto the device",
+                "eviction": "LoRA adapters emptied from the device for another"}[event]
+        self.count(family(f"omni_{self.stage}_lora_{event}s_total", f"{what}, per adapter", COUNTER), adapter=adapter)
+
     def count(self, metric_family, **extra: str) -> None:
         """+1 on the family's metric with these extra labels (made on first use, on the submitting thread)."""
         key = (id(metric_family), *sorted(extra.items()))

@@ -129,8 +129,11 @@ def client_parameters(request) -> dict[str, Any]:
     return split_parameters(request)[0]
 
 
-def model_folder(args: dict) -> Path | None:
-    """The model's folder in its repository (Triton's ``model_repository`` argument): where a
-    relative path in its parameters (a LoRA adapter's) is taken from."""
+def lora_settings(params: dict[str, str], args: dict) -> dict[str, Any]:
+    """The runner's ``lora_adapters`` (a relative path taken from the model's folder in its
+    repository, Triton's ``model_repository`` argument) and ``max_loras``, from model parameters."""
+    from triton_omni.lora import parse_sources
+
     repository = args.get("model_repository")
-    return Path(repository) if repository else None
+    return {"lora_adapters": parse_sources(params.get("lora_adapters", ""), Path(repository) if repository else None),
+            "max_loras": int(params.get("max_loras", "4"))}
