@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -40,7 +41,21 @@ def system_regions(client, tensors: list[tuple[object, np.ndarray]],
         yield
     finally:
         for name in registered:
-            with contextlib.suppress(Exception):  # the server may be gone: the region is ours to free anyway
-                client.unregister_system_shared_memory(name, headers=headers)
+            _unregister(client, name, headers)
         for handle in made:
             shm.destroy_shared_memory_region(handle)
+
+
+def _unregister(client, name: str, headers: dict[str, str] | None, attempts: int = 20) -> None:
+    """Unregisters ``name``, waiting briefly while the server still holds it: Triton refuses to
+    unregister a region in use, and a refused request's response can reach the client before the
+    server has released the request that reads the region. Any other failure (the server gone)
+    is left alone: the region is the client's to free either way."""
+    for attempt in range(attempts):
+        try:
+            client.unregister_system_shared_memory(name, headers=headers)
+            return
+        except Exception as exc:
+            if "in use" not in str(exc).lower() or attempt == attempts - 1:
+                return
+            time.sleep(0.05 * (attempt + 1))
