@@ -129,12 +129,13 @@ def test_adapters_beyond_the_slots_evict_the_least_recently_used_free_one(adapte
         images(model, [request(7, name, num_inference_steps=2) for name in ("a", "b", "c")])
         assert len(model.adapters.resident()) == 2
     finally:
+        slots = model.adapters.slots
         model.close()
     loads = [name for event, name in events if event == "load"]
     evictions = [name for event, name in events if event == "eviction"]
     assert loads[:4] == ["a", "b", "c", "b"] and evictions[:2] == ["b", "a"]
     assert [name for event, name in events if event == "request"] == ["a", "b", "a", "c", "b", "a", "b", "c"]
-    assert all(slot.pins == 0 for slot in model.adapters.slots)
+    assert all(slot.pins == 0 for slot in slots)
 
 
 def test_bad_requests_are_refused_naming_their_field(adapters):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from triton_omni.diffusion import workers
+from triton_omni.diffusion.kernels import NetworkKernels
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,17 @@ logger = logging.getLogger(__name__)
 class CfgParallel:
     """``transformer``'s negatives' passes on ``device``, in a worker process."""
 
-    def __init__(self, transformer: torch.nn.Module, device: torch.device, compile_options: dict | None = None):
+    def __init__(self, transformer: torch.nn.Module, device: torch.device, compile_options: dict | None = None,
+                 kernels: NetworkKernels | None = None):
+        """``compile_options`` and ``kernels``: what the worker sets on its copy, as rank 0 on its own
+        (rank 0 sets its kernels after this: its weights are shared as they were loaded)."""
         self.worker_devices = [device]
         self.device = transformer.device
         self.dtype = transformer.dtype
         # the output's last size: the transformer's final projection (its input's patches)
         self.out_features = transformer.proj_out.out_features
-        self.workers, port = workers.start(_serve, "omni-cfg-parallel", transformer, [device], compile_options)
+        self.workers, port = workers.start(_serve, "omni-cfg-parallel", transformer, [device], compile_options,
+                                            kernels)
         self.control = None
         try:
             self.control = workers.join(0, 2, port, self.device)
@@ -89,7 +94,7 @@ class CfgParallel:
 
 
 def _serve(rank: int, world: int, port: int, device: str, module: str, name: str, config: dict,
-           dtype: torch.dtype, compile_options: dict | None) -> None:
+           dtype: torch.dtype, compile_options: dict | None, kernels: NetworkKernels | None) -> None:
     """The worker: build the transformer, take rank 0's weights, then run each negatives' pass
     rank 0 sends and send its output back."""
     from triton_omni.diffusion.runner import compile_blocks
@@ -100,6 +105,8 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
     control = workers.join(rank, world, port, device)
     transformer = workers.build(module, name, config, dtype, device)
     workers.share_weights(transformer)
+    if kernels is not None:
+        kernels.apply(transformer)
     if compile_options is not None:
         compile_blocks(transformer, compile_options)
     cache, states = None, {}  # the step cache's hooks, when a row first asks; each negative pass's state

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import secrets
 import time
@@ -43,6 +44,7 @@ import torch
 from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
+from triton_omni.diffusion.kernels import QUANTIZATIONS, Fp8Plan, NetworkKernels, check_fp8, resolve_attention
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
@@ -113,6 +115,11 @@ class DiffusionRunnerConfig:
     # LoRA adapters a request may name (lora.py): name -> folder, file or hub id; and how many stay on the device
     lora_adapters: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
+    # "fp8": the DiT's block layers in float8 (kernels.py); fp8_kept: layers left in bf16 (None: the family's)
+    quantization: str = "none"
+    fp8_kept: tuple[str, ...] | None = None
+    # diffusers' attention kernel for the DiT: "auto" (the fastest this host runs), or a backend's name
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -134,6 +141,12 @@ class DiffusionRunnerConfig:
                              f"got {self.compile!r}")
         if self.sp_devices:
             self._check_sequence_parallel(step_cache.on)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"model parameter quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and self.lora_adapters:
+            raise ValueError(f"model parameter quantization {self.quantization!r}: not with lora_adapters (an "
+                             "adapter's factors are added to the bf16 layers they wrap)")
         if self.lora_adapters and (self.sp_devices or self.cfg_device is not None):
             raise ValueError("model parameter lora_adapters: not with a parallel mode (its workers hold the "
                              "transformer without the adapters)")
@@ -141,9 +154,12 @@ class DiffusionRunnerConfig:
     def _check_sequence_parallel(self, step_cache: bool) -> None:
         """What sequence parallel does not combine with, refused at load: every rank must run the
         same blocks, so no step cache (its decision is taken per rank, on the rank's share); one
-        parallel mode at a time; eager blocks (the workers are not compiled)."""
+        parallel mode at a time; the blocks as loaded: eager, in bf16, with diffusers' attention (the
+        workers are not compiled, quantized or given another kernel)."""
         for clash, what in ((step_cache, "a step cache"), (self.cfg_device is not None, "CFG parallel"),
-                            (self.compile != "off", f"compile {self.compile!r}")):
+                            (self.compile != "off", f"compile {self.compile!r}"),
+                            (self.quantization != "none", f"quantization {self.quantization!r}"),
+                            (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}")):
             if clash:
                 raise ValueError(f"sequence parallel does not combine with {what}")
 
@@ -229,8 +245,10 @@ class DiffusionRunner:
             if self.step_cache.on and not capabilities.step_cache:
                 raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
                                  "family has no step cache (it skips a diffusion transformer's blocks)")
-            if config.cfg_device is not None:
-                self._parallel_cfg(torch.device(config.cfg_device))
+            kernels = self._kernels()
+            if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
+                self._parallel_cfg(torch.device(config.cfg_device), kernels)
+            self._on_torch_thread(lambda: kernels.apply(self.family.network))
             self._compile()
         except Exception:
             self.close()
@@ -253,6 +271,31 @@ class DiffusionRunner:
         if self.graphs is not None:  # a captured graph would hold one pass's adapters
             logger.info("CUDA graphs off: LoRA adapters change between passes")
             self.graphs = None
+
+    def _kernels(self) -> NetworkKernels:
+        """The FP8 plan and attention kernel this model's DiT runs with (kernels.py), checked here."""
+        c = self.config
+        dit = self.family.capabilities.compile  # the DiT families: repeated transformer blocks
+        if c.quantization == "none" and c.attention_backend == "auto" and (not dit or self.sequence_parallel):
+            return NetworkKernels()
+        if not dit:
+            raise ValueError(f"model parameters quantization and attention_backend: the {self.family.name} family "
+                             "has no diffusion transformer")
+        plan = None
+        if c.quantization == "fp8":
+            check_fp8(self.device)
+            plan = Fp8Plan(tuple(self.family.network._repeated_blocks),
+                           self.family.fp8_kept if c.fp8_kept is None else c.fp8_kept)
+            logger.info("quantization fp8: %d linear layers of the %s blocks (kept in %s: %s)",
+                        len(plan.layers(self.family.network)), ", ".join(plan.blocks), self.dtype,
+                        ", ".join(plan.kept) or "none")
+        attention = None
+        if self.sequence_parallel is None:
+            heads, head_dim = self.family.attention_shape()
+            attention = self._on_torch_thread(lambda: resolve_attention(c.attention_backend, self.device, self.dtype,
+                                                                        heads, head_dim))
+            logger.info("attention_backend %s: %s", c.attention_backend, attention)
+        return NetworkKernels(plan, attention)
 
     def _compile(self) -> None:
         """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled
@@ -277,13 +320,13 @@ class DiffusionRunner:
         logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
                     ", ".join(str(d) for d in self.sequence_parallel.devices))
 
-    def _parallel_cfg(self, device: torch.device) -> None:
+    def _parallel_cfg(self, device: torch.device, kernels: NetworkKernels) -> None:
         if not self.family.capabilities.cfg_parallel:
             taking = ", ".join(family.name for family in FAMILIES.values() if family.capabilities.cfg_parallel)
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: the {self.family.name} family does not (families that do: {taking})")
         options = COMPILE_OPTIONS if self.config.compile != "off" else None
-        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options))
+        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels))
         self.steps.adapter.cfg_parallel = self.cfg_parallel
         logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
@@ -348,6 +391,9 @@ class DiffusionRunner:
         return result
 
     def close(self) -> None:
+        """Stops the engine and the workers and gives the device memory back: the pipeline is
+        dropped, and with ``compile: blocks`` torch.compile's caches too (they hold the compiled
+        blocks, and through them the weights, for as long as the process lives)."""
         if self.adapters is not None:
             self.adapters.close()
         if self.steps is not None:
@@ -356,6 +402,21 @@ class DiffusionRunner:
             if parallel is not None:
                 parallel.close()
         self.sequence_parallel = self.cfg_parallel = None
+        self._release()
+
+    def _release(self) -> None:
+        if getattr(self, "pipeline", None) is None:
+            return
+        if self.config.compile != "off":
+            for block in self.family.network.modules():
+                block.__dict__.pop("forward", None)  # the compiled forward compile_blocks set
+            torch._dynamo.reset()  # this process's compile caches: a stub's are its model's alone
+        self.pipeline = self.family = self.graphs = self.adapters = None
+        if self.steps is not None:
+            self.steps.adapter = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def parse(self, inputs: dict[str, Any]) -> DiffusionRequest:
         request = DiffusionRequest.from_inputs(inputs, self.limits, self.config.defaults)

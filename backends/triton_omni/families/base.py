@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,14 @@ class Family:
     # the denoiser's layers (name prefixes) whose input holds every row's tokens at once, not a row
     # per request: adapters per request cannot apply there, and an adapter targeting them is refused
     lora_flattened: ClassVar[tuple[str, ...]] = ()
+    # `quantization: fp8`: the linear layers of the repeated blocks this family keeps in bf16 (fnmatch
+    # patterns of their names from the network's root; the model's `fp8_kept` parameter overrides)
+    fp8_kept: ClassVar[tuple[str, ...]] = ()
+    # which tokens each linear layer of the repeated blocks reads, for ``forward_flops``: (pattern of the
+    # layer's name from the network's root, stream); the first match wins, and unmatched layers read both
+    # streams' tokens ("joint"). A block's attention spans the tokens of its ``attention_streams`` entry.
+    flop_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
+    attention_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -211,11 +220,51 @@ class Family:
         the CPU gloo gathers equal shares only."""
         check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
 
+    def attention_shape(self) -> tuple[int, int]:
+        """(heads, head size) of the DiT's attention: the shape ``attention_backend: auto`` times."""
+        config = self.network.config
+        return int(config.num_attention_heads), int(config.attention_head_dim)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """The DiT's image tokens for an output of this size (its patches)."""
+        return (height // self.size_multiple()) * (width // self.size_multiple())
+
+    def forward_flops(self, image_tokens: int, text_tokens: int, rows: int = 1) -> int:
+        """Floating-point operations of one forward pass of the DiT's repeated blocks over ``rows``
+        rows (``forward_flops`` of the network, with this family's streams)."""
+        return forward_flops(self.network, self.flop_streams, self.attention_streams, image_tokens, text_tokens, rows)
+
     @staticmethod
     def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:
         """Our context-parallel plan for a transformer diffusers ships none for, and the multiple
         its split sequence is padded to; None: diffusers' own plan (``_cp_plan``)."""
         return None
+
+
+def forward_flops(network: torch.nn.Module, streams, attention_streams, image_tokens: int, text_tokens: int,
+                  rows: int = 1) -> int:
+    """Floating-point operations of one forward pass of a DiT's repeated blocks: each linear layer's
+    2 x in x out per token it reads, and each block's attention 4 x tokens² x (heads x head size)
+    (the scores' matmul and the values'). A layer reads the tokens of its stream: "image", "text",
+    "joint" (both) or "row" (one per row: the modulations, computed from the timestep alone). What
+    lies outside the blocks (the embedders, the final projection) is left out: well under 1 % of a
+    forward at the real shapes. The MFU the benchmarks print divides this by the GPU's peak."""
+    tokens = {"image": image_tokens, "text": text_tokens, "joint": image_tokens + text_tokens, "row": 1}
+
+    def stream(name: str, table, default: str = "joint") -> str:
+        return next((kind for pattern, kind in table if fnmatch.fnmatchcase(name, pattern)), default)
+
+    total = 0
+    for block_name, block in network.named_modules():
+        if type(block).__name__ not in getattr(network, "_repeated_blocks", ()):
+            continue
+        for name, module in block.named_modules(prefix=block_name):
+            if isinstance(module, torch.nn.Linear):
+                total += 2 * module.in_features * module.out_features * tokens[stream(name, streams)]
+            elif hasattr(module, "heads") and hasattr(module, "inner_dim"):  # diffusers' attention: one per block
+                span = tokens[stream(block_name, attention_streams)]
+                total += 4 * span * span * module.inner_dim
+    return total * rows
 
 
 # -- what the step adapters share ------------------------------------------------------------

@@ -175,6 +175,10 @@ class Flux1(Family):
     demo_folders: ClassVar[dict] = {"tiny-flux1-schnell": build_tiny_schnell}
     realistic: ClassVar[dict] = {"demo:realistic-flux1-dev": build_realistic,
                                  "demo:realistic-flux1-schnell": build_realistic_schnell}
+    # the double blocks keep a stream each (the single blocks read both, joined)
+    flop_streams = (("*.norm1.linear", "row"), ("*.norm1_context.linear", "row"), ("*.norm.linear", "row"),
+                    ("*.attn.add_*", "text"), ("*.attn.to_add_out", "text"), ("*.ff_context.*", "text"),
+                    ("transformer_blocks.*", "image"))
 
     def hidden_size(self) -> int:
         """T5's width: the DiT's, or (ar_encoder loads the pipeline without its DiT) the encoder's."""

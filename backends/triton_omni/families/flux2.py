@@ -366,6 +366,10 @@ class Flux2Klein(Family):
     demo_folders: ClassVar[dict] = {"tiny-flux2-klein-distilled": build_tiny_distilled}
     realistic: ClassVar[dict] = {"demo:realistic-flux2-klein": build_realistic_klein,
                                  "demo:realistic-flux2-klein-distilled": build_realistic_klein_distilled}
+    # the double blocks keep a stream each (the single blocks read both, joined); the modulations
+    # are outside the blocks, shared by all of them
+    flop_streams = (("*.attn.add_*", "text"), ("*.attn.to_add_out", "text"), ("*.ff_context.*", "text"),
+                    ("transformer_blocks.*", "image"))
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         """The step-distilled variant never guides (its pipeline ignores the scale)."""

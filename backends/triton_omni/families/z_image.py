@@ -183,11 +183,18 @@ class ZImage(Family):
                                 compile=True, lora=True)
     # the patch and caption embedders read every row's tokens concatenated (the transformer's forward)
     lora_flattened = ("all_x_embedder", "cap_embedder")
+    # the refiners read one stream each before the main layers read both, joined
+    flop_streams = (("*.adaLN_modulation.*", "row"), ("noise_refiner.*", "image"), ("context_refiner.*", "text"))
+    attention_streams = (("noise_refiner.*", "image"), ("context_refiner.*", "text"))
     recipe = RECIPE
     step_adapter = ZImageSteps
     demo = Demo("z-image", "tiny-z-image", build_tiny)
     demo_folders: ClassVar[dict] = {"realistic-z-image-encoder": build_realistic_encoder}
     realistic: ClassVar[dict] = {"demo:realistic-z-image": build_realistic}
+
+    def attention_shape(self) -> tuple[int, int]:
+        config = self.network.config
+        return int(config.n_heads), int(config.dim) // int(config.n_heads)
 
     def hidden_size(self) -> int:
         return int(self.network.config.cap_feat_dim)

@@ -48,6 +48,9 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         steps_ahead=int(params.get("steps_ahead", str(STEPS_AHEAD))),
         step_cache=params.get("step_cache", "off"),
         compile=params.get("compile", "off"),
+        quantization=params.get("quantization", "none"),
+        fp8_kept=_patterns(params["fp8_kept"]) if "fp8_kept" in params else None,
+        attention_backend=params.get("attention_backend", "auto"),
         **lora_settings(params, args),
         **parallel,
     ), placement
@@ -86,3 +89,8 @@ def _placement(args: dict, params: dict[str, str]) -> tuple[Placement, dict]:
     placement = place_instance(args, params | {"gpus": str(gpus[0])})
     others = [f"cuda:{g}" for g in gpus[1:]]
     return placement, {"cfg_device": others[0]} if parallel == "cfg" else {"sp_devices": tuple(others)}
+
+
+def _patterns(value: str) -> tuple[str, ...]:
+    """A comma-separated list of layer-name patterns (``fp8_kept``: ``""`` keeps none)."""
+    return tuple(pattern.strip() for pattern in value.split(",") if pattern.strip())

@@ -1,0 +1,158 @@
+"""What a diffusion transformer runs on, set at load: its linear layers in FP8, its attention kernel.
+
+- ``quantization: fp8``: the linear layers of the DiT's repeated blocks (where its FLOPs are) hold
+  their weights in float8 with a scale per output row, and each call quantizes its input per row
+  the same way (torchao's ``Float8DynamicActivationFloat8WeightConfig``, ``PerRow``): an H100's
+  FP8 tensor cores do the matmul at twice bf16's rate. The layers a family keeps in bf16 (its
+  ``fp8_kept``, or the model's ``fp8_kept`` parameter) and the ones outside the blocks
+  (embedders, the final projection: little compute, much of the output's quality) stay as they
+  are; the VAE and the text encoders are untouched. It pays most under ``compile: blocks``, which
+  fuses the input's quantization into the kernels around the matmul.
+- ``attention_backend``: the kernel diffusers' attention dispatcher calls. ``auto`` times every
+  kernel this host can run on one call of the network's shape (with a padding mask, as the
+  families' calls may pass one) and keeps the fastest; a name sets it (refused at load if this
+  host cannot run it). On the CPU ``auto`` keeps PyTorch's SDPA.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "fp8")
+# diffusers' names of the kernels `auto` tries, in the order of a tie: PyTorch's own first
+ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3", "sage")
+# torch._scaled_mm's operands: both sizes of an FP8 weight must be multiples of 16
+FP8_ALIGNMENT = 16
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """Which linear layers an FP8 load quantizes: every ``nn.Linear`` inside one of ``blocks``
+    (the DiT's repeated block classes) whose name (from the network's root) matches none of the
+    ``kept`` patterns (fnmatch, e.g. ``*.img_mlp.*``) and whose sizes FP8's matmul takes."""
+
+    blocks: tuple[str, ...]
+    kept: tuple[str, ...] = ()
+
+    def layers(self, network: torch.nn.Module) -> list[str]:
+        inside = [name for name, module in network.named_modules() if type(module).__name__ in self.blocks]
+        chosen = []
+        for name, module in network.named_modules():
+            if not isinstance(module, torch.nn.Linear) or not any(name.startswith(f"{b}.") for b in inside):
+                continue
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.kept):
+                continue
+            if module.in_features % FP8_ALIGNMENT or module.out_features % FP8_ALIGNMENT:
+                continue
+            chosen.append(name)
+        return chosen
+
+
+@dataclass(frozen=True)
+class NetworkKernels:
+    """What a runner sets on its DiT at load, and CFG parallel's worker on its copy: the FP8 plan
+    (None: bf16 throughout) and the attention kernel (None: diffusers' default, PyTorch's SDPA)."""
+
+    fp8: Fp8Plan | None = None
+    attention: str | None = None
+
+    def apply(self, network: torch.nn.Module) -> None:
+        if self.fp8 is not None:
+            quantize_fp8(network, self.fp8)
+        if self.attention not in (None, "native"):
+            network.set_attention_backend(self.attention)
+
+
+def check_fp8(device: torch.device) -> None:
+    """Refuses ``quantization: fp8`` where it cannot run, naming the parameter."""
+    if device.type != "cuda":
+        raise ValueError("model parameter quantization 'fp8' needs a GPU with FP8 tensor cores (compute capability "
+                         f"8.9 or above: Ada, Hopper, Blackwell); this instance runs on {device}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(f"model parameter quantization 'fp8' needs compute capability 8.9 or above; "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise ValueError("model parameter quantization 'fp8' needs torchao (pip install torchao)") from None
+
+
+def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
+    """``plan``'s layers of ``network`` in FP8, in place; returns how many."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    check_fp8(next(network.parameters()).device)
+    chosen = set(plan.layers(network))
+    quantize_(network, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda module, name: name in chosen)
+    return len(chosen)
+
+
+def resolve_attention(backend: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+    """The attention kernel to set: ``backend``, checked on this host, or for ``auto`` the fastest
+    this host runs on the network's heads (``choose_attention``)."""
+    if backend == "auto":
+        return choose_attention(device, dtype, heads, head_dim)
+    error = _probe(backend, device, dtype, heads, head_dim, rounds=0)
+    if isinstance(error, Exception):
+        raise ValueError(f"model parameter attention_backend {backend!r}: this host cannot run it "
+                         f"({type(error).__name__}: {error})")
+    return backend
+
+
+def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+    """The fastest of ``ATTENTION_CANDIDATES`` on one masked call of 4096 image and 256 text
+    tokens (a 1024² image's share in these DiTs), two rows; PyTorch's SDPA on the CPU."""
+    if device.type != "cuda":
+        return "native"
+    timings = {name: _probe(name, device, dtype, heads, head_dim) for name in ATTENTION_CANDIDATES}
+    usable = {name: seconds for name, seconds in timings.items() if isinstance(seconds, float)}
+    chosen = min(usable, key=usable.get)
+    logger.info("attention_backend auto: %s (ms per call: %s; not usable here: %s)", chosen,
+                ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in usable.items()),
+                ", ".join(name for name in timings if name not in usable) or "none")
+    return chosen
+
+
+def _probe(name: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+           rounds: int = 5) -> float | Exception:
+    """Seconds per call of backend ``name`` on a masked call of the network's shape (its output
+    checked against PyTorch's SDPA), or the exception that says why it cannot run here."""
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _check_attention_backend_requirements,
+        dispatch_attention_fn,
+    )
+
+    tokens = 4096 + 256 if device.type == "cuda" else 64
+    generator = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(2, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
+               for _ in range(3))
+    mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool, device=device)
+    mask[1, ..., -100:] = False  # the second row's prompt is shorter: padded keys are not attended
+    try:
+        backend = AttentionBackendName(name)
+        _check_attention_backend_requirements(backend)
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
+        reference = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=AttentionBackendName.NATIVE)
+        if not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+            return ValueError("its output differs from PyTorch's SDPA")
+        if rounds == 0 or device.type != "cuda":
+            return 0.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(rounds):
+            dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / rounds
+    except Exception as exc:  # a kernel this host lacks, or one that refuses masks: not a candidate
+        return exc

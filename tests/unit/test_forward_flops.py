@@ -1,0 +1,55 @@
+"""Each DiT family's FLOP formula (``Family.forward_flops``, what the benchmarks' MFU divides by
+the GPU's peak) against PyTorch's FLOP counter on a real forward pass of its tiny pipeline: equal,
+block by block summed (attention through SDPA's math kernel, whose matmuls the counter sees)."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+from triton_omni.demo_models import resolve_model
+from triton_omni.families import family_of
+
+SIZE, TEXT_TOKENS = 64, 32  # Z-Image pads both streams to multiples of 32: these need none
+
+
+def counted_block_flops(pipeline, family, **kwargs) -> int:
+    """The FLOPs PyTorch's counter sees inside the DiT's repeated blocks over one pipeline call."""
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        pipeline(num_inference_steps=1, height=SIZE, width=SIZE, output_type="latent", **kwargs)
+    network = family.network
+    counts = counter.get_flop_counts()
+    return sum(sum(counts.get(f"{type(network).__name__}.{name}", {}).values())
+               for name, module in network.named_modules() if type(module).__name__ in network._repeated_blocks)
+
+
+@pytest.mark.parametrize("demo", ["tiny-qwen-image", "tiny-z-image", "tiny-flux1-dev", "tiny-flux2-klein"])
+def test_the_flop_formula_equals_the_flop_counter(demo):
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(resolve_model(f"demo:{demo}"))
+    family = family_of(pipeline)
+    embeds = torch.randn(1, TEXT_TOKENS, family.hidden_size())
+    kwargs = {"prompt_embeds": embeds, "guidance_scale": 1.0}  # one unguided pass: one row
+    if family.name == "qwen_image":
+        kwargs["prompt_embeds_mask"] = torch.ones(1, TEXT_TOKENS, dtype=torch.long)
+    elif family.name == "flux1":
+        kwargs["pooled_prompt_embeds"] = torch.randn(1, family.pooled_size())
+    elif family.name == "z_image":
+        kwargs = {"prompt_embeds": [embeds[0]], "guidance_scale": 0.0}
+    counted = counted_block_flops(pipeline, family, **kwargs)
+    assert counted > 0
+    assert family.forward_flops(family.image_tokens(SIZE, SIZE), TEXT_TOKENS) == counted
+    assert family.forward_flops(family.image_tokens(SIZE, SIZE), TEXT_TOKENS, rows=3) == 3 * counted
+
+
+def test_qwen_image_at_its_real_shape_is_about_seventy_teraflop_a_forward():
+    """Qwen-Image's 20 B DiT (built on the meta device: shapes only) at 1024², with a prompt of a
+    few hundred tokens: one forward is about 70 TFLOP, as a count by hand of its layers says."""
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel()
+    family = family_of(QwenImagePipeline(transformer=transformer, vae=None, scheduler=None, text_encoder=None,
+                                         tokenizer=None))
+    flops = family.forward_flops(image_tokens=64 * 64, text_tokens=200)
+    assert 68e12 < flops < 74e12
