@@ -19,7 +19,7 @@ COPY model_repository model_repository
 COPY ensemble ensemble
 
 # --no-deps: keep the image's torch/vLLM/NumPy (its Triton supports NumPy 2).
-RUN pip install --no-cache-dir diffusers "tritonclient[all]" fastapi uvicorn prometheus-client \
+RUN pip install --no-cache-dir diffusers peft accelerate torchao "tritonclient[all]" fastapi uvicorn prometheus-client \
  && pip install --no-cache-dir --no-deps -e .
 
 # Demo models are built into the image; real models come from the hub or a

@@ -51,6 +51,17 @@ mechanism for a client on the server's host) rather than in the gRPC request, wh
 serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each row also prints a
 request's mean time inside the server, so the rest of its latency is the client's and gRPC's.
 
+``--quantization fp8`` (with ``--fp8-kept PATTERNS``) and ``--attention-backend NAME``: the server's
+``diffusion`` parameters of the same names (default: bf16, ``auto``); the pipeline stays as diffusers
+runs it (bf16, PyTorch's SDPA), so each row's image columns say how far the FP8 image is from
+bf16's with the same seed: PSNR and mean absolute difference (random weights: a proxy for what
+real weights lose).
+
+Every row prints the MFU of both sides: the family's FLOPs per image (``Family.forward_flops``: the
+DiT's blocks, per forward pass, times the passes of its steps) over the latency, as a fraction of the
+GPU's dense bf16 peak (``PEAK_BF16``; FP8's peak is twice that, but the fraction stays bf16's so
+that the rows compare).
+
 ``--exact-batching pipeline``: the server runs each request's forward passes
 alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
 bit, in any company), so the throughput ratio at concurrency above 1 prints
@@ -77,6 +88,7 @@ import numpy as np
 import torch
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
+from triton_omni.families import family_of
 from triton_omni_client import OmniClient
 from triton_omni_tools.bench.presets import edit_picture
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
@@ -192,6 +204,30 @@ def pooled_size(pipeline) -> int:
 
 
 WARM_UP_STEPS = 2
+# dense bf16 tensor-core peaks (FLOP/s, no sparsity) by the device name's model, from NVIDIA's data sheets
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12,
+             "A100": 312e12, "L40S": 362e12}
+
+
+def peak_bf16(device: str) -> float | None:
+    return next((peak for model, peak in PEAK_BF16.items() if model in device), None)
+
+
+def flops_per_image(pipeline, requests: Requests) -> int:
+    """The DiT's FLOPs for one request's image: every step's passes (the prompt's, and the
+    negative's where it guides), each ``Family.forward_flops``; an edit's input image's tokens
+    are part of the sequence."""
+    family, setup = family_of(pipeline), requests.setup
+    image = family.image_tokens(setup.size, setup.size) * (2 if requests.image is not None else 1)
+    per_step = family.forward_flops(image, setup.tokens)
+    if requests.guided:
+        per_step += family.forward_flops(image, setup.negative_tokens or setup.tokens * 3 // 4)
+    return setup.steps * per_step
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: torch.dtype,
@@ -293,7 +329,8 @@ def figures(latencies: list[float], concurrency: int) -> dict:
 
 
 def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = False,
-                        exact_batching: str = "false", encoder: tuple[str, str] | None = None) -> list[Path]:
+                        exact_batching: str = "false", encoder: tuple[str, str] | None = None,
+                        kernels: dict | None = None) -> list[Path]:
     """The default repositories with ``diffusion`` serving the setup's model (step batching), and
     with ``encoder`` (model, recipe) ``ar_encoder`` encoding for it."""
     batch = max(8, max(setup.concurrency))
@@ -302,7 +339,8 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
     edits: dict = {"diffusion": {
         "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
                        "gpu_memory_utilization": share if device == "cuda" else "0.30",
-                       "compile": "blocks" if compile else "off", "exact_batching": exact_batching},
+                       "compile": "blocks" if compile else "off", "exact_batching": exact_batching}
+        | (kernels or {}),
         "max_batch_size": batch}}
     if encoder is not None:
         edits["ar_encoder"] = {"parameters": {"model": encoder[0], "recipe": encoder[1], "dtype": dtype,
@@ -312,7 +350,8 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
 
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
-        aa: bool = False, tokens: int | None = None, shared_memory: bool = False) -> dict:
+        aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None) -> dict:
+    """``kernels``: the server's quantization, fp8_kept and attention_backend parameters."""
     setup = SETUPS[(family, preset)]
     if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
         setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
@@ -326,6 +365,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     if compile_direct:
         pipeline.transformer.compile_repeated_blocks()
     requests = Requests(family, setup, hidden_size(pipeline), end_to_end, pooled_size(pipeline))
+    flops = flops_per_image(pipeline, requests)
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
     again = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels} if aa else {}
     del pipeline
@@ -333,7 +373,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     if device == "cuda":
         torch.cuda.empty_cache()  # the server's copy takes this GPU next
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
-            model_repositories=server_repositories(setup, device, Path(tmp), compile, exact_batching, encoder),
+            model_repositories=server_repositories(setup, device, Path(tmp), compile, exact_batching, encoder,
+                                                   kernels),
             http_port=free_port(),
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
@@ -346,13 +387,19 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
         points.append({"concurrency": c, "direct": d, "triton": t,
                        "latency_ratio": t["latency_s"] / d["latency_s"],
                        "throughput_ratio": t["images_per_s"] / d["images_per_s"],
-                       "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max())})
+                       "first_image_max_diff": int(np.abs(t_image.astype(int) - d_image.astype(int)).max()),
+                       "first_image_mean_diff": float(np.abs(t_image.astype(int) - d_image.astype(int)).mean()),
+                       "first_image_psnr_db": psnr(t_image, d_image)})
+        peak = peak_bf16(device_name())
+        for side in ("direct", "triton"):
+            points[-1][side]["mfu"] = c * flops / points[-1][side]["latency_s"] / peak if peak else None
         if c in again:  # the A/A: the direct side against itself
             points[-1] |= {"aa_latency_ratio": again[c][0]["latency_s"] / d["latency_s"],
                            "aa_throughput_ratio": again[c][0]["images_per_s"] / d["images_per_s"]}
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
             "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
-            "end_to_end": end_to_end, "shared_memory": shared_memory,
+            "end_to_end": end_to_end, "shared_memory": shared_memory, "kernels": kernels or {},
+            "tflop_per_image": flops / 1e12,
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
 
@@ -367,13 +414,19 @@ def report(result: dict) -> None:
           f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}, "
           f"server exact_batching: {result.get('exact_batching', 'false')}, "
           f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}"
-          f"{', through shared memory' if result.get('shared_memory') else ''}")
+          f"{', through shared memory' if result.get('shared_memory') else ''}"
+          f"{''.join(f', server {k} {v}' for k, v in result.get('kernels', {}).items())}")
+    if "tflop_per_image" in result:
+        print(f"the DiT's work per image: {result['tflop_per_image']:.1f} TFLOP (MFU: of the GPU's dense bf16 peak)")
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
-          f"{'img/s triton':>13} {'throughput t/d':>15} {'image diff':>10}")
+          f"{'img/s triton':>13} {'throughput t/d':>15} {'MFU d':>6} {'MFU t':>6} {'image diff: max':>16} "
+          f"{'mean':>6} {'PSNR dB':>8}")
     for p in result["points"]:
+        mfu = [f"{p[side].get('mfu'):.1%}" if p[side].get("mfu") else "-" for side in ("direct", "triton")]
         print(f"{p['concurrency']:>4} {p['direct']['latency_s']:>9.3f} {p['triton']['latency_s']:>9.3f} "
               f"{p['latency_ratio']:>12.3f} {p['direct']['images_per_s']:>13.3f} {p['triton']['images_per_s']:>13.3f} "
-              f"{p['throughput_ratio']:>15.3f} {p['first_image_max_diff']:>10}")
+              f"{p['throughput_ratio']:>15.3f} {mfu[0]:>6} {mfu[1]:>6} {p['first_image_max_diff']:>16} "
+              f"{p.get('first_image_mean_diff', 0):>6.2f} {p.get('first_image_psnr_db', float('inf')):>8.1f}")
     for p in result["points"]:
         print(f"concurrency {p['concurrency']}: a request's mean time inside the server "
               f"{p['triton']['in_server_s']:.3f} s (the rest of its latency: the client and gRPC)")
@@ -398,11 +451,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, help="the embeddings' token count (default: the setup's)")
     parser.add_argument("--shared-memory", action="store_true",
                         help="the client sends the embeddings through system shared memory, not in the request")
+    parser.add_argument("--quantization", choices=["none", "fp8"], help="the server's DiT quantization")
+    parser.add_argument("--fp8-kept", help="the server's fp8_kept (layer patterns left in bf16; default: the family's)")
+    parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+    kernels = {name: value for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
+                                                ("attention_backend", args.attention_backend)) if value is not None}
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
-                 args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory)
+                 args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

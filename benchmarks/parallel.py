@@ -46,12 +46,14 @@ NAMES = {"cfg": "CFG parallel", "sp": "sequence parallel"}
 
 
 def measure(parallel: dict, levels: list[int], size: int, steps: int, rounds: int,
-            compile: bool = False) -> tuple[dict, dict]:
-    """({concurrency: seconds per round}, {concurrency: request 0's image})."""
+            compile: bool = False, kernels: dict | None = None) -> tuple[dict, dict]:
+    """({concurrency: seconds per round}, {concurrency: request 0's image}); ``kernels``: the
+    runner's quantization and attention_backend."""
     runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda:0", dtype="bfloat16", batching="step",
                                                    batch_size=max(levels), exact_batching=False,
                                                    compile="blocks" if compile else "off",
-                                                   limits={"max_size": max(1024, size)}, **parallel))
+                                                   limits={"max_size": max(1024, size)}, **parallel,
+                                                   **(kernels or {})))
     seconds, first = {}, {}
     try:
         for c in levels:
@@ -78,14 +80,18 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="both sides compile the DiT's blocks")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none", help="both sides' DiT")
+    parser.add_argument("--attention-backend", default="auto", help="both sides' attention kernel")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    one, one_images = measure({}, levels, args.size, args.steps, args.rounds, args.compile)
-    two, two_images = measure(MODES[args.mode], levels, args.size, args.steps, args.rounds, args.compile)
+    kernels = {"quantization": args.quantization, "attention_backend": args.attention_backend}
+    one, one_images = measure({}, levels, args.size, args.steps, args.rounds, args.compile, kernels)
+    two, two_images = measure(MODES[args.mode], levels, args.size, args.steps, args.rounds, args.compile, kernels)
     name = NAMES[args.mode]
     print(f"Qwen-Image {args.size}², {args.steps} steps, true CFG 4.0, on {torch.cuda.get_device_name(0)}, "
-          f"DiT blocks {'compiled' if args.compile else 'eager'}")
+          f"DiT blocks {'compiled' if args.compile else 'eager'}, quantization {args.quantization}, "
+          f"attention {args.attention_backend}")
     print(f"{'conc':>4} {'one GPU s':>10} {name + ' s':>22} {'ratio':>6}  image difference (max, of 255)")
     points = []
     for c in levels:
@@ -96,7 +102,7 @@ def main() -> None:
         print(f"{c:>4} {a:>10.3f} {b:>22.3f} {b / a:>6.3f}  {difference}")
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": args.mode, "size": args.size, "steps": args.steps,
-                                               "compile": args.compile, "points": points,
+                                               "compile": args.compile, "points": points, "kernels": kernels,
                                                "date": time.strftime("%Y-%m-%d"),
                                                "device": torch.cuda.get_device_name(0)}, indent=2))
 

@@ -4,7 +4,8 @@
 # Idempotent: run it once per carried folder; each call adds what it finds.
 # The folders come from scripts/pack_offline.sh (docs/gpu.md):
 #   .offline   the Triton 2.51 bundle, diffusers, tritonclient, numpy 1.26.4
-#   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1), and
+#   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1), torchao
+#              (quantization: fp8), and
 #              perf_analyzer.tar.xz (Triton's load generator, for runs against a server on this host)
 #   .vllm1-3   vLLM 0.24.0's wheel tree, stripped, in three parts (kept in the venv until all are there)
 #   .vllm4     the wheels vLLM needs that the host lacks

@@ -10,8 +10,8 @@
 #   .offline   the Triton 2.51 server, Python backend and 3.12 stub from the nvidia-pytriton
 #              wheel (trimmed), the diffusers, peft, accelerate, tritonclient, numpy 1.26.4 wheels,
 #              and uvicorn and httpx for the OpenAI gateway (~60 MB)
-#   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), and
-#              perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~45 MB)
+#   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), torchao
+#              (the DiT's FP8), and perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~55 MB)
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
 #              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
 #              for other Pythons, as tar.xz in three ~45 MB parts
@@ -42,6 +42,7 @@ wheels .offline peft accelerate  # LoRA adapters: diffusers reads them through P
 # the OpenAI gateway's server and the benchmark's HTTP client (FastAPI, Starlette and pydantic come with .vllm4)
 wheels .offline uvicorn h11 click httpx httpcore anyio idna certifi prometheus_client annotated-doc
 wheels .offline2 scipy==1.14.1 uvloop httptools  # uvicorn's fast event loop and HTTP parser, for the gateway
+wheels .offline2 torchao==0.18.0  # `quantization: fp8` (float8 row-wise; 0.18 wants torch 2.11 or later)
 # aiohttp, the benchmark's other HTTP client (`openai_gateway.py --http-client aiohttp`, AIPerf's)
 wheels .offline2 aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 # perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)

@@ -1,0 +1,72 @@
+"""What a DiT runs on (kernels.py), at a real shape (Z-Image's 6 B DiT, random weights, bf16) on a
+GPU with FP8 tensor cores: ``quantization: fp8`` against bf16 with the same request, the attention
+kernel ``auto`` chooses against PyTorch's SDPA, and a compiled runner's memory given back when it
+closes (twice over: a reload finds its GPU as the first load did). GPU only (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+
+MODEL = "demo:realistic-z-image"
+SIZE, STEPS = 512, 8
+
+
+def request(runner: DiffusionRunner, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    embeds = (torch.randn(64, runner.limits.hidden_size, generator=generator) * 0.5).to(torch.bfloat16)
+    return {"prompt_embeds": embeds, "guidance_scale": 0.0, "seed": seed, "num_inference_steps": STEPS,
+            "height": SIZE, "width": SIZE}
+
+
+def images(seeds: list[int], **settings) -> list[torch.Tensor]:
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, device="cuda", dtype="bfloat16", batching="step",
+                                                   exact_batching=False, **settings))
+    try:
+        return [f.result() for f in [runner.submit(runner.parse(request(runner, seed))) for seed in seeds]]
+    finally:
+        runner.close()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a.double() - b.double()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(255.0**2 / mse)).item()
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
+def test_fp8_gives_bf16s_image_within_a_stated_distance():
+    """Random weights: a proxy for what real weights lose. The same request in FP8 must be far
+    nearer bf16's image than another seed's image is (which the tolerance could not hide)."""
+    bf16, other = images([1, 2])
+    [fp8] = images([1], quantization="fp8")
+    against_bf16, against_other = psnr(fp8, bf16), psnr(other, bf16)
+    print(f"FP8 against bf16: PSNR {against_bf16:.1f} dB, mean difference "
+          f"{float((fp8.float() - bf16.float()).abs().mean()):.2f} of 255; another seed: PSNR {against_other:.1f} dB")
+    assert against_bf16 > against_other + 10
+
+
+def test_the_attention_kernel_auto_chooses_gives_sdpas_image():
+    [native] = images([3], attention_backend="native")
+    [chosen] = images([3], attention_backend="auto")
+    difference = (chosen.int() - native.int()).abs()
+    print(f"auto against SDPA: max {int(difference.max())}, mean {float(difference.float().mean()):.3f}")
+    assert float(difference.float().mean()) <= 1.0
+
+
+def test_closing_a_compiled_runner_gives_its_gpu_memory_back():
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(2):  # a reload after a close starts from the same memory
+        images([4], compile="blocks")
+        gc.collect()
+        left = torch.cuda.memory_allocated() - baseline
+        print(f"after close: {left / 2**20:.0f} MiB above the baseline")
+        assert left < 256 * 2**20
