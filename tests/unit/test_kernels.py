@@ -24,13 +24,12 @@ def qwen_runner():
 def test_an_fp8_plan_takes_the_blocks_linear_layers_but_the_kept_ones(qwen_runner):
     network = qwen_runner.family.network
     family = family_of(qwen_runner.pipeline)
-    plan = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept)
-    layers = plan.layers(network)
-    assert "transformer_blocks.0.attn.to_q" in layers and "transformer_blocks.1.txt_mlp.net.2" in layers
-    assert not any(".img_mlp." in name for name in layers)  # Qwen-Image's kept layers
-    assert not any(name.startswith(("img_in", "txt_in", "proj_out", "time_text_embed")) for name in layers)
-    everything = Fp8Plan(tuple(network._repeated_blocks)).layers(network)
-    assert set(layers) < set(everything) and any(".img_mlp." in name for name in everything)
+    everything = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept).layers(network)
+    assert "transformer_blocks.0.attn.to_q" in everything and "transformer_blocks.1.img_mlp.net.2" in everything
+    assert not any(name.startswith(("img_in", "txt_in", "proj_out", "time_text_embed")) for name in everything)
+    layers = Fp8Plan(tuple(network._repeated_blocks), ("*.img_mlp.*",)).layers(network)  # fp8_kept: "*.img_mlp.*"
+    assert set(layers) < set(everything) and not any(".img_mlp." in name for name in layers)
+    assert "transformer_blocks.1.txt_mlp.net.2" in layers
 
 
 def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
@@ -66,3 +65,16 @@ def test_a_unet_takes_neither():
 def test_auto_keeps_pytorchs_sdpa_on_the_cpu_and_a_named_kernel_is_checked_there():
     assert resolve_attention("auto", torch.device("cpu"), torch.float32, 2, 16) == "native"
     assert resolve_attention("_native_math", torch.device("cpu"), torch.float32, 2, 16) == "_native_math"
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"engine": "transformers", "quantization": "fp8"}, "quantization 'fp8' is vLLM's own FP8: this model runs on "
+                                                         "transformers"),
+    ({"engine": "vllm", "quantization": "fp8"}, "quantization 'fp8' needs a GPU"),
+    ({"engine": "transformers", "quantization": "int8"}, "quantization must be 'none' or 'fp8'"),
+])
+def test_the_text_stages_fp8_is_vllms_on_a_gpu_and_refused_elsewhere_by_name(settings, message):
+    from triton_omni.ar.runner import ArRunner, ArRunnerConfig
+
+    with pytest.raises(ValueError, match=message):
+        ArRunner(ArRunnerConfig("demo:tiny-qwen2", **settings))

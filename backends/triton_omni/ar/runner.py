@@ -67,6 +67,8 @@ class ArRunnerConfig:
     # LoRA adapters a request may name: name -> PEFT folder; and how many stay on the device
     lora_adapters: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
+    # "fp8": vLLM's own FP8 weights (its `quantization` engine argument, scales computed at load)
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -74,6 +76,8 @@ class ArRunnerConfig:
         if self.engine not in ("auto", "vllm", "transformers"):
             raise ValueError(f"engine must be 'auto', 'vllm' or 'transformers', got {self.engine!r}")
         recipe(self.recipe)  # a name it does not know fails the load, naming the parameter
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"model parameter quantization must be 'none' or 'fp8', got {self.quantization!r}")
 
     def resolved_engine(self) -> str:
         """The configured engine; ``auto``: vLLM when importable, except for an
@@ -137,8 +141,23 @@ class ArRunner:
                     f" recipe={self.recipe.name}" if config.mode == "encode" else "")
 
 
+    def _check_quantization(self) -> None:
+        """``quantization: fp8`` is vLLM's FP8 on a GPU: refused by name on any other engine or host."""
+        cfg = self.config
+        if cfg.quantization == "none":
+            return
+        by_pipeline = cfg.mode == "encode" and self.recipe.by_pipeline
+        engine = "the pipeline's encode_prompt" if by_pipeline else self.engine_name
+        if engine != "vllm":
+            raise ValueError(f"model parameter quantization {cfg.quantization!r} is vLLM's own FP8: this model runs "
+                             f"on {engine} (set engine: vllm)")
+        if not cfg.device.startswith("cuda"):
+            raise ValueError(f"model parameter quantization {cfg.quantization!r} needs a GPU (vLLM's FP8 kernels); "
+                             f"this instance runs on {cfg.device}")
+
     async def _build_engine(self) -> ArEngine | PipelineTextEngine:
         cfg = self.config
+        self._check_quantization()
         if cfg.mode == "encode" and self.recipe.by_pipeline:
             if cfg.lora_adapters:
                 raise ValueError(f"model parameter lora_adapters: recipe {self.recipe.name!r} encodes through its "
@@ -155,7 +174,9 @@ class ArRunner:
                                  f"not dtype {dtype}")
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
-            return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len, share | cfg.engine_args,
+            quantized = {"quantization": "fp8"} if cfg.quantization == "fp8" else {}
+            return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len,
+                              share | quantized | cfg.engine_args,
                               self.seat, cpus, cfg.lora_adapters, cfg.max_loras)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")

@@ -72,6 +72,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         embeds_dtype=params.get("embeds_dtype", "float32"),
         limits=limits,
         engine_args=engine_args,
+        quantization=params.get("quantization", "none"),
         gpu_memory_utilization=gpu_share(params),
         engine_cpus=params.get("engine_cpus", ""),
         recipe=params.get("recipe", "last_hidden_state"),
