@@ -2,7 +2,7 @@
 
 - ``quantization: fp8``: the linear layers of the DiT's repeated blocks (where its FLOPs are) hold
   their weights in float8 with a scale per output row, and each call quantizes its input per row
-  the same way (torchao's ``Float8DynamicActivationFloat8WeightConfig``, ``PerRow``): an H100's
+  the same way (torchao's ``Float8DynamicActivationFloat8WeightConfig``, ``PerRow``): Hopper's
   FP8 tensor cores do the matmul at twice bf16's rate. The layers a family keeps in bf16 (its
   ``fp8_kept``, or the model's ``fp8_kept`` parameter) and the ones outside the blocks
   (embedders, the final projection: little compute, much of the output's quality) stay as they

@@ -164,10 +164,10 @@ class QwenImage(Family):
     step_adapter = QwenImageSteps
     demo = Demo("qwen-image", "tiny-qwen-image", build_tiny)
     realistic: ClassVar[dict] = {"demo:realistic-qwen-image": build_realistic}
-    # `quantization: fp8` takes every block layer: measured at 1024² on an H100, keeping the image
-    # stream's MLP in bf16 (as vLLM-Omni does, for the real weights' quality) left FP8 no faster than
-    # bf16, since that MLP holds two thirds of the image stream's FLOPs; with random weights FP8 was
-    # as near bf16 either way. With the real weights, `fp8_kept: "*.img_mlp.*"` trades the speed back.
+    # `quantization: fp8` takes every block layer: measured at 1024², keeping the image stream's MLP in
+    # bf16 (as vLLM-Omni does, for the real weights' quality) left FP8 no faster than bf16, since that
+    # MLP holds two thirds of the image stream's FLOPs; with random weights FP8 was as near bf16
+    # either way. With the real weights, `fp8_kept: "*.img_mlp.*"` trades the speed back.
     fp8_kept = ()
     flop_streams = (("*.img_mod.*", "row"), ("*.txt_mod.*", "row"), ("*.attn.add_*", "text"),
                     ("*.attn.to_add_out", "text"), ("*.txt_mlp.*", "text"), ("*", "image"))
