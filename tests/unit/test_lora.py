@@ -55,9 +55,9 @@ def images(model: DiffusionRunner, requests: list[dict]) -> list:
     return [image.numpy() for image in results]
 
 
-def reference(family: str, folder: str | None, scale: float, seed: int):
+def reference(family: str, folder: str | None, scale: float, seed: int, negative: str | None = NEGATIVE):
     with with_adapter(family, folder, scale) as pipe:
-        return call(pipe, PROMPT, NEGATIVE, guidance_keyword=GUIDANCE_KEYWORD[family], seed=seed,
+        return call(pipe, PROMPT, negative, guidance_keyword=GUIDANCE_KEYWORD[family], seed=seed,
                     guidance_scale=OPTIONS["guidance_scale"], num_inference_steps=OPTIONS["num_inference_steps"],
                     height=OPTIONS["height"], width=OPTIONS["width"])[0].numpy()
 
@@ -87,6 +87,26 @@ def test_mixed_adapters_in_one_step_batch_equal_the_pipeline_with_each(family, a
     finally:
         plain.close()
     assert (served[1] == unadapted[1]).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_adapted_request_without_a_negative_or_with_an_empty_or_blank_one_equals_the_pipeline(family, adapters):
+    """The negative prompt as users leave it: omitted (each pipeline's own default: "" for CFG,
+    no negative pass for true CFG), "" and " ", in one step batch, each against the pipeline with
+    the adapter called the same way; the adapted image differs from the unadapted one (so each
+    comparison can fail)."""
+    sources = adapters[family]
+    negatives = [None, "", " "]
+    model = runner(family, sources)
+    try:
+        served = images(model, [{key: value for key, value in request(5, "a", 0.8, negative_prompt=negative).items()
+                                 if value is not None} for negative in negatives])
+    finally:
+        model.close()
+    for negative, image in zip(negatives, served, strict=True):
+        expected = reference(family, sources["a"], 0.8, 5, negative)
+        assert levels_apart(image, expected) <= 1, repr(negative)
+    assert levels_apart(served[0], reference(family, None, 1.0, 5, None)) > 10
 
 
 def test_the_step_cache_keeps_each_rows_adapter_in_its_smaller_batches(adapters):
