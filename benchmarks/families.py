@@ -59,8 +59,8 @@ real weights lose).
 
 Every row prints the MFU of both sides: the family's FLOPs per image (``Family.forward_flops``: the
 DiT's blocks, per forward pass, times the passes of its steps) over the latency, as a fraction of the
-GPU's dense bf16 peak (``PEAK_BF16``; FP8's peak is twice that, but the fraction stays bf16's so
-that the rows compare).
+GPU's dense bf16 peak (``triton_omni_tools.bench.gpu.PEAK_BF16``; FP8's peak is twice that, but
+the fraction stays bf16's so that the rows compare).
 
 ``--exact-batching pipeline``: the server runs each request's forward passes
 alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
@@ -75,7 +75,6 @@ import dataclasses
 import gc
 import io
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -90,6 +89,7 @@ from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.families import family_of
 from triton_omni_client import OmniClient
+from triton_omni_tools.bench.gpu import device_name, peak_bf16
 from triton_omni_tools.bench.presets import edit_picture
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_repositories
@@ -204,15 +204,6 @@ def pooled_size(pipeline) -> int:
 
 
 WARM_UP_STEPS = 2
-# dense bf16 tensor-core peaks (FLOP/s, no sparsity) by the device name's model, from NVIDIA's data sheets
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12,
-             "A100": 312e12, "L40S": 362e12}
-
-
-def peak_bf16(device: str) -> float | None:
-    return next((peak for model, peak in PEAK_BF16.items() if model in device), None)
-
-
 def flops_per_image(pipeline, requests: Requests) -> int:
     """The DiT's FLOPs for one request's image: every step's passes (the prompt's, and the
     negative's where it guides), each ``Family.forward_flops``; an edit's input image's tokens
@@ -401,10 +392,6 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
             "end_to_end": end_to_end, "shared_memory": shared_memory, "kernels": kernels or {},
             "tflop_per_image": flops / 1e12,
             "date": time.strftime("%Y-%m-%d"), "points": points}
-
-
-def device_name() -> str:
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
 
 
 def report(result: dict) -> None:

@@ -158,3 +158,12 @@ def test_output_lengths_are_drawn_per_client_within_the_range_and_repeat_for_the
     assert list(itertools.islice(spread.output_lengths(4), 20)) != lengths[:20]  # clients differ
     with pytest.raises(ValueError, match="output_range_ratio"):
         replace(fixed, output_range_ratio=1.0)
+
+
+def test_the_mfu_peak_is_the_named_gpus_dense_bf16_one():
+    from triton_omni_tools.bench.gpu import peak_bf16
+
+    assert peak_bf16("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16("NVIDIA H200") == 989e12
+    assert peak_bf16("CPU (x86_64)") is None

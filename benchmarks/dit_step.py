@@ -1,0 +1,150 @@
+"""One forward pass of a family's DiT, timed under each way of running its blocks: where CUDA
+graphs pay on top of ``compile: blocks``, and what FP8 and the attention kernel give, per step.
+
+The forward's arguments are the ones the family's own pipeline passes its DiT (captured from one
+pipeline call, unguided, with ``--rows`` prompts); each mode then replays that forward:
+
+- ``eager``: the blocks as loaded;
+- ``default``: ``compile: blocks`` as served (torch.compile of each repeated block, inductor);
+- ``reduce-overhead``: the same with torch.compile's CUDA graphs (a graph per block and shape,
+  ``torch.compiler.cudagraph_mark_step_begin()`` before each forward);
+- ``max-autotune-no-cudagraphs``: inductor's autotuned matmul and attention templates.
+
+Prints milliseconds per forward, the ratio against ``default`` and the MFU (``Family.forward_flops``
+over the time, of the GPU's dense bf16 peak).
+
+    .venv/bin/python benchmarks/dit_step.py --family qwen-image --modes eager,default     # CPU, tiny
+    python benchmarks/dit_step.py --family qwen-image --preset realistic --size 1024 --rows 1,4
+    python benchmarks/dit_step.py --family z-image --preset realistic --size 512 --quantization fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from triton_omni.demo_models import build_in_memory, resolve_model
+from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, resolve_attention
+from triton_omni.families import family_of
+from triton_omni_tools.bench.gpu import device_name, peak_bf16
+
+MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein"}
+MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+TEXT_TOKENS = 128
+
+
+def pipeline_of(family: str, preset: str, device: torch.device, dtype: torch.dtype):
+    name = f"demo:{'realistic' if preset == 'realistic' else 'tiny'}-{MODELS[family]}"
+    if preset == "realistic":
+        return build_in_memory(name, device, dtype)
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(resolve_model(name), torch_dtype=dtype).to(device)
+
+
+def captured_forward(pipeline, family, rows: int, size: int, device: torch.device, dtype: torch.dtype):
+    """(args, kwargs, text tokens) of the DiT's first forward in an unguided pipeline call."""
+    captured: dict = {}
+
+    def hook(module, args, kwargs):
+        captured.setdefault("call", (args, kwargs))
+
+    embeds = torch.randn(rows, TEXT_TOKENS, family.hidden_size(), device=device, dtype=dtype) * 0.5
+    kwargs = {"prompt_embeds": embeds, "guidance_scale": 1.0}
+    if family.name == "qwen_image":
+        kwargs["prompt_embeds_mask"] = torch.ones(rows, TEXT_TOKENS, dtype=torch.long, device=device)
+    elif family.name == "flux1":
+        kwargs["pooled_prompt_embeds"] = torch.randn(rows, family.pooled_size(), device=device, dtype=dtype)
+    elif family.name == "z_image":
+        kwargs = {"prompt_embeds": list(embeds), "guidance_scale": 0.0}
+    handle = family.network.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            pipeline(num_inference_steps=1, height=size, width=size, output_type="latent", **kwargs)
+    finally:
+        handle.remove()
+    return (*captured["call"], TEXT_TOKENS)
+
+
+def set_mode(network: torch.nn.Module, mode: str) -> None:
+    """The blocks' forward for ``mode``, from the eager one (the caches of the last mode dropped)."""
+    torch._dynamo.reset()
+    for block in network.modules():
+        if type(block).__name__ in network._repeated_blocks:
+            block.__dict__.pop("forward", None)
+            if mode != "eager":
+                block.forward = torch.compile(block.forward, mode=None if mode == "default" else mode)
+
+
+def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.device) -> float:
+    """Seconds per forward: three warm-up calls (compiling, capturing), then ``repeats`` timed."""
+    def forward():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return network(*args, **kwargs)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(MODELS), required=True)
+    parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
+    parser.add_argument("--size", type=int, help="image side (default: 1024 realistic, 32 tiny)")
+    parser.add_argument("--rows", default="1", help="comma-separated batch sizes")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if args.preset == "realistic" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    size = args.size or (1024 if args.preset == "realistic" else 32)
+    pipeline = pipeline_of(args.family, args.preset, device, dtype)
+    family = family_of(pipeline)
+    network = family.network
+    heads, head_dim = family.attention_shape()
+    attention = resolve_attention(args.attention_backend, device, dtype, heads, head_dim)
+    plan = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept) if args.quantization == "fp8" else None
+    NetworkKernels(plan, attention).apply(network)
+    peak = peak_bf16(device_name())
+    print(f"{args.family} ({args.preset}) {size}², on {device_name()}, {dtype}, quantization {args.quantization}, "
+          f"attention {attention}, {TEXT_TOKENS} text tokens")
+    print(f"{'rows':>4} {'mode':>28} {'ms/forward':>11} {'/ default':>10} {'MFU':>6}")
+    points = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        call_args, call_kwargs, text = captured_forward(pipeline, family, rows, size, device, dtype)
+        flops = family.forward_flops(family.image_tokens(size, size), text, rows)
+        seconds = {}
+        for mode in args.modes.split(","):
+            set_mode(network, mode)
+            seconds[mode] = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
+        for mode, s in seconds.items():
+            ratio = s / seconds["default"] if "default" in seconds else float("nan")
+            mfu = f"{flops / s / peak:.1%}" if peak else "-"
+            print(f"{rows:>4} {mode:>28} {s * 1e3:>11.2f} {ratio:>10.3f} {mfu:>6}")
+            points.append({"rows": rows, "mode": mode, "seconds": s, "ratio_to_default": ratio,
+                           "mfu": flops / s / peak if peak else None})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"family": args.family, "preset": args.preset, "size": size,
+                                               "quantization": args.quantization, "attention": attention,
+                                               "device": device_name(), "date": time.strftime("%Y-%m-%d"),
+                                               "points": points}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
