@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, resolve_attention
 from triton_omni.families import family_of
-from triton_omni_tools.bench.gpu import device_name, peak_bf16
 
 MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein"}
 MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")

@@ -59,7 +59,7 @@ real weights lose).
 
 Every row prints the MFU of both sides: the family's FLOPs per image (``Family.forward_flops``: the
 DiT's blocks, per forward pass, times the passes of its steps) over the latency, as a fraction of the
-GPU's dense bf16 peak (``triton_omni_tools.bench.gpu.PEAK_BF16``; FP8's peak is twice that, but
+GPU's dense bf16 peak (``gpu_peaks.PEAK_BF16``; FP8's peak is twice that, but
 the fraction stays bf16's so that the rows compare).
 
 ``--exact-batching pipeline``: the server runs each request's forward passes
@@ -85,11 +85,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.families import family_of
 from triton_omni_client import OmniClient
-from triton_omni_tools.bench.gpu import device_name, peak_bf16
 from triton_omni_tools.bench.presets import edit_picture
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.repository import copy_repositories

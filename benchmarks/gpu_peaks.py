@@ -1,4 +1,5 @@
-"""What the benchmarks say about the GPU they ran on: its name, and its dense bf16 peak for MFU."""
+"""What the benchmarks say about the GPU they ran on: its name, and its dense bf16 peak for MFU
+(imported by the scripts beside it, which Python runs with this folder on its path)."""
 
 from __future__ import annotations
 
