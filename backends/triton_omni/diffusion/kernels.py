@@ -65,7 +65,9 @@ class NetworkKernels:
 
     def apply(self, network: torch.nn.Module) -> None:
         if self.fp8 is not None:
-            quantize_fp8(network, self.fp8)
+            count = quantize_fp8(network, self.fp8)
+            logger.info("quantization fp8: %d linear layers of the %s blocks (kept as they were: %s)", count,
+                        ", ".join(self.fp8.blocks), ", ".join(self.fp8.kept) or "none")
         if self.attention not in (None, "native"):
             network.set_attention_backend(self.attention)
 
@@ -86,10 +88,9 @@ def check_fp8(device: torch.device) -> None:
 
 
 def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
-    """``plan``'s layers of ``network`` in FP8, in place; returns how many."""
+    """``plan``'s layers of ``network`` in FP8, in place (``check_fp8`` first); returns how many."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    check_fp8(next(network.parameters()).device)
     chosen = set(plan.layers(network))
     quantize_(network, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
               filter_fn=lambda module, name: name in chosen)
@@ -101,7 +102,7 @@ def resolve_attention(backend: str, device: torch.device, dtype: torch.dtype, he
     this host runs on the network's heads (``choose_attention``)."""
     if backend == "auto":
         return choose_attention(device, dtype, heads, head_dim)
-    error = _probe(backend, device, dtype, heads, head_dim, rounds=0)
+    error = _probe(backend, _ProbeCall.of(device, dtype, heads, head_dim), rounds=0)
     if isinstance(error, Exception):
         raise ValueError(f"model parameter attention_backend {backend!r}: this host cannot run it "
                          f"({type(error).__name__}: {error})")
@@ -113,7 +114,8 @@ def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, head_
     tokens (a 1024² image's share in these DiTs), two rows; PyTorch's SDPA on the CPU."""
     if device.type != "cuda":
         return "native"
-    timings = {name: _probe(name, device, dtype, heads, head_dim) for name in ATTENTION_CANDIDATES}
+    call = _ProbeCall.of(device, dtype, heads, head_dim)
+    timings = {name: _probe(name, call) for name in ATTENTION_CANDIDATES}
     usable = {name: seconds for name, seconds in timings.items() if isinstance(seconds, float)}
     chosen = min(usable, key=usable.get)
     logger.info("attention_backend auto: %s (ms per call: %s; not usable here: %s)", chosen,
@@ -122,35 +124,52 @@ def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, head_
     return chosen
 
 
-def _probe(name: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
-           rounds: int = 5) -> float | Exception:
-    """Seconds per call of backend ``name`` on a masked call of the network's shape (its output
-    checked against PyTorch's SDPA), or the exception that says why it cannot run here."""
+@dataclass(frozen=True)
+class _ProbeCall:
+    """The call every kernel is tried on: two rows of the network's heads, the second with padded
+    keys masked out (its prompt is shorter), and PyTorch's SDPA's output for it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+    reference: torch.Tensor
+
+    @classmethod
+    def of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> _ProbeCall:
+        from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+        tokens = 4096 + 256 if device.type == "cuda" else 64
+        generator = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(2, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
+                   for _ in range(3))
+        mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool, device=device)
+        mask[1, ..., -100:] = False
+        reference = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=AttentionBackendName.NATIVE)
+        return cls(q, k, v, mask, reference)
+
+
+def _probe(name: str, call: _ProbeCall, rounds: int = 5) -> float | Exception:
+    """Seconds per call of backend ``name`` on ``call`` (its output checked against PyTorch's
+    SDPA), or the exception that says why it cannot run here."""
     from diffusers.models.attention_dispatch import (
         AttentionBackendName,
         _check_attention_backend_requirements,
         dispatch_attention_fn,
     )
 
-    tokens = 4096 + 256 if device.type == "cuda" else 64
-    generator = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(2, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
-               for _ in range(3))
-    mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool, device=device)
-    mask[1, ..., -100:] = False  # the second row's prompt is shorter: padded keys are not attended
     try:
         backend = AttentionBackendName(name)
         _check_attention_backend_requirements(backend)
-        out = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
-        reference = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=AttentionBackendName.NATIVE)
-        if not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+        out = dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
+        if not torch.allclose(out.float(), call.reference.float(), atol=2e-2, rtol=2e-2):
             return ValueError("its output differs from PyTorch's SDPA")
-        if rounds == 0 or device.type != "cuda":
+        if rounds == 0 or call.q.device.type != "cuda":
             return 0.0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(rounds):
-            dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
+            dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / rounds

@@ -275,21 +275,17 @@ class DiffusionRunner:
     def _kernels(self) -> NetworkKernels:
         """The FP8 plan and attention kernel this model's DiT runs with (kernels.py), checked here."""
         c = self.config
-        dit = self.family.capabilities.compile  # the DiT families: repeated transformer blocks
-        if c.quantization == "none" and c.attention_backend == "auto" and (not dit or self.sequence_parallel):
+        if not self.family.capabilities.compile:  # no repeated transformer blocks: a UNet
+            if c.quantization != "none" or c.attention_backend != "auto":
+                raise ValueError(f"model parameters quantization and attention_backend: the {self.family.name} "
+                                 "family has no diffusion transformer")
             return NetworkKernels()
-        if not dit:
-            raise ValueError(f"model parameters quantization and attention_backend: the {self.family.name} family "
-                             "has no diffusion transformer")
         plan = None
         if c.quantization == "fp8":
             check_fp8(self.device)
             plan = Fp8Plan(tuple(self.family.network._repeated_blocks),
                            self.family.fp8_kept if c.fp8_kept is None else c.fp8_kept)
-            logger.info("quantization fp8: %d linear layers of the %s blocks (kept in %s: %s)",
-                        len(plan.layers(self.family.network)), ", ".join(plan.blocks), self.dtype,
-                        ", ".join(plan.kept) or "none")
-        attention = None
+        attention = None  # sequence parallel keeps diffusers' own (its config refuses another)
         if self.sequence_parallel is None:
             heads, head_dim = self.family.attention_shape()
             attention = self._on_torch_thread(lambda: resolve_attention(c.attention_backend, self.device, self.dtype,
