@@ -67,6 +67,13 @@ def test_auto_keeps_pytorchs_sdpa_on_the_cpu_and_a_named_kernel_is_checked_there
     assert resolve_attention("_native_math", torch.device("cpu"), torch.float32, 2, 16) == "_native_math"
 
 
+def test_a_kernel_that_takes_no_mask_serves_only_a_family_whose_passes_never_pad():
+    cpu = torch.device("cpu")
+    assert resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=False) == "_native_flash"
+    with pytest.raises(ValueError, match=r"attention_backend '_native_flash'.*attn_mask"):
+        resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=True)
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"engine": "transformers", "quantization": "fp8"}, "quantization 'fp8' is vLLM's own FP8: this model runs on "
                                                          "transformers"),

@@ -9,9 +9,12 @@
   are; the VAE and the text encoders are untouched. It pays most under ``compile: blocks``, which
   fuses the input's quantization into the kernels around the matmul.
 - ``attention_backend``: the kernel diffusers' attention dispatcher calls. ``auto`` times every
-  kernel this host can run on one call of the network's shape (with a padding mask, as the
-  families' calls may pass one) and keeps the fastest; a name sets it (refused at load if this
-  host cannot run it). On the CPU ``auto`` keeps PyTorch's SDPA.
+  kernel this host can run on the calls the network makes at its shape (without a mask, and, for
+  a family whose passes pad shorter prompts, with one too) and keeps the fastest; a name sets it
+  (refused at load if this host cannot run those calls). On the CPU ``auto`` keeps PyTorch's SDPA.
+  The unmasked call is what decides for most families: their passes never pad (Qwen-Image's group
+  requests by text length, FLUX's encoders pad to a fixed length), and the kernels that take no
+  mask (cuDNN's, flash) are the fast ones on Hopper.
 """
 
 from __future__ import annotations
@@ -97,28 +100,31 @@ def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
     return len(chosen)
 
 
-def resolve_attention(backend: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+def resolve_attention(backend: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+                      masked: bool = False) -> str:
     """The attention kernel to set: ``backend``, checked on this host, or for ``auto`` the fastest
-    this host runs on the network's heads (``choose_attention``)."""
+    this host runs on the network's heads (``choose_attention``). ``masked``: the network's calls
+    may pass a padding mask, so the kernel must take one."""
+    calls = _ProbeCall.all_of(device, dtype, heads, head_dim, masked)
     if backend == "auto":
-        return choose_attention(device, dtype, heads, head_dim)
-    error = _probe(backend, _ProbeCall.of(device, dtype, heads, head_dim), rounds=0)
+        return choose_attention(calls)
+    error = _probe(backend, calls, rounds=0)
     if isinstance(error, Exception):
         raise ValueError(f"model parameter attention_backend {backend!r}: this host cannot run it "
                          f"({type(error).__name__}: {error})")
     return backend
 
 
-def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> str:
-    """The fastest of ``ATTENTION_CANDIDATES`` on one masked call of 4096 image and 256 text
-    tokens (a 1024² image's share in these DiTs), two rows; PyTorch's SDPA on the CPU."""
-    if device.type != "cuda":
+def choose_attention(calls: list[_ProbeCall]) -> str:
+    """The fastest of ``ATTENTION_CANDIDATES`` over ``calls`` (their times added); PyTorch's SDPA on
+    the CPU."""
+    if calls[0].q.device.type != "cuda":
         return "native"
-    call = _ProbeCall.of(device, dtype, heads, head_dim)
-    timings = {name: _probe(name, call) for name in ATTENTION_CANDIDATES}
+    timings = {name: _probe(name, calls) for name in ATTENTION_CANDIDATES}
     usable = {name: seconds for name, seconds in timings.items() if isinstance(seconds, float)}
     chosen = min(usable, key=usable.get)
-    logger.info("attention_backend auto: %s (ms per call: %s; not usable here: %s)", chosen,
+    logger.info("attention_backend auto: %s (ms per call%s: %s; not usable here: %s)", chosen,
+                ", with and without a mask" if len(calls) > 1 else "",
                 ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in usable.items()),
                 ", ".join(name for name in timings if name not in usable) or "none")
     return chosen
@@ -126,32 +132,41 @@ def choose_attention(device: torch.device, dtype: torch.dtype, heads: int, head_
 
 @dataclass(frozen=True)
 class _ProbeCall:
-    """The call every kernel is tried on: two rows of the network's heads, the second with padded
-    keys masked out (its prompt is shorter), and PyTorch's SDPA's output for it."""
+    """A call every kernel is tried on: two rows of the network's heads, 4096 image and 256 text
+    tokens (a 1024² image's share in these DiTs), optionally with the second row's padded keys
+    masked out (its prompt shorter), and PyTorch's SDPA's output for it."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     reference: torch.Tensor
 
     @classmethod
-    def of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> _ProbeCall:
+    def all_of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
+               masked: bool) -> list[_ProbeCall]:
+        """The unmasked call, and the masked one where the network may pass a mask."""
+        return [cls.of(device, dtype, heads, head_dim, mask) for mask in ((False, True) if masked else (False,))]
+
+    @classmethod
+    def of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, masked: bool) -> _ProbeCall:
         from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
         tokens = 4096 + 256 if device.type == "cuda" else 64
         generator = torch.Generator(device).manual_seed(0)
         q, k, v = (torch.randn(2, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
                    for _ in range(3))
-        mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool, device=device)
-        mask[1, ..., -100:] = False
+        mask = None
+        if masked:
+            mask = torch.ones(2, 1, 1, tokens, dtype=torch.bool, device=device)
+            mask[1, ..., -100:] = False
         reference = dispatch_attention_fn(q, k, v, attn_mask=mask, backend=AttentionBackendName.NATIVE)
         return cls(q, k, v, mask, reference)
 
 
-def _probe(name: str, call: _ProbeCall, rounds: int = 5) -> float | Exception:
-    """Seconds per call of backend ``name`` on ``call`` (its output checked against PyTorch's
-    SDPA), or the exception that says why it cannot run here."""
+def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Exception:
+    """Seconds per round of ``calls`` with backend ``name`` (each output checked against PyTorch's
+    SDPA's), or the exception that says why it cannot run here."""
     from diffusers.models.attention_dispatch import (
         AttentionBackendName,
         _check_attention_backend_requirements,
@@ -161,15 +176,18 @@ def _probe(name: str, call: _ProbeCall, rounds: int = 5) -> float | Exception:
     try:
         backend = AttentionBackendName(name)
         _check_attention_backend_requirements(backend)
-        out = dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
-        if not torch.allclose(out.float(), call.reference.float(), atol=2e-2, rtol=2e-2):
-            return ValueError("its output differs from PyTorch's SDPA")
-        if rounds == 0 or call.q.device.type != "cuda":
+        for call in calls:
+            out = dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
+            if not torch.allclose(out.float(), call.reference.float(), atol=2e-2, rtol=2e-2):
+                return ValueError("its output differs from PyTorch's SDPA" + (" with a mask" if call.mask is not None
+                                                                            else ""))
+        if rounds == 0 or calls[0].q.device.type != "cuda":
             return 0.0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(rounds):
-            dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
+            for call in calls:
+                dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / rounds

@@ -289,7 +289,7 @@ class DiffusionRunner:
         if self.sequence_parallel is None:
             heads, head_dim = self.family.attention_shape()
             attention = self._on_torch_thread(lambda: resolve_attention(c.attention_backend, self.device, self.dtype,
-                                                                        heads, head_dim))
+                                                                        heads, head_dim, self.family.attention_masked))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
         return NetworkKernels(plan, attention)
 

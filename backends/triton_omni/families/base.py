@@ -141,6 +141,9 @@ class Family:
     # streams' tokens ("joint"). A block's attention spans the tokens of its ``attention_streams`` entry.
     flop_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
     attention_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # the DiT's attention may take a padding mask: requests of different text lengths share a pass
+    # (`attention_backend: auto` then times kernels that take one; the others' passes never pad)
+    attention_masked: ClassVar[bool] = False
 
     def __init__(self, pipeline):
         self.pipeline = pipeline

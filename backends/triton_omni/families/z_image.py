@@ -186,6 +186,8 @@ class ZImage(Family):
     # the refiners read one stream each before the main layers read both, joined
     flop_streams = (("*.adaLN_modulation.*", "row"), ("noise_refiner.*", "image"), ("context_refiner.*", "text"))
     attention_streams = (("noise_refiner.*", "image"), ("context_refiner.*", "text"))
+    # the transformer pads each row's caption to the longest in the pass, masked
+    attention_masked = True
     recipe = RECIPE
     step_adapter = ZImageSteps
     demo = Demo("z-image", "tiny-z-image", build_tiny)
