@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    logging.getLogger("triton_omni").setLevel(logging.INFO)  # what `auto` timed
+    logging.basicConfig(format="%(message)s")
     device = torch.device("cuda" if args.preset == "realistic" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     size = args.size or (1024 if args.preset == "realistic" else 32)

@@ -52,7 +52,8 @@ serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each 
 request's mean time inside the server, so the rest of its latency is the client's and gRPC's.
 
 ``--quantization fp8`` (with ``--fp8-kept PATTERNS``) and ``--attention-backend NAME``: the server's
-``diffusion`` parameters of the same names (default: bf16, ``auto``); the pipeline stays as diffusers
+``diffusion`` parameters of the same names (default: bf16, ``auto``), as is ``--cuda-graphs false``
+(the compiled DiT's forward replayed as CUDA graphs is the default); the pipeline stays as diffusers
 runs it (bf16, PyTorch's SDPA), so each row's image columns say how far the FP8 image is from
 bf16's with the same seed: PSNR and mean absolute difference (random weights: a proxy for what
 real weights lose).
@@ -342,7 +343,7 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
         aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None) -> dict:
-    """``kernels``: the server's quantization, fp8_kept and attention_backend parameters."""
+    """``kernels``: the server's quantization, fp8_kept, attention_backend and cuda_graphs parameters."""
     setup = SETUPS[(family, preset)]
     if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
         setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
@@ -441,11 +442,14 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["none", "fp8"], help="the server's DiT quantization")
     parser.add_argument("--fp8-kept", help="the server's fp8_kept (layer patterns left in bf16; default: the family's)")
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
+    parser.add_argument("--cuda-graphs", choices=["true", "false"],
+                        help="the server's cuda_graphs (default: true; a DiT's apply under --compile)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     kernels = {name: value for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
-                                                ("attention_backend", args.attention_backend)) if value is not None}
+                                                ("attention_backend", args.attention_backend),
+                                                ("cuda_graphs", args.cuda_graphs)) if value is not None}
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
                  args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels)
     report(result)

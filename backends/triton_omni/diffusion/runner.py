@@ -228,11 +228,7 @@ class DiffusionRunner:
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
                                           "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
                                          | (EDIT_LIMITS if capabilities.edits else {}) | config.limits))
-        self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs:
-            # step batching: a graph per (bucket, size, token count) in use
-            self.graphs = GraphedDenoiser(self.family.network, max_graphs=32 if config.batching == "step" else 16,
-                                          on_capture=on_capture)
+        self.graphs: GraphedDenoiser | None = None
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
         self.adapters: Adapters | None = None
@@ -250,6 +246,7 @@ class DiffusionRunner:
                 self._parallel_cfg(torch.device(config.cfg_device), kernels)
             self._on_torch_thread(lambda: kernels.apply(self.family.network))
             self._compile()
+            self.graphs = self._graphs(on_capture)
         except Exception:
             self.close()
             raise
@@ -268,9 +265,28 @@ class DiffusionRunner:
             self.family.lora_flattened, run=self._on_torch_thread, on_event=self._on_lora))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
-        if self.graphs is not None:  # a captured graph would hold one pass's adapters
-            logger.info("CUDA graphs off: LoRA adapters change between passes")
-            self.graphs = None
+
+    def _graphs(self, on_capture: Callable[[], None] | None) -> GraphedDenoiser | None:
+        """CUDA graphs around the denoiser's forward (cuda_graphs.py), where the family takes them: a
+        UNet's steps always, a DiT's under ``compile: blocks`` (eager, its step is the GPU's work
+        alone; compiled, and more so in FP8, the launches between kernels are a step's share).
+        Not with LoRA adapters (a graph would hold one pass's), nor sequence parallel (each
+        forward talks to the workers)."""
+        c, capabilities = self.config, self.family.capabilities
+        if not (c.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs):
+            return None
+        if capabilities.compile and c.compile == "off":
+            return None
+        for clash, what in ((self.adapters is not None, "LoRA adapters change between passes"),
+                            (self.sequence_parallel is not None, "sequence parallel's forwards talk to the workers")):
+            if clash:
+                logger.info("CUDA graphs off: %s", what)
+                return None
+        # step batching: a graph per (bucket, size, token count) in use; a pass the step cache
+        # decides per request runs as it is
+        graphable = self.steps.adapter.graphable if self.steps is not None else None
+        return GraphedDenoiser(self.family.network, max_graphs=32 if c.batching == "step" else 16,
+                               on_capture=on_capture, graphable=graphable)
 
     def _kernels(self) -> NetworkKernels:
         """The FP8 plan and attention kernel this model's DiT runs with (kernels.py), checked here."""
@@ -403,6 +419,8 @@ class DiffusionRunner:
     def _release(self) -> None:
         if getattr(self, "pipeline", None) is None:
             return
+        if self.graphs is not None:
+            self.graphs.remove()  # its graphs hold their pool's memory and the blocks' compiled code
         if self.config.compile != "off":
             for block in self.family.network.modules():
                 block.__dict__.pop("forward", None)  # the compiled forward compile_blocks set

@@ -59,7 +59,7 @@ class Capabilities:
     step_cache: bool = False  # First Block Cache per request (step_cache.py): a DiT's blocks to skip
     cfg_parallel: bool = False  # the negatives' pass on a second GPU (cfg_parallel.py)
     sequence_parallel: bool = False  # the network's tokens split over GPUs (sequence_parallel.py)
-    cuda_graphs: bool = False  # the UNet's steps replayed as CUDA graphs (cuda_graphs.py)
+    cuda_graphs: bool = False  # the denoiser's steps replayed as CUDA graphs (cuda_graphs.py; a DiT's compiled)
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
@@ -318,6 +318,10 @@ class StepAdapter:
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def graphable(self) -> bool:
+        """Whether the forward pass running now may replay a CUDA graph (cuda_graphs.py)."""
+        return True
+
     def step(self, job, pred: torch.Tensor) -> None:
         job.latents = job.scheduler.step(pred, job.schedule[job.done], job.latents, return_dict=False)[0]
 
@@ -346,6 +350,10 @@ class FlowStepAdapter(StepAdapter):
             if self.lora_rows is not None:  # the rows that compute the remaining blocks keep their adapters
                 self._step_cache.narrow = self.lora_rows.narrowed
         job.cache = {name: PassCache(job.step_cache.threshold) for name in passes}
+
+    def graphable(self) -> bool:
+        # the step cache's hooks decide per request from the first block's output, read on the host
+        return self._step_cache is None or self._step_cache.rows is None
 
     def cached(self, rows: list) -> contextlib.AbstractContextManager:
         """Around a forward pass whose row ``i`` is ``rows[i]``'s (a PassCache, or None)."""

@@ -168,7 +168,8 @@ class Flux1(Family):
     name = "flux1"
     pipeline_class = "FluxPipeline"
     # [dev]'s scale goes into the DiT ([schnell]'s nowhere): one pass, nothing for CFG parallel to move
-    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, sequence_parallel=True, compile=True, lora=True)
+    capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, sequence_parallel=True, compile=True,
+                                cuda_graphs=True, lora=True)
     recipe = RECIPE
     step_adapter = Flux1Steps
     demo = Demo("flux1-dev", "tiny-flux1-dev", build_tiny)

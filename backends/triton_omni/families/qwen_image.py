@@ -159,7 +159,7 @@ class QwenImage(Family):
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
     capabilities = Capabilities(Guidance.TRUE_CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
-                                sequence_parallel=True, compile=True, lora=True)
+                                sequence_parallel=True, compile=True, cuda_graphs=True, lora=True)
     recipe = RECIPE
     step_adapter = QwenImageSteps
     demo = Demo("qwen-image", "tiny-qwen-image", build_tiny)

@@ -225,7 +225,7 @@ class QwenImageEdit(QwenImage):
     pipeline_class = "QwenImageEditPipeline"
     # sequence parallel splits the output's tokens, which an edit's image latents follow: not served
     capabilities = Capabilities(Guidance.TRUE_CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
-                                compile=True, images=1, edits=True, lora=True)
+                                compile=True, cuda_graphs=True, images=1, edits=True, lora=True)
     recipe = RECIPE
     step_adapter = QwenImageEditSteps
     demo = Demo("qwen-image-edit", "tiny-qwen-image-edit", build_tiny)
@@ -276,7 +276,7 @@ class QwenImageEditPlus(QwenImageEdit):
     name = "qwen_image_edit_plus"
     pipeline_class = "QwenImageEditPlusPipeline"
     capabilities = Capabilities(Guidance.TRUE_CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
-                                compile=True, images=PLUS_IMAGES, edits=True, lora=True)
+                                compile=True, cuda_graphs=True, images=PLUS_IMAGES, edits=True, lora=True)
     recipe = PLUS_RECIPE
     step_adapter = QwenImageEditPlusSteps
     demo = Demo("qwen-image-edit-plus", "tiny-qwen-image-edit-plus", build_tiny_plus)
