@@ -5,7 +5,6 @@ value; a float (a graph per value) is never graphed. The graphs themselves need 
 from __future__ import annotations
 
 import torch
-
 from triton_omni.diffusion.cuda_graphs import _Call
 
 
