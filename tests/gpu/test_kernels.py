@@ -64,9 +64,12 @@ def test_closing_a_compiled_runner_gives_its_gpu_memory_back():
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
+    lefts = []
     for _ in range(2):  # a reload after a close starts from the same memory
-        images([4], compile="blocks")
+        images([4], compile="blocks")  # its forward replayed as CUDA graphs too (cuda_graphs: true)
         gc.collect()
-        left = torch.cuda.memory_allocated() - baseline
-        print(f"after close: {left / 2**20:.0f} MiB above the baseline")
-        assert left < 256 * 2**20
+        lefts.append(torch.cuda.memory_allocated() - baseline)
+        print(f"after close: {lefts[-1] / 2**20:.0f} MiB above the baseline")
+        assert lefts[-1] < 256 * 2**20
+    # cuBLAS's workspace per stream outlived the graphs' streams and pool: 66 MiB more at every load
+    assert lefts[1] - lefts[0] < 16 * 2**20

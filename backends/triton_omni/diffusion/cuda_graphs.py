@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,13 @@ _EAGER = None  # a cache entry for a shape that could not be captured
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # static inputs: each replay reads them...
-    output: torch.Tensor  # ...and overwrites this
+    output: Any  # ...and overwrites this (a tensor, or Z-Image's list of one per row)
 
-    def replay(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def replay(self, tensors: list[torch.Tensor]) -> Any:
         for static, tensor in zip(self.inputs, tensors, strict=True):
             static.copy_(tensor)
         self.graph.replay()
-        return self.output.clone()  # the next replay overwrites the static output
+        return tree_map(torch.clone, self.output)  # the next replay overwrites the static output
 
 
 class _Call:
@@ -97,7 +97,7 @@ class GraphedDenoiser:
         self._graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()
         self._warmed: OrderedDict[tuple, None] = OrderedDict()  # shapes run once, not yet captured
         self._pool = torch.cuda.graph_pool_handle()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # capture streams, one per GPU
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # warm-up and capture streams, one per GPU
         self.enabled = True  # off: every call eager (the benchmark's raw-diffusers reference)
         module.forward = self.forward
 
@@ -114,6 +114,7 @@ class GraphedDenoiser:
         self._module.__dict__.pop("forward", None)
         self._graphs.clear()
         self._warmed.clear()
+        _clear_cublas_workspaces()
 
     def forward(self, *args, **kwargs):
         if not self.enabled or kwargs.get("return_dict", True) or (self._graphable and not self._graphable()):
@@ -126,7 +127,7 @@ class GraphedDenoiser:
         with torch.cuda.device(call.tensors[0].device):
             return (self._graphed(call),)
 
-    def _graphed(self, call: _Call) -> torch.Tensor:
+    def _graphed(self, call: _Call) -> Any:
         key = call.key
         if key not in self._graphs:
             if key not in self._warmed:
@@ -141,15 +142,24 @@ class GraphedDenoiser:
             return self._eager(*args, **kwargs)[0]
         return graph.replay(call.tensors)
 
-    def _warm_up(self, call: _Call) -> torch.Tensor:
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This GPU's side stream, for warm-ups and captures. One, made once: torch.cuda.graph's
+        default is made once per process, on whichever GPU captured first (a capture on another
+        GPU then fails), and each new stream costs a cuBLAS workspace for the process's life."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _warm_up(self, call: _Call) -> Any:
         ambient = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        side = self._stream(call.tensors[0].device)
         side.wait_stream(ambient)
         args, kwargs = call.with_tensors(call.tensors)
         with torch.cuda.stream(side):
             output = self._eager(*args, **kwargs)[0]
         ambient.wait_stream(side)
-        output.record_stream(ambient)  # made on the side stream, used on the ambient one
+        for tensor in tree_leaves(output):
+            tensor.record_stream(ambient)  # made on the side stream, used on the ambient one
         return output
 
     def _capture(self, call: _Call) -> _Graph | None:
@@ -158,14 +168,11 @@ class GraphedDenoiser:
         try:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the stub's other threads may touch CUDA while this one captures
-            # its own capture stream: torch.cuda.graph's default one is made once per process, on
-            # whichever GPU captured first, and a capture on another GPU then fails
-            device = static[0].device
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device)
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._streams[device],
+            _clear_cublas_workspaces()  # made in the capture, in the pool: the graph keeps what it uses
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream(static[0].device),
                                   capture_error_mode="thread_local"):
                 output = self._eager(*args, **kwargs)[0]
+            _clear_cublas_workspaces()  # else the workspace map would hold the pool past the graphs' release
         except Exception:
             logger.exception("CUDA graph capture failed for %s; this shape runs eagerly", _describe(static))
             return _EAGER
@@ -179,6 +186,14 @@ def _remember(cache: OrderedDict, key: tuple, size: int, value: Any = None) -> N
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drops cuBLAS's workspaces (one per stream it ran on, kept for the process's life), as
+    PyTorch's own CUDA graphs do around each capture (torch/_inductor/cudagraph_trees.py)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # absent from CPU builds
+    if clear is not None:
+        clear()
 
 
 def _describe(tensors: list[Any]) -> str:
