@@ -36,16 +36,17 @@ class CfgParallel:
     """``transformer``'s negatives' passes on ``device``, in a worker process."""
 
     def __init__(self, transformer: torch.nn.Module, device: torch.device, compile_options: dict | None = None,
-                 kernels: NetworkKernels | None = None):
-        """``compile_options`` and ``kernels``: what the worker sets on its copy, as rank 0 on its own
-        (rank 0 sets its kernels after this: its weights are shared as they were loaded)."""
+                 kernels: NetworkKernels | None = None, graphs: bool = False):
+        """``compile_options``, ``kernels`` and ``graphs`` (its forward replayed as CUDA graphs):
+        what the worker sets on its copy, as rank 0 on its own (rank 0 sets its kernels after
+        this: its weights are shared as they were loaded)."""
         self.worker_devices = [device]
         self.device = transformer.device
         self.dtype = transformer.dtype
         # the output's last size: the transformer's final projection (its input's patches)
         self.out_features = transformer.proj_out.out_features
         self.workers, port = workers.start(_serve, "omni-cfg-parallel", transformer, [device], compile_options,
-                                            kernels)
+                                            kernels, graphs)
         self.control = None
         try:
             self.control = workers.join(0, 2, port, self.device)
@@ -94,9 +95,10 @@ class CfgParallel:
 
 
 def _serve(rank: int, world: int, port: int, device: str, module: str, name: str, config: dict,
-           dtype: torch.dtype, compile_options: dict | None, kernels: NetworkKernels | None) -> None:
+           dtype: torch.dtype, compile_options: dict | None, kernels: NetworkKernels | None, graphs: bool) -> None:
     """The worker: build the transformer, take rank 0's weights, then run each negatives' pass
     rank 0 sends and send its output back."""
+    from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
     from triton_omni.diffusion.runner import compile_blocks
     from triton_omni.diffusion.step_cache import FirstBlockCache, PassCache
 
@@ -110,6 +112,8 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
     if compile_options is not None:
         compile_blocks(transformer, compile_options)
     cache, states = None, {}  # the step cache's hooks, when a row first asks; each negative pass's state
+    if graphs:  # a pass the step cache decides per request runs as it is, as on rank 0
+        GraphedDenoiser(transformer, max_graphs=32, graphable=lambda: cache is None or cache.rows is None)
     logger.info("%s ready on %s", name, device)
     with torch.inference_mode():
         while (call := workers.receive_call(control, device)) is not None:

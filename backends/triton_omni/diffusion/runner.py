@@ -266,26 +266,31 @@ class DiffusionRunner:
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
 
-    def _graphs(self, on_capture: Callable[[], None] | None) -> GraphedDenoiser | None:
-        """CUDA graphs around the denoiser's forward (cuda_graphs.py), where the family takes them: a
-        UNet's steps always, a DiT's under ``compile: blocks`` (eager, its step is the GPU's work
-        alone; compiled, and more so in FP8, the launches between kernels are a step's share).
-        Not with LoRA adapters (a graph would hold one pass's), nor sequence parallel (each
-        forward talks to the workers)."""
+    def _graphed(self) -> bool:
+        """Whether the denoiser's forward replays CUDA graphs (cuda_graphs.py), where the family takes
+        them: a UNet's steps always, a DiT's under ``compile: blocks`` (eager, its step is the
+        GPU's work alone; compiled, and more so in FP8, the launches between kernels are a step's
+        share). Not with LoRA adapters (a graph would hold one pass's), nor sequence parallel
+        (each forward talks to the workers). CFG parallel's worker does as rank 0."""
         c, capabilities = self.config, self.family.capabilities
         if not (c.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs):
-            return None
+            return False
         if capabilities.compile and c.compile == "off":
-            return None
+            return False
         for clash, what in ((self.adapters is not None, "LoRA adapters change between passes"),
                             (self.sequence_parallel is not None, "sequence parallel's forwards talk to the workers")):
             if clash:
                 logger.info("CUDA graphs off: %s", what)
-                return None
+                return False
+        return True
+
+    def _graphs(self, on_capture: Callable[[], None] | None) -> GraphedDenoiser | None:
+        if not self._graphed():
+            return None
         # step batching: a graph per (bucket, size, token count) in use; a pass the step cache
         # decides per request runs as it is
         graphable = self.steps.adapter.graphable if self.steps is not None else None
-        return GraphedDenoiser(self.family.network, max_graphs=32 if c.batching == "step" else 16,
+        return GraphedDenoiser(self.family.network, max_graphs=32 if self.config.batching == "step" else 16,
                                on_capture=on_capture, graphable=graphable)
 
     def _kernels(self) -> NetworkKernels:
@@ -338,7 +343,8 @@ class DiffusionRunner:
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: the {self.family.name} family does not (families that do: {taking})")
         options = COMPILE_OPTIONS if self.config.compile != "off" else None
-        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels))
+        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels,
+                                                                      self._graphed()))
         self.steps.adapter.cfg_parallel = self.cfg_parallel
         logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
