@@ -6,8 +6,10 @@ pipeline call, unguided, with ``--rows`` prompts); each mode then replays that f
 
 - ``eager``: the blocks as loaded;
 - ``default``: ``compile: blocks`` as served (torch.compile of each repeated block, inductor);
-- ``reduce-overhead``: the same with torch.compile's CUDA graphs (a graph per block and shape,
-  ``torch.compiler.cudagraph_mark_step_begin()`` before each forward);
+- ``graphs``: the same with the whole forward replayed as one CUDA graph, as served
+  (``cuda_graphs: true``, the runner's ``cuda_graphs.GraphedDenoiser``; GPU only);
+- ``reduce-overhead``: ``default`` with torch.compile's own CUDA graphs (a graph per block and
+  shape, ``torch.compiler.cudagraph_mark_step_begin()`` before each forward);
 - ``max-autotune-no-cudagraphs``: inductor's autotuned matmul and attention templates.
 
 Prints milliseconds per forward, the ratio against the first line of its batch size (the first
@@ -31,11 +33,12 @@ from pathlib import Path
 import torch
 from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
+from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, resolve_attention
 from triton_omni.families import family_of
 
 MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein"}
-MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+MODES = ("eager", "default", "graphs", "reduce-overhead", "max-autotune-no-cudagraphs")
 TEXT_TOKENS = 128
 
 
@@ -72,14 +75,17 @@ def captured_forward(pipeline, family, rows: int, size: int, device: torch.devic
     return (*captured["call"], TEXT_TOKENS)
 
 
-def set_mode(network: torch.nn.Module, mode: str) -> None:
-    """The blocks' forward for ``mode``, from the eager one (the caches of the last mode dropped)."""
+def set_mode(network: torch.nn.Module, mode: str) -> GraphedDenoiser | None:
+    """The blocks' forward for ``mode``, from the eager one (the caches of the last mode dropped);
+    for ``graphs``, the graphs installed around the network's forward (``remove()`` them after)."""
     torch._dynamo.reset()
     for block in network.modules():
         if type(block).__name__ in network._repeated_blocks:
             block.__dict__.pop("forward", None)
             if mode != "eager":
-                block.forward = torch.compile(block.forward, mode=None if mode == "default" else mode)
+                compiled = None if mode in ("default", "graphs") else mode
+                block.forward = torch.compile(block.forward, mode=compiled)
+    return GraphedDenoiser(network) if mode == "graphs" else None
 
 
 def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.device) -> float:
@@ -139,8 +145,12 @@ def main() -> None:
         for attention in attentions:
             network.set_attention_backend(attention)
             for mode in args.modes.split(","):
-                set_mode(network, mode)
+                if mode == "graphs" and device.type != "cuda":
+                    continue  # CUDA graphs need a GPU
+                graphs = set_mode(network, mode)
                 s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
+                if graphs is not None:
+                    graphs.remove()
                 baseline = baseline or s
                 mfu = f"{flops / s / peak:.1%}" if peak else "-"
                 print(f"{rows:>4} {attention:>14} {mode:>28} {s * 1e3:>11.2f} {s / baseline:>8.3f} {mfu:>6}",
