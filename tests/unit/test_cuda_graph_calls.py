@@ -22,9 +22,14 @@ def test_a_call_is_keyed_by_its_tensors_shapes_and_its_other_values():
     assert len(call(rows=2).tensors) == 4
 
 
-def test_a_float_argument_is_never_graphed():
+class Unhashable:
+    __hash__ = None
+
+
+def test_a_float_or_an_unhashable_argument_is_never_graphed():
     assert call().graphable
     assert not call(guidance=3.5).graphable
+    assert not call(attention_kwargs=Unhashable()).graphable
 
 
 def test_the_call_takes_new_tensors_in_its_tensors_places():

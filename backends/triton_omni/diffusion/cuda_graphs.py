@@ -12,10 +12,10 @@ What is graphed: any call of the denoiser with ``return_dict=False`` whose
 arguments are tensors (copied into the graph's own inputs at each replay)
 and plain values other than floats (ints, strings, None, nested lists and
 tuples of them: part of the graph's key, so that ``img_shapes`` or a token
-count picks its own graph). A float, ``return_dict=True``, or a call the
-runner marks as not graphable (a pass with the step cache's per-request
-decisions, which read the GPU from Python) runs eagerly, as does a shape
-whose capture failed. Graphs share one memory pool, since one runner replays
+count picks its own graph). A float or a value that does not hash,
+``return_dict=True``, or a call the runner marks as not graphable (a pass
+with the step cache's per-request decisions, which read the GPU from
+Python) runs eagerly, as does a shape whose capture failed. Graphs share one memory pool, since one runner replays
 them one at a time.
 """
 
@@ -57,8 +57,8 @@ class _Call:
         self.tensors = [leaves[i] for i in self.slots]
         self.leaves = leaves
         constants = tuple(leaf for leaf in leaves if not torch.is_tensor(leaf))
-        self.graphable = bool(self.tensors) and not any(isinstance(c, float) for c in constants)
         self.key = (tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors), str(self.spec), constants)
+        self.graphable = bool(self.tensors) and not any(isinstance(c, float) for c in constants) and _hashable(self.key)
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         """The call's (args, kwargs) with ``tensors`` in its tensors' places."""
@@ -186,6 +186,16 @@ def _remember(cache: OrderedDict, key: tuple, size: int, value: Any = None) -> N
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
+
+
+def _hashable(key: tuple) -> bool:
+    """Whether ``key`` can key the cache: an argument of a type pytree does not open (an object of
+    the caller's) may not hash."""
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 def _clear_cublas_workspaces() -> None:
