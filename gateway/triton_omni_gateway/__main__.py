@@ -34,9 +34,13 @@ def main(argv: list[str] | None = None) -> None:
                         "event loop bounds the tokens a second it can stream; more spread the work over cores")
     parser.add_argument("--tokenizer", type=tokenizer_pair, action="append", default=[], metavar="MODEL=PATH",
                         help="the tokenizer whose chat template /v1/chat/completions uses for MODEL")
+    parser.add_argument("--png-compress-level", type=int, choices=range(10), default=1, metavar="0-9",
+                        help="the images' PNG deflate level: a client waits for the encoding; 1 (default) encodes "
+                        "photographs about twice as fast as 6 for some 15%% more bytes, 9 makes the smallest files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
-    settings = GatewaySettings(triton_url=args.triton_url, api_key=args.api_key, tokenizers=dict(args.tokenizer))
+    settings = GatewaySettings(triton_url=args.triton_url, api_key=args.api_key, tokenizers=dict(args.tokenizer),
+                               png_compress_level=args.png_compress_level)
     server = {"host": args.host, "port": args.port, "log_level": "warning", "access_log": False}
     if args.workers <= 1:
         uvicorn.run(create_app(settings), **server)

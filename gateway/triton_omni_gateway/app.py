@@ -37,6 +37,13 @@ class GatewaySettings:
     tokenizers: dict[str, str] = field(default_factory=dict)  # text model -> its tokenizer (chat templates)
     max_body_bytes: int = 4 * 2**20
     max_upload_bytes: int = 64 * 2**20  # /v1/images/edits: the images ride in the body
+    # the images' PNG deflate level (0 to 9): a client waits for the encoding, and on photographs
+    # level 1 encodes about twice as fast as zlib's usual 6 for some 15 % more bytes
+    png_compress_level: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.png_compress_level <= 9:
+            raise ValueError(f"png_compress_level must be 0 to 9, got {self.png_compress_level}")
 
     @property
     def key(self) -> str | None:
@@ -50,7 +57,7 @@ def app_from_environment() -> FastAPI:
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     triton = Triton(settings.triton_url)
-    images = ImageModels(triton)
+    images = ImageModels(triton, settings.png_compress_level)
     templates = ChatTemplates(settings.tokenizers)
     metrics = GatewayMetrics()
 

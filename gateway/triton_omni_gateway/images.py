@@ -29,8 +29,9 @@ API_FIELDS = {"height": "size", "width": "size", "num_images": "n", "text_input"
 
 
 class ImageModels:
-    def __init__(self, triton: Triton):
+    def __init__(self, triton: Triton, png_compress_level: int = 1):
         self.triton = triton
+        self.png_compress_level = png_compress_level
         self._kinds: dict[str, str] = {}
 
     async def kind(self, model: str) -> str:
@@ -66,7 +67,7 @@ class ImageModels:
                                             for i in range(request.n)))
             revised = None
         # PNG encoding takes milliseconds per image: off the event loop, which keeps serving the other requests
-        encoded = await asyncio.gather(*(asyncio.to_thread(png, image) for image in images))
+        encoded = await asyncio.gather(*(asyncio.to_thread(png, image, self.png_compress_level) for image in images))
         return {"created": int(time.time()),
                 "data": [{"b64_json": data} | ({"revised_prompt": revised} if revised else {}) for data in encoded]}
 
@@ -122,7 +123,8 @@ def _in_api_terms(error: OpenAIError) -> OpenAIError:
     return error
 
 
-def png(image: np.ndarray) -> str:
+def png(image: np.ndarray, compress_level: int = 1) -> str:
+    """The image as a base64 PNG file (lossless at every level; the level trades time for bytes)."""
     buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
+    Image.fromarray(image).save(buffer, format="PNG", compress_level=compress_level)
     return base64.b64encode(buffer.getvalue()).decode()

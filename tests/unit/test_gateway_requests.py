@@ -4,12 +4,18 @@ probabilities reshaped."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
+import numpy as np
 import pytest
+from PIL import Image
 from triton_omni_client import OmniError
+from triton_omni_gateway.__main__ import main
+from triton_omni_gateway.app import GatewaySettings
 from triton_omni_gateway.errors import OpenAIError, from_triton
-from triton_omni_gateway.images import _options, _seeded
+from triton_omni_gateway.images import _options, _seeded, png
 from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
 from triton_omni_gateway.text import ar_values, chat_logprobs, completion_logprobs
 
@@ -150,3 +156,17 @@ def test_an_edit_form_reads_its_numbers_and_files():
     assert asyncio.run(parse_edit(several)).images == [b"a", b"b"]
     with pytest.raises(OpenAIError, match="image: is required"):
         asyncio.run(parse_edit(FormData([("prompt", "x")])))
+
+
+@pytest.mark.parametrize("level", [0, 1, 9])
+def test_the_images_png_is_lossless_at_every_deflate_level(level):
+    pixels = np.random.default_rng(level).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(png(pixels, level)))))
+    assert np.array_equal(decoded, pixels)
+
+
+def test_a_png_level_outside_zlibs_is_refused_by_name():
+    with pytest.raises(ValueError, match="png_compress_level must be 0 to 9, got 10"):
+        GatewaySettings(png_compress_level=10)
+    with pytest.raises(SystemExit):
+        main(["--png-compress-level", "10"])
