@@ -29,7 +29,7 @@ API_FIELDS = {"height": "size", "width": "size", "num_images": "n", "text_input"
 
 
 class ImageModels:
-    def __init__(self, triton: Triton, png_compress_level: int = 1):
+    def __init__(self, triton: Triton, png_compress_level: int):
         self.triton = triton
         self.png_compress_level = png_compress_level
         self._kinds: dict[str, str] = {}
@@ -123,7 +123,7 @@ def _in_api_terms(error: OpenAIError) -> OpenAIError:
     return error
 
 
-def png(image: np.ndarray, compress_level: int = 1) -> str:
+def png(image: np.ndarray, compress_level: int) -> str:
     """The image as a base64 PNG file (lossless at every level; the level trades time for bytes)."""
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG", compress_level=compress_level)

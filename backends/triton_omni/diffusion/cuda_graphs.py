@@ -15,8 +15,8 @@ tuples of them: part of the graph's key, so that ``img_shapes`` or a token
 count picks its own graph). A float or a value that does not hash,
 ``return_dict=True``, or a call the runner marks as not graphable (a pass
 with the step cache's per-request decisions, which read the GPU from
-Python) runs eagerly, as does a shape whose capture failed. Graphs share one memory pool, since one runner replays
-them one at a time.
+Python) runs eagerly, as does a shape whose capture failed. Graphs share
+one memory pool, since one runner replays them one at a time.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class _Call:
     """One call's arguments split into its tensors and the rest (its key's constant part)."""
 
     def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = args, kwargs
         leaves, self.spec = tree_flatten((args, kwargs))
         self.slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
         self.tensors = [leaves[i] for i in self.slots]
@@ -138,8 +139,7 @@ class GraphedDenoiser:
         self._graphs.move_to_end(key)
         graph = self._graphs[key]
         if graph is _EAGER:
-            args, kwargs = call.with_tensors(call.tensors)
-            return self._eager(*args, **kwargs)[0]
+            return self._eager(*call.args, **call.kwargs)[0]
         return graph.replay(call.tensors)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -154,9 +154,8 @@ class GraphedDenoiser:
         ambient = torch.cuda.current_stream()
         side = self._stream(call.tensors[0].device)
         side.wait_stream(ambient)
-        args, kwargs = call.with_tensors(call.tensors)
         with torch.cuda.stream(side):
-            output = self._eager(*args, **kwargs)[0]
+            output = self._eager(*call.args, **call.kwargs)[0]
         ambient.wait_stream(side)
         for tensor in tree_leaves(output):
             tensor.record_stream(ambient)  # made on the side stream, used on the ambient one

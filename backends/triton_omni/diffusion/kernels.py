@@ -13,8 +13,8 @@
   a family whose passes pad shorter prompts, with one too) and keeps the fastest; a name sets it
   (refused at load if this host cannot run those calls). On the CPU ``auto`` keeps PyTorch's SDPA.
   The unmasked call is what decides for most families: their passes never pad (Qwen-Image's group
-  requests by text length, FLUX's encoders pad to a fixed length), and the kernels that take no
-  mask (cuDNN's, flash) are the fast ones on Hopper.
+  requests by text length, FLUX's encoders pad to a fixed length), and a kernel that takes no mask
+  (flash) must not lose to a masked call it never meets.
 """
 
 from __future__ import annotations

@@ -241,12 +241,13 @@ class DiffusionRunner:
             if self.step_cache.on and not capabilities.step_cache:
                 raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
                                  "family has no step cache (it skips a diffusion transformer's blocks)")
-            kernels = self._kernels()
+            kernels, graphed = self._kernels(), self._graphed()
             if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
-                self._parallel_cfg(torch.device(config.cfg_device), kernels)
+                self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
             self._on_torch_thread(lambda: kernels.apply(self.family.network))
             self._compile()
-            self.graphs = self._graphs(on_capture)
+            if graphed:
+                self.graphs = self._graphs(on_capture)
         except Exception:
             self.close()
             raise
@@ -284,9 +285,7 @@ class DiffusionRunner:
                 return False
         return True
 
-    def _graphs(self, on_capture: Callable[[], None] | None) -> GraphedDenoiser | None:
-        if not self._graphed():
-            return None
+    def _graphs(self, on_capture: Callable[[], None] | None) -> GraphedDenoiser:
         # step batching: a graph per (bucket, size, token count) in use; a pass the step cache
         # decides per request runs as it is
         graphable = self.steps.adapter.graphable if self.steps is not None else None
@@ -337,14 +336,14 @@ class DiffusionRunner:
         logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
                     ", ".join(str(d) for d in self.sequence_parallel.devices))
 
-    def _parallel_cfg(self, device: torch.device, kernels: NetworkKernels) -> None:
+    def _parallel_cfg(self, device: torch.device, kernels: NetworkKernels, graphed: bool) -> None:
         if not self.family.capabilities.cfg_parallel:
             taking = ", ".join(family.name for family in FAMILIES.values() if family.capabilities.cfg_parallel)
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: the {self.family.name} family does not (families that do: {taking})")
         options = COMPILE_OPTIONS if self.config.compile != "off" else None
         self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels,
-                                                                      self._graphed()))
+                                                                      graphed))
         self.steps.adapter.cfg_parallel = self.cfg_parallel
         logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
