@@ -51,6 +51,10 @@ mechanism for a client on the server's host) rather than in the gRPC request, wh
 serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each row also prints a
 request's mean time inside the server, so the rest of its latency is the client's and gRPC's.
 
+``--embeds-dtype bfloat16``: the server's ``diffusion`` declares its embeddings bf16 (its
+``embeds_dtype``) and the client sends them so, half float32's bytes; both sides get the same bf16
+values (the DiT runs in bf16 on a GPU either way), so only the request's trip changes.
+
 ``--quantization fp8`` (with ``--fp8-kept PATTERNS``) and ``--attention-backend NAME``: the server's
 ``diffusion`` parameters of the same names (default: bf16, ``auto``), as is ``--cuda-graphs false``
 (the compiled DiT's forward replayed as CUDA graphs is the default); the pipeline stays as diffusers
@@ -84,6 +88,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import torch
 from gpu_peaks import device_name, peak_bf16
@@ -152,11 +157,29 @@ def embeds(hidden: int, seed: int, tokens: int) -> np.ndarray:
 class Requests:
     """Request ``i``'s embeddings and seed, the same on both sides."""
 
-    def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False, pooled_size: int = 0):
+    def __init__(self, family: str, setup: Setup, hidden: int, end_to_end: bool = False, pooled_size: int = 0,
+                 embeds_dtype: str = "float32"):
         self.family, self.setup, self.hidden, self.end_to_end = family, setup, hidden, end_to_end
         self.pooled_size = pooled_size  # FLUX.1: CLIP's pooled vector beside the sequence
         self.guided = setup.guidance > GUIDES_ABOVE.get(family, 1.0) and family not in NEVER_GUIDED
         self.image = edit_picture() if family in EDITS else None  # an edit's input image, a PNG
+        self.embeds_dtype = embeds_dtype  # what the client sends: float32, or bfloat16 (the server's embeds_dtype)
+        self._made: dict[tuple, np.ndarray] = {}
+
+    def _once(self, key: tuple, make) -> np.ndarray:
+        """Each embedding made once, at its first use (the warm-up's: the timed rounds only read it),
+        in float32 holding what the client sends (bf16's values with ``embeds_dtype`` bfloat16)."""
+        if key not in self._made:
+            array = make()
+            self._made[key] = array.astype(ml_dtypes.bfloat16).astype(np.float32) \
+                if self.embeds_dtype == "bfloat16" else array
+        return self._made[key]
+
+    def sent(self, array: np.ndarray | None) -> np.ndarray | None:
+        """An embedding as the client sends it: in the type the server declares, converted once."""
+        if array is None or self.embeds_dtype != "bfloat16":
+            return array
+        return self._once(("sent", id(array)), lambda: array.astype(ml_dtypes.bfloat16))
 
     def prompt_text(self, i: int) -> str:
         return f"{PROMPT} {i}"
@@ -165,14 +188,15 @@ class Requests:
         return NEGATIVE_PROMPT if self.guided else None
 
     def prompt(self, i: int) -> np.ndarray:
-        return embeds(self.hidden, 1000 + i, self.setup.tokens)
+        return self._once(("prompt", i), lambda: embeds(self.hidden, 1000 + i, self.setup.tokens))
 
     def negative(self, i: int) -> np.ndarray | None:
         tokens = self.setup.negative_tokens or self.setup.tokens * 3 // 4
-        return embeds(self.hidden, 2000 + i, tokens) if self.guided else None
+        return self._once(("negative", i), lambda: embeds(self.hidden, 2000 + i, tokens)) if self.guided else None
 
     def pooled(self, i: int) -> np.ndarray | None:
-        return embeds(self.pooled_size, 3000 + i, 1)[0] if self.pooled_size else None
+        return self._once(("pooled", i), lambda: embeds(self.pooled_size, 3000 + i, 1)[0]) \
+            if self.pooled_size else None
 
     def seed(self, i: int) -> int:
         return 7 + i
@@ -298,8 +322,9 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
             return client.generate_image(requests.prompt_text(i), negative_prompt=requests.negative_text(i),
                                          model="text_to_image", seed=requests.seed(i), num_inference_steps=steps,
                                          **options)
-        return client.generate_image(prompt_embeds=requests.prompt(i), negative_prompt_embeds=requests.negative(i),
-                                     pooled_prompt_embeds=requests.pooled(i), seed=requests.seed(i),
+        return client.generate_image(prompt_embeds=requests.sent(requests.prompt(i)),
+                                     negative_prompt_embeds=requests.sent(requests.negative(i)),
+                                     pooled_prompt_embeds=requests.sent(requests.pooled(i)), seed=requests.seed(i),
                                      num_inference_steps=steps, **options)
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -343,7 +368,8 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
         aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None) -> dict:
-    """``kernels``: the server's quantization, fp8_kept, attention_backend and cuda_graphs parameters."""
+    """``kernels``: the server's ``diffusion`` parameters given on the command line (quantization,
+    fp8_kept, attention_backend, cuda_graphs, embeds_dtype)."""
     setup = SETUPS[(family, preset)]
     if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
         setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
@@ -356,7 +382,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     pipeline = pipeline_of(setup, device, dtype, encoder[0] if encoder else None)
     if compile_direct:
         pipeline.transformer.compile_repeated_blocks()
-    requests = Requests(family, setup, hidden_size(pipeline), end_to_end, pooled_size(pipeline))
+    requests = Requests(family, setup, hidden_size(pipeline), end_to_end, pooled_size(pipeline),
+                        (kernels or {}).get("embeds_dtype", "float32"))
     flops = flops_per_image(pipeline, requests)
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
     again = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels} if aa else {}
@@ -444,12 +471,16 @@ def main() -> None:
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
     parser.add_argument("--cuda-graphs", choices=["true", "false"],
                         help="the server's cuda_graphs (default: true; a DiT's apply under --compile)")
+    parser.add_argument("--embeds-dtype", choices=["float32", "bfloat16"],
+                        help="the server's embeds_dtype, and the type the client sends the embeddings in "
+                             "(default: float32; bfloat16: half the bytes, the same values on both sides)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     kernels = {name: value for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
                                                 ("attention_backend", args.attention_backend),
-                                                ("cuda_graphs", args.cuda_graphs)) if value is not None}
+                                                ("cuda_graphs", args.cuda_graphs),
+                                                ("embeds_dtype", args.embeds_dtype)) if value is not None}
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
                  args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels)
     report(result)

@@ -27,6 +27,7 @@ Protocol = Literal["grpc", "http"]
 
 # Every scalar input of the models, from the protocol: its Triton and NumPy types, and its range.
 SCALAR_INPUTS = scalar_inputs()
+FLOAT_TYPES = {"FP16", "BF16", "FP32", "FP64"}
 
 
 class OmniError(RuntimeError):
@@ -102,7 +103,7 @@ class OmniClient:
         admin_key = admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY")
         header = f"triton-grpc-protocol-{ADMIN_HEADER}" if protocol == "grpc" else ADMIN_HEADER
         self._admin_headers = {header: admin_key} if admin_key else None
-        self._input_names: dict[str, set[str]] = {}  # model -> its input names (metadata, read once)
+        self._input_types: dict[str, dict[str, str]] = {}  # model -> its inputs' datatypes (metadata, read once)
 
     # -- text ------------------------------------------------------------------
 
@@ -262,14 +263,16 @@ class OmniClient:
         pipeline (docs/pipelines.md). A value its input cannot hold (a seed past INT64) raises
         ``InputValueError`` naming it, before sending."""
         client_module = _client_module(self.protocol)
+        embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds,
+                  "pooled_prompt_embeds": pooled_prompt_embeds}
         with client_module.InferenceServerClient(self.url) as client:
             text = {"prompt": prompt, "negative_prompt": negative_prompt}
-            if prompt is not None and "text_input" in self._inputs_of(client, model):
+            if prompt is not None and "text_input" in self._input_types_of(client, model):
                 text = {"text_input": prompt, "negative_prompt": negative_prompt}
+            # embeddings go as the model declares them (its embeds_dtype), whatever float type they come in
+            declared = self._input_types_of(client, model) if any(v is not None for v in embeds.values()) else {}
             shared: list | None = [] if self.shared_memory else None
-            inputs = batched_inputs(client_module, shared, prompt_embeds=prompt_embeds,
-                                    negative_prompt_embeds=negative_prompt_embeds,
-                                    pooled_prompt_embeds=pooled_prompt_embeds, **text, **options)
+            inputs = batched_inputs(client_module, shared, declared, **embeds, **text, **options)
             try:
                 with system_regions(client, shared, self._admin_headers) if shared else contextlib.nullcontext():
                     result = client.infer(model, inputs)
@@ -287,16 +290,17 @@ class OmniClient:
         pipeline takes from the images."""
         return self.generate_image(prompt, images=[_encoded(image) for image in images], model=model, **options)
 
-    def _inputs_of(self, client, model: str) -> set[str]:
-        """``model``'s input names, from its metadata (asked once per client and model)."""
-        if model not in self._input_names:
+    def _input_types_of(self, client, model: str) -> dict[str, str]:
+        """``model``'s inputs' datatypes by name (``FP32``, ``BF16``, ...), from its metadata (asked
+        once per client and model)."""
+        if model not in self._input_types:
             try:
                 metadata = client.get_model_metadata(model, **({"as_json": True} if self.protocol == "grpc"
                                                                else {}))
             except Exception as exc:
                 raise as_omni_error(exc) from None
-            self._input_names[model] = {tensor["name"] for tensor in metadata.get("inputs", [])}
-        return self._input_names[model]
+            self._input_types[model] = {tensor["name"]: tensor["datatype"] for tensor in metadata.get("inputs", [])}
+        return self._input_types[model]
 
     def stream_image(self, prompt: str | None = None, *, model: str = "diffusion_stream",
                      on_progress: Callable[[int, int], None] | None = None, **options: Any) -> np.ndarray:
@@ -315,11 +319,18 @@ class OmniClient:
         raise OmniError("INTERNAL", f"'{model}' ended its stream without an image")
 
 
-def batched_inputs(client_module, shared: list | None = None, **values: Any) -> list:
+def batched_inputs(client_module, shared: list | None = None, declared: dict[str, str] | None = None,
+                   **values: Any) -> list:
     """Input tensors of a batched model (``ar_encoder``, ``diffusion``,
     ``text_to_image``), with a batch dimension of 1: text as BYTES, prompt
     embeddings as float arrays, scalars with their declared types. ``shared``: the embeddings'
-    tensors are left without data, and each ``(tensor, array)`` appended to it (for shared memory)."""
+    tensors are left without data, and each ``(tensor, array)`` appended to it (for shared memory).
+    ``declared``: the model's inputs' datatypes; an embedding whose float type differs is cast to
+    its input's (a model with ``embeds_dtype: bfloat16`` takes bf16, half float32's bytes, so an
+    array already in bf16, as ``encode`` returns it from such an ``ar_encoder``, goes unchanged)."""
+    from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
+
+    declared = declared or {}
     inputs = []
     for name, value in values.items():
         if value is None:
@@ -334,10 +345,12 @@ def batched_inputs(client_module, shared: list | None = None, **values: Any) -> 
             unbatched = 3 if value.dtype == np.uint8 else 2  # pixels [H, W, 3]; embeddings [T, H] or [P]
             array = np.ascontiguousarray(value)
             array = array[None] if array.ndim <= unbatched else array
-            type_name = {np.float32: "FP32", np.float16: "FP16", np.float64: "FP64",
-                         np.uint8: "UINT8"}.get(array.dtype.type, "FP32")  # UINT8: an input image's pixels
+            type_name = np_to_triton_dtype(array.dtype)  # FP32, FP16, BF16 (ml_dtypes' bfloat16); UINT8: pixels
+            if type_name in FLOAT_TYPES and declared.get(name, type_name) in FLOAT_TYPES - {type_name}:
+                type_name = declared[name]
+                array = array.astype(triton_to_np_dtype(type_name))
         tensor = client_module.InferInput(name, list(array.shape), type_name)
-        if shared is not None and type_name.startswith("FP") and name not in SCALAR_INPUTS:
+        if shared is not None and type_name in FLOAT_TYPES and name not in SCALAR_INPUTS:
             shared.append((tensor, array))
         else:
             tensor.set_data_from_numpy(array)

@@ -8,6 +8,7 @@ batching padded to a fixed size (the default is step batching),
 ``diffusion_pair``, two instances of the default ``diffusion``
 (``diffusion_pair_small``: with room for two guided requests each),
 ``diffusion_stream``, the default ``diffusion`` decoupled (per-step progress),
+``diffusion_bf16`` and ``ar_encoder_bf16`` (transformers), with ``embeds_dtype: bfloat16``,
 ``ar_shared`` and ``ar_encoder_shared``, two instances in front of one vLLM engine core, and
 ``omni_small_budget``, an ``omni`` whose admission budget is smaller than
 one prompt's embeddings. The OpenAI-compatible gateway (``gateway``) runs
@@ -57,6 +58,10 @@ def server(tmp_path_factory):
                parameters={"batching": "request", "exact_batching": "true"}, max_queue_delay_us=20_000,
                preferred_batch_size=[])
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_stream", decoupled=True)
+    # embeddings in bf16, half float32's bytes, from the encoder to the client and back (test_embeds_dtype.py)
+    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_bf16", parameters={"embeds_dtype": "bfloat16"})
+    copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_bf16",
+               parameters={"engine": "transformers", "embeds_dtype": "bfloat16"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair",
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair_small", parameters={"max_rows": "4"},

@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Z-Image's run covers embeddings as a list, --end-to-end (text_to_image against the pipeline
 # called with the prompt) and a server with exact_batching: pipeline; FLUX.1's, embeddings as one
-# tensor (as Qwen-Image's and FLUX.2's), the pooled embedding, --aa and --shared-memory.
+# tensor (as Qwen-Image's and FLUX.2's), the pooled embedding, --aa, --shared-memory and the
+# embeddings in bf16 (the server's embeds_dtype; both sides get bf16's values).
 @pytest.mark.parametrize("family, options", [("z-image", ["--end-to-end", "--exact-batching", "pipeline"]),
-                                             ("flux1-dev", ["--aa", "--shared-memory"])])
+                                             ("flux1-dev", ["--aa", "--shared-memory", "--embeds-dtype", "bfloat16"])])
 def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
     out_file = tmp_path / "families.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "families.py"), "--family", family,
@@ -39,4 +40,5 @@ def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
     if "--aa" in options:
         assert all(point["aa_latency_ratio"] > 0 for point in report["points"]) and "A/A" in result.stdout
     assert report["shared_memory"] == ("--shared-memory" in options)
+    assert report["kernels"].get("embeds_dtype") == ("bfloat16" if "--embeds-dtype" in options else None)
     assert all(0 < point["triton"]["in_server_s"] <= point["triton"]["latency_s"] for point in report["points"])

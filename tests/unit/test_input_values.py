@@ -36,3 +36,32 @@ def test_a_value_outside_its_tensor_s_type_is_refused_by_name(name, value):
 def test_values_in_range_keep_their_type(name, value):
     array = SPECS[name].scalar(value)
     assert array.dtype == SPECS[name].numpy_dtype and array.tolist() == [value]
+
+
+BF16 = "bfloat16"  # ml_dtypes' NumPy type, the one tritonclient reads and writes BF16 tensors as
+
+
+@pytest.mark.parametrize(("given", "declared", "sent"), [
+    ("float32", None, "FP32"), ("float16", None, "FP16"), (BF16, None, "BF16"),  # as given, undeclared
+    ("float32", "BF16", "BF16"), ("float64", "FP32", "FP32"), (BF16, "FP32", "FP32"), ("float32", "FP16", "FP16"),
+    (BF16, "BF16", "BF16"),
+])
+def test_embeddings_go_as_their_input_declares_them(given, declared, sent):
+    import ml_dtypes
+
+    values = np.array([[0.1, -2.5, 3.0e4]], dtype=np.float32)
+    embeds = values.astype(ml_dtypes.bfloat16 if given == BF16 else given)
+    (tensor,) = batched_inputs(grpcclient, None, {"prompt_embeds": declared} if declared else None,
+                               prompt_embeds=embeds)
+    assert tensor.datatype() == sent and tensor.shape() == [1, 1, 3]
+    width = {"FP32": 4, "FP16": 2, "BF16": 2}[sent]
+    assert len(tensor._get_content()) == 3 * width
+
+
+def test_bf16_embeddings_sent_as_bf16_lose_nothing_of_their_values():
+    import ml_dtypes
+
+    embeds = (np.random.default_rng(0).standard_normal((4, 8)) * 3).astype(ml_dtypes.bfloat16)
+    (tensor,) = batched_inputs(grpcclient, None, {"prompt_embeds": "BF16"}, prompt_embeds=embeds)
+    received = np.frombuffer(tensor._get_content(), dtype=ml_dtypes.bfloat16).reshape(4, 8)
+    assert np.array_equal(received.astype(np.float32), embeds.astype(np.float32))
