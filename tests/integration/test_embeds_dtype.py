@@ -1,8 +1,10 @@
 """``embeds_dtype: bfloat16``: embeddings travel in bf16, half float32's bytes, and lose nothing
 the DiT would keep (it runs in bf16 on a GPU). ``ar_encoder_bf16`` answers bf16 arrays
 (``ml_dtypes.bfloat16``, as tritonclient reads BF16 tensors); the client sends them back as they
-are, inline or through shared memory, and casts embeddings of another float type to the type the
-model declares. Every image equals the float32 model's for the same (bf16) values."""
+are, inline or through shared memory, and casts embeddings of another float type (float64, NumPy's
+default, too) to the type the model declares; a raw tritonclient tensor of another type is still
+refused by Triton (tests/reliability/test_bad_inputs.py). Every image equals the float32 model's
+for the same (bf16) values."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def test_bf16_embeddings_give_the_float32_models_image(server, conditioning, pro
     bf16 = conditioning["bf16"]
     as_float32 = {name: embeds.astype(np.float32) for name, embeds in bf16.items()}
     expected = OmniClient(url, protocol).generate_image(**as_float32, **OPTIONS)  # `diffusion`: float32
+    as_float64 = {name: embeds.astype(np.float64) for name, embeds in bf16.items()}  # NumPy's default, cast
+    assert np.array_equal(OmniClient(url, protocol).generate_image(**as_float64, **OPTIONS), expected)
     clients = {"inline": OmniClient(url, protocol),
                "shared memory": OmniClient(url, protocol, shared_memory=True, admin_key=server.admin_key)}
     for how, client in clients.items():

@@ -157,6 +157,7 @@ def test_bad_value_is_a_typed_error_naming_it(supervised, model, change, name, p
 TYPE_CASES = [  # Triton's own checks: the wrong type, the wrong shape, an input it does not know
     ("seed", "FP32", np.float32, "seed"), ("height", "INT64", np.int64, "height"),
     ("guidance_scale", "INT32", np.int32, "guidance_scale"), ("bogus", "INT32", np.int32, "bogus"),
+    ("prompt_embeds", "FP64", np.float64, "prompt_embeds"),  # OmniClient casts; a raw tensor is refused
 ]
 
 
