@@ -27,8 +27,8 @@ from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 class Spans:
     """(start, end) CUDA events around each call of the functions it wraps, in call order."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.spans, self._undo = device, {}, []
+    def __init__(self):
+        self.spans, self._undo = {}, []
 
     def wrap(self, owner, attribute: str, label: str) -> None:
         inner = getattr(owner, attribute)
@@ -109,7 +109,7 @@ def main() -> None:
         requests = Requests(args.family, setup, hidden_size(pipeline), pooled_size=pooled_size(pipeline))
         serve = lambda i: runner.submit(runner.parse(request_values(requests, i))).result()  # noqa: E731
         serve(0)  # warm-up: compiles, captures, allocates
-        spans = Spans(runner.device)
+        spans = Spans()
         if cuda:
             spans.wrap(runner.family.network, "forward", "forward")
             spans.wrap(pipeline.vae, "decode", "decode")
