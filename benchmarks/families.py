@@ -46,9 +46,9 @@ cache, about 8 GB); the tiny preset uses the tiny pipeline's own.
 requests and warm-up: the host against itself (an A/A), printed beside each ratio. A Triton/direct
 ratio within the A/A's distance from 1 is not resolved by this host.
 
-``--shared-memory``: the client sends the embeddings through system shared memory (Triton's
-mechanism for a client on the server's host) rather than in the gRPC request, whose Python
-serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each row also prints a
+``--shared-memory``: the client sends the embeddings, and receives the image, through system shared
+memory (Triton's mechanism for a client on the server's host) rather than in the gRPC messages, whose
+Python serialization costs tens of milliseconds for FLUX's 8 to 16 MB of float32. Each row also prints a
 request's mean time inside the server, so the rest of its latency is the client's and gRPC's.
 
 ``--embeds-dtype bfloat16``: the server's ``diffusion`` declares its embeddings bf16 (its
@@ -469,7 +469,7 @@ def main() -> None:
     parser.add_argument("--aa", action="store_true", help="the direct side twice: the host against itself")
     parser.add_argument("--tokens", type=int, help="the embeddings' token count (default: the setup's)")
     parser.add_argument("--shared-memory", action="store_true",
-                        help="the client sends the embeddings through system shared memory, not in the request")
+                        help="the embeddings and the image through system shared memory, not in the messages")
     parser.add_argument("--quantization", choices=["none", "fp8"], help="the server's DiT quantization")
     parser.add_argument("--fp8-kept", help="the server's fp8_kept (layer patterns left in bf16; default: the family's)")
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")

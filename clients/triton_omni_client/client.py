@@ -7,7 +7,6 @@ endpoints, because Triton's HTTP ``/infer`` does not serve decoupled models.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -94,7 +93,8 @@ class OmniClient:
     def __init__(self, url: str | None = None, protocol: Protocol = "grpc", shared_memory: bool = False,
                  admin_key: str | None = None):
         """``shared_memory``: send embeddings through system shared memory (a client on the server's
-        own host: shared_memory.py) instead of in the request body. Registering a region is one of
+        own host: shared_memory.py) instead of in the request body, and receive the image the
+        same way when the call gives its ``height`` and ``width``. Registering a region is one of
         Triton's restricted APIs: it takes the server's ``admin_key`` (``omni-triton serve`` prints
         where it is; ``TRITON_OMNI_ADMIN_KEY`` by default)."""
         self.protocol = protocol
@@ -273,12 +273,18 @@ class OmniClient:
             declared = self._input_types_of(client, model) if any(v is not None for v in embeds.values()) else {}
             shared: list | None = [] if self.shared_memory else None
             inputs = batched_inputs(client_module, shared, declared, **embeds, **text, **options)
+            # the image comes back through a region too when its size is known before the call
+            size = (options.get("height"), options.get("width"))
+            image_out = [] if shared is None or None in size else [
+                (client_module.InferRequestedOutput("image"), int(size[0]) * int(size[1]) * 3)]
             try:
-                with system_regions(client, shared, self._admin_headers) if shared else contextlib.nullcontext():
-                    result = client.infer(model, inputs)
+                if shared is None:
+                    return client.infer(model, inputs).as_numpy("image")[0]
+                with system_regions(client, shared, self._admin_headers, image_out) as regions:
+                    result = client.infer(model, inputs, outputs=[output for output, _ in image_out] or None)
+                    return (regions.read(result, "image") if image_out else result.as_numpy("image"))[0]
             except Exception as exc:
                 raise as_omni_error(exc) from None
-            return result.as_numpy("image")[0]
 
     def edit_image(self, prompt: str | None, images: list, *, model: str = "diffusion",
                    **options: Any) -> np.ndarray:

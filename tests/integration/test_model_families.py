@@ -29,6 +29,8 @@ import openai
 import pytest
 from PIL import Image
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import batched_inputs
+from triton_omni_client.shared_memory import system_regions
 from triton_omni_protocol import ADMIN_HEADER
 from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
@@ -198,9 +200,11 @@ def test_a_blank_negative_prompt_is_a_prompt_and_a_blank_prompt_an_error_naming_
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_embeddings_through_shared_memory_give_the_same_image(family_server, protocol):
     """`OmniClient(shared_memory=True)`: the embeddings go through system shared memory regions (a
-    client on the server's host); the image is the one sent in the request body, a bad tensor is
-    refused by name as ever, and no region is left registered after either."""
+    client on the server's host), and the image comes back through one when its size is given;
+    the image is the one sent in the request body, a bad tensor is refused by name as ever, and no
+    region is left registered after either."""
     import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
 
     _, server = family_server
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -209,6 +213,21 @@ def test_embeddings_through_shared_memory_give_the_same_image(family_server, pro
     in_body = OmniClient(url, protocol).generate_image(**conditioning, **options)
     shared = OmniClient(url, protocol, shared_memory=True, admin_key=server.admin_key)
     assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
+    unsized = {key: value for key, value in options.items() if key not in ("height", "width")}
+    assert np.array_equal(shared.generate_image(**conditioning, **unsized),  # the image in the response
+                          OmniClient(url, protocol).generate_image(**conditioning, **unsized))
+    # the image through a region: the response carries none of it
+    module = grpcclient if protocol == "grpc" else httpclient
+    with module.InferenceServerClient(url) as client:
+        output = module.InferRequestedOutput("image")
+        inputs = batched_inputs(module, None, None, **conditioning, **options)
+        with system_regions(client, [], shared._admin_headers, [(output, in_body.nbytes)]) as regions:
+            result = client.infer("diffusion", inputs, outputs=[output])
+            if protocol == "grpc":
+                assert not any(result.get_response().raw_output_contents)
+            else:  # neither JSON data nor a binary part
+                assert not {"data", "parameters"} & set(result.get_output("image"))
+            assert np.array_equal(regions.read(result, "image")[0], in_body)
     with pytest.raises(OmniError, match="prompt_embeds") as caught:
         shared.generate_image(**(conditioning | {"prompt_embeds": conditioning["prompt_embeds"][:, :5]}), **options)
     assert caught.value.status == "INVALID_ARG"
