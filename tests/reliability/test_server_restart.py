@@ -1,11 +1,13 @@
-"""`omni-triton serve` brings tritonserver back when it dies: Triton 2.51 aborts
-on its own now and then (a `lock_exception` after a stub is killed). SIGABRT
-stands in for that abort; the server must be ready again within 120 s and
-answer every model, and the launcher must say what it did."""
+"""`omni-triton serve` (what `make serve` runs) from start to stop: ready with the default models
+and the OpenAI gateway, then it brings tritonserver back when it dies (Triton 2.51 aborts on its
+own now and then, a `lock_exception` after a stub is killed; SIGABRT stands in for that abort):
+ready again within 120 s, every model answering, the launcher saying what it did. Ctrl-C then
+stops it cleanly (no traceback) and leaves no server, stub or engine process behind."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
@@ -20,7 +22,7 @@ from triton_omni_client import OmniClient
 from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer
 from triton_omni_tools.launcher import free_port
 
-from tests.support.server import assert_group_gone, children
+from tests.support.server import alive, assert_group_gone, children, descendants
 
 FAST = {"num_inference_steps": 2, "height": 32, "width": 32, "guidance_scale": 1.0}
 
@@ -106,8 +108,11 @@ def serving(tmp_path: Path, *flags: str):
     assert_group_gone(launcher.pid)
 
 
-def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
+def test_serve_restarts_tritonserver_after_an_abort_and_stops_cleanly_on_ctrl_c(tmp_path):
     with serving(tmp_path) as (launcher, http, grpc, openai, log_path):
+        assert f"OpenAI   http://127.0.0.1:{openai}/v1 (no API key)" in log_path.read_text(errors="replace")
+        with urllib.request.urlopen(f"http://localhost:{openai}/v1/models") as response:
+            assert {"ar", "omni", "text_to_image"} <= {model["id"] for model in json.loads(response.read())["data"]}
         first = tritonserver_of(launcher.pid)
         os.kill(first, signal.SIGABRT)
 
@@ -130,8 +135,14 @@ def test_serve_restarts_tritonserver_after_an_abort(tmp_path):
         output = log_path.read_text(errors="replace")
         assert "tritonserver killed by SIGABRT; restarting it" in output, output[-3000:]
         assert "tritonserver is serving again" in output, output[-3000:]
-        launcher.send_signal(signal.SIGINT)
+        restarted = len(output)
+        below = descendants(launcher.pid)
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C
         assert launcher.wait(timeout=120) == 0
+        assert not [pid for pid in below if alive(pid)], "processes left behind"
+        # a clean stop: vLLM's AsyncLLM used to print a TypeError traceback from __del__ at every stop
+        stop = log_path.read_text(errors="replace")[restarted:]
+        assert "Traceback" not in stop and "Exception ignored" not in stop, stop[-3000:]
 
 
 def test_no_restart_exits_with_the_server(tmp_path):

@@ -57,6 +57,33 @@ def children(pid: int) -> set[int]:
     return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, whatever its process group (tritonserver has one of its own)."""
+    below: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            below.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in below.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def engine_cores(server: TritonServer) -> list[int]:
     """The vLLM engine core processes the server's stubs started."""
     return [pid for pid in process_group(server.process.pid)
