@@ -274,15 +274,15 @@ class OmniClient:
             shared: list | None = [] if self.shared_memory else None
             inputs = batched_inputs(client_module, shared, declared, **embeds, **text, **options)
             # the image comes back through a region too when its size is known before the call
-            size = (options.get("height"), options.get("width"))
-            image_out = [] if shared is None or None in size else [
-                (client_module.InferRequestedOutput("image"), int(size[0]) * int(size[1]) * 3)]
+            height, width = options.get("height"), options.get("width")
+            image_out = [] if height is None or width is None else [client_module.InferRequestedOutput("image")]
             try:
                 if shared is None:
                     return client.infer(model, inputs).as_numpy("image")[0]
-                with system_regions(client, shared, self._admin_headers, image_out) as regions:
-                    result = client.infer(model, inputs, outputs=[output for output, _ in image_out] or None)
-                    return (regions.read(result, "image") if image_out else result.as_numpy("image"))[0]
+                regions = [(output, int(height) * int(width) * 3) for output in image_out]
+                with system_regions(client, shared, self._admin_headers, regions) as received:
+                    result = client.infer(model, inputs, outputs=image_out or None)
+                    return (received.read(result, "image") if image_out else result.as_numpy("image"))[0]
             except Exception as exc:
                 raise as_omni_error(exc) from None
 

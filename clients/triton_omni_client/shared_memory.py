@@ -23,8 +23,8 @@ class Outputs:
     """The block's output regions: ``read(result, name)`` is a copy of what the server wrote
     there (the region is gone after the block)."""
 
-    def __init__(self) -> None:
-        self._handles: dict[str, object] = {}
+    def __init__(self, handles: dict[str, object]) -> None:
+        self._handles = handles  # output name -> its region's handle
 
     def read(self, result, name: str) -> np.ndarray:
         import tritonclient.utils.shared_memory as shm
@@ -49,7 +49,7 @@ def system_regions(client, tensors: list[tuple[object, np.ndarray]], headers: di
 
     made: list = []  # the regions' handles
     registered: list[str] = []
-    received = Outputs()
+    received: dict[str, object] = {}  # output name -> handle
 
     def region(nbytes: int) -> tuple[str, object]:
         name = f"omni-{os.getpid()}-{uuid.uuid4().hex[:16]}"
@@ -71,8 +71,8 @@ def system_regions(client, tensors: list[tuple[object, np.ndarray]], headers: di
             name, handle = region(nbytes)
             register(name, nbytes)
             output.set_shared_memory(name, nbytes)
-            received._handles[output.name()] = handle
-        yield received
+            received[output.name()] = handle
+        yield Outputs(received)
     finally:
         for name in registered:
             _unregister(client, name, headers)

@@ -59,6 +59,9 @@ def every_model_answers(grpc: str) -> None:
         assert list(stream_infer(grpc, model, omni_inputs(grpcclient, values))), model
 
 
+START_S = 600  # a full `serve` start on a 2-core CI machine, with every stub importing at once
+
+
 def what_went_wrong(log_path: Path) -> str:
     """Triton's error lines and the models it could not load, then the log's tail."""
     text = log_path.read_text(errors="replace")
@@ -68,7 +71,7 @@ def what_went_wrong(log_path: Path) -> str:
 
 def wait_until_serving(launcher: subprocess.Popen, log_path: Path) -> None:
     """The launcher's own word, not the server's readiness: it starts watching the server then."""
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + START_S
     while b"triton-omni is ready" not in log_path.read_bytes():
         assert launcher.poll() is None, what_went_wrong(log_path)
         assert time.monotonic() < deadline, "serve did not become ready"
@@ -122,7 +125,8 @@ def test_serve_restarts_tritonserver_after_an_abort_and_stops_cleanly_on_ctrl_c(
             seen_not_ready |= not ready(http)
             gateway_said_so |= not ready(openai, "/health")  # the OpenAI gateway stays up and answers 503
             assert launcher.poll() is None, what_went_wrong(log_path)
-            assert time.monotonic() - aborted < 120, "not ready again within 120 s:\n" + what_went_wrong(log_path)
+            # a restart is a whole start again: on two busy cores, as long as the first one may take
+            assert time.monotonic() - aborted < START_S, "not ready again in time:\n" + what_went_wrong(log_path)
             time.sleep(0.5)
         assert tritonserver_of(launcher.pid) != first
         every_model_answers(f"localhost:{grpc}")

@@ -59,19 +59,14 @@ def children(pid: int) -> set[int]:
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, whatever its process group (tritonserver has one of its own)."""
-    below: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            below.setdefault(ppid, []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
-        for child in below.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+        try:
+            below = children(todo.pop())
+        except OSError:  # gone meanwhile
+            continue
+        found.extend(below)
+        todo.extend(below)
     return found
 
 
