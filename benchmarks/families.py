@@ -30,7 +30,8 @@ An edit family's requests (Qwen-Image-Edit) each send the same input image, 1024
 the pipeline's ``image`` on the direct side, the request's ``images`` on Triton's.
 
 ``--compile``: the server runs with ``compile: blocks`` (torch.compile of the
-DiT's blocks) against the pipeline as diffusers runs it by default (eager);
+DiT's blocks; ``--compile blocks,vae`` compiles the VAE's decoder too) against the
+pipeline as diffusers runs it by default (eager);
 ``--compile-direct`` compiles the pipeline's blocks as well
 (``transformer.compile_repeated_blocks()``, diffusers' own regional compilation).
 The warm-up rounds take the compile time.
@@ -300,16 +301,24 @@ def measure_direct(pipeline, requests: Requests, concurrency: int, rounds: int, 
     return figures(latencies, concurrency), images[0][0]
 
 
-def in_server(metrics_url: str) -> tuple[float, float]:
-    """(seconds, requests) ``diffusion`` has spent on the requests it finished: from receiving
-    each to its response (its ``omni_diffusion_request_duration_seconds``)."""
+def in_server(metrics_url: str) -> dict[str, float]:
+    """What ``diffusion`` has spent on the requests it finished, by its metrics: ``model_s``, from
+    the model receiving each request to its response (``omni_diffusion_request_duration_seconds``);
+    ``before_s``, Triton's time before the model (its queue and the inputs' copy to the model:
+    ``nv_inference_queue_duration_us`` and ``nv_inference_compute_input_duration_us``; its request
+    duration ends, for a decoupled model, when ``execute`` returns, long before the response);
+    ``requests``."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    totals = {"_sum": 0.0, "_count": 0.0}
+    series = {"model_s": ("omni_diffusion_request_duration_seconds_sum{", 1.0),
+              "requests": ("omni_diffusion_request_duration_seconds_count{", 1.0),
+              "queue_s": ("nv_inference_queue_duration_us{", 1e-6),
+              "input_s": ("nv_inference_compute_input_duration_us{", 1e-6)}
+    totals = dict.fromkeys(series, 0.0)
     for line in text.splitlines():
-        for suffix in totals:
-            if line.startswith(f"omni_diffusion_request_duration_seconds{suffix}{{") and 'model="diffusion"' in line:
-                totals[suffix] += float(line.rsplit(" ", 1)[1])
-    return totals["_sum"], totals["_count"]
+        for name, (prefix, scale) in series.items():
+            if line.startswith(prefix) and 'model="diffusion"' in line:
+                totals[name] += float(line.rsplit(" ", 1)[1]) * scale
+    return totals | {"before_s": totals.pop("queue_s") + totals.pop("input_s")}
 
 
 def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rounds: int,
@@ -340,8 +349,10 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
             images.append(list(pool.map(one, range(concurrency), [setup.steps] * concurrency)))
             latencies.append(time.perf_counter() - started)
         after = in_server(metrics_url)
-    served = (after[0] - before[0]) / max(after[1] - before[1], 1)
-    return figures(latencies, concurrency) | {"in_server_s": served}, images[0][0]
+    finished = max(after["requests"] - before["requests"], 1)
+    return figures(latencies, concurrency) | {"in_server_s": (after["model_s"] - before["model_s"]) / finished,
+                                              "before_model_s": (after["before_s"] - before["before_s"]) / finished}, \
+        images[0][0]
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:
@@ -349,7 +360,7 @@ def figures(latencies: list[float], concurrency: int) -> dict:
     return {"latency_s": p50, "images_per_s": concurrency / p50, "rounds_s": latencies}
 
 
-def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = False,
+def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "off",
                         exact_batching: str = "false", encoder: tuple[str, str] | None = None,
                         kernels: dict | None = None) -> list[Path]:
     """The default repositories with ``diffusion`` serving the setup's model (step batching), and
@@ -360,7 +371,7 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
     edits: dict = {"diffusion": {
         "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
                        "gpu_memory_utilization": share if device == "cuda" else "0.30",
-                       "compile": "blocks" if compile else "off", "exact_batching": exact_batching}
+                       "compile": compile, "exact_batching": exact_batching}
         | (kernels or {}),
         "max_batch_size": batch}}
     if encoder is not None:
@@ -369,7 +380,7 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: bool = F
     return copy_repositories(DEFAULT_REPOSITORIES, dest, edits)
 
 
-def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: bool = False,
+def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: str = "off",
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
         aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None) -> dict:
     """``kernels``: the server's ``diffusion`` parameters given on the command line (quantization,
@@ -428,9 +439,11 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
 
 def report(result: dict) -> None:
     s = result["setup"]
-    compiled = [side for side, on in result.get("compile", {}).items() if on]
+    compiled = result.get("compile", {})
+    triton = {True: "blocks", False: "off"}.get(compiled.get("triton"), compiled.get("triton", "off"))  # old: a bool
     print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
-          f"on {result['device']}, {result['rounds']} rounds, DiT blocks compiled: {', '.join(compiled) or 'none'}, "
+          f"on {result['device']}, {result['rounds']} rounds, compiled: Triton {triton}, diffusers "
+          f"{'blocks' if compiled.get('direct') else 'off'}, "
           f"server exact_batching: {result.get('exact_batching', 'false')}, "
           f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}"
           f"{', through shared memory' if result.get('shared_memory') else ''}"
@@ -447,8 +460,11 @@ def report(result: dict) -> None:
               f"{p['throughput_ratio']:>15.3f} {mfu[0]:>6} {mfu[1]:>6} {p['first_image_max_diff']:>16} "
               f"{p.get('first_image_mean_diff', 0):>6.2f} {p.get('first_image_psnr_db', float('inf')):>8.1f}")
     for p in result["points"]:
-        print(f"concurrency {p['concurrency']}: a request's mean time inside the server "
-              f"{p['triton']['in_server_s']:.3f} s (the rest of its latency: the client and gRPC)")
+        before = p["triton"].get("before_model_s")
+        print(f"concurrency {p['concurrency']}: a request's mean time inside the model "
+              f"{p['triton']['in_server_s']:.3f} s" + (f", in Triton before it {before * 1000:.1f} ms (queue, "
+                                                        f"inputs copied)" if before is not None else "")
+              + "; the rest of its latency: the client and gRPC")
         if "aa_latency_ratio" in p:
             print(f"A/A, concurrency {p['concurrency']}: direct / direct latency {p['aa_latency_ratio']:.3f}, "
                   f"throughput {p['aa_throughput_ratio']:.3f}")
@@ -460,7 +476,9 @@ def main() -> None:
     parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
     parser.add_argument("--rounds", type=int, default=2, help="measured calls per side and concurrency")
     parser.add_argument("--concurrency", help="comma-separated (default: the setup's)")
-    parser.add_argument("--compile", action="store_true", help="the server compiles the DiT's blocks")
+    parser.add_argument("--compile", nargs="?", const="blocks", default="off", metavar="PARTS",
+                        help="the server's compile (default off; alone: blocks, the DiT's; blocks,vae: its VAE's "
+                             "decoder too)")
     parser.add_argument("--compile-direct", action="store_true", help="the pipeline's blocks compiled as well")
     parser.add_argument("--exact-batching", choices=["false", "pipeline"], default="false",
                         help="the server's exact_batching (pipeline: each request's passes alone)")

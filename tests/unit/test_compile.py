@@ -1,9 +1,10 @@
 """``compile: blocks``: each repeated block of a diffusion transformer
 compiled with torch.compile (regional compilation), on the CPU with the tiny
-random-weight DiTs and torch's own inductor. The blocks are compiled in place,
-so the step engine, the step cache's hooks and the pipeline all run them; the
-images stay within float32 rounding of the eager ones. A family without
-diffusion-transformer blocks and a malformed value are refused at load."""
+random-weight DiTs and torch's own inductor; ``compile: blocks,vae``: the VAE's
+decoder too. Both are compiled in place, so the step engine, the step cache's
+hooks and the pipeline all run them; the images stay within float32 rounding
+of the eager ones. A family without diffusion-transformer blocks, one whose
+VAE is not compiled and a malformed value are refused at load."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def images(model: str, compile: str, requests: list[dict]) -> list[torch.Tensor]
     runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile))
     try:
         futures = [runner.submit(runner.parse(r)) for r in requests]
-        return [f.result() for f in futures]
+        done = [f.result() for f in futures]
+        assert hasattr(runner.pipeline.vae.decoder.forward, "_torchdynamo_orig_callable") == ("vae" in compile)
+        return done
     finally:
         runner.close()
 
@@ -36,6 +39,10 @@ def compiled_blocks(runner: DiffusionRunner) -> int:
 DYNAMIC = {"dynamic": True}
 
 
+# the families whose VAE decoder compiles (FLUX.2's VAE, FLUX.1's and Z-Image's AutoencoderKL) compile it here too
+COMPILED = {"qwen_image": "blocks", "z_image": "blocks,vae", "flux2_klein": "blocks,vae"}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_compiled_blocks_give_the_eager_images_in_company_and_with_the_step_cache(family, monkeypatch):
     torch._dynamo.reset()
@@ -43,7 +50,7 @@ def test_compiled_blocks_give_the_eager_images_in_company_and_with_the_step_cach
     requests = [REQUEST, REQUEST | {"seed": 4, "num_inference_steps": 3},
                 REQUEST | {"seed": 5, "step_cache": "first_block:0.6"}]
     eager = images(FAMILIES[family], "off", requests)
-    compiled = images(FAMILIES[family], "blocks", requests)
+    compiled = images(FAMILIES[family], COMPILED[family], requests)
     for e, c in zip(eager, compiled, strict=True):
         assert e.shape == c.shape
         assert int((e.int() - c.int()).abs().max()) <= 1  # inductor's fused float32 rounding, at most one level
@@ -61,8 +68,11 @@ def test_compile_puts_every_repeated_block_under_torch_compile():
 def test_compile_is_refused_for_a_unet_and_for_an_unknown_mode():
     with pytest.raises(ValueError, match="compile 'blocks': the stable_diffusion family has no diffusion"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", compile="blocks"))
-    with pytest.raises(ValueError, match="compile must be one of off, blocks, got 'full'"):
-        DiffusionRunnerConfig("demo:tiny-qwen-image", compile="full")
+    with pytest.raises(ValueError, match="compile 'blocks,vae': the qwen_image family's VAE is not compiled"):
+        DiffusionRunner(DiffusionRunnerConfig(FAMILIES["qwen_image"], compile="blocks,vae"))
+    for wrong in ("full", "blocks,full", ","):
+        with pytest.raises(ValueError, match=f"compile must be off or one or more of blocks, vae .*got '{wrong}'"):
+            DiffusionRunnerConfig("demo:tiny-qwen-image", compile=wrong)
 
 
 def test_compiled_blocks_with_cfg_parallel_give_the_eager_images(monkeypatch):

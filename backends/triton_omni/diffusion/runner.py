@@ -62,9 +62,10 @@ StepCallback = Callable[[int, int, int], None]
 IsCancelled = Callable[[int], bool]
 
 
-COMPILE_MODES = ("off", "blocks")
+# what `compile` may name, comma-separated ("off": none): a DiT's repeated blocks, the VAE's decoder
+COMPILE_PARTS = ("blocks", "vae")
 EXACT_MODES = ("true", "false", "pipeline")
-# torch.compile's arguments for `compile: blocks` (a test makes sizes dynamic from the start)
+# torch.compile's arguments for `compile` (a test makes sizes dynamic from the start)
 COMPILE_OPTIONS: dict[str, Any] = {}
 
 
@@ -108,7 +109,8 @@ class DiffusionRunnerConfig:
     step_cache: str = "off"
     # CFG parallel (step batching, where the family takes it): the negatives' pass on this second device
     cfg_device: str | None = None
-    # "blocks": torch.compile each repeated block of a diffusion transformer (regional compilation)
+    # "blocks": torch.compile each repeated block of a diffusion transformer (regional compilation);
+    # "vae": the VAE's decoder; "blocks,vae": both; "off": neither
     compile: str = "off"
     # sequence parallel: the transformer's forward over this device and these (sequence_parallel.py)
     sp_devices: tuple[str, ...] = ()
@@ -136,9 +138,9 @@ class DiffusionRunnerConfig:
                              "between its steps)")
         if self.cfg_device is not None and self.batching != "step":
             raise ValueError("CFG parallel (parallel 'cfg') needs batching 'step'")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"model parameter compile must be one of {', '.join(COMPILE_MODES)}, "
-                             f"got {self.compile!r}")
+        if not self.compiled <= set(COMPILE_PARTS) or (not self.compiled and self.compile != "off"):
+            raise ValueError(f"model parameter compile must be off or one or more of {', '.join(COMPILE_PARTS)} "
+                             f"(comma-separated), got {self.compile!r}")
         if self.sp_devices:
             self._check_sequence_parallel(step_cache.on)
         if self.quantization not in QUANTIZATIONS:
@@ -151,13 +153,20 @@ class DiffusionRunnerConfig:
             raise ValueError("model parameter lora_adapters: not with a parallel mode (its workers hold the "
                              "transformer without the adapters)")
 
+    @property
+    def compiled(self) -> frozenset[str]:
+        """The parts ``compile`` names: ``blocks``, ``vae``; none for ``off``."""
+        if self.compile == "off":
+            return frozenset()
+        return frozenset(part.strip() for part in self.compile.split(",") if part.strip())
+
     def _check_sequence_parallel(self, step_cache: bool) -> None:
         """What sequence parallel does not combine with, refused at load: every rank must run the
         same blocks, so no step cache (its decision is taken per rank, on the rank's share); one
         parallel mode at a time; the blocks as loaded: eager, in bf16, with diffusers' attention (the
         workers are not compiled, quantized or given another kernel)."""
         for clash, what in ((step_cache, "a step cache"), (self.cfg_device is not None, "CFG parallel"),
-                            (self.compile != "off", f"compile {self.compile!r}"),
+                            ("blocks" in self.compiled, f"compile {self.compile!r}"),
                             (self.quantization != "none", f"quantization {self.quantization!r}"),
                             (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}")):
             if clash:
@@ -276,7 +285,7 @@ class DiffusionRunner:
         c, capabilities = self.config, self.family.capabilities
         if not (c.cuda_graphs and self.device.type == "cuda" and capabilities.cuda_graphs):
             return False
-        if capabilities.compile and c.compile == "off":
+        if capabilities.compile and "blocks" not in c.compiled:
             return False
         for clash, what in ((self.adapters is not None, "LoRA adapters change between passes"),
                             (self.sequence_parallel is not None, "sequence parallel's forwards talk to the workers")):
@@ -316,16 +325,26 @@ class DiffusionRunner:
     def _compile(self) -> None:
         """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled
         (``compile_blocks``), in place, so that every caller (the pipeline, the step engine, the step
-        cache) runs it; CFG parallel's worker compiles its copy the same way."""
-        if self.config.compile == "off":
-            return
-        if not self.family.capabilities.compile:
-            raise ValueError(f"model parameter compile {self.config.compile!r}: the {self.family.name} family "
-                             "has no diffusion transformer blocks to compile")
-        transformer = self.family.network
-        compile_blocks(transformer, COMPILE_OPTIONS)
-        logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
-                    ", ".join(transformer._repeated_blocks), type(transformer).__name__)
+        cache) runs it; CFG parallel's worker compiles its copy the same way. ``vae``: the VAE's
+        decoder's forward, in place too (the step engine then decodes each image alone, so that a
+        new batch size never compiles again)."""
+        parts, name = self.config.compiled, self.config.compile
+        if "blocks" in parts:
+            if not self.family.capabilities.compile:
+                raise ValueError(f"model parameter compile {name!r}: the {self.family.name} family has no "
+                                 "diffusion transformer blocks to compile")
+            transformer = self.family.network
+            compile_blocks(transformer, COMPILE_OPTIONS)
+            logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
+                        ", ".join(transformer._repeated_blocks), type(transformer).__name__)
+        if "vae" in parts:
+            if not self.family.capabilities.vae_compile:
+                raise ValueError(f"model parameter compile {name!r}: the {self.family.name} family's VAE is not "
+                                 "compiled (leave 'vae' out)")
+            decoder = self.pipeline.vae.decoder
+            decoder.forward = torch.compile(decoder.forward, **COMPILE_OPTIONS)
+            logger.info("torch.compile: the decoder of %s (each new image size compiles on its first decode)",
+                        type(self.pipeline.vae).__name__)
 
     def _sequence_parallel(self, devices: list[torch.device]) -> None:
         if not self.family.capabilities.sequence_parallel:
@@ -341,7 +360,7 @@ class DiffusionRunner:
             taking = ", ".join(family.name for family in FAMILIES.values() if family.capabilities.cfg_parallel)
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: the {self.family.name} family does not (families that do: {taking})")
-        options = COMPILE_OPTIONS if self.config.compile != "off" else None
+        options = COMPILE_OPTIONS if "blocks" in self.config.compiled else None
         self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels,
                                                                       graphed))
         self.steps.adapter.cfg_parallel = self.cfg_parallel
@@ -358,6 +377,7 @@ class DiffusionRunner:
 
         return StepEngine(self.device, self.dtype, adapter, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_mode == "true", per_request=c.exact_mode == "pipeline",
+                          decode_alone="vae" in c.compiled,
                           on_full=c.on_full, on_batch=on_batch, group_order=c.group_order,
                           steps_ahead=c.steps_ahead)
 
@@ -409,7 +429,7 @@ class DiffusionRunner:
 
     def close(self) -> None:
         """Stops the engine and the workers and gives the device memory back: the pipeline is
-        dropped, and with ``compile: blocks`` torch.compile's caches too (they hold the compiled
+        dropped, and with ``compile`` torch.compile's caches too (they hold the compiled
         blocks, and through them the weights, for as long as the process lives)."""
         if self.adapters is not None:
             self.adapters.close()
@@ -426,9 +446,9 @@ class DiffusionRunner:
             return
         if self.graphs is not None:
             self.graphs.remove()  # its graphs hold their pool's memory and the blocks' compiled code
-        if self.config.compile != "off":
-            for block in self.family.network.modules():
-                block.__dict__.pop("forward", None)  # the compiled forward compile_blocks set
+        if self.config.compiled:
+            for module in (*self.family.network.modules(), self.pipeline.vae.decoder):
+                module.__dict__.pop("forward", None)  # the compiled forward _compile set
             torch._dynamo.reset()  # this process's compile caches: a stub's are its model's alone
         self.pipeline = self.family = self.graphs = self.adapters = None
         if self.steps is not None:

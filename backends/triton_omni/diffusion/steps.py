@@ -172,12 +172,13 @@ class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, load: Callable[[torch.device], StepAdapter],
                  max_rows: int = 16, exact: bool = False, per_request: bool = False, on_full: str = "wait",
                  buckets: tuple[int, ...] = BUCKETS, on_batch: Callable[[int], None] | None = None,
-                 group_order: str = "most_behind", steps_ahead: int = STEPS_AHEAD):
+                 group_order: str = "most_behind", steps_ahead: int = STEPS_AHEAD, decode_alone: bool = False):
         """``load(device)``: run first on the engine's thread, which runs every torch operation of the
         engine's (the pipeline's load included): the family's step adapter, the engine's denoising
         loop; it returns once that is done, with its error if it failed. ``on_batch(n)``: after
         each step, the number of requests it ran (the batch-size metric); ``steps_ahead``: steps
-        queued on the GPU at most (0: no bound; ignored off a GPU)."""
+        queued on the GPU at most (0: no bound; ignored off a GPU); ``decode_alone``: each finished
+        image decoded on its own (a compiled decoder's batch size then never changes)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:
@@ -193,7 +194,7 @@ class StepEngine:
         self.costs = StepCosts(device) if group_order == "most_behind" else None
         self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
         self.max_rows, self.exact, self.per_request, self.on_full = max_rows, exact, per_request, on_full
-        self.on_batch = on_batch
+        self.on_batch, self.decode_alone = on_batch, decode_alone
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
         self._waiting: deque[StepJob] = deque()
         self._running: dict[tuple, list[StepJob]] = {}
@@ -395,9 +396,9 @@ class StepEngine:
 
     def _finish(self, jobs: list[StepJob]) -> None:
         """Decode the finished jobs (all of one size: one group) as one VAE batch, or each
-        alone with ``exact`` or ``per_request`` (a decode's low bits depend on its batch size);
-        then pixels, delivered once they are on the host."""
-        alone = self.exact or self.per_request
+        alone with ``exact`` or ``per_request`` (a decode's low bits depend on its batch size) or
+        ``decode_alone``; then pixels, delivered once they are on the host."""
+        alone = self.exact or self.per_request or self.decode_alone
         for batch in ([[job] for job in jobs] if alone else [jobs] if jobs else []):
             try:
                 with torch.inference_mode():

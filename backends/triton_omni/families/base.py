@@ -61,6 +61,7 @@ class Capabilities:
     sequence_parallel: bool = False  # the network's tokens split over GPUs (sequence_parallel.py)
     cuda_graphs: bool = False  # the denoiser's steps replayed as CUDA graphs (cuda_graphs.py; a DiT's compiled)
     compile: bool = False  # `compile: blocks`: the DiT's repeated blocks under torch.compile
+    vae_compile: bool = False  # `compile: vae`: the VAE's decoder under torch.compile (its decode measured faster)
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
     lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (lora.py)

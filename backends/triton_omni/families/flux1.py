@@ -169,7 +169,7 @@ class Flux1(Family):
     pipeline_class = "FluxPipeline"
     # [dev]'s scale goes into the DiT ([schnell]'s nowhere): one pass, nothing for CFG parallel to move
     capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, sequence_parallel=True, compile=True,
-                                cuda_graphs=True, lora=True)
+                                cuda_graphs=True, vae_compile=True, lora=True)
     recipe = RECIPE
     step_adapter = Flux1Steps
     demo = Demo("flux1-dev", "tiny-flux1-dev", build_tiny)

@@ -359,8 +359,8 @@ class Flux2Klein(Family):
     name = "flux2_klein"
     pipeline_class = "Flux2KleinPipeline"
     capabilities = Capabilities(Guidance.CFG, guides_above=1.0, step_cache=True, cfg_parallel=True,
-                                sequence_parallel=True, compile=True, cuda_graphs=True, images=MAX_REFERENCES,
-                                lora=True)
+                                sequence_parallel=True, compile=True, cuda_graphs=True, vae_compile=True,
+                                images=MAX_REFERENCES, lora=True)
     recipe = RECIPE
     step_adapter = Flux2Steps
     demo = Demo("flux2-klein", "tiny-flux2-klein", build_tiny)
@@ -408,7 +408,7 @@ class Flux2Dev(Flux2Klein):
     pipeline_class = "Flux2Pipeline"
     # the scale goes into the DiT: one pass, no negative (the base rule), nothing for CFG parallel to move
     capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, compile=True, cuda_graphs=True,
-                                images=MAX_REFERENCES, lora=True)
+                                vae_compile=True, images=MAX_REFERENCES, lora=True)
     recipe = DEV_RECIPE
     demo = Demo("flux2-dev", "tiny-flux2-dev", build_tiny_dev)
     demo_folders: ClassVar[dict] = {"realistic-flux2-dev-encoder": build_realistic_dev_encoder}

@@ -180,7 +180,7 @@ class ZImage(Family):
     name = "z_image"
     pipeline_class = "ZImagePipeline"
     capabilities = Capabilities(Guidance.CFG, guides_above=0.0, step_cache=True, sequence_parallel=True,
-                                compile=True, cuda_graphs=True, lora=True)
+                                compile=True, cuda_graphs=True, vae_compile=True, lora=True)
     # the patch and caption embedders read every row's tokens concatenated (the transformer's forward)
     lora_flattened = ("all_x_embedder", "cap_embedder")
     # the refiners read one stream each before the main layers read both, joined
