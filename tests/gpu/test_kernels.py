@@ -1,7 +1,8 @@
 """What a DiT runs on (kernels.py), at a real shape (Z-Image's 6 B DiT, random weights, bf16) on a
 GPU with FP8 tensor cores: ``quantization: fp8`` against bf16 with the same request, the attention
-kernel ``auto`` chooses against PyTorch's SDPA, and a compiled runner's memory given back when it
-closes (twice over: a reload finds its GPU as the first load did). GPU only (docs/gpu.md)."""
+kernel ``auto`` chooses against PyTorch's SDPA, and a compiled runner's memory (its DiT's blocks and
+its VAE's decoder) given back when it closes (twice over: a reload finds its GPU as the first load
+did). GPU only (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_closing_a_compiled_runner_gives_its_gpu_memory_back():
     baseline = torch.cuda.memory_allocated()
     lefts = []
     for _ in range(2):  # a reload after a close starts from the same memory
-        images([4], compile="blocks")  # its forward replayed as CUDA graphs too (cuda_graphs: true)
+        # its forward replayed as CUDA graphs too (cuda_graphs: true), and its VAE's decoder compiled
+        images([4], compile="blocks,vae")
         gc.collect()
         lefts.append(torch.cuda.memory_allocated() - baseline)
         print(f"after close: {lefts[-1] / 2**20:.0f} MiB above the baseline")
