@@ -350,9 +350,8 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
             latencies.append(time.perf_counter() - started)
         after = in_server(metrics_url)
     finished = max(after["requests"] - before["requests"], 1)
-    return figures(latencies, concurrency) | {"in_server_s": (after["model_s"] - before["model_s"]) / finished,
-                                              "before_model_s": (after["before_s"] - before["before_s"]) / finished}, \
-        images[0][0]
+    model_s, before_s = ((after[name] - before[name]) / finished for name in ("model_s", "before_s"))
+    return figures(latencies, concurrency) | {"in_server_s": model_s, "before_model_s": before_s}, images[0][0]
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:

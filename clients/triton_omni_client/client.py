@@ -275,14 +275,15 @@ class OmniClient:
             inputs = batched_inputs(client_module, shared, declared, **embeds, **text, **options)
             # the image comes back through a region too when its size is known before the call
             height, width = options.get("height"), options.get("width")
-            image_out = [] if height is None or width is None else [client_module.InferRequestedOutput("image")]
+            sized = height is not None and width is not None
             try:
                 if shared is None:
                     return client.infer(model, inputs).as_numpy("image")[0]
-                regions = [(output, int(height) * int(width) * 3) for output in image_out]
+                image = client_module.InferRequestedOutput("image")
+                regions = [(image, int(height) * int(width) * 3)] if sized else []
                 with system_regions(client, shared, self._admin_headers, regions) as received:
-                    result = client.infer(model, inputs, outputs=image_out or None)
-                    return (received.read(result, "image") if image_out else result.as_numpy("image"))[0]
+                    result = client.infer(model, inputs, outputs=[image] if sized else None)
+                    return (received.read(result, "image") if sized else result.as_numpy("image"))[0]
             except Exception as exc:
                 raise as_omni_error(exc) from None
 

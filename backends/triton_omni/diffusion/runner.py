@@ -138,7 +138,7 @@ class DiffusionRunnerConfig:
                              "between its steps)")
         if self.cfg_device is not None and self.batching != "step":
             raise ValueError("CFG parallel (parallel 'cfg') needs batching 'step'")
-        if not self.compiled <= set(COMPILE_PARTS) or (not self.compiled and self.compile != "off"):
+        if not self.compiled <= set(COMPILE_PARTS):  # "", "," and unknown parts alike
             raise ValueError(f"model parameter compile must be off or one or more of {', '.join(COMPILE_PARTS)} "
                              f"(comma-separated), got {self.compile!r}")
         if self.sp_devices:
@@ -158,7 +158,7 @@ class DiffusionRunnerConfig:
         """The parts ``compile`` names: ``blocks``, ``vae``; none for ``off``."""
         if self.compile == "off":
             return frozenset()
-        return frozenset(part.strip() for part in self.compile.split(",") if part.strip())
+        return frozenset(part.strip() for part in self.compile.split(","))
 
     def _check_sequence_parallel(self, step_cache: bool) -> None:
         """What sequence parallel does not combine with, refused at load: every rank must run the
