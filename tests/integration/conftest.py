@@ -14,17 +14,24 @@ batching padded to a fixed size (the default is step batching),
 one prompt's embeddings. The OpenAI-compatible gateway (``gateway``) runs
 in front of it on demand. Helpers live in
 ``tests/support/server.py``.
+
+It starts as soon as the tests are collected, beside the unit tests: they
+run first and hold about one of a CI machine's two cores, and this server's
+start (some twenty stubs importing torch, four vLLM engines) is then off the
+integration tests' clock.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from triton_omni.demo_models import build_all
 from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import (
     DEFAULT_REPOSITORIES,
@@ -36,22 +43,35 @@ from triton_omni_tools.launcher import (
 )
 from triton_omni_tools.repository import copy_model
 
-from tests.support.loras import build_llm_lora
 from tests.support.server import assert_group_gone, process_group, require_alive
 
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
 
 
-# Package scope: it stops when the integration tests end, before the reliability suite starts servers of its own.
-@pytest.fixture(scope="package")
-def server(tmp_path_factory):
-    build_all()
+# The demo models and the LoRA adapters, built in a process of their own: beside the unit tests, this
+# process's torch (its GIL, its global seed and default dtype) is theirs.
+BUILD = """
+import sys
+from pathlib import Path
+from triton_omni.demo_models import build_all
+
+from tests.support.loras import build_llm_lora
+
+build_all()
+loras = Path(sys.argv[1])
+build_llm_lora(loras / "pirate", seed=1)
+build_llm_lora(loras / "poet", seed=2, rank=4, targets=("q_proj", "v_proj"))
+"""
+
+
+def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
+    """The server started and ready, and its log file."""
     variants = tmp_path_factory.mktemp("variants")
     # with two LoRA adapters in its folder, named by relative paths (test_ar_lora.py)
     lora_model = copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_transformers", parameters={
         "engine": "transformers", "lora_adapters": json.dumps({"pirate": "loras/pirate", "poet": "loras/poet"})})
-    build_llm_lora(lora_model / "loras" / "pirate", seed=1)
-    build_llm_lora(lora_model / "loras" / "poet", seed=2, rank=4, targets=("q_proj", "v_proj"))
+    subprocess.run([sys.executable, "-c", BUILD, str(lora_model / "loras")], check=True, cwd=PROJECT_ROOT,
+                   stdout=subprocess.DEVNULL)
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_transformers",
                parameters={"engine": "transformers"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_exact",
@@ -78,7 +98,35 @@ def server(tmp_path_factory):
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         log_file=log_file,
     )
-    triton = TritonServer(options).start()
+    return TritonServer(options).start(), log_file
+
+
+_starting: dict[str, concurrent.futures.Future] = {}
+
+
+def pytest_collection_finish(session):
+    """Starts the server now if a test collected here will use it."""
+    here = Path(__file__).parent
+    if session.config.option.collectonly:
+        return
+    if any("server" in item.fixturenames and item.path.is_relative_to(here) for item in session.items):
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="integration-server")
+        _starting["server"] = pool.submit(start_server, session.config._tmp_path_factory)
+        pool.shutdown(wait=False)
+
+
+def pytest_sessionfinish(session):
+    """A server started for tests that never ran (a run cut short) is stopped all the same."""
+    starting = _starting.pop("server", None)
+    if starting is not None and starting.exception() is None:
+        starting.result()[0].stop()
+
+
+# Package scope: it stops when the integration tests end, before the reliability suite starts servers of its own.
+@pytest.fixture(scope="package")
+def server(tmp_path_factory):
+    starting = _starting.pop("server", None)
+    triton, log_file = starting.result() if starting is not None else start_server(tmp_path_factory)
     yield triton
     pgid = triton.process.pid
     group = process_group(pgid)

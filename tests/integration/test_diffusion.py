@@ -181,7 +181,9 @@ def test_a_full_instance_leaves_the_next_request_to_a_sibling_with_room(grpc_url
     every short request must go to the instance with room, never wait in
     the full one's engine behind a long image: a full instance keeps
     ``execute`` (triton/balance.py). Without that, Triton gave about every
-    other short request to the full instance."""
+    other short request to the full instance, where it waited for one of
+    the long images to finish: most of a long request's time, where a short
+    request stepped beside a long one takes a step or two of it."""
     client = grpcclient.InferenceServerClient(grpc_url)
     finished: list[tuple[float, object]] = []
     done = threading.Semaphore(0)
@@ -194,20 +196,24 @@ def test_a_full_instance_leaves_the_next_request_to_a_sibling_with_room(grpc_url
         inputs = batched_inputs(grpcclient, prompt="a red fox", seed=seed, num_inference_steps=steps)
         client.async_infer("diffusion_pair_small", inputs, callback)
 
+    started = time.monotonic()
     for seed in range(3):
         send(60, seed)  # the demo default size: seconds each on a CPU
     send(1, 3)
     assert done.acquire(timeout=120) and finished[0][1] is None  # the short one
-    shorts = OmniClient(grpc_url)
+    shorts, latencies = OmniClient(grpc_url), []
     for seed in range(4, 10):
+        sent = time.monotonic()
         shorts.generate_image("a red fox", seed=seed, model="diffusion_pair_small", num_inference_steps=1)
-    last_short = time.monotonic()
+        latencies.append(time.monotonic() - sent)
     for _ in range(3):
         assert done.acquire(timeout=300), "a long request was never answered"
     client.close()
     assert all(error is None for _, error in finished)
-    longs = [at for at, _ in finished[1:]]
-    assert min(longs) > last_short, "a short request waited behind a long one in a full instance"
+    # Not the order in which they finish: on two busy cores the long request that shares its instance
+    # with the short ones may well finish before the last of them, and nothing waited for anything.
+    long_s = min(at for at, _ in finished[1:]) - started
+    assert max(latencies) < long_s / 4, f"a short request waited behind a long one: {latencies} s, long {long_s} s"
 
 
 def test_step_batching_survives_a_burst_of_requests(server):

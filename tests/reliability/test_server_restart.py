@@ -151,7 +151,7 @@ def test_serve_restarts_tritonserver_after_an_abort_and_stops_cleanly_on_ctrl_c(
 
 def test_no_restart_exits_with_the_server(tmp_path):
     """`--no-restart`: the launcher ends with the server, for a supervisor of the user's own."""
-    with serving(tmp_path, "--no-restart", "--model-control-mode=explicit", "--load-model=ar_encoder") as (
+    with serving(tmp_path, "--no-restart", "--model-control-mode=explicit", "--load-model=diffusion") as (
             launcher, _, _, _, log_path):
         os.kill(tritonserver_of(launcher.pid), signal.SIGABRT)
         assert launcher.wait(timeout=120) != 0
