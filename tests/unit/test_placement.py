@@ -113,6 +113,19 @@ def test_a_placement_needs_the_gpus_it_names(monkeypatch, capsys):
         in capsys.readouterr().err
 
 
+def test_serve_takes_every_familys_demo_and_names_them_for_a_wrong_one(capsys):
+    from triton_omni.families import DEMOS
+    from triton_omni_tools.demos import demo_edits
+
+    for demo in DEMOS:  # what docs/models.md says `serve --demo` takes
+        edits = demo_edits(demo)
+        assert demo == "sd" or edits["diffusion"]["parameters"]["model"] == f"demo:{DEMOS[demo].model}"
+    assert {"flux2-klein", "flux2-dev", "flux1-dev", "qwen-image-edit"} <= set(DEMOS)
+    assert main(["serve", "--demo", "flux3"]) == 2
+    error = capsys.readouterr().err
+    assert "error: --demo must be one of sd, qwen-image" in error and "flux1-dev" in error and "'flux3'" in error
+
+
 # -- where one stub instance runs ------------------------------------------------------
 
 

@@ -33,9 +33,12 @@ def main(argv: list[str] | None = None) -> int:
                             "instances in front of one vLLM engine); docs/gpu.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
-    serve.add_argument("--demo", choices=["sd", "qwen-image", "z-image"], default="sd",
-                       help="the family of the demo image models: Stable Diffusion (a UNet), Qwen-Image or Z-Image "
-                            "(LLM-conditioned DiTs); ar_encoder runs that family's text recipe (docs/models.md)")
+    # No argparse choices: the names are the families' (triton_omni.families), whose import loads torch.
+    serve.add_argument("--demo", default="sd", metavar="FAMILY",
+                       help="the family of the demo image models: sd (Stable Diffusion, a UNet), or an "
+                            "LLM-conditioned DiT's: qwen-image, qwen-image-edit, z-image, flux2-klein, flux1-dev, ... "
+                            "(docs/models.md; a name no family has is answered with the list); ar_encoder runs that "
+                            "family's text recipe")
     serve.add_argument("--openai-port", type=int, default=9000,
                        help="port of the OpenAI-compatible API (/v1/images/generations, /v1/chat/completions, ...); "
                        "0 turns it off")
@@ -149,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from triton_omni_tools.demos import DemoError
     from triton_omni_tools.memory_plan import MemoryPlanError
     from triton_omni_tools.placement import PlacementError
 
     try:
         return args.run(args)
-    except (PlacementError, MemoryPlanError) as exc:  # a configuration the server cannot serve, said plainly
+    except (PlacementError, MemoryPlanError, DemoError) as exc:  # what the server cannot serve, said plainly
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

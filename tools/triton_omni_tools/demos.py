@@ -12,6 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 
+class DemoError(ValueError):
+    """``--demo`` names no family's demo."""
+
+
 def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     """``repository.copy_repositories``'s edits that make the demo models ``demo``'s family (the
     default, Stable Diffusion's, is the repositories as they are)."""
@@ -19,7 +23,7 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     from triton_omni.families import DEMOS, FAMILIES
 
     if demo not in DEMOS:
-        raise ValueError(f"--demo must be one of {', '.join(DEMOS)}, got {demo!r}")
+        raise DemoError(f"--demo must be one of {', '.join(DEMOS)}, got {demo!r}")
     if DEMOS[demo].model == DIFFUSION_DEMO:  # what model_repository/ serves already
         return {}
     [family] = [family for family in FAMILIES.values() if family.demo is DEMOS[demo]]
