@@ -412,8 +412,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
             log_file=Path(tmp) / "tritonserver.log")) as server:
-        client = OmniClient(server.grpc_url, shared_memory=shared_memory, admin_key=server.admin_key)
-        triton = {c: measure_triton(client, requests, c, rounds, server.metrics_url) for c in levels}
+        with OmniClient(server.grpc_url, shared_memory=shared_memory, admin_key=server.admin_key) as client:
+            triton = {c: measure_triton(client, requests, c, rounds, server.metrics_url) for c in levels}
     points = []
     for c in levels:
         (d, d_image), (t, t_image) = direct[c], triton[c]

@@ -7,12 +7,15 @@ endpoints, because Triton's HTTP ``/infer`` does not serve decoupled models.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
+import threading
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from triton_omni_protocol import ADMIN_HEADER, parse_status, scalar_inputs
 
-from triton_omni_client.shared_memory import system_regions
+from triton_omni_client.shared_memory import Regions
 
 Protocol = Literal["grpc", "http"]
 
@@ -94,9 +97,11 @@ class OmniClient:
                  admin_key: str | None = None):
         """``shared_memory``: send embeddings through system shared memory (a client on the server's
         own host: shared_memory.py) instead of in the request body, and receive the image the
-        same way when the call gives its ``height`` and ``width``. Registering a region is one of
-        Triton's restricted APIs: it takes the server's ``admin_key`` (``omni-triton serve`` prints
-        where it is; ``TRITON_OMNI_ADMIN_KEY`` by default)."""
+        same way when the call gives its ``height`` and ``width``. The regions stay registered
+        between calls, one set per call in flight, until ``close()`` (or the end of a ``with``
+        block, or of the client). Registering a region is one of Triton's restricted APIs: it
+        takes the server's ``admin_key`` (``omni-triton serve`` prints where it is;
+        ``TRITON_OMNI_ADMIN_KEY`` by default)."""
         self.protocol = protocol
         self.url = url or ("localhost:8001" if protocol == "grpc" else "localhost:8000")
         self.shared_memory = shared_memory
@@ -104,6 +109,19 @@ class OmniClient:
         header = f"triton-grpc-protocol-{ADMIN_HEADER}" if protocol == "grpc" else ADMIN_HEADER
         self._admin_headers = {header: admin_key} if admin_key else None
         self._input_types: dict[str, dict[str, str]] = {}  # model -> its inputs' datatypes (metadata, read once)
+        self._sessions = _Sessions(self.url, protocol)
+        weakref.finalize(self, self._sessions.close)
+
+    def close(self) -> None:
+        """Unregisters and frees the shared memory regions this client keeps (none without
+        ``shared_memory``); the client stays usable."""
+        self._sessions.close()
+
+    def __enter__(self) -> OmniClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- text ------------------------------------------------------------------
 
@@ -265,25 +283,55 @@ class OmniClient:
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds,
                   "pooled_prompt_embeds": pooled_prompt_embeds}
+        if self.shared_memory:
+            return self._generate_shared(client_module, model, prompt, negative_prompt, embeds, options)
         with client_module.InferenceServerClient(self.url) as client:
-            text = {"prompt": prompt, "negative_prompt": negative_prompt}
-            if prompt is not None and "text_input" in self._input_types_of(client, model):
-                text = {"text_input": prompt, "negative_prompt": negative_prompt}
-            # embeddings go as the model declares them (its embeds_dtype), whatever float type they come in
-            declared = self._input_types_of(client, model) if any(v is not None for v in embeds.values()) else {}
-            shared: list | None = [] if self.shared_memory else None
-            inputs = batched_inputs(client_module, shared, declared, **embeds, **text, **options)
-            # the image comes back through a region too when its size is known before the call
-            height, width = options.get("height"), options.get("width")
-            sized = height is not None and width is not None
+            inputs = self._image_inputs(client, client_module, None, model, prompt, negative_prompt, embeds, options)
             try:
-                if shared is None:
-                    return client.infer(model, inputs).as_numpy("image")[0]
+                return client.infer(model, inputs).as_numpy("image")[0]
+            except Exception as exc:
+                raise as_omni_error(exc) from None
+
+    def _image_inputs(self, client, client_module, shared: list | None, model: str, prompt, negative_prompt,
+                      embeds: dict, options: dict) -> list:
+        text = {"prompt": prompt, "negative_prompt": negative_prompt}
+        if prompt is not None and "text_input" in self._input_types_of(client, model):
+            text = {"text_input": prompt, "negative_prompt": negative_prompt}
+        # embeddings go as the model declares them (its embeds_dtype), whatever float type they come in
+        declared = self._input_types_of(client, model) if any(v is not None for v in embeds.values()) else {}
+        return batched_inputs(client_module, shared, declared, **embeds, **text, **options)
+
+    def _generate_shared(self, client_module, model: str, prompt, negative_prompt, embeds: dict,
+                         options: dict) -> np.ndarray:
+        """``generate_image`` through this client's kept regions. A server restarted since they were
+        registered refuses them by name: they are registered afresh and the call made once more."""
+        args = (client_module, model, prompt, negative_prompt, embeds, options)
+        try:
+            return self._infer_shared(*args)
+        except OmniError as error:
+            if not _FORGOTTEN_REGION.search(str(error)):
+                raise
+        self._sessions.close()  # every idle session's regions belong to a server that has forgotten them
+        return self._infer_shared(*args)
+
+    def _infer_shared(self, client_module, model: str, prompt, negative_prompt, embeds: dict,
+                      options: dict) -> np.ndarray:
+        """The embeddings, and the image when its size is known before the call, through a session's
+        regions."""
+        height, width = options.get("height"), options.get("width")
+        sized = height is not None and width is not None
+        with self._sessions.session(self._admin_headers) as (client, regions):
+            shared: list = []
+            inputs = self._image_inputs(client, client_module, shared, model, prompt, negative_prompt, embeds,
+                                        options)
+            try:
+                for tensor, array in shared:
+                    regions.send(client, tensor, array)
                 image = client_module.InferRequestedOutput("image")
-                regions = [(image, int(height) * int(width) * 3)] if sized else []
-                with system_regions(client, shared, self._admin_headers, regions) as received:
-                    result = client.infer(model, inputs, outputs=[image] if sized else None)
-                    return (received.read(result, "image") if sized else result.as_numpy("image"))[0]
+                if sized:
+                    regions.receive(client, image, int(height) * int(width) * 3)
+                result = client.infer(model, inputs, outputs=[image] if sized else None)
+                return (regions.read(result, "image") if sized else result.as_numpy("image"))[0]
             except Exception as exc:
                 raise as_omni_error(exc) from None
 
@@ -475,6 +523,52 @@ def _bytes_input(module, name: str, values: list[str | bytes]):
     tensor.set_data_from_numpy(np.array([v if isinstance(v, bytes) else v.encode() for v in values],
                                         dtype=np.object_))
     return tensor
+
+
+# Triton's answer to a request naming a region it does not know (NOT_FOUND; registering: INVALID_ARG)
+_FORGOTTEN_REGION = re.compile(r"unable to find (system )?shared memory region", re.IGNORECASE)
+
+
+class _Sessions:
+    """An ``OmniClient``'s shared memory sessions: each a set of kept ``Regions`` and, over gRPC, a
+    kept client (its channel), lent to one call at a time and taken back when the call succeeds,
+    so there are as many as calls were ever in flight at once. A call that fails gives its
+    session's regions back to the server and drops it: the server may still write into an
+    abandoned output region. HTTP's client is made per call (gevent's sockets stay on the thread
+    that made them)."""
+
+    def __init__(self, url: str, protocol: Protocol) -> None:
+        self.url, self.protocol = url, protocol
+        self._idle: list[tuple[object | None, Regions]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def session(self, headers: dict[str, str] | None) -> Iterator[tuple[object, Regions]]:
+        with self._lock:
+            kept, regions = self._idle.pop() if self._idle else (None, Regions(headers))
+        client_module = _client_module(self.protocol)
+        if kept is None:
+            kept = client_module.InferenceServerClient(self.url) if self.protocol == "grpc" else None
+        client = kept if kept is not None else client_module.InferenceServerClient(self.url)
+        try:
+            yield client, regions
+        except BaseException:
+            regions.close(client)
+            client.close()
+            raise
+        if kept is None:
+            client.close()
+        with self._lock:
+            self._idle.append((kept, regions))
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for kept, regions in idle:
+            client = kept if kept is not None else _client_module(self.protocol).InferenceServerClient(self.url)
+            with contextlib.suppress(Exception):
+                regions.close(client)
+            client.close()
 
 
 def _client_module(protocol: Protocol):

@@ -201,21 +201,41 @@ def test_a_blank_negative_prompt_is_a_prompt_and_a_blank_prompt_an_error_naming_
 def test_embeddings_through_shared_memory_give_the_same_image(family_server, protocol):
     """`OmniClient(shared_memory=True)`: the embeddings go through system shared memory regions (a
     client on the server's host), and the image comes back through one when its size is given;
-    the image is the one sent in the request body, a bad tensor is refused by name as ever, and no
-    region is left registered after either."""
+    the image is the one sent in the request body, a bad tensor is refused by name as ever. The
+    regions stay registered from one call to the next (one set per call in flight), are
+    registered afresh when the server has forgotten them (as after a restart), and none is left
+    registered after `close()`."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
     _, server = family_server
     url = server.grpc_url if protocol == "grpc" else server.http_url
+    admin = {f"triton-grpc-protocol-{ADMIN_HEADER}": server.admin_key}
+
+    def registered() -> list:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            return client.get_system_shared_memory_status(headers=admin, as_json=True).get("regions", [])
+
     conditioning = OmniClient(server.grpc_url).encode_conditioning(PROMPT, "blurry")
     options = OPTIONS | {"guidance_scale": GUIDED}
     in_body = OmniClient(url, protocol).generate_image(**conditioning, **options)
-    shared = OmniClient(url, protocol, shared_memory=True, admin_key=server.admin_key)
-    assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
-    unsized = {key: value for key, value in options.items() if key not in ("height", "width")}
-    assert np.array_equal(shared.generate_image(**conditioning, **unsized),  # the image in the response
-                          OmniClient(url, protocol).generate_image(**conditioning, **unsized))
+    with OmniClient(url, protocol, shared_memory=True, admin_key=server.admin_key) as shared:
+        assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
+        kept = registered()
+        assert len(kept) == 3  # the two embeddings' and the image's
+        assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
+        assert registered() == kept  # the same regions, not registered again
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            client.unregister_system_shared_memory(headers=admin)  # as a restarted server has none
+        assert np.array_equal(shared.generate_image(**conditioning, **options), in_body)
+        unsized = {key: value for key, value in options.items() if key not in ("height", "width")}
+        assert np.array_equal(shared.generate_image(**conditioning, **unsized),  # the image in the response
+                              OmniClient(url, protocol).generate_image(**conditioning, **unsized))
+        with pytest.raises(OmniError, match="prompt_embeds") as caught:
+            shared.generate_image(**(conditioning | {"prompt_embeds": conditioning["prompt_embeds"][:, :5]}),
+                                  **options)
+        assert caught.value.status == "INVALID_ARG"
+    assert not registered()
     # the image through a region: the response carries none of it
     module = grpcclient if protocol == "grpc" else httpclient
     with module.InferenceServerClient(url) as client:
@@ -228,13 +248,7 @@ def test_embeddings_through_shared_memory_give_the_same_image(family_server, pro
             else:  # neither JSON data nor a binary part
                 assert not {"data", "parameters"} & set(result.get_output("image"))
             assert np.array_equal(regions.read(result, "image")[0], in_body)
-    with pytest.raises(OmniError, match="prompt_embeds") as caught:
-        shared.generate_image(**(conditioning | {"prompt_embeds": conditioning["prompt_embeds"][:, :5]}), **options)
-    assert caught.value.status == "INVALID_ARG"
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        admin = {f"triton-grpc-protocol-{ADMIN_HEADER}": server.admin_key}
-        status = client.get_system_shared_memory_status(headers=admin, as_json=True)
-        assert not status.get("regions")
+    assert not registered()
 
 
 # The families that read input images (FLUX.2's reference images); the others refuse them by name
