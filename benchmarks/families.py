@@ -307,10 +307,13 @@ def in_server(metrics_url: str) -> dict[str, float]:
     ``before_s``, Triton's time before the model (its queue and the inputs' copy to the model:
     ``nv_inference_queue_duration_us`` and ``nv_inference_compute_input_duration_us``; its request
     duration ends, for a decoupled model, when ``execute`` returns, long before the response);
-    ``requests``."""
+    ``requests``; ``steps`` and ``rows``, the step engine's steps and the requests they ran
+    (``omni_diffusion_batch_size``)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     series = {"model_s": ("omni_diffusion_request_duration_seconds_sum{", 1.0),
               "requests": ("omni_diffusion_request_duration_seconds_count{", 1.0),
+              "steps": ("omni_diffusion_batch_size_count{", 1.0),
+              "rows": ("omni_diffusion_batch_size_sum{", 1.0),
               "queue_s": ("nv_inference_queue_duration_us{", 1e-6),
               "input_s": ("nv_inference_compute_input_duration_us{", 1e-6)}
     totals = dict.fromkeys(series, 0.0)
@@ -351,7 +354,12 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
         after = in_server(metrics_url)
     finished = max(after["requests"] - before["requests"], 1)
     model_s, before_s = ((after[name] - before[name]) / finished for name in ("model_s", "before_s"))
-    return figures(latencies, concurrency) | {"in_server_s": model_s, "before_model_s": before_s}, images[0][0]
+    # requests sent together but stepped apart (each joining a step or two after the first) take more steps
+    steps = after["steps"] - before["steps"]
+    stepping = {"steps_per_round": steps / rounds,
+                "requests_per_step": (after["rows"] - before["rows"]) / max(steps, 1)}
+    return (figures(latencies, concurrency) | {"in_server_s": model_s, "before_model_s": before_s} | stepping,
+            images[0][0])
 
 
 def figures(latencies: list[float], concurrency: int) -> dict:
@@ -411,9 +419,9 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
             http_port=free_port(),
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
-            log_file=Path(tmp) / "tritonserver.log")) as server:
-        with OmniClient(server.grpc_url, shared_memory=shared_memory, admin_key=server.admin_key) as client:
-            triton = {c: measure_triton(client, requests, c, rounds, server.metrics_url) for c in levels}
+            log_file=Path(tmp) / "tritonserver.log")) as server, \
+            OmniClient(server.grpc_url, shared_memory=shared_memory, admin_key=server.admin_key) as client:
+        triton = {c: measure_triton(client, requests, c, rounds, server.metrics_url) for c in levels}
     points = []
     for c in levels:
         (d, d_image), (t, t_image) = direct[c], triton[c]
@@ -463,7 +471,9 @@ def report(result: dict) -> None:
         print(f"concurrency {p['concurrency']}: a request's mean time inside the model "
               f"{p['triton']['in_server_s']:.3f} s" + (f", in Triton before it {before * 1000:.1f} ms (queue, "
                                                         f"inputs copied)" if before is not None else "")
-              + "; the rest of its latency: the client and gRPC")
+              + "; the rest of its latency: the client and gRPC"
+              + (f"; {p['triton']['steps_per_round']:.1f} steps a round, {p['triton']['requests_per_step']:.2f} "
+                 f"requests a step" if "steps_per_round" in p["triton"] else ""))
         if "aa_latency_ratio" in p:
             print(f"A/A, concurrency {p['concurrency']}: direct / direct latency {p['aa_latency_ratio']:.3f}, "
                   f"throughput {p['aa_throughput_ratio']:.3f}")

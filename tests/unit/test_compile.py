@@ -25,6 +25,7 @@ def images(model: str, compile: str, requests: list[dict]) -> list[torch.Tensor]
         futures = [runner.submit(runner.parse(r)) for r in requests]
         done = [f.result() for f in futures]
         assert hasattr(runner.pipeline.vae.decoder.forward, "_torchdynamo_orig_callable") == ("vae" in compile)
+        assert runner.steps.fixed_shapes == ("blocks" in compile)  # compiled: steps padded to a few sizes
         return done
     finally:
         runner.close()

@@ -172,6 +172,24 @@ def test_exact_batching_is_bit_identical_alone_and_in_company():
         exact.close()
 
 
+def test_an_eager_step_runs_its_own_rows_and_a_fixed_shape_one_its_bucket():
+    """Padding rows buy nothing without a CUDA graph or a compiled graph per bucket: eagerly a step
+    of 3 requests runs 3 rows, not 4 (test_compile holds that a compiled denoiser keeps buckets)."""
+    r = runner(batch_size=4, exact_batching=False)
+    engine = r.steps
+    padded = engine._rows_padded
+    seen = []
+    engine._rows_padded = lambda rows: seen.append((rows, padded(rows))) or seen[-1][1]
+    try:
+        assert not engine.fixed_shapes  # a CPU: no graphs, nothing compiled
+        r.run([request(r, 60 + i, steps=2, guidance=1.0) for i in range(3)])  # one row each
+        assert (3, 3) in seen
+        engine.fixed_shapes = True
+        assert [padded(rows) for rows in (1, 3, 4, 5, 7)] == [1, 4, 4, 6, 8]
+    finally:
+        r.close()
+
+
 def test_scheduler_state_stays_per_request(reference):
     """A multistep solver keeps a history of model outputs: shared between
     requests, each would step with the others' history and change its image."""

@@ -251,6 +251,8 @@ class DiffusionRunner:
                 raise ValueError(f"model parameter step_cache {config.step_cache!r}: the {self.family.name} "
                                  "family has no step cache (it skips a diffusion transformer's blocks)")
             kernels, graphed = self._kernels(), self._graphed()
+            if self.steps is not None:  # a step of 3 rows runs 3, unless graphs or compiled code want few sizes
+                self.steps.fixed_shapes = graphed or "blocks" in config.compiled
             if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
                 self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
             self._on_torch_thread(lambda: kernels.apply(self.family.network))

@@ -33,8 +33,12 @@ request leaves at the next step.
 
 Determinism: a row's output depends on the batch size only through kernel
 choice (the low bits). ``exact=True`` pads every step to ``max_rows`` for
-bit-identical images; otherwise steps are padded to ``buckets`` (one CUDA
-graph each) and images agree within the tolerance the tests state.
+bit-identical images; otherwise a step runs its own rows, padded to
+``buckets`` only where the denoiser wants few batch sizes (``fixed_shapes``:
+one CUDA graph, or one compiled graph, each), and images agree within the
+tolerance the tests state. Eagerly a padding row is pure waste: four requests
+that arrive a few milliseconds apart start a step or two apart, and their
+steps of three rows would each run four.
 ``per_request=True`` runs each request's forward passes on their own, at the
 batch size its pipeline's own call uses: every image then equals that call's
 bit for bit in any company (bf16 on a GPU included), and the forward passes
@@ -196,6 +200,9 @@ class StepEngine:
         self.max_rows, self.exact, self.per_request, self.on_full = max_rows, exact, per_request, on_full
         self.on_batch, self.decode_alone = on_batch, decode_alone
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
+        # whether steps are padded to the buckets: the runner clears it for a denoiser that runs
+        # eagerly, once the family is loaded (its CUDA graphs and compile are decided then)
+        self.fixed_shapes = True
         self._waiting: deque[StepJob] = deque()
         self._running: dict[tuple, list[StepJob]] = {}
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -382,11 +389,14 @@ class StepEngine:
 
     def _rows_padded(self, rows: int) -> int:
         """What a forward pass of ``rows`` real rows is padded to: ``max_rows`` with ``exact``, none
-        with ``per_request`` (a request's own rows, as its pipeline runs them), else its bucket."""
+        with ``per_request`` (a request's own rows, as its pipeline runs them) or without
+        ``fixed_shapes``, else its bucket."""
         self.max_rows_seen = max(self.max_rows_seen, rows)
         if self.per_request:
             return rows
-        return self.max_rows if self.exact else next(b for b in self.buckets if b >= rows)
+        if self.exact:
+            return self.max_rows
+        return next(b for b in self.buckets if b >= rows) if self.fixed_shapes else rows
 
     def _drop_if_cancelled(self, job: StepJob) -> bool:
         if job.cancelled is not None and job.cancelled():
