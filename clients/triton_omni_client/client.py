@@ -545,11 +545,9 @@ class _Sessions:
     @contextlib.contextmanager
     def session(self, headers: dict[str, str] | None) -> Iterator[tuple[object, Regions]]:
         with self._lock:
-            kept, regions = self._idle.pop() if self._idle else (None, Regions(headers))
-        client_module = _client_module(self.protocol)
-        if kept is None:
-            kept = client_module.InferenceServerClient(self.url) if self.protocol == "grpc" else None
-        client = kept if kept is not None else client_module.InferenceServerClient(self.url)
+            idle = self._idle.pop() if self._idle else None
+        kept, regions = idle if idle is not None else (self._kept_client(), Regions(headers))
+        client = self._client(kept)
         try:
             yield client, regions
         except BaseException:
@@ -565,10 +563,17 @@ class _Sessions:
         with self._lock:
             idle, self._idle = self._idle, []
         for kept, regions in idle:
-            client = kept if kept is not None else _client_module(self.protocol).InferenceServerClient(self.url)
+            client = self._client(kept)
             with contextlib.suppress(Exception):
                 regions.close(client)
             client.close()
+
+    def _kept_client(self):
+        """A new session's own client: gRPC's, kept with it; none for HTTP's (made per call)."""
+        return _client_module("grpc").InferenceServerClient(self.url) if self.protocol == "grpc" else None
+
+    def _client(self, kept):
+        return kept if kept is not None else _client_module(self.protocol).InferenceServerClient(self.url)
 
 
 def _client_module(protocol: Protocol):
