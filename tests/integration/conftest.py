@@ -97,6 +97,9 @@ def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
         model_repositories=[*DEFAULT_REPOSITORIES, variants],
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         log_file=log_file,
+        # It starts beside the unit tests, sharing a CI machine's two cores: about 400 s here, and past
+        # the default 600 s once on CI.
+        startup_timeout_s=1200,
     )
     return TritonServer(options).start(), log_file
 

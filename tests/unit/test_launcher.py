@@ -9,6 +9,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
 from triton_omni_tools.launcher import (
     ADMIN_HEADER,
     RESTRICTED_APIS,
@@ -20,6 +21,7 @@ from triton_omni_tools.launcher import (
     free_port,
     libpython_dir,
     server_env,
+    startup_report,
 )
 
 
@@ -93,3 +95,27 @@ def test_free_ports_are_distinct_and_outside_what_the_kernel_hands_out():
     for port in ports[:3]:  # still free to bind
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_a_start_that_fails_names_the_model_and_why(tmp_path):
+    """A CI run shows only the exception: it names the model that failed and Triton's reason."""
+    broken = tmp_path / "repository" / "broken_model"
+    (broken / "1").mkdir(parents=True)
+    (broken / "config.pbtxt").write_text('backend: "no_such_backend"\nmax_batch_size: 0\n')
+    options = ServerOptions(model_repositories=[tmp_path / "repository"], http_port=free_port(),
+                            grpc_port=free_port(), metrics_port=free_port(), log_file=tmp_path / "server.log")
+    with pytest.raises(RuntimeError, match=r"during startup; see .*server\.log\nfailed to load broken_model: "
+                                           r"Invalid argument: unable to find backend library for backend "
+                                           r"'no_such_backend'"):
+        TritonServer(options).start()
+
+
+def test_a_start_that_times_out_names_the_models_still_loading():
+    log = "\n".join([
+        'I1129 12:51:55.713584 24636 model_lifecycle.cc:472] "loading: ar:1"',
+        'I1129 12:51:55.715972 24636 model_lifecycle.cc:472] "loading: ar_encoder:1"',
+        'I1129 12:51:55.716024 24636 model_lifecycle.cc:472] "loading: diffusion:1"',
+        'I1129 12:53:18.353672 24636 model_lifecycle.cc:839] "successfully loaded \'ar_encoder\'"',
+    ])
+    assert startup_report(log) == "still loading: ar, diffusion"
+    assert startup_report("") == "no model failed or was still loading"

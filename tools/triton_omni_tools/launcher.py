@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -269,6 +270,20 @@ def vllm_gpu_env() -> dict[str, str]:
     return env
 
 
+def startup_report(log: str) -> str:
+    """The models that failed to load (with Triton's reason) and those still loading, from a server's log."""
+    loading = dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log))
+    for name in re.findall(r"\"successfully loaded '([^']+)'", log):
+        loading.pop(name, None)
+    failed = re.findall(r"\"failed to load '([^']+)' version \d+: ([^\n]*)\"", log)
+    for name, _ in failed:
+        loading.pop(name, None)
+    lines = [f"failed to load {name}: {reason}" for name, reason in failed]
+    if loading:
+        lines.append(f"still loading: {', '.join(loading)}")
+    return "\n".join(lines or ["no model failed or was still loading"])
+
+
 class TritonServer:
     """A running tritonserver; use as a context manager or call start/stop."""
 
@@ -395,7 +410,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup"
-                                   + (f"; see {self.options.log_file}" if self.options.log_file else ""))
+                                   + self._startup_report())
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -403,7 +418,15 @@ class TritonServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {self.options.startup_timeout_s:.0f} s")
+        raise TimeoutError(f"tritonserver not ready after {self.options.startup_timeout_s:.0f} s"
+                           + self._startup_report())
+
+    def _startup_report(self) -> str:
+        """Where the log is and what its models were doing: a CI run shows only the exception."""
+        log_file = self.options.log_file
+        if log_file is None or not log_file.exists():
+            return ""
+        return f"; see {log_file}\n" + startup_report(log_file.read_text(errors="replace"))
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGINT (Triton's graceful shutdown), then SIGKILL for whatever of the
