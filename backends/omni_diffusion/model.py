@@ -103,11 +103,12 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.runner.steps is not None:
-            for request in requests:
-                self._submit(request)
+            engine = self.runner.steps
+            with engine.together():  # Triton's batch (a gathering max_queue_delay) shares its first step
+                for request in requests:
+                    self._submit(request)
             # a less loaded sibling takes the next requests; when this engine is full, Triton's queue keeps
             # them (unless it should reject when full: then it takes them, and refuses)
-            engine = self.runner.steps
             self.loads.hold(full=lambda: engine.on_full == "wait" and not engine.has_room())
             return None
         started = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -170,6 +171,28 @@ def test_exact_batching_is_bit_identical_alone_and_in_company():
             assert torch.equal(a, b)
     finally:
         exact.close()
+
+
+def test_requests_submitted_together_start_at_the_same_step():
+    """Triton's batch, handed over in one ``execute``, starts as one: the engine, stepping another
+    request meanwhile, waits at its next admission until the last of them is in."""
+    requests_per_step: list[int] = []
+    r = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", batching="step"), on_batch=requests_per_step.append)
+    stepping = threading.Event()
+    try:
+        long = r.submit(request(r, 20, steps=40, guidance=1.0), on_step=lambda done, _: stepping.set())
+        assert stepping.wait(60)
+        with r.steps.together():
+            joined = []
+            for seed in (21, 22, 23):
+                joined.append(r.submit(request(r, seed, steps=2, guidance=1.0)))
+                time.sleep(0.1)  # several of the long request's steps, were the engine not waiting
+        [future.result(60) for future in joined]
+        assert not long.done()
+        long.result(60)
+    finally:
+        r.close()
+    assert requests_per_step.count(4) == 2 and {2, 3}.isdisjoint(requests_per_step), requests_per_step
 
 
 def test_an_eager_step_runs_its_own_rows_and_a_fixed_shape_one_its_bucket():

@@ -238,6 +238,13 @@ class StepEngine:
         job.future.add_done_callback(lambda _: self._release(job.rows))
         return job.future
 
+    def together(self) -> threading.Condition:
+        """``with engine.together():`` the jobs submitted inside are admitted at the same step. Triton
+        hands over the requests it batched in one ``execute``; without this, the engine could start
+        the first while the others were still being submitted, and they would join a step later.
+        Nothing inside may wait for the engine's thread."""
+        return self._wake
+
     def has_room(self, rows: int = 2) -> bool:
         """Whether a request of ``rows`` submitted now would start at the next step
         rather than wait (two rows: a request with guidance)."""
