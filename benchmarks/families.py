@@ -68,6 +68,10 @@ DiT's blocks, per forward pass, times the passes of its steps) over the latency,
 GPU's dense bf16 peak (``gpu_peaks.PEAK_BF16``; FP8's peak is twice that, but
 the fraction stays bf16's so that the rows compare).
 
+``--gather-us N``: Triton gathers the requests that arrive within N µs into one ``execute`` (no
+``preferred_batch_size``), so that requests sent together start at the same step; each request then
+waits the window at concurrency 1. ``--steps-ahead N``: the server's ``steps_ahead`` (GPU).
+
 ``--exact-batching pipeline``: the server runs each request's forward passes
 alone (``exact_batching: pipeline``: every image the pipeline's own, bit for
 bit, in any company), so the throughput ratio at concurrency above 1 prints
@@ -369,9 +373,11 @@ def figures(latencies: list[float], concurrency: int) -> dict:
 
 def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "off",
                         exact_batching: str = "false", encoder: tuple[str, str] | None = None,
-                        kernels: dict | None = None) -> list[Path]:
+                        kernels: dict | None = None, gather_us: int | None = None) -> list[Path]:
     """The default repositories with ``diffusion`` serving the setup's model (step batching), and
-    with ``encoder`` (model, recipe) ``ar_encoder`` encoding for it."""
+    with ``encoder`` (model, recipe) ``ar_encoder`` encoding for it. ``gather_us``: Triton's batching
+    window for ``diffusion`` in place of one request per ``execute`` (docs/models.md, "Requests sent
+    together")."""
     batch = max(8, max(setup.concurrency))
     dtype = "bfloat16" if device == "cuda" else "float32"
     share = "0.90" if encoder is None else "0.75"  # the encoder's weights take the rest
@@ -381,6 +387,8 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "o
                        "compile": compile, "exact_batching": exact_batching}
         | (kernels or {}),
         "max_batch_size": batch}}
+    if gather_us is not None:
+        edits["diffusion"] |= {"max_queue_delay_us": gather_us, "preferred_batch_size": []}
     if encoder is not None:
         edits["ar_encoder"] = {"parameters": {"model": encoder[0], "recipe": encoder[1], "dtype": dtype,
                                               "gpu_memory_utilization": "0.20"}}
@@ -389,9 +397,11 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "o
 
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: str = "off",
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
-        aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None) -> dict:
+        aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None,
+        gather_us: int | None = None) -> dict:
     """``kernels``: the server's ``diffusion`` parameters given on the command line (quantization,
-    fp8_kept, attention_backend, cuda_graphs, embeds_dtype)."""
+    fp8_kept, attention_backend, cuda_graphs, embeds_dtype, steps_ahead); ``gather_us``: its batching
+    window (``server_repositories``)."""
     setup = SETUPS[(family, preset)]
     if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
         setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
@@ -415,7 +425,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
         torch.cuda.empty_cache()  # the server's copy takes this GPU next
     with tempfile.TemporaryDirectory() as tmp, TritonServer(ServerOptions(
             model_repositories=server_repositories(setup, device, Path(tmp), compile, exact_batching, encoder,
-                                                   kernels),
+                                                   kernels, gather_us),
             http_port=free_port(),
             grpc_port=free_port(), metrics_port=free_port(), model_control_mode="explicit",
             load_models=["ar_encoder", "diffusion", "text_to_image"] if end_to_end else ["diffusion"],
@@ -440,6 +450,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
     return {"family": family, "preset": preset, "setup": setup.__dict__, "rounds": rounds, "device": device_name(),
             "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
             "end_to_end": end_to_end, "shared_memory": shared_memory, "kernels": kernels or {},
+            "gather_us": gather_us,
             "tflop_per_image": flops / 1e12,
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
@@ -448,13 +459,15 @@ def report(result: dict) -> None:
     s = result["setup"]
     compiled = result.get("compile", {})
     triton = {True: "blocks", False: "off"}.get(compiled.get("triton"), compiled.get("triton", "off"))  # old: a bool
+    gather_us = result.get("gather_us")
+    window = "" if gather_us is None else f", Triton's batching window {gather_us} µs"
     print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
           f"on {result['device']}, {result['rounds']} rounds, compiled: Triton {triton}, diffusers "
           f"{'blocks' if compiled.get('direct') else 'off'}, "
           f"server exact_batching: {result.get('exact_batching', 'false')}, "
           f"{'end to end (text_to_image, prompts)' if result.get('end_to_end') else 'diffusion (embeddings)'}"
           f"{', through shared memory' if result.get('shared_memory') else ''}"
-          f"{''.join(f', server {k} {v}' for k, v in result.get('kernels', {}).items())}")
+          f"{''.join(f', server {k} {v}' for k, v in result.get('kernels', {}).items())}{window}")
     if "tflop_per_image" in result:
         print(f"the DiT's work per image: {result['tflop_per_image']:.1f} TFLOP (MFU: of the GPU's dense bf16 peak)")
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
@@ -505,15 +518,21 @@ def main() -> None:
     parser.add_argument("--embeds-dtype", choices=["float32", "bfloat16"],
                         help="the server's embeds_dtype, and the type the client sends the embeddings in "
                              "(default: float32; bfloat16: half the bytes, the same values on both sides)")
+    parser.add_argument("--steps-ahead", type=int, help="the server's steps_ahead (default: 2; GPU only)")
+    parser.add_argument("--gather-us", type=int, help="Triton's batching window for diffusion, in microseconds, "
+                        "in place of one request per execute (requests sent together share their first step)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     kernels = {name: value for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
                                                 ("attention_backend", args.attention_backend),
                                                 ("cuda_graphs", args.cuda_graphs),
-                                                ("embeds_dtype", args.embeds_dtype)) if value is not None}
+                                                ("embeds_dtype", args.embeds_dtype),
+                                                ("steps_ahead", args.steps_ahead)) if value is not None}
+    kernels = {name: str(value) for name, value in kernels.items()}  # model parameters are strings
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
-                 args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels)
+                 args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels,
+                 args.gather_us)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # Z-Image's run covers embeddings as a list, --end-to-end (text_to_image against the pipeline
 # called with the prompt) and a server with exact_batching: pipeline; FLUX.1's, embeddings as one
 # tensor (as Qwen-Image's and FLUX.2's), the pooled embedding, --aa, --shared-memory and the
-# embeddings in bf16 (the server's embeds_dtype; both sides get bf16's values).
+# embeddings in bf16 (the server's embeds_dtype; both sides get bf16's values), and Triton's batching
+# window (--gather-us), under which the requests sent together share every step.
 @pytest.mark.parametrize("family, options", [("z-image", ["--end-to-end", "--exact-batching", "pipeline"]),
-                                             ("flux1-dev", ["--aa", "--shared-memory", "--embeds-dtype", "bfloat16"])])
+                                             ("flux1-dev", ["--aa", "--shared-memory", "--embeds-dtype", "bfloat16",
+                                                            "--gather-us", "200000"])])
 def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
     out_file = tmp_path / "families.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "families.py"), "--family", family,
@@ -45,3 +47,7 @@ def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
         triton = point["triton"]
         assert triton["in_server_s"] > 0 and triton["before_model_s"] >= 0
         assert triton["in_server_s"] + triton["before_model_s"] <= triton["latency_s"]
+    if "--gather-us" in options:
+        assert report["gather_us"] == 200000 and "batching window 200000" in result.stdout
+        together = report["points"][1]["triton"]
+        assert (together["steps_per_round"], together["requests_per_step"]) == (2, 2), together
