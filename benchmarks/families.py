@@ -524,12 +524,12 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
-    kernels = {name: value for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
-                                                ("attention_backend", args.attention_backend),
-                                                ("cuda_graphs", args.cuda_graphs),
-                                                ("embeds_dtype", args.embeds_dtype),
-                                                ("steps_ahead", args.steps_ahead)) if value is not None}
-    kernels = {name: str(value) for name, value in kernels.items()}  # model parameters are strings
+    # model parameters are strings
+    kernels = {name: str(value) for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
+                                                     ("attention_backend", args.attention_backend),
+                                                     ("cuda_graphs", args.cuda_graphs),
+                                                     ("embeds_dtype", args.embeds_dtype),
+                                                     ("steps_ahead", args.steps_ahead)) if value is not None}
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
                  args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels,
                  args.gather_us)

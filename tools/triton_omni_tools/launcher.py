@@ -272,12 +272,9 @@ def vllm_gpu_env() -> dict[str, str]:
 
 def startup_report(log: str) -> str:
     """The models that failed to load (with Triton's reason) and those still loading, from a server's log."""
-    loading = dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log))
-    for name in re.findall(r"\"successfully loaded '([^']+)'", log):
-        loading.pop(name, None)
     failed = re.findall(r"\"failed to load '([^']+)' version \d+: ([^\n]*)\"", log)
-    for name, _ in failed:
-        loading.pop(name, None)
+    ended = {*re.findall(r"\"successfully loaded '([^']+)'", log), *(name for name, _ in failed)}
+    loading = [name for name in dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log)) if name not in ended]
     lines = [f"failed to load {name}: {reason}" for name, reason in failed]
     if loading:
         lines.append(f"still loading: {', '.join(loading)}")
