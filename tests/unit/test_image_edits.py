@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline, FirstBlockCacheConfig
@@ -30,6 +31,9 @@ from tests.support.pipelines import ABSENT, levels_apart, pipeline, reference
 MODEL = "demo:tiny-qwen-image-edit"
 FAMILY = "qwen-image-edit"
 PICTURES = {"first": picture(1), "second": picture(2, 48, 96)}
+# "first" with its top rows inverted: rows off InputLatents' fingerprint grid (rows 4, 12, ... of 64),
+# so the fingerprints agree and only the full comparison tells the two apart
+PICTURES["first, top inverted"] = np.concatenate([255 - PICTURES["first"][:4], PICTURES["first"][4:]])
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "seed": 7}
 PROMPT = "make the fox blue"
 
@@ -73,6 +77,23 @@ def test_edits_step_batched_together_each_give_their_own_image():
         runner.close()
     for case, image in zip(cases, images, strict=True):
         assert levels_apart(image.numpy(), expected(**case)) <= 1, case
+
+
+def test_edits_of_one_picture_encode_it_once_each_with_its_own_image():
+    """Requests giving the same picture (OpenAI's `n`, a user's successive edits) share its VAE
+    latents, as the pipeline's batch does; a picture that differs where the fingerprint does not
+    look is encoded on its own."""
+    cases = [{"image": "first"}, {"image": "first", "prompt": "a lighthouse", "seed": 8},
+             {"image": "first, top inverted"}]
+    runner = DiffusionRunner(DiffusionRunnerConfig(MODEL, batching="step", batch_size=4))
+    try:
+        images = runner.run([runner.parse(request(**case)) for case in cases])
+        assert runner.steps.adapter.input_latents.hits == 1
+    finally:
+        runner.close()
+    for case, image in zip(cases, images, strict=True):
+        assert levels_apart(image.numpy(), expected(**case)) <= 1, case
+    assert levels_apart(expected(image="first, top inverted"), expected()) >= 10  # the inverted rows show
 
 
 def test_the_output_takes_the_pipelines_size_from_the_image(runner):

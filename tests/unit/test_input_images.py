@@ -44,6 +44,11 @@ def test_reference_images_give_the_pipelines_image(model, batching):
         single = call(runner.pipeline, "a red fox", guidance_scale=4.0, seed=3, num_inference_steps=STEPS,
                       height=SIZE, width=SIZE, image=[first])[0]
         assert levels(company[4], single) <= 1  # pixels are the same image as its PNG
+        if batching == "step":  # the same references again (alone's, then the fourth's) were encoded once
+            assert runner.steps.adapter.input_latents.hits == 2
+            seed_4 = call(runner.pipeline, "a red fox", guidance_scale=4.0, seed=4, num_inference_steps=STEPS,
+                          height=SIZE, width=SIZE, image=[first, second])[0]
+            assert levels(company[3], seed_4) <= 1
         # the image matters: another image, or none, moves it far past the tolerance
         assert levels(company[0], company[1]) >= 10 and levels(company[0], company[2]) >= 10
     finally:

@@ -30,7 +30,8 @@ import contextlib
 import copy
 import enum
 import fnmatch
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -304,6 +305,7 @@ class StepAdapter:
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         self.pipeline, self.device, self.dtype = pipeline, device, dtype
         self.lora_rows = None  # the model's AdapterRows (lora.py), set by the runner where it has adapters
+        self.input_latents = InputLatents()  # an edit's input images, encoded once for every request giving them
 
     def adapted(self, rows: list) -> contextlib.AbstractContextManager:
         """Around a forward pass whose row ``i`` runs ``rows[i]``'s adapter (a job's ``lora``: (slot,
@@ -328,6 +330,49 @@ class StepAdapter:
 
     def decode(self, jobs: list) -> torch.Tensor:
         raise NotImplementedError
+
+
+class InputLatents:
+    """The VAE latents of the last few input images a step adapter read, so that requests giving
+    the same images (OpenAI's ``n`` edits of one picture, a user's successive edits of it, a
+    benchmark's batch) encode them once, as a pipeline encodes its one image for its whole batch.
+
+    Exact by construction: an entry serves only images equal pixel for pixel to the ones it was
+    encoded from (a cheap fingerprint finds the candidate, a full comparison confirms it), and the
+    pipelines read their input images in ``argmax`` mode, so the latents never depend on the
+    request's generator. What an entry holds is shared by the requests that read it: the step
+    adapters only ever read it."""
+
+    def __init__(self, entries: int = 8):
+        self.entries = entries
+        self._cache: OrderedDict[tuple, tuple[tuple, Any]] = OrderedDict()  # fingerprints -> (images, value)
+        self.hits = 0
+
+    def get(self, images: Sequence, encode: Callable[[], Any], *key) -> Any:
+        """``encode()``'s value for ``images`` (PIL images) and ``key`` (what else the value depends
+        on, such as a dtype): from an earlier call with equal images, or computed now."""
+        fingerprint = (*key, *(_fingerprint(image) for image in images))
+        entry = self._cache.get(fingerprint)
+        if entry is not None and all(kept is image or kept.tobytes() == image.tobytes()
+                                     for kept, image in zip(entry[0], images, strict=True)):
+            self._cache.move_to_end(fingerprint)
+            self.hits += 1
+            return entry[1]
+        value = encode()
+        self._cache[fingerprint] = (tuple(images), value)
+        self._cache.move_to_end(fingerprint)
+        while len(self._cache) > self.entries:
+            self._cache.popitem(last=False)
+        return value
+
+
+def _fingerprint(image, grid: int = 8) -> tuple:
+    """An image's mode, size and a grid of its pixels: cheap (no copy of the pixels), and equal for
+    equal images; ``InputLatents`` compares the pixels themselves before it trusts a match."""
+    width, height = image.size
+    return image.mode, image.size, tuple(image.getpixel((width * (2 * i + 1) // (2 * grid),
+                                                         height * (2 * j + 1) // (2 * grid)))
+                                         for i in range(grid) for j in range(grid))
 
 
 class FlowStepAdapter(StepAdapter):

@@ -122,12 +122,18 @@ class Flux2Steps(TwoPassStepAdapter):
         if pipeline.transformer.config.guidance_embeds:  # guidance-distilled: the scale is an input, per row
             job.step_kwargs["guidance"] = torch.full([1], job.guidance_scale, device=self.device, dtype=torch.float32)
         if job.images:
-            references = conditions(pipeline, job.images)
-            latents, ids = pipeline.prepare_image_latents(images=references, batch_size=1, generator=job.generator,
-                                                          device=self.device, dtype=pipeline.vae.dtype)
+            latents, ids, shapes = self.input_latents.get(job.images, lambda: self.reference_latents(job))
             job.step_kwargs |= {"references": latents, "img_ids": torch.cat([image_ids, ids], dim=1),
-                                "reference_shapes": tuple(tuple(reference.shape) for reference in references)}
+                                "reference_shapes": shapes}
         self.start_passes(job)
+
+    def reference_latents(self, job) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """The reference images' packed VAE latents, their position ids and their pixel shapes, as the
+        pipeline's ``prepare_image_latents`` makes them (in ``argmax`` mode: the generator is not drawn from)."""
+        references = conditions(self.pipeline, job.images)
+        latents, ids = self.pipeline.prepare_image_latents(images=references, batch_size=1, generator=job.generator,
+                                                           device=self.device, dtype=self.pipeline.vae.dtype)
+        return latents, ids, tuple(tuple(reference.shape) for reference in references)
 
     def group(self, job) -> tuple:
         """Requests with reference images of the same shapes share a pass (their ids are the same)."""

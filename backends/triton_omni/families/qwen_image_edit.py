@@ -90,13 +90,24 @@ class QwenImageEditSteps(QwenImageSteps):
     their grid in ``img_shapes`` (the prediction keeps the output's tokens)."""
 
     def noise(self, job, channels: int) -> torch.Tensor:
-        pixels, sizes = self.vae_images(job.images)
-        latents, references = self.pipeline.prepare_latents(pixels, 1, channels, job.height, job.width,
+        encoded, sizes = self.input_latents.get(job.images, lambda: self.encode_images(job), job.cond.dtype)
+        # the pipeline's prepare_latents takes latents in place of pixels, and draws the noise as before
+        latents, references = self.pipeline.prepare_latents(encoded, 1, channels, job.height, job.width,
                                                             job.cond.dtype, self.device, job.generator)
         factor = self.pipeline.vae_scale_factor
         job.step_kwargs["references"] = references
         job.step_kwargs["img_shapes"] += [(1, height // factor // 2, width // factor // 2) for height, width in sizes]
         return latents
+
+    def encode_images(self, job) -> tuple[Any, list[tuple[int, int]]]:
+        """The input images' VAE latents, as the pipeline's ``prepare_latents`` encodes its pixels
+        (``_encode_vae_image``, in ``argmax`` mode: the generator is not drawn from), and their sizes."""
+        pixels, sizes = self.vae_images(job.images)
+
+        def encode(image):
+            return self.pipeline._encode_vae_image(image.to(self.device, job.cond.dtype), job.generator)
+
+        return (encode(pixels) if torch.is_tensor(pixels) else [encode(image) for image in pixels]), sizes
 
     def vae_images(self, images: list) -> tuple[Any, list[tuple[int, int]]]:
         """The pipeline's ``prepare_latents``' images and each one's (height, width): the one image,
