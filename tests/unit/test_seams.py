@@ -142,3 +142,23 @@ def test_prompt_embeds_checks_metadata_before_values():
         check_embeds("prompt_embeds", torch.ones(4, 8), DiffusionLimits(hidden_size=8, max_embeds_bytes=64))
     with pytest.raises(RequestValidationError, match="must be a tensor"):
         check_embeds("prompt_embeds", [[1.0] * 8], limits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_all_finite_is_exact_where_a_sum_is_not(dtype):
+    """One sum decides the common case; where it overflows (finite values, large), the element-wise
+    check answers; a NaN or an infinity anywhere, alone or beside its opposite, is never finite."""
+    import torch
+    from triton_omni.diffusion.request import all_finite
+
+    dtype = getattr(torch, dtype)
+    largest = torch.finfo(dtype).max
+    assert all_finite(torch.randn(64, 32).to(dtype))
+    assert all_finite(torch.full((4, 8), largest, dtype=dtype))  # finite, but their sum is not
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values = torch.randn(64, 32).to(dtype)
+        values[17, 3] = bad
+        assert not all_finite(values), bad
+    opposite = torch.zeros(4, 8, dtype=dtype)
+    opposite[0, 0], opposite[1, 1] = float("inf"), -float("inf")  # their sum is a NaN: still refused
+    assert not all_finite(opposite)
