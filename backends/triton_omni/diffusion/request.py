@@ -172,8 +172,10 @@ def all_finite(values: torch.Tensor) -> bool:
     term is (a NaN or an infinity carries through it), so a finite sum settles it; a sum past the
     dtype's range (finite values, large) falls back to the element-wise check.
     ``torch.isfinite(values).all()`` alone makes four passes on the CPU, and an embedding of
-    FLUX.2 [klein] (512 x 7680) is checked in the request's path before its first step."""
-    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+    FLUX.2 [klein] (512 x 7680) is checked in the request's path before its first step. float16's
+    sum is taken in float32: its own range (65504) is past for most embeddings' sums."""
+    total = values.sum(dtype=torch.float32 if values.dtype == torch.float16 else None)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(values).all())
 
 
 def check_embeds(name: str, embeds: torch.Tensor, limits: DiffusionLimits, min_tokens: int = 1) -> torch.Tensor:
