@@ -77,6 +77,16 @@ def test_importing_the_gateway_loads_no_ml_library():
     assert out.strip() == "[]"
 
 
+def test_the_omni_scheduler_loads_neither_transformers_nor_diffusers():
+    """Its stub routes requests: the LLM and DiT libraries would only slow its start and fill its memory."""
+    code = ("import importlib.util, sys; from tests.support.fake_pb_utils import install; install(); "
+            "spec = importlib.util.spec_from_file_location('model', 'backends/omni_scheduler/model.py'); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+            "print([m for m in ('transformers', 'diffusers', 'vllm') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_protocol_needs_only_the_standard_library_and_numpy():
     allowed = set(sys.stdlib_module_names) | {"numpy", "triton_omni_protocol", "__future__"}
     used = {n.split(".")[0] for names in imported_modules(PACKAGES["protocol"]).values() for n in names}
