@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
@@ -159,8 +160,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             async for delta in stream:
                 yield delta
 
+        # A client that leaves mid-stream: Starlette stops iterating the events where they stand, each
+        # generator suspended, and nothing would close Triton's stream until the garbage collector found
+        # them (the model meanwhile generating on). The background task runs after a disconnect too.
         return StreamingResponse(events(endpoint, body.model, replayed(), body.n, body.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(stream.aclose))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +56,17 @@ def ar_values(prompt: str, sampling: dict[str, Any]) -> dict[str, Any]:
 async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
     finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
-    async for result in triton.stream(model, ar_values(prompt, sampling), finished):
-        found = outputs(result)
-        texts = found.get("text_output", [])
-        logprobs = found.get("logprobs")
-        yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
-                    logprobs=[json.loads(v) for v in logprobs] if logprobs else [None] * len(texts),
-                    finish_reasons=found.get("finish_reason"), prompt_tokens=(found.get("num_input_tokens") or [0])[0])
+    # aclosing: closing this generator closes Triton's stream, which cancels the request in the model
+    # (an `async for` left early does not close what it iterates)
+    async with aclosing(triton.stream(model, ar_values(prompt, sampling), finished)) as results:
+        async for result in results:
+            found = outputs(result)
+            texts = found.get("text_output", [])
+            logprobs = found.get("logprobs")
+            yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
+                        logprobs=[json.loads(v) for v in logprobs] if logprobs else [None] * len(texts),
+                        finish_reasons=found.get("finish_reason"),
+                        prompt_tokens=(found.get("num_input_tokens") or [0])[0])
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
