@@ -2,7 +2,8 @@
 GPU with FP8 tensor cores: ``quantization: fp8`` against bf16 with the same request, the attention
 kernel ``auto`` chooses against PyTorch's SDPA, and a compiled runner's memory (its DiT's blocks and
 its VAE's decoder) given back when it closes (twice over: a reload finds its GPU as the first load
-did). GPU only (docs/gpu.md)."""
+did); the VAE's spread group norms against PyTorch's, both measured from a float32 decode. GPU only
+(docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from triton_omni.demo_models import built_as
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.diffusion.kernels import spread_group_norms
+from triton_omni.families.flux1 import realistic_vae
 
 MODEL = "demo:realistic-z-image"
 SIZE, STEPS = 512, 8
@@ -75,3 +79,41 @@ def test_closing_a_compiled_runner_gives_its_gpu_memory_back():
         assert lefts[-1] < 256 * 2**20
     # cuBLAS's workspace per stream outlived the graphs' streams and pool: 66 MiB more at every load
     assert lefts[1] - lefts[0] < 16 * 2**20
+
+
+def test_spread_group_norms_decode_as_near_float32_as_pytorchs():
+    """FLUX.1's VAE at 1024² (random weights): in bf16 with its group norms spread, as near the
+    float32 decode as with PyTorch's own (only the order of the sums differs); another latent is
+    far from both."""
+    with built_as("cuda", torch.float32):
+        vae = realistic_vae().eval()
+    generator = torch.Generator("cuda").manual_seed(0)
+    latents = torch.randn(1, 16, 128, 128, device="cuda", generator=generator)
+
+    def levels(z: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return (vae.decode(z.to(vae.dtype)).sample.float().clamp(-1, 1) + 1) * 127.5
+
+    exact = levels(latents)
+    vae.to(torch.bfloat16)
+    pytorchs = levels(latents)
+    assert spread_group_norms(vae) > 0
+    spread, other = levels(latents), levels(torch.randn_like(latents))
+    errors = {name: float((image - exact).abs().mean()) for name, image in (("PyTorch's", pytorchs),
+                                                                             ("spread", spread))}
+    print(f"bf16 decode against float32, mean of 255: {errors}; another latent: "
+          f"{float((other - exact).abs().mean()):.1f}")
+    assert errors["spread"] <= 1.1 * errors["PyTorch's"] and float((spread - pytorchs).abs().max()) > 0
+    assert float((other - exact).abs().mean()) > 20 * errors["spread"]
+
+
+def test_under_exact_batching_pipeline_the_vae_keeps_pytorchs_group_norms():
+    for exact, spread in (("false", True), ("pipeline", False)):
+        runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", device="cuda", dtype="bfloat16",
+                                                       batching="step", exact_batching=exact))
+        try:
+            norms = [m for m in runner.pipeline.vae.modules() if isinstance(m, torch.nn.GroupNorm)]
+            assert norms and all(("forward" in m.__dict__) == spread for m in norms)
+            assert runner.steps.decode_alone == spread
+        finally:
+            runner.close()

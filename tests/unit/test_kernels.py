@@ -1,14 +1,17 @@
 """What a DiT runs on (kernels.py): ``quantization: fp8`` and ``attention_backend``, as a CPU host
 can check them. FP8's images and the kernels' timings are the GPU's (tests/gpu/test_kernels.py,
 benchmarks/families.py); here: which layers an FP8 plan takes, every setting this host cannot run
-refused at load naming its parameter, and ``auto`` keeping PyTorch's SDPA on the CPU."""
+refused at load naming its parameter, and ``auto`` keeping PyTorch's SDPA on the CPU; the VAE's spread
+group norm (``group_norm``) against PyTorch's on every layout a VAE gives it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
-from triton_omni.diffusion.kernels import Fp8Plan, resolve_attention
+from triton_omni.diffusion.kernels import Fp8Plan, group_norm, resolve_attention, spread_group_norms
 from triton_omni.families import family_of
 
 QWEN = "demo:tiny-qwen-image"
@@ -85,3 +88,48 @@ def test_the_text_stages_fp8_is_vllms_on_a_gpu_and_refused_elsewhere_by_name(set
 
     with pytest.raises(ValueError, match=message):
         ArRunner(ArRunnerConfig("demo:tiny-qwen2", **settings))
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 16, 16), (1, 32, 3, 8, 8)], ids=["image", "video"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_spread_group_norm_is_pytorchs(shape, affine):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator) * 3 + 1.5  # an offset: the variance is not the mean square
+    weight, bias = (torch.randn(shape[1], generator=generator) for _ in range(2)) if affine else (None, None)
+    expected = torch.nn.functional.group_norm(x, 8, weight, bias, 1e-6)
+    assert torch.allclose(group_norm(x, 8, weight, bias, 1e-6), expected, atol=1e-5)
+    # bf16 in and out: the statistics in float32, one rounding; a rare value a unit apart
+    low = group_norm(x.bfloat16(), 8, weight, bias, 1e-6)
+    assert low.dtype == torch.bfloat16
+    assert float((low.float() - expected).abs().max()) <= 0.07
+    # a channels-last input (cuDNN's choice after some convolutions) comes out contiguous, as PyTorch's does
+    if len(shape) == 4:
+        out = group_norm(x.to(memory_format=torch.channels_last), 8, weight, bias, 1e-6)
+        assert out.is_contiguous() and torch.allclose(out, expected, atol=1e-5)
+    # and it is not the identity: other groups give another result
+    assert not torch.allclose(group_norm(x, 4, weight, bias, 1e-6), expected, atol=1e-2)
+
+
+def test_a_vae_whose_group_norms_are_spread_decodes_as_before():
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=16).eval()
+    latents = torch.randn(2, 4, 16, 16)
+    with torch.inference_mode():
+        expected = vae.decode(latents).sample
+        assert spread_group_norms(vae) == sum(isinstance(m, torch.nn.GroupNorm) for m in vae.modules()) > 0
+        spread = vae.decode(latents).sample
+        other = vae.decode(latents.flip(-1)).sample
+    assert torch.allclose(spread, expected, atol=1e-5)
+    assert float((other - expected).abs().mean()) > 100 * float((spread - expected).abs().max())
+
+
+def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import vae_decode
+
+    vae_decode.main(["--vae", "flux1", "--size", "32", "--batch", "2", "--rounds", "1"])
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("flux1")]
+    assert row[:3] == ["flux1", "32", "2"] and float(row[3]) > 0 and float(row[4]) > 0

@@ -44,7 +44,14 @@ import torch
 from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
-from triton_omni.diffusion.kernels import QUANTIZATIONS, Fp8Plan, NetworkKernels, check_fp8, resolve_attention
+from triton_omni.diffusion.kernels import (
+    QUANTIZATIONS,
+    Fp8Plan,
+    NetworkKernels,
+    check_fp8,
+    resolve_attention,
+    spread_group_norms,
+)
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
@@ -256,6 +263,7 @@ class DiffusionRunner:
             if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
                 self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
             self._on_torch_thread(lambda: kernels.apply(self.family.network))
+            self._spread_vae_group_norms()
             self._compile()
             if graphed:
                 self.graphs = self._graphs(on_capture)
@@ -323,6 +331,23 @@ class DiffusionRunner:
                                                                         heads, head_dim, self.family.attention_masked))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
         return NetworkKernels(plan, attention)
+
+    def _spread_vae_group_norms(self) -> None:
+        """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread
+        over the whole GPU), except under ``exact_batching: pipeline``, whose promise is the
+        pipeline's kernels bit for bit. Step batching then decodes each finished image alone: one
+        image's decode so spread takes less than its share of a batch's, whose group norms
+        PyTorch's kernel runs (a 1024² decode at 4 fills the GPU as it is, and stays as slow).
+        ``compile: vae`` leaves them to inductor, whose group norms are its own."""
+        c = self.config
+        if self.device.type != "cuda" or c.exact_mode == "pipeline" or "vae" in c.compiled:
+            return
+        count = self._on_torch_thread(lambda: spread_group_norms(self.pipeline.vae))
+        if count:
+            logger.info("The VAE's %d group norms run spread over the GPU (kernels.group_norm)%s", count,
+                        "; each image decoded alone" if self.steps is not None else "")
+            if self.steps is not None:
+                self.steps.decode_alone = True
 
     def _compile(self) -> None:
         """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled

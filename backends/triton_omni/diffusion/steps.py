@@ -182,7 +182,8 @@ class StepEngine:
         loop; it returns once that is done, with its error if it failed. ``on_batch(n)``: after
         each step, the number of requests it ran (the batch-size metric); ``steps_ahead``: steps
         queued on the GPU at most (0: no bound; ignored off a GPU); ``decode_alone``: each finished
-        image decoded on its own (a compiled decoder's batch size then never changes)."""
+        image decoded on its own (a compiled decoder's batch size then never changes; a VAE whose group
+        norms are spread decodes one image faster than its share of a batch: runner.py)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:

@@ -143,21 +143,27 @@ def build_realistic(device, dtype, guidance_embeds: bool = True):
     T5-XXL's 4096 and CLIP-L's pooled 768: diffusers' defaults) and its VAE and scheduler, random
     weights, in memory on ``device``; no text encoders (it serves ``prompt_embeds`` with
     ``pooled_prompt_embeds``). ``guidance_embeds`` off: [schnell]."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     from triton_omni.demo_models import built_as
 
     with built_as(device, dtype):
         transformer = FluxTransformer2DModel(guidance_embeds=guidance_embeds)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                            block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024,
-                            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
-                            use_post_quant_conv=False)
+        vae = realistic_vae()
         scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
                                                     max_shift=1.15, shift=3.0, use_dynamic_shifting=True)
         return FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=None, tokenizer=None,
                             text_encoder_2=None, tokenizer_2=None)
+
+
+def realistic_vae():
+    """FLUX.1's VAE at its real shape (16 latent channels, 128 to 512 wide), random weights."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024,
+                         scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
 
 
 def build_realistic_schnell(device, dtype):

@@ -1,0 +1,101 @@
+"""A VAE's decode with PyTorch's group norms against the ones a served ``diffusion`` runs on a GPU
+(``kernels.group_norm``, spread over the whole GPU: docs/models.md, "The VAE's group norms"), side
+by side in one process, at the real shapes (random weights): FLUX.1's ``AutoencoderKL`` (also
+Z-Image's) and FLUX.2's ``AutoencoderKLFlux2``.
+
+For each batch size it prints the milliseconds of one decode each way and their ratio, the time
+per image, and how far each bf16 image is from the float32 decode of the same latents (mean
+difference in levels of 255): the spread group norm only reorders sums, so it must be no further.
+Decoding each image alone (what step batching does with spread group norms) costs the batch-1 row
+per image.
+
+    python benchmarks/vae_decode.py                               # GPU: 1024², batches 1, 2, 4
+    .venv/bin/python benchmarks/vae_decode.py --size 64 --rounds 1   # CPU: a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from triton_omni.demo_models import built_as
+from triton_omni.diffusion.kernels import spread_group_norms
+from triton_omni.families.flux1 import realistic_vae as flux1_vae
+
+
+def flux2_vae():
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2()
+
+
+VAES = {"flux1": flux1_vae, "flux2": flux2_vae}
+
+
+def timed_decode(vae, latents: torch.Tensor, rounds: int) -> tuple[float, torch.Tensor]:
+    """(seconds per decode, the image in levels of 255) after a warm-up decode."""
+    def levels() -> torch.Tensor:
+        with torch.inference_mode():
+            return (vae.decode(latents.to(vae.dtype)).sample.float().clamp(-1, 1) + 1) * 127.5
+
+    levels()
+    synchronize(latents.device)
+    started = time.perf_counter()
+    for _ in range(rounds):
+        image = levels()
+    synchronize(latents.device)
+    return (time.perf_counter() - started) / rounds, image
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pytorchs_group_norms(vae) -> None:
+    for module in vae.modules():
+        module.__dict__.pop("forward", None)  # spread_group_norms's instance attribute
+
+
+def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype) -> None:
+    with built_as(device, torch.float32):
+        vae = VAES[name]().eval()
+    side = size // 8  # both VAEs upsample 8x
+    for batch in batches:
+        generator = torch.Generator(device).manual_seed(batch)
+        latents = torch.randn(batch, vae.config.latent_channels, side, side, device=device, generator=generator)
+        vae.to(torch.float32)
+        pytorchs_group_norms(vae)
+        _, exact = timed_decode(vae, latents, 1)
+        vae.to(dtype)
+        native_s, native = timed_decode(vae, latents, rounds)
+        spread_group_norms(vae)
+        spread_s, spread = timed_decode(vae, latents, rounds)
+        errors = [float((image - exact).abs().mean()) for image in (native, spread)]
+        print(f"{name:6s} {size:5d} {batch:5d} {native_s * 1e3:10.2f} {spread_s * 1e3:10.2f} "
+              f"{spread_s / native_s:7.3f} {native_s * 1e3 / batch:10.2f} {spread_s * 1e3 / batch:10.2f} "
+              f"{errors[0]:9.3f} {errors[1]:9.3f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vae", default="flux1,flux2", help="comma-separated: flux1, flux2")
+    parser.add_argument("--size", type=int, default=1024, help="the image's side in pixels")
+    parser.add_argument("--batch", default="1,2,4", help="comma-separated batch sizes")
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args(argv)
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # its note on casting a VAE with to(), once per cast
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"{device}, {dtype}; ms per decode, then per image; mean difference from the float32 decode, of 255")
+    print(f"{'vae':6s} {'size':>5s} {'batch':>5s} {'pytorch':>10s} {'spread':>10s} {'s/p':>7s} "
+          f"{'pytorch/im':>10s} {'spread/im':>10s} {'err pt':>9s} {'err sp':>9s}")
+    for name in args.vae.split(","):
+        run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype)
+
+
+if __name__ == "__main__":
+    main()
