@@ -245,9 +245,9 @@ def server_env(install: ServerInstall) -> dict[str, str]:
     if env.get("LD_LIBRARY_PATH"):
         lib_path.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_path)
-    # vLLM on CPU: a small KV cache, and no pinning of every engine to the same
-    # cores (several engines share this machine with the server).
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM on CPU: no pinning of every engine to the same cores (several engines
+    # share this machine with the server). Its KV cache is sized per model
+    # (engine_vllm.cpu_kv_cache_bytes) unless VLLM_CPU_KVCACHE_SPACE is set.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     for key, value in vllm_gpu_env().items():

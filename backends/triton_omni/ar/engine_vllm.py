@@ -34,6 +34,24 @@ from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.cpu_affinity import pin_process_tree
 from triton_omni.errors import RequestValidationError
 
+# vLLM's CPU KV cache when neither engine_args nor VLLM_CPU_KVCACHE_SPACE sizes it: room for this
+# many sequences of max_model_len tokens, up to 1 GiB
+CPU_KV_SEQUENCES = 64
+CPU_KV_MAX_BYTES = 1 << 30
+
+
+def cpu_kv_cache_bytes(config, max_model_len: int) -> int:
+    """The KV cache a CPU engine allocates for a model of ``config`` (transformers'): room for
+    ``CPU_KV_SEQUENCES`` sequences of ``max_model_len`` tokens, keys and values counted in float32
+    (vLLM's cache is that or narrower), at most ``CPU_KV_MAX_BYTES``. vLLM's CPU backend touches
+    its whole cache at start: one GiB per engine, as before, made a tiny demo model's worker hold a
+    GiB of memory it never used, four times over in the demo server."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * 4
+    return min(CPU_KV_MAX_BYTES, CPU_KV_SEQUENCES * max_model_len * per_token)
+
 
 class VllmEngine(ArEngine):
     name = "vllm"
@@ -48,8 +66,7 @@ class VllmEngine(ArEngine):
         ``max_loras`` on the device and batches requests of different adapters together."""
         from transformers import AutoConfig
 
-        # vLLM on CPU takes a KV cache size from the environment (GiB); keep the demo small.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        config = AutoConfig.from_pretrained(model)
         # disable_log_stats: vLLM's own statistics (its Prometheus registry, its periodic throughput
         # log line) live in this process, which serves no /metrics: nobody reads them, and updating
         # them per engine step costs the stub's GIL, which bounds it under load. Triton's metrics
@@ -64,6 +81,9 @@ class VllmEngine(ArEngine):
             # wait for at every server start (benchmarks/engine_start.py). `engine_args`
             # {"enforce_eager": false} compiles.
             args["enforce_eager"] = True
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # vLLM's own setting, which overrides this one
+                args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, engine_args.get("max_model_len",
+                                                                                           max_model_len))
         self.adapters = {name: LoRARequest(name, index + 1, path)
                          for index, (name, path) in enumerate(sorted((adapters or {}).items()))}
         if self.adapters:
@@ -83,7 +103,7 @@ class VllmEngine(ArEngine):
             except ValueError:  # the kernel refused the CPUs: no engine core left behind
                 self.engine.shutdown()
                 raise
-        self.hidden_size = AutoConfig.from_pretrained(model).hidden_size
+        self.hidden_size = config.hidden_size
         self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
 
     def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:
