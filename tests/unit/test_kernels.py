@@ -106,6 +106,11 @@ def test_the_spread_group_norm_is_pytorchs(shape, affine):
     if len(shape) == 4:
         out = group_norm(x.to(memory_format=torch.channels_last), 8, weight, bias, 1e-6)
         assert out.is_contiguous() and torch.allclose(out, expected, atol=1e-5)
+    # with autograd on (a VAE outside no_grad): PyTorch's own, gradients and all
+    trained = torch.nn.GroupNorm(8, shape[1], affine=affine)
+    with torch.enable_grad():
+        spread = group_norm(x, 8, trained.weight, trained.bias, trained.eps)
+    assert torch.allclose(spread, trained(x), atol=1e-6) and (spread.requires_grad == affine)
     # and it is not the identity: other groups give another result
     assert not torch.allclose(group_norm(x, 4, weight, bias, 1e-6), expected, atol=1e-2)
 

@@ -84,13 +84,15 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     many thread blocks. PyTorch's CUDA kernel reduces each (image, group) in a single block: a VAE's
     32 groups of one 1024² image keep 32 of a GPU's 100-odd multiprocessors busy, and its group
     norms take more of a FLUX decode than its convolutions. From half as many (image, group) rows
-    as the GPU has multiprocessors, PyTorch's own kernel is as fast, and runs. The arithmetic is
-    PyTorch's: each group's mean and variance in float32 (Welford, over a float32 copy of one image
-    at a time, the only temporary), then per channel ``a * x + b`` in float32, rounded once to
-    ``x``'s dtype; only the order of the sums differs, so a bf16 value can move by a unit in its
-    last place. The result is contiguous, as PyTorch's is, whatever the input's memory format."""
+    as the GPU has multiprocessors, PyTorch's own kernel is as fast, and runs (as it does where
+    autograd records, which ``out=`` does not). The arithmetic is PyTorch's: each group's mean and
+    variance in float32 (Welford, over a float32 copy of one image at a time, the only temporary),
+    then per channel ``a * x + b`` in float32, rounded once to ``x``'s dtype; only the order of the
+    sums differs, so a bf16 value can move by a unit in its last place. The result is contiguous,
+    as PyTorch's is, whatever the input's memory format."""
     x = x.contiguous()
-    if x.is_cuda and x.shape[0] * groups >= _multiprocessors(x.device) // 2:
+    wide = x.is_cuda and x.shape[0] * groups >= _multiprocessors(x.device) // 2
+    if wide or _needs_grad(x, weight, bias):  # out= below records no autograd history
         return torch.nn.functional.group_norm(x, groups, weight, bias, eps)
     out = torch.empty_like(x)
     channels = x.shape[1]
@@ -105,6 +107,10 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
             shift = shift + bias.float()
         torch.addcmul(shift.view(shape), image, scale.view(shape), out=into)
     return out
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @functools.cache
