@@ -13,7 +13,8 @@ of it do not both fit one 80 GB GPU, so the direct side runs first and is
 freed before the server starts. Each concurrency starts with a warm-up of
 two steps on both sides (kernels chosen, memory allocated). It also prints
 how far request 0's served image is from the pipeline's (0: bit-exact; at
-concurrency 1 it is).
+concurrency 1 it is, but for the VAE's group norms, which on a GPU are the
+server's own: a few levels of 255, docs/models.md).
 
     .venv/bin/python benchmarks/families.py --family qwen-image                     # CPU, tiny models
     python benchmarks/families.py --family qwen-image --preset realistic          # GPU: 1024², 50 steps, CFG 4

@@ -263,7 +263,9 @@ class DiffusionRunner:
             if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
                 self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
             self._on_torch_thread(lambda: kernels.apply(self.family.network))
-            self._spread_vae_group_norms()
+            spread = self._spread_vae_group_norms()
+            if self.steps is not None:  # a compiled decoder keeps one shape; a spread one is faster alone
+                self.steps.decode_alone = spread or "vae" in config.compiled
             self._compile()
             if graphed:
                 self.graphs = self._graphs(on_capture)
@@ -332,22 +334,20 @@ class DiffusionRunner:
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
         return NetworkKernels(plan, attention)
 
-    def _spread_vae_group_norms(self) -> None:
+    def _spread_vae_group_norms(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread
         over the whole GPU), except under ``exact_batching: pipeline``, whose promise is the
-        pipeline's kernels bit for bit. Step batching then decodes each finished image alone: one
-        image's decode so spread takes less than its share of a batch's, whose group norms
-        PyTorch's kernel runs (a 1024² decode at 4 fills the GPU as it is, and stays as slow).
-        ``compile: vae`` leaves them to inductor, whose group norms are its own."""
+        pipeline's kernels bit for bit; returns whether any did. Step batching then decodes each
+        finished image alone: one image's decode so spread takes less than its share of a batch's,
+        whose group norms PyTorch's kernel runs (a 1024² decode at 4 fills the GPU as it is, and
+        stays as slow). ``compile: vae`` leaves them to inductor, whose group norms are its own."""
         c = self.config
         if self.device.type != "cuda" or c.exact_mode == "pipeline" or "vae" in c.compiled:
-            return
+            return False
         count = self._on_torch_thread(lambda: spread_group_norms(self.pipeline.vae))
         if count:
-            logger.info("The VAE's %d group norms run spread over the GPU (kernels.group_norm)%s", count,
-                        "; each image decoded alone" if self.steps is not None else "")
-            if self.steps is not None:
-                self.steps.decode_alone = True
+            logger.info("The VAE's %d group norms run spread over the GPU (kernels.group_norm)", count)
+        return count > 0
 
     def _compile(self) -> None:
         """``compile: blocks``: the forward of each repeated block of the diffusion transformer compiled
@@ -404,7 +404,6 @@ class DiffusionRunner:
 
         return StepEngine(self.device, self.dtype, adapter, max_rows=c.max_rows or 2 * c.batch_size,
                           exact=c.exact_mode == "true", per_request=c.exact_mode == "pipeline",
-                          decode_alone="vae" in c.compiled,
                           on_full=c.on_full, on_batch=on_batch, group_order=c.group_order,
                           steps_ahead=c.steps_ahead)
 

@@ -176,14 +176,12 @@ class StepEngine:
     def __init__(self, device: torch.device, dtype: torch.dtype, load: Callable[[torch.device], StepAdapter],
                  max_rows: int = 16, exact: bool = False, per_request: bool = False, on_full: str = "wait",
                  buckets: tuple[int, ...] = BUCKETS, on_batch: Callable[[int], None] | None = None,
-                 group_order: str = "most_behind", steps_ahead: int = STEPS_AHEAD, decode_alone: bool = False):
+                 group_order: str = "most_behind", steps_ahead: int = STEPS_AHEAD):
         """``load(device)``: run first on the engine's thread, which runs every torch operation of the
         engine's (the pipeline's load included): the family's step adapter, the engine's denoising
         loop; it returns once that is done, with its error if it failed. ``on_batch(n)``: after
         each step, the number of requests it ran (the batch-size metric); ``steps_ahead``: steps
-        queued on the GPU at most (0: no bound; ignored off a GPU); ``decode_alone``: each finished
-        image decoded on its own (a compiled decoder's batch size then never changes; a VAE whose group
-        norms are spread decodes one image faster than its share of a batch: runner.py)."""
+        queued on the GPU at most (0: no bound; ignored off a GPU)."""
         if on_full not in ("wait", "reject"):
             raise ValueError(f"on_full must be 'wait' or 'reject', got {on_full!r}")
         if group_order not in GROUP_ORDERS:
@@ -199,11 +197,15 @@ class StepEngine:
         self.costs = StepCosts(device) if group_order == "most_behind" else None
         self._queued: deque[Any] = deque()  # events: the steps still on the GPU (steps_ahead)
         self.max_rows, self.exact, self.per_request, self.on_full = max_rows, exact, per_request, on_full
-        self.on_batch, self.decode_alone = on_batch, decode_alone
+        self.on_batch = on_batch
         self.buckets = (*(b for b in buckets if b < max_rows), max_rows)
         # whether steps are padded to the buckets: the runner clears it for a denoiser that runs
         # eagerly, once the family is loaded (its CUDA graphs and compile are decided then)
         self.fixed_shapes = True
+        # whether each finished image is decoded on its own: the runner sets it once the family is
+        # loaded (a compiled decoder then keeps one batch size; a VAE whose group norms are spread
+        # decodes one image faster than its share of a batch)
+        self.decode_alone = False
         self._waiting: deque[StepJob] = deque()
         self._running: dict[tuple, list[StepJob]] = {}
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
