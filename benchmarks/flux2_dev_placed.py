@@ -10,7 +10,7 @@ from them (``prompt_embeds``). Both sides time the same requests (prompt, seeds,
 with the server gone before the pipeline loads (the GPUs hold one side at a time), and it prints
 each side's latency and Triton / diffusers.
 
-    python benchmarks/flux2_dev_placed.py [--steps 50] [--requests 2] [--no-direct]
+    python benchmarks/flux2_dev_placed.py [--steps 50] [--requests 2] [--no-direct] [--aa]
 
 The encoder folder (`demo:realistic-flux2-dev-encoder`, about 46 GB) is built into the cache on its
 first use, on a GPU, before the server starts.
@@ -64,9 +64,10 @@ def served(steps: int, guidance: float, requests: int) -> list[float]:
     return seconds
 
 
-def direct(steps: int, guidance: float, requests: int) -> list[float]:
-    """Seconds per image of diffusers' pipeline placed by hand: the encoder's pipeline on GPU 1,
-    the DiT's on GPU 0 (``torch.cuda.synchronize`` on both before the clock stops)."""
+def direct(steps: int, guidance: float, requests: int, rounds: int) -> list[list[float]]:
+    """Seconds per image of diffusers' pipeline placed by hand, one list per round: the encoder's
+    pipeline on GPU 1, the DiT's on GPU 0 (``torch.cuda.synchronize`` on both before the clock
+    stops)."""
     from diffusers import DiffusionPipeline
 
     encoder_device, dit_device = torch.device("cuda:1"), torch.device("cuda:0")
@@ -86,13 +87,16 @@ def direct(steps: int, guidance: float, requests: int) -> list[float]:
             torch.cuda.synchronize(device)
 
     generate("warm up", 2, 1)
-    seconds = []
-    for seed in range(requests):
-        began = time.perf_counter()
-        generate(PROMPT, steps, seed)
-        seconds.append(time.perf_counter() - began)
-        print(f"diffusers, placed by hand, {SIZE}², {steps} steps, guidance {guidance}: {seconds[-1]:.2f} s")
-    return seconds
+    timed = []
+    for _ in range(rounds):
+        seconds = []
+        for seed in range(requests):
+            began = time.perf_counter()
+            generate(PROMPT, steps, seed)
+            seconds.append(time.perf_counter() - began)
+            print(f"diffusers, placed by hand, {SIZE}², {steps} steps, guidance {guidance}: {seconds[-1]:.2f} s")
+        timed.append(seconds)
+    return timed
 
 
 def gpu_memory_used() -> list[str]:
@@ -106,14 +110,19 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--no-direct", action="store_true", help="the server's side only")
+    parser.add_argument("--aa", action="store_true",
+                        help="the direct side's requests twice: the host against itself (direct / direct)")
     args = parser.parse_args()
     resolve_model(ENCODER)
     triton = served(args.steps, args.guidance, args.requests)
     if args.no_direct:
         return
-    diffusers = direct(args.steps, args.guidance, args.requests)
+    diffusers, *again = direct(args.steps, args.guidance, args.requests, 2 if args.aa else 1)
     t, d = statistics.median(triton), statistics.median(diffusers)
     print(f"median latency: Triton {t:.2f} s, diffusers placed by hand {d:.2f} s: Triton / diffusers {t / d:.3f}")
+    for seconds in again:
+        print(f"A/A: diffusers' second round {statistics.median(seconds):.2f} s: direct / direct "
+              f"{statistics.median(seconds) / d:.3f}")
 
 
 if __name__ == "__main__":
