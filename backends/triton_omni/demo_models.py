@@ -14,6 +14,7 @@ Anything else is passed through as a local path or hub id.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -110,28 +111,47 @@ def resolve_model(model: str) -> str:
 def ensure_built(name: str, builder) -> Path:
     """Build once into the cache; a stamp file marks a complete build.
 
-    The build goes to a temporary folder that is renamed into place, so two
-    processes building at once (several model instances) never see half a model.
+    Several processes may ask for one model at once (a server's model instances, or the tests'
+    processes beside each other): a lock file lets one of them build while the others wait, and
+    they then find its build. A complete build is never removed under a reader. The build goes to
+    a temporary folder renamed into place, so a build cut short never looks complete.
     """
     target = cache_dir() / "models" / name
-    stamp = target / ".built"
-    if stamp.exists() and stamp.read_text() == str(BUILD_VERSION):
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        builder(staging)
-        (staging / ".built").write_text(str(BUILD_VERSION))
-        shutil.rmtree(target, ignore_errors=True)
+    with _locked(target.parent / f".{name}.lock"):
+        if _complete(target):  # built by another process while this one waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
+            builder(staging)
+            (staging / ".built").write_text(str(BUILD_VERSION))
+            shutil.rmtree(target, ignore_errors=True)  # an older version's build, or one cut short
             staging.rename(target)
-        except OSError:  # another process won the race with an identical build
-            if not stamp.exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     logger.info("Built demo model %s in %s", name, target)
     return target
+
+
+def _complete(target: Path) -> bool:
+    try:
+        return (target / ".built").read_text() == str(BUILD_VERSION)
+    except OSError:  # not built, or an older build being replaced
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` across processes, held for the block (the kernel lets it go
+    if the process dies)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # The chat markers of the Qwen family, and a chat template shaped like Qwen3's (Z-Image renders its
