@@ -109,35 +109,40 @@ def resolve_model(model: str) -> str:
 
 
 def ensure_built(name: str, builder) -> Path:
-    """Build once into the cache; a stamp file marks a complete build.
+    """Build once into the cache (``built_once``)."""
+    return built_once(cache_dir() / "models" / name, builder, str(BUILD_VERSION))
 
-    Several processes may ask for one model at once (a server's model instances, or the tests'
-    processes beside each other): a lock file lets one of them build while the others wait, and
-    they then find its build. A complete build is never removed under a reader. The build goes to
-    a temporary folder renamed into place, so a build cut short never looks complete.
+
+def built_once(target: Path, builder, version: str) -> Path:
+    """``target``, built by ``builder(folder)`` unless a complete build of ``version`` is there; a
+    stamp file marks a complete build.
+
+    Several processes may ask for one folder at once (a server's model instances, servers started
+    side by side, the tests' processes): a lock file lets one of them build while the others wait,
+    and they then find its build. A complete build is never removed under a reader. The build goes
+    to a temporary folder renamed into place, so a build cut short never looks complete.
     """
-    target = cache_dir() / "models" / name
-    if _complete(target):
+    if _complete(target, version):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{name}.lock"):
-        if _complete(target):  # built by another process while this one waited
+    with _locked(target.parent / f".{target.name}.lock"):
+        if _complete(target, version):  # built by another process while this one waited
             return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             builder(staging)
-            (staging / ".built").write_text(str(BUILD_VERSION))
-            shutil.rmtree(target, ignore_errors=True)  # an older version's build, or one cut short
+            (staging / ".built").write_text(version)
+            shutil.rmtree(target, ignore_errors=True)  # another version's build, or one cut short
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    logger.info("Built demo model %s in %s", name, target)
+    logger.info("Built %s", target)
     return target
 
 
-def _complete(target: Path) -> bool:
+def _complete(target: Path, version: str) -> bool:
     try:
-        return (target / ".built").read_text() == str(BUILD_VERSION)
+        return (target / ".built").read_text() == version
     except OSError:  # not built, or an older build being replaced
         return False
 

@@ -17,6 +17,7 @@ from triton_omni_tools.launcher import (
     TritonServer,
     _ephemeral_ports,
     access_summary,
+    build_backend_dir,
     find_server,
     free_port,
     libpython_dir,
@@ -119,3 +120,18 @@ def test_a_start_that_times_out_names_the_models_still_loading():
     ])
     assert startup_report(log) == "still loading: ar, diffusion"
     assert startup_report("") == "no model failed or was still loading"
+
+
+def test_the_backend_directory_is_built_once_and_never_removed_under_a_running_server():
+    """Every start used to remove and rebuild it: a server started beside a running one took the
+    running one's stub and model.py links away while its instances were still starting."""
+    install = find_server()
+    folder = build_backend_dir(install)
+    probe = folder / "python" / ".probe"  # stands in for a running server's use of the folder
+    probe.touch()
+    try:
+        assert build_backend_dir(install) == folder and probe.exists()
+        assert (folder / "python" / "triton_python_backend_stub").exists()
+        assert (folder / "omni_diffusion" / "model.py").resolve().is_file()
+    finally:
+        probe.unlink()

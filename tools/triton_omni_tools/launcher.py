@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from triton_omni.demo_models import built_once
 from triton_omni_protocol import ADMIN_HEADER
 
 from triton_omni_tools import memory_plan, placement
@@ -192,36 +193,43 @@ def libpython_dir() -> Path:
     return dest
 
 
-def build_backend_dir(install: ServerInstall, dest: Path | None = None) -> Path:
+def build_backend_dir(install: ServerInstall) -> Path:
     """A backend directory: the server's backends, the Python backend with the
     stub for *this* interpreter, and each ``backends/<name>/model.py`` here.
 
     The Python backend's files are copied (Triton refuses a backend library
     whose real path lies outside the backend directory); the rest are
-    symlinks, so edits to a model.py take effect on the next load.
+    symlinks, so edits to a model.py take effect on the next load. Built once
+    per server install, interpreter and set of backends: servers started side
+    by side share it, and a start never removes it from under a running
+    server (whose stubs start from it).
     """
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    key = hashlib.sha1(f"{install.backends}|{version}".encode()).hexdigest()[:10]
-    dest = dest or PROJECT_ROOT / ".cache" / "backends" / key
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for backend in install.backends.iterdir():
-        if backend.name != "python":
-            (dest / backend.name).symlink_to(backend)
-    python = dest / "python"
-    python.mkdir()
-    for item in (install.backends / "python").iterdir():
-        if item.is_file():
-            shutil.copy2(item, python / item.name)
-    if install.stubs is not None:
-        stub = install.stubs / version / "triton_python_backend_stub"
-        if not stub.exists():
-            raise FileNotFoundError(f"the bundled server has no Python backend stub for Python {version}")
-        (python / "triton_python_backend_stub").symlink_to(stub)
-    for model_py in PROJECT_BACKENDS.glob("*/model.py"):
-        (dest / model_py.parent.name).mkdir()
-        (dest / model_py.parent.name / "model.py").symlink_to(model_py)
-    return dest
+    models = sorted(model_py.parent.name for model_py in PROJECT_BACKENDS.glob("*/model.py"))
+    copied = sorted((item.name, item.stat().st_size, item.stat().st_mtime_ns)
+                    for item in (install.backends / "python").iterdir() if item.is_file())
+    made_of = f"{install.backends}|{install.stubs}|{version}|{models}|{copied}"
+    key = hashlib.sha1(made_of.encode()).hexdigest()[:10]
+
+    def fill(dest: Path) -> None:
+        for backend in install.backends.iterdir():
+            if backend.name != "python":
+                (dest / backend.name).symlink_to(backend)
+        python = dest / "python"
+        python.mkdir()
+        for item in (install.backends / "python").iterdir():
+            if item.is_file():
+                shutil.copy2(item, python / item.name)
+        if install.stubs is not None:
+            stub = install.stubs / version / "triton_python_backend_stub"
+            if not stub.exists():
+                raise FileNotFoundError(f"the bundled server has no Python backend stub for Python {version}")
+            (python / "triton_python_backend_stub").symlink_to(stub)
+        for name in models:
+            (dest / name).mkdir()
+            (dest / name / "model.py").symlink_to(PROJECT_BACKENDS / name / "model.py")
+
+    return built_once(PROJECT_ROOT / ".cache" / "backends" / key, fill, "1")
 
 
 @functools.cache
