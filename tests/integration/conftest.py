@@ -70,8 +70,10 @@ def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
     # with two LoRA adapters in its folder, named by relative paths (test_ar_lora.py)
     lora_model = copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_transformers", parameters={
         "engine": "transformers", "lora_adapters": json.dumps({"pirate": "loras/pirate", "poet": "loras/poet"})})
-    subprocess.run([sys.executable, "-c", BUILD, str(lora_model / "loras")], check=True, cwd=PROJECT_ROOT,
-                   stdout=subprocess.DEVNULL)
+    # its errors kept: beside the unit tests, pytest's capture would swallow them with their test's output
+    built = subprocess.run([sys.executable, "-c", BUILD, str(lora_model / "loras")], cwd=PROJECT_ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert built.returncode == 0, f"building the demo models and LoRAs failed:\n{built.stderr[-4000:]}"
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_transformers",
                parameters={"engine": "transformers"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_exact",
