@@ -149,14 +149,11 @@ def _complete(target: Path, version: str) -> bool:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock on ``path`` across processes, held for the block (the kernel lets it go
-    if the process dies)."""
+    """An exclusive lock on ``path`` across processes, held for the block: closing the file lets
+    it go, and so does the kernel if the process dies."""
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 # The chat markers of the Qwen family, and a chat template shaped like Qwen3's (Z-Image renders its

@@ -229,7 +229,7 @@ def build_backend_dir(install: ServerInstall) -> Path:
             (dest / name).mkdir()
             (dest / name / "model.py").symlink_to(PROJECT_BACKENDS / name / "model.py")
 
-    return built_once(PROJECT_ROOT / ".cache" / "backends" / key, fill, "1")
+    return built_once(PROJECT_ROOT / ".cache" / "backends" / key, fill, made_of)  # stamped with what it is made of
 
 
 @functools.cache
