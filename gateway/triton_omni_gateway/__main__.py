@@ -6,6 +6,7 @@ any Triton that serves these models."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,6 +16,9 @@ import tempfile
 import uvicorn
 
 from triton_omni_gateway.app import API_KEY_ENV, SETTINGS_ENV, GatewaySettings, create_app
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each worker writes its values
+METRICS_DIR_PREFIX = "triton-omni-gateway-metrics-"
 
 
 def tokenizer_pair(text: str) -> tuple[str, str]:
@@ -46,8 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(create_app(settings), **server)
         return
     # Each worker is a fresh interpreter: settings and the metrics' shared folder go through the environment.
-    with tempfile.TemporaryDirectory(prefix="triton-omni-gateway-metrics-") as metrics_dir:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # The folder is the launcher's when it gives one (it removes it however this process ends), else ours.
+    with contextlib.ExitStack() as stack:
+        if not os.environ.get(METRICS_DIR_ENV):
+            os.environ[METRICS_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix=METRICS_DIR_PREFIX))
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
         uvicorn.run("triton_omni_gateway.app:app_from_environment", factory=True, workers=args.workers, **server)
 

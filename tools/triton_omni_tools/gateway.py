@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from triton_omni_tools.reaper import Leftovers, Reaper, kill_group
 from triton_omni_tools.repository import load_config
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "TRITON_OMNI_API_KEY"  # the gateway's own variable (triton_omni_gateway.app)
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # its workers' shared metrics folder (triton_omni_gateway.__main__)
 TEXT_BACKEND = "omni_ar"
 
 
@@ -58,12 +62,24 @@ class Gateway:
                         *(f"--tokenizer={model}={path}" for model, path in tokenizers.items())]
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
+        self.reaper: Reaper | None = None
+        self.workers = workers
+        self.metrics_dir: str | None = None
 
     def start(self) -> Gateway:
-        self.process = subprocess.Popen(self.command, env=self.env)
+        # Its workers in its group, which dies with this process however it ends, and with it the
+        # workers' metrics folder, made here for that reason (reaper.py).
+        self.reaper = Reaper()
+        env = self.env
+        if self.workers > 1:
+            self.metrics_dir = tempfile.mkdtemp(prefix="triton-omni-gateway-metrics-")
+            env = env | {METRICS_DIR_ENV: self.metrics_dir}
+        self.process = subprocess.Popen(self.command, env=env, start_new_session=True)
+        self.reaper.watch(Leftovers(self.process.pid, paths=[self.metrics_dir] if self.metrics_dir else []))
         deadline = time.monotonic() + self.startup_timeout_s
         while not self._listening():
             if self.process.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"the OpenAI gateway exited with code {self.process.returncode} at startup")
             if time.monotonic() > deadline:
                 self.stop()
@@ -81,12 +97,17 @@ class Gateway:
             return False
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM (uvicorn's graceful shutdown, workers included), then SIGKILL for whatever of its group is left."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            logger.warning("the OpenAI gateway did not stop in 10 s; killing it")
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                logger.warning("the OpenAI gateway did not stop in 10 s; killing it")
+        kill_group(self.process.pid)
+        self.process.wait()
+        if self.metrics_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.reaper.close()

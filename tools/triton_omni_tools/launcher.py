@@ -29,16 +29,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from triton_omni.demo_models import built_once
+from triton_omni.processes import identity
 from triton_omni_protocol import ADMIN_HEADER
 
 from triton_omni_tools import memory_plan, placement
 from triton_omni_tools.demos import demo_edits
 from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
+from triton_omni_tools.reaper import Leftovers, Reaper, kill_group, mapped_shared_memory, process_group, remove
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
 from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
@@ -105,6 +108,9 @@ EXIT_TIMEOUT_S = 15
 # (another server loading beside it, two cores) a stub's start took longer, and the model failed to load.
 STUB_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30.0
+# A start whose tritonserver crashes (these signals) before it is ready is tried again, this many times in all.
+STARTUP_ATTEMPTS = 3
+STARTUP_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 
 
 _PORTS_GIVEN: set[int] = set()  # by free_port, in this process: never twice
@@ -298,8 +304,13 @@ class TritonServer:
         self.supervisor: Supervisor | None = None
         self._log = None
         self._segments: set[Path] = set()  # /dev/shm files its processes map (mapped_shared_memory)
+        self.reaper: Reaper | None = None
+        self._identity = ""  # the server process's (processes.identity), which names its stubs' folders
+        self.startup_retries = 0  # starts that crashed before the server was ready (start())
         # This server's own folder: progress sockets, restart counts (TRITON_OMNI_RUN_DIR in its stubs)
         self.run_dir = Path(tempfile.mkdtemp(prefix="triton-omni-run-"))
+        # Removed by stop(); for a server never started, once this object is collected or at exit.
+        self._remove_run_dir = weakref.finalize(self, shutil.rmtree, self.run_dir, ignore_errors=True)
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
         # What the server loads: the options' repositories, or their copies with the placement applied.
         try:
@@ -307,7 +318,7 @@ class TritonServer:
                                                              gpu_count(), self.run_dir / "repositories",
                                                              demo_edits(options.demo))
         except Exception:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._remove_run_dir()
             raise
 
     @property
@@ -328,10 +339,6 @@ class TritonServer:
         one machine with Triton's default names crash or hang (Triton's python_backend README);
         here a bench server started beside the test suite's aborted during startup."""
         return "triton_omni_" + self.run_dir.name.removeprefix("triton-omni-run-") + "_"
-
-    def own_regions(self) -> set[Path]:
-        """The Python backend's regions of this server's stubs, found by its own prefix."""
-        return set(Path("/dev/shm").glob(self.shm_prefix + "*"))
 
     @property
     def control(self) -> tuple[str, list[str]]:
@@ -383,22 +390,34 @@ class TritonServer:
             logger.info("%s", memory_plan.describe(shares))
 
     def start(self) -> TritonServer:
+        """Start tritonserver and wait until it is ready; a server that crashes while starting
+        (``STARTUP_CRASHES``) is started again, at most ``STARTUP_ATTEMPTS`` times in all.
+
+        Why: Triton 2.51 now and then aborts while loading Python-backend models
+        (``boost::interprocess::lock_exception``, an intermittent failure in
+        Triton's own tracker), and nothing else would retry a start. A start
+        that fails for a reason that will not change is not retried: a memory
+        plan that does not fit (refused before launching), a model that fails
+        to load or a bad flag (Triton exits with an error status), a timeout."""
         self.check_memory_plan()
         install = find_server(self.options.server)
-        backend_dir = build_backend_dir(install)
-        cmd = self.command(install, backend_dir)
+        cmd = self.command(install, build_backend_dir(install))
         logger.info("Starting %s", " ".join(cmd))
-        output = None
-        if self.options.log_file is not None:
-            self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
-            output = self._log = open(self.options.log_file, "wb")  # noqa: SIM115 - closed in stop()
-        # Own process group: stop() can then reach the stubs and their engine processes.
-        env = server_env(install) | {"TRITON_OMNI_RUN_DIR": str(self.run_dir)}
-        self.process = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT
-                                        if output else None, start_new_session=True,
-                                        preexec_fn=_reap_children_of_the_server)
+        # Whatever this process's end, the reaper takes the server's group down (reaper.py).
+        self.reaper = Reaper()
         try:
-            self.wait_ready()
+            for attempt in range(1, STARTUP_ATTEMPTS + 1):
+                self._launch(cmd, server_env(install), attempt)
+                try:
+                    self.wait_ready()
+                    break
+                except ServerCrashedAtStartup as crash:
+                    if attempt == STARTUP_ATTEMPTS:
+                        raise
+                    self.startup_retries += 1
+                    logger.warning("%s; starting it again (retry %d of at most %d)", crash, self.startup_retries,
+                                   STARTUP_ATTEMPTS - 1)
+                    self._take_down()
         except BaseException:
             self.stop()
             raise
@@ -409,13 +428,39 @@ class TritonServer:
             self.supervisor = Supervisor(self.process.pid, api, self.run_dir).start()
         return self
 
+    def _launch(self, cmd: list[str], env: dict[str, str], attempt: int) -> None:
+        """One tritonserver process, in a process group of its own (stop() then reaches the stubs
+        and their engine processes), watched by the reaper."""
+        output = None
+        if self.options.log_file is not None:
+            self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
+            # A retry appends: the crash that caused it stays in the log.
+            output = self._log = open(self.options.log_file, "wb" if attempt == 1 else "ab")  # noqa: SIM115
+            if attempt > 1:
+                output.write(f"\n--- triton-omni: start attempt {attempt} of {STARTUP_ATTEMPTS} ---\n".encode())
+                output.flush()
+        self.process = subprocess.Popen(cmd, env=env | {"TRITON_OMNI_RUN_DIR": str(self.run_dir)}, stdout=output,
+                                        stderr=subprocess.STDOUT if output else None, start_new_session=True,
+                                        preexec_fn=_reap_children_of_the_server)
+        self._identity = identity(self.process.pid)  # read now: once the process is reaped, /proc forgets it
+        self.reaper.watch(self.leftovers())
+
+    def leftovers(self, run_dir: bool = True) -> Leftovers:
+        """What this server may leave behind: its process group; the Python backend's regions (its
+        prefix); the folders its stubs share under /dev/shm and the temporary folder (named by the
+        server process's identity, processes.server_folder); with ``run_dir``, its run folder."""
+        server = self._identity
+        engines = Path(tempfile.gettempdir()) / f"triton-omni-engines-{server}"
+        return Leftovers(self.process.pid, shm_patterns=[self.shm_prefix + "*", f"triton-omni-load-{server}"],
+                         paths=[str(engines), *([str(self.run_dir)] if run_dir else [])])
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup"
-                                   + self._startup_report())
+            if (code := self.process.poll()) is not None:
+                failure = ServerCrashedAtStartup if -code in STARTUP_CRASHES else RuntimeError
+                raise failure(f"tritonserver {describe_exit(code)} during startup" + self._startup_report())
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -438,33 +483,40 @@ class TritonServer:
         process group is left: stubs and vLLM engine processes included."""
         if self.supervisor is not None:
             self.supervisor.stop()
-        if self.process is None:
-            return None
-        pgid = self.process.pid
-        # The shared memory of the group's processes, removed below if a kill left it behind.
-        segments = self._segments | mapped_shared_memory(process_group(pgid)) | self.own_regions()
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
-        _kill_group(pgid)
+        if self.process is not None:
+            self._take_down()
+        self._remove_run_dir()
+        if self.reaper is not None:
+            self.reaper.close()
+        return self.process.returncode if self.process is not None else None
+
+    def _take_down(self) -> None:
+        """Whatever is left of the server's group killed, and what it left in /dev/shm removed (what a
+        killed process had no chance to unlink); the run folder stays, for a start again."""
+        leftovers = self.leftovers(run_dir=False)
+        segments = self._segments | mapped_shared_memory(process_group(leftovers.pgid))
+        kill_group(leftovers.pgid)
         self.process.wait()
-        _wait_group_gone(pgid)
-        for segment in segments:  # what a process killed above had no chance to unlink
-            with contextlib.suppress(FileNotFoundError):
-                segment.unlink()
+        remove(segments, leftovers)
         if self._log:
             self._log.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return self.process.returncode
+            self._log = None
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ServerCrashedAtStartup(RuntimeError):
+    """tritonserver died of a crash (``STARTUP_CRASHES``) before it was ready: worth another start."""
 
 
 def _reap_children_of_the_server() -> None:
@@ -478,58 +530,6 @@ def _reap_children_of_the_server() -> None:
     it back to the default as they start (``triton_omni.triton``), so that
     Python's process handling in them works as usual."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is already gone: nothing left behind
-    except PermissionError:
-        logger.exception("Could not kill process group %d", pgid)
-
-
-def process_group(pgid: int) -> list[int]:
-    """Live processes of a process group (server, stubs, engine processes); zombies are gone."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # exited meanwhile
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                pids.append(int(entry.name))
-    return pids
-
-
-def mapped_shared_memory(pids: list[int]) -> set[Path]:
-    """The files directly in /dev/shm that these processes map: Python's
-    ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.*``) that
-    vLLM's engine core opens, the Python backend's regions. Only the group's
-    own processes map them, so once the group is gone whatever is left of them
-    is garbage (a process that exits cleanly unlinks its own)."""
-    found: set[Path] = set()
-    for pid in pids:
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue  # exited meanwhile
-        for line in lines:
-            path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)") if line.count(" ") >= 5 else ""
-            if path.startswith("/dev/shm/") and path.count("/") == 3:
-                found.add(Path(path))
-    return found
-
-
-def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
-    """SIGKILL is delivered at once but a process with gigabytes mapped (a vLLM
-    engine) takes a moment to exit: stop() returns once nothing is left."""
-    deadline = time.monotonic() + timeout_s
-    while (left := process_group(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if left:
-        logger.warning("processes %s of the server's group still exit after %.0f s", left, timeout_s)
 
 
 def access_summary(options: ServerOptions, restarts: RestartPolicy | None = None) -> str:

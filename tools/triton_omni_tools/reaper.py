@@ -1,0 +1,177 @@
+"""A launched process group dies with the process that launched it, however that one ends.
+
+A tritonserver (with its stubs and their engine processes) or a gateway
+started by this project runs in a process group of its own, so that
+stopping it reaches everything it started. That also means nothing takes
+it down if the launching process ends without stopping it: SIGKILL, the
+default action of SIGTERM (a benchmark under ``timeout``, a cancelled CI
+job), a crash. A killed benchmark once left its server and stubs running,
+holding 26.6 GiB of a GPU, and the next server's memory plan failed.
+
+Why not a handler, nor the kernel's parent-death signal alone: a handler
+runs only if Python gets to run it (not after SIGKILL); ``PR_SET_PDEATHSIG``
+fires when the *thread* that forked the child ends (a server started from a
+worker thread would die with that thread), and reaches one process, not
+the group.
+
+How: the launcher starts a reaper (``python -m triton_omni_tools.reaper``)
+before the group, in a session of its own (a signal to the launcher's group
+does not reach it), with the read end of a pipe as its stdin. The launcher
+alone holds the write end, and tells the reaper through it what to watch,
+a JSON line per group. The kernel closes that end when the launcher's
+process ends, whatever the cause; the reaper's read then returns, and it
+kills the group, waits for it to be gone, and removes what the group left:
+the ``/dev/shm`` files its processes mapped or named with the server's
+prefixes, and the folders it was given. A launcher that stops its group
+itself does the same work first, then closes the pipe: the reaper finds
+nothing left and exits.
+
+This module imports only the standard library: the reaper starts in
+milliseconds, and the launcher uses the same functions for its own stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+SHM = Path("/dev/shm")
+
+
+@dataclass
+class Leftovers:
+    """What a process group may leave behind: its processes, the ``/dev/shm``
+    files named by these patterns (besides those its processes map), and these
+    files or folders."""
+
+    pgid: int
+    shm_patterns: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live processes of a process group (server, stubs, engine processes); zombies are gone."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # exited meanwhile
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def mapped_shared_memory(pids: list[int]) -> set[Path]:
+    """The files directly in /dev/shm that these processes map: Python's
+    ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.mp-*``) that
+    vLLM's engine core opens, the Python backend's regions. Only the group's
+    own processes map them, so once the group is gone whatever is left of them
+    is garbage (a process that exits cleanly unlinks its own).
+
+    Found by inode, not by the name in ``/proc/<pid>/maps``: glibc's
+    ``sem_open`` maps a temporary file and links it under the semaphore's
+    name, so the maps show the temporary name, already deleted."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue  # exited meanwhile
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and fields[5].count("/") == 3:
+                inodes.add(int(fields[4]))
+    found = set()
+    for entry in os.scandir(SHM) if inodes else ():
+        with contextlib.suppress(OSError):
+            if entry.is_file(follow_symlinks=False) and entry.inode() in inodes:
+                found.add(Path(entry.path))
+    return found
+
+
+def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL to the whole group, and return once nothing of it is left.
+
+    SIGKILL is delivered at once but a process with gigabytes mapped (a vLLM
+    engine) takes a moment to exit."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # already gone
+    except PermissionError:
+        logger.exception("Could not kill process group %d", pgid)
+        return
+    deadline = time.monotonic() + timeout_s
+    while (left := process_group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        logger.warning("processes %s of group %d still exit after %.0f s", left, pgid, timeout_s)
+
+
+def remove(files: set[Path], leftovers: Leftovers) -> None:
+    """``files`` and whatever ``leftovers`` names (its ``/dev/shm`` patterns, its paths), if still there."""
+    named = {match for pattern in leftovers.shm_patterns for match in SHM.glob(pattern)}
+    for path in files | named | {Path(p) for p in leftovers.paths}:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def reap(leftovers: Leftovers) -> None:
+    """Kill the group and remove everything it left (the shared memory its processes map, read before)."""
+    mapped = mapped_shared_memory(process_group(leftovers.pgid))
+    kill_group(leftovers.pgid)
+    remove(mapped, leftovers)
+
+
+class Reaper:
+    """The launcher's side: a reaper process watching the groups this process launches."""
+
+    def __init__(self):
+        read_end, self._write_end = os.pipe()  # both non-inheritable; the child gets the read end as its stdin
+        self.process = subprocess.Popen([sys.executable, "-m", "triton_omni_tools.reaper"], stdin=read_end,
+                                        start_new_session=True)
+        os.close(read_end)
+
+    def watch(self, leftovers: Leftovers) -> None:
+        """From now on, reap ``leftovers`` (in place of what it watched before) if this process ends."""
+        os.write(self._write_end, (json.dumps(asdict(leftovers)) + "\n").encode())
+
+    def close(self) -> None:
+        """Done: the group was stopped here. The reaper finds it gone, and exits."""
+        if self._write_end is not None:
+            os.close(self._write_end)
+            self._write_end = None
+            self.process.wait()
+
+
+def main() -> None:
+    """Read what to watch from stdin until it closes (the launcher ended), then reap it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the launcher's end ends a reaper
+    watched = None
+    for line in sys.stdin:
+        watched = Leftovers(**json.loads(line))
+    if watched is not None:
+        try:
+            reap(watched)
+        except Exception:
+            logger.exception("could not take down process group %d", watched.pgid)
+            raise
+
+
+if __name__ == "__main__":
+    main()
