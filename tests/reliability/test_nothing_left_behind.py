@@ -10,11 +10,8 @@ same checks on a GPU, with GPU memory, are in tests/gpu/test_nothing_left_behind
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from triton_omni_tools.launcher import PROJECT_ROOT, ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 from triton_omni_tools.reaper import SHM, mapped_shared_memory, process_group
 
+from tests.support.launched import launch
 from tests.support.server import assert_group_gone
 
 ENGINE_MODEL = '''
@@ -68,29 +66,6 @@ output [{ name: "PID", data_type: TYPE_INT64, dims: [1] }]
 instance_group [{ kind: KIND_CPU, count: 2 }]
 '''
 
-# A launcher of its own: starts what it is told, prints what it started, then ends as it is told.
-PARENT = '''
-import json, sys, time
-from pathlib import Path
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
-from triton_omni_tools.gateway import Gateway
-
-what, repository, log_file, end = sys.argv[1:]
-if what == "server":
-    started = TritonServer(ServerOptions(model_repositories=[Path(repository)], http_port=free_port(),
-                                         grpc_port=free_port(), metrics_port=free_port(),
-                                         log_file=Path(log_file))).start()
-    names = {"shm_prefix": started.shm_prefix, "run_dir": str(started.run_dir), "http": started.http_url}
-else:
-    started = Gateway(free_port(), "127.0.0.1", f"localhost:{free_port()}", {}, workers=2).start()
-    names = {"metrics_dir": started.metrics_dir}
-print(json.dumps({"pgid": started.process.pid, **names}), flush=True)
-if end == "exception":
-    raise RuntimeError("the launcher's script fails with its server running")
-time.sleep(600)
-'''
-
-
 def engine_repository(folder: Path, crash_once: bool = False) -> Path:
     """With ``crash_once``, one instance, whose first load aborts the server (a second instance's
     stub could outlive the server it started under)."""
@@ -110,20 +85,10 @@ def made_by(group: list[int], shm_prefix: str) -> set[str]:
             | {path.name for path in SHM.glob(f"triton-omni-load-{group[0]}-*")})
 
 
-def launch(what: str, tmp_path: Path, end: str) -> tuple[subprocess.Popen, dict]:
-    """The launcher's script started, and what it said it started once that is ready."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, what, str(engine_repository(tmp_path / "repo")),
-                               str(tmp_path / "tritonserver.log"), end], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
-                              text=True)
-    line = parent.stdout.readline()
-    assert line, f"the launcher's script ended without starting its {what}; see {tmp_path / 'tritonserver.log'}"
-    return parent, json.loads(line)
-
-
 @pytest.mark.parametrize(("what", "end"), [("server", "SIGKILL"), ("server", "SIGTERM"), ("server", "exception"),
                                            ("gateway", "SIGKILL")])
 def test_what_the_launcher_started_dies_with_it(tmp_path, what, end):
-    parent, started = launch(what, tmp_path, end)
+    parent, started = launch(what, engine_repository(tmp_path / "repo"), tmp_path / "tritonserver.log", end)
     pgid = started["pgid"]
     group = sorted(process_group(pgid), key=lambda pid: pid != pgid)
     made = set()
