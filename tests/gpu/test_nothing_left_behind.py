@@ -34,7 +34,7 @@ def gpu_pids() -> set[int]:
     return {int(line) for line in out.split()}
 
 
-@pytest.mark.parametrize("end", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("end", ["SIGKILL"])  # SIGTERM and an exception: tests/reliability, on the CPU
 def test_a_killed_launcher_leaves_no_process_and_no_gpu_memory(tmp_path, end):
     build_all()
     repository = tmp_path / "repository"
