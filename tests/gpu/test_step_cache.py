@@ -45,6 +45,10 @@ def run(runner: DiffusionRunner, requests: list[dict]) -> tuple[list[torch.Tenso
     return [future.result() for future in futures], counts
 
 
+# The families whose requests values() builds (a guided or unguided text-to-image request of prompt
+# embeddings alone); the edit, FLUX.2 and FLUX.1 take input images or a pooled embedding besides.
+@pytest.mark.parametrize("step", [(family, exact) for family in STEPS for exact in ("false", "pipeline")],
+                         indirect=True, ids="-".join)
 def test_a_cached_request_in_company_is_near_its_image_alone(step):  # noqa: F811  (the imported fixture)
     [alone], [alone_counts] = run(step, [values(step, 1, METHOD)])
     [plain], _ = run(step, [values(step, 1, "off")])

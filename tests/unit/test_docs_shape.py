@@ -78,3 +78,12 @@ def test_product_code_carries_no_machine_timings():
     found = [f"{path}:{n}" for path in tracked() if path.startswith(PRODUCT) and path.endswith(".py")
              for n, line in enumerate((ROOT / path).read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
+
+
+def test_every_gpu_test_file_is_in_exactly_one_group_of_docs_gpu():
+    """docs/gpu.md runs tests/gpu in groups that each fit a sitting on a lent GPU machine: a new file
+    that no group names would never run."""
+    section = (ROOT / "docs" / "gpu.md").read_text().split("## The GPU tests in groups", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"tests/gpu/(test_\w+\.py)", section)
+    files = sorted(path.name for path in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    assert sorted(named) == files, "each file of tests/gpu once in docs/gpu.md's groups"
