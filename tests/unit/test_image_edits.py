@@ -134,7 +134,10 @@ def test_the_step_cache_takes_diffusers_first_block_cache_decisions():
                         generator=torch.Generator().manual_seed(OPTIONS["seed"])).images
     [(computed, skipped)] = counts
     assert computed + skipped == 4 and 0 < skipped < 4, counts
-    assert levels_apart(ours.numpy(), to_pixels(images)[0].numpy()) == 0
+    # Bit-exact on some hosts; on an AVX2-only AMD EPYC one pixel channel of 3072 lands a level apart,
+    # every time (a skipped step's residual added in another rounding). Another skip decision moves
+    # this image 18 to 28 levels, so within 1 the test still tells the decisions apart.
+    assert levels_apart(ours.numpy(), to_pixels(images)[0].numpy()) <= 1
 
 
 @pytest.fixture(scope="module")
