@@ -3,19 +3,23 @@ temporary folder, outlives the suite's servers and the processes that made it.
 
 Checked once, after every other session-scoped fixture has stopped its servers (this one is set up
 first, so it is torn down last): a leftover fails the run as an error in the last test's teardown,
-naming the files. What the pytest process itself still maps (its own multiprocessing objects, alive
-until it exits) is not a leftover."""
+naming the files. An entry some live process still uses is not a leftover (the pytest process's own
+multiprocessing objects, alive until it exits; another server running beside the suite): a file it
+maps, a folder named in its environment (a server's run folder, the gateway's metrics folder), a
+folder named after it (``processes.server_folder``)."""
 
 from __future__ import annotations
 
-import os
+import re
 import tempfile
 from pathlib import Path
 
 import pytest
+from triton_omni.processes import identity_alive
 from triton_omni_tools.reaper import SHM, mapped_shared_memory
 
 PROJECT_TEMP_PREFIX = "triton-omni-"  # run folders, engine seats, the gateway's metrics folder
+NAMED_BY_PROCESS = re.compile(r"triton-omni-(?:load|engines)-(\d+-\d+)$")
 
 
 def made_here() -> set[Path]:
@@ -23,9 +27,26 @@ def made_here() -> set[Path]:
     return {*SHM.iterdir(), *Path(tempfile.gettempdir()).glob(PROJECT_TEMP_PREFIX + "*")}
 
 
+def in_use(entries: set[Path]) -> set[Path]:
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    environments = b""
+    for pid in pids:
+        try:
+            environments += Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    used = mapped_shared_memory(pids)
+    for entry in entries:
+        named = NAMED_BY_PROCESS.match(entry.name)
+        if (named and identity_alive(named[1])) or str(entry).encode() in environments:
+            used.add(entry)
+    return used
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind():
     before = made_here()
     yield
-    left = made_here() - before - mapped_shared_memory([os.getpid()])
+    new = made_here() - before
+    left = new - in_use(new)
     assert not left, f"the suite left these behind: {sorted(map(str, left))}"

@@ -43,6 +43,14 @@ def test_a_killed_launcher_leaves_no_process_and_no_gpu_memory(tmp_path, end):
     copy_model(DEFAULT_REPOSITORIES[0], "ar", repository)
     baseline = gpu_memory_used_mib()
     parent, started = launch("server", repository, tmp_path / "tritonserver.log", end)
+    try:
+        check_no_gpu_memory_left(parent, started, end, baseline)
+    finally:
+        parent.kill()  # a failed check leaves no launcher waiting (its reaper then takes the rest)
+        parent.wait()
+
+
+def check_no_gpu_memory_left(parent, started: dict, end: str, baseline: int) -> None:
     pgid = started["pgid"]
     group = set(process_group(pgid))
     image = OmniClient(started["grpc"]).generate_image("a red fox", seed=1, num_inference_steps=4, height=64,

@@ -89,6 +89,14 @@ def made_by(group: list[int], shm_prefix: str) -> set[str]:
                                            ("gateway", "SIGKILL")])
 def test_what_the_launcher_started_dies_with_it(tmp_path, what, end):
     parent, started = launch(what, engine_repository(tmp_path / "repo"), tmp_path / "tritonserver.log", end)
+    try:
+        check_dies_with_its_launcher(parent, started, what, end)
+    finally:
+        parent.kill()  # a failed check leaves no launcher waiting (its reaper then takes the rest)
+        parent.wait()
+
+
+def check_dies_with_its_launcher(parent, started: dict, what: str, end: str) -> None:
     pgid = started["pgid"]
     group = sorted(process_group(pgid), key=lambda pid: pid != pgid)
     made = set()

@@ -70,21 +70,23 @@ class Gateway:
         # Its workers in its group, which dies with this process however it ends, and with it the
         # workers' metrics folder, made here for that reason (reaper.py).
         self.reaper = Reaper()
-        env = self.env
-        if self.workers > 1:
-            self.metrics_dir = tempfile.mkdtemp(prefix="triton-omni-gateway-metrics-")
-            env = env | {METRICS_DIR_ENV: self.metrics_dir}
-        self.process = subprocess.Popen(self.command, env=env, start_new_session=True)
-        self.reaper.watch(Leftovers(self.process.pid, paths=[self.metrics_dir] if self.metrics_dir else []))
-        deadline = time.monotonic() + self.startup_timeout_s
-        while not self._listening():
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"the OpenAI gateway exited with code {self.process.returncode} at startup")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"the OpenAI gateway did not listen on {self.url} in {self.startup_timeout_s} s")
-            time.sleep(0.2)
+        try:
+            env = self.env
+            if self.workers > 1:
+                self.metrics_dir = tempfile.mkdtemp(prefix="triton-omni-gateway-metrics-")
+                env = env | {METRICS_DIR_ENV: self.metrics_dir}
+            self.process = subprocess.Popen(self.command, env=env, start_new_session=True)
+            self.reaper.watch(Leftovers(self.process.pid, paths=[self.metrics_dir] if self.metrics_dir else []))
+            deadline = time.monotonic() + self.startup_timeout_s
+            while not self._listening():
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the OpenAI gateway exited with code {self.process.returncode} at startup")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the OpenAI gateway did not listen on {self.url} in {self.startup_timeout_s} s")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _listening(self) -> bool:
@@ -98,16 +100,16 @@ class Gateway:
 
     def stop(self) -> None:
         """SIGTERM (uvicorn's graceful shutdown, workers included), then SIGKILL for whatever of its group is left."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                logger.warning("the OpenAI gateway did not stop in 10 s; killing it")
-        kill_group(self.process.pid)
-        self.process.wait()
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("the OpenAI gateway did not stop in 10 s; killing it")
+            kill_group(self.process.pid)
+            self.process.wait()
         if self.metrics_dir:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
-        self.reaper.close()
+        if self.reaper is not None:
+            self.reaper.close()

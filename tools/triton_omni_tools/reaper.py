@@ -33,6 +33,7 @@ milliseconds, and the launcher uses the same functions for its own stop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,7 +107,10 @@ def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
     """SIGKILL to the whole group, and return once nothing of it is left.
 
     SIGKILL is delivered at once but a process with gigabytes mapped (a vLLM
-    engine) takes a moment to exit."""
+    engine) takes a moment to exit. A group with no process left is not
+    signalled: its number may belong to another group by now."""
+    if not process_group(pgid):
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -146,17 +151,30 @@ class Reaper:
         self.process = subprocess.Popen([sys.executable, "-m", "triton_omni_tools.reaper"], stdin=read_end,
                                         start_new_session=True)
         os.close(read_end)
+        # A child forked without exec (a fork-based pool of the launcher's) would hold the write end
+        # open, and the reaper would wait for that child too: it closes its copy as it starts.
+        os.register_at_fork(after_in_child=functools.partial(_close_in_child, weakref.ref(self)))
 
-    def watch(self, leftovers: Leftovers) -> None:
-        """From now on, reap ``leftovers`` (in place of what it watched before) if this process ends."""
-        os.write(self._write_end, (json.dumps(asdict(leftovers)) + "\n").encode())
+    def watch(self, leftovers: Leftovers | None) -> None:
+        """From now on, reap ``leftovers`` (in place of what it watched before; None: nothing) if this process ends."""
+        os.write(self._write_end, (json.dumps(None if leftovers is None else asdict(leftovers)) + "\n").encode())
 
     def close(self) -> None:
-        """Done: the group was stopped here. The reaper finds it gone, and exits."""
+        """Done: the group was stopped here. The reaper is told to watch nothing (the group's number
+        is free, and may soon be another group's), and exits."""
         if self._write_end is not None:
+            with contextlib.suppress(OSError):  # a reaper killed by hand: nothing to tell
+                self.watch(None)
             os.close(self._write_end)
             self._write_end = None
             self.process.wait()
+
+
+def _close_in_child(reaper: weakref.ref) -> None:
+    if (live := reaper()) is not None and live._write_end is not None:
+        with contextlib.suppress(OSError):
+            os.close(live._write_end)
+        live._write_end = None
 
 
 def main() -> None:
@@ -164,7 +182,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the launcher's end ends a reaper
     watched = None
     for line in sys.stdin:
-        watched = Leftovers(**json.loads(line))
+        watched = None if (spec := json.loads(line)) is None else Leftovers(**spec)
     if watched is not None:
         try:
             reap(watched)
