@@ -16,7 +16,7 @@ from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, gpu_count
 from triton_omni_tools.reaper import process_group
 from triton_omni_tools.repository import copy_model
 
-from tests.support.launched import launch
+from tests.support.launched import launched
 
 if gpu_count() < 1:
     pytest.skip("needs a GPU", allow_module_level=True)
@@ -42,12 +42,8 @@ def test_a_killed_launcher_leaves_no_process_and_no_gpu_memory(tmp_path, end):
                instance_group=[{"kind": "KIND_GPU", "count": 1, "gpus": [0]}])
     copy_model(DEFAULT_REPOSITORIES[0], "ar", repository)
     baseline = gpu_memory_used_mib()
-    parent, started = launch("server", repository, tmp_path / "tritonserver.log", end)
-    try:
+    with launched("server", repository, tmp_path / "tritonserver.log", end) as (parent, started):
         check_no_gpu_memory_left(parent, started, end, baseline)
-    finally:
-        parent.kill()  # a failed check leaves no launcher waiting (its reaper then takes the rest)
-        parent.wait()
 
 
 def check_no_gpu_memory_left(parent, started: dict, end: str, baseline: int) -> None:

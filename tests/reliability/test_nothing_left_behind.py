@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 from triton_omni_tools.reaper import SHM, mapped_shared_memory, process_group
 
-from tests.support.launched import launch
+from tests.support.launched import launched
 from tests.support.server import assert_group_gone
 
 ENGINE_MODEL = '''
@@ -88,12 +88,8 @@ def made_by(group: list[int], shm_prefix: str) -> set[str]:
 @pytest.mark.parametrize(("what", "end"), [("server", "SIGKILL"), ("server", "SIGTERM"), ("server", "exception"),
                                            ("gateway", "SIGKILL")])
 def test_what_the_launcher_started_dies_with_it(tmp_path, what, end):
-    parent, started = launch(what, engine_repository(tmp_path / "repo"), tmp_path / "tritonserver.log", end)
-    try:
+    with launched(what, engine_repository(tmp_path / "repo"), tmp_path / "tritonserver.log", end) as (parent, started):
         check_dies_with_its_launcher(parent, started, what, end)
-    finally:
-        parent.kill()  # a failed check leaves no launcher waiting (its reaper then takes the rest)
-        parent.wait()
 
 
 def check_dies_with_its_launcher(parent, started: dict, what: str, end: str) -> None:

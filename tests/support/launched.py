@@ -4,9 +4,11 @@ exception), so that a test can check that nothing it started outlives it (reaper
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from triton_omni_tools.launcher import PROJECT_ROOT
@@ -34,11 +36,18 @@ time.sleep(3600)
 '''
 
 
-def launch(what: str, repository: Path, log_file: Path, end: str) -> tuple[subprocess.Popen, dict]:
+@contextlib.contextmanager
+def launched(what: str, repository: Path, log_file: Path, end: str) -> Iterator[tuple[subprocess.Popen, dict]]:
     """The launcher's script started (``what``: "server" or "gateway"; ``end``: "exception" to end by
-    one once started, else it waits to be killed), and what it said it started once that was ready."""
+    one once started, else it waits to be killed), and what it said it started once that was ready.
+    On leaving, the script is killed if it still runs: a failed check leaves no launcher waiting
+    (its reaper then takes the rest)."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, what, str(repository), str(log_file), end],
                               cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
-    line = parent.stdout.readline()
-    assert line, f"the launcher's script ended without starting its {what}; see {log_file}"
-    return parent, json.loads(line)
+    try:
+        line = parent.stdout.readline()
+        assert line, f"the launcher's script ended without starting its {what}; see {log_file}"
+        yield parent, json.loads(line)
+    finally:
+        parent.kill()
+        parent.wait()

@@ -41,7 +41,7 @@ from triton_omni_protocol import ADMIN_HEADER
 from triton_omni_tools import memory_plan, placement
 from triton_omni_tools.demos import demo_edits
 from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
-from triton_omni_tools.reaper import Leftovers, Reaper, kill_group, mapped_shared_memory, process_group, remove
+from triton_omni_tools.reaper import Leftovers, Reaper, mapped_shared_memory, process_group, reap
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
 from triton_omni_tools.supervisor import RepositoryApi, Supervisor
 
@@ -401,13 +401,13 @@ class TritonServer:
         to load or a bad flag (Triton exits with an error status), a timeout."""
         self.check_memory_plan()
         install = find_server(self.options.server)
-        cmd = self.command(install, build_backend_dir(install))
+        cmd, env = self.command(install, build_backend_dir(install)), server_env(install)
         logger.info("Starting %s", " ".join(cmd))
         # Whatever this process's end, the reaper takes the server's group down (reaper.py).
         self.reaper = Reaper()
         try:
             for attempt in range(1, STARTUP_ATTEMPTS + 1):
-                self._launch(cmd, server_env(install), attempt)
+                self._launch(cmd, env, attempt)
                 try:
                     self.wait_ready()
                     break
@@ -483,13 +483,13 @@ class TritonServer:
         process group is left: stubs and vLLM engine processes included."""
         if self.supervisor is not None:
             self.supervisor.stop()
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
         if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tritonserver did not stop in %.0f s; killing it", timeout_s)
             self._take_down()
         self._remove_run_dir()
         if self.reaper is not None:
@@ -499,11 +499,8 @@ class TritonServer:
     def _take_down(self) -> None:
         """Whatever is left of the server's group killed, and what it left in /dev/shm removed (what a
         killed process had no chance to unlink); the run folder stays, for a start again."""
-        leftovers = self.leftovers(run_dir=False)
-        segments = self._segments | mapped_shared_memory(process_group(leftovers.pgid))
-        kill_group(leftovers.pgid)
+        reap(self.leftovers(run_dir=False), self._segments)
         self.process.wait()
-        remove(segments, leftovers)
         if self._log:
             self._log.close()
             self._log = None

@@ -23,8 +23,9 @@ process ends, whatever the cause; the reaper's read then returns, and it
 kills the group, waits for it to be gone, and removes what the group left:
 the ``/dev/shm`` files its processes mapped or named with the server's
 prefixes, and the folders it was given. A launcher that stops its group
-itself does the same work first, then closes the pipe: the reaper finds
-nothing left and exits.
+itself does the same work first, then tells the reaper to forget the group
+(its number is free then, and may soon be another group's) and closes the
+pipe: the reaper exits.
 
 This module imports only the standard library: the reaper starts in
 milliseconds, and the launcher uses the same functions for its own stop.
@@ -136,11 +137,12 @@ def remove(files: set[Path], leftovers: Leftovers) -> None:
                 path.unlink()
 
 
-def reap(leftovers: Leftovers) -> None:
-    """Kill the group and remove everything it left (the shared memory its processes map, read before)."""
+def reap(leftovers: Leftovers, known: set[Path] = frozenset()) -> None:
+    """Kill the group and remove everything it left: the shared memory its processes map (read
+    before), ``known`` files seen mapped earlier, and what ``leftovers`` names."""
     mapped = mapped_shared_memory(process_group(leftovers.pgid))
     kill_group(leftovers.pgid)
-    remove(mapped, leftovers)
+    remove(known | mapped, leftovers)
 
 
 class Reaper:
