@@ -2,7 +2,7 @@
 
 A thin adapter: each request's tensors become a typed ``DiffusionRequest``
 (validated alone: a bad request fails alone), the runner runs the valid ones,
-images leave through DLPack. Cancellation is polled between denoising steps.
+images (or a video's frames) leave through DLPack. Cancellation is polled between denoising steps.
 
 Two modes (model parameter ``batching``):
 - ``request``: ``execute`` runs Triton's batch from its first step to its
@@ -189,7 +189,11 @@ class TritonPythonModel:
         if isinstance(result, Exception):
             return error_response(result, self.context, self.metrics, started)
         self.metrics.finished("success", started)
-        return pb_utils.InferenceResponse(output_tensors=[OUTPUTS.tensor("image", result, batched=True)])
+        output = self.runner.output  # the family's: an image, or a video's frames and their frame rate
+        tensors = [OUTPUTS.tensor(output.name, result, batched=True)]
+        if output.video:
+            tensors.append(OUTPUTS.tensor("fps", output.fps, batched=True))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
         self.runner.close()

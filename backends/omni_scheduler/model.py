@@ -110,7 +110,7 @@ def _event_response(event) -> pb_utils.InferenceResponse:
                     OUTPUTS.tensor("total_steps", event.total),
                     OUTPUTS.tensor("image_index", event.image_index)]
     elif isinstance(event, ImageResult):
-        outputs += _image_outputs(torch.from_dlpack(event.image.to_dlpack()), [event.index])
+        outputs += _media_outputs(torch.from_dlpack(event.image.to_dlpack()), [event.index], event.fps)
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
@@ -129,11 +129,15 @@ def _summary_response(events: list) -> pb_utils.InferenceResponse:
         outputs.append(OUTPUTS.tensor("enhanced_prompt", enhanced[-1].text))
     if images:
         stacked = torch.cat([torch.from_dlpack(e.image.to_dlpack()) for e in images])
-        outputs += _image_outputs(stacked, [e.index for e in images])
+        outputs += _media_outputs(stacked, [e.index for e in images], images[0].fps)
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
-def _image_outputs(images: torch.Tensor, indices: list[int]) -> list:
-    """``image`` [N, H, W, 3] (through DLPack, no copy), its indices and its shape."""
-    return [OUTPUTS.tensor("image", images), OUTPUTS.tensor("image_index", indices),
-            OUTPUTS.tensor("image_shape", list(images.shape))]
+def _media_outputs(media: torch.Tensor, indices: list[int], fps: float | None) -> list:
+    """``image`` [N, H, W, 3] (through DLPack, no copy), its indices and its shape; a video model's
+    ``video`` [N, F, H, W, 3], its shape and ``fps`` in place of the image's."""
+    if fps is None:
+        return [OUTPUTS.tensor("image", media), OUTPUTS.tensor("image_index", indices),
+                OUTPUTS.tensor("image_shape", list(media.shape))]
+    return [OUTPUTS.tensor("video", media), OUTPUTS.tensor("image_index", indices),
+            OUTPUTS.tensor("video_shape", list(media.shape)), OUTPUTS.tensor("fps", fps)]

@@ -41,6 +41,14 @@ class OmniError(RuntimeError):
 
 
 @dataclass
+class Video:
+    """A video model's answer: its frames and the rate they play at."""
+
+    frames: np.ndarray  # [F, H, W, 3] uint8
+    fps: float
+
+
+@dataclass
 class OmniEvent:
     """One response of the ``omni`` scheduler; only the fields it carries are set.
 
@@ -57,7 +65,9 @@ class OmniEvent:
     step: int | None = None
     total_steps: int | None = None
     image: np.ndarray | None = None  # [num_images, H, W, 3] uint8
-    image_index: list[int] | None = None
+    image_index: list[int] | None = None  # which of num_images (images or videos)
+    video: np.ndarray | None = None  # a video model's: [num_images, F, H, W, 3] uint8
+    fps: float | None = None
 
     @classmethod
     def from_outputs(cls, get) -> OmniEvent:
@@ -66,14 +76,22 @@ class OmniEvent:
             value = get(name)
             return None if value is None else "".join(_as_text(v) for v in np.ravel(value))
 
-        image, index, shape = get("image"), get("image_index"), get("image_shape")
-        if image is not None and shape is not None:  # HTTP JSON sends the image flat
-            image = np.reshape(image, [int(n) for n in np.ravel(shape)])
+        image, index, video = _shaped(get, "image"), get("image_index"), _shaped(get, "video")
         return cls(text=text("text_output"), finish_reason=text("finish_reason"),
                    enhanced_prompt_delta=text("enhanced_prompt_delta"), enhanced_prompt=text("enhanced_prompt"),
                    stage=text("stage"), step=_first(get, "step", int), total_steps=_first(get, "total_steps", int),
                    image=None if image is None else np.asarray(image, dtype=np.uint8),
-                   image_index=None if index is None else [int(i) for i in np.ravel(index)])
+                   image_index=None if index is None else [int(i) for i in np.ravel(index)],
+                   video=None if video is None else np.asarray(video, dtype=np.uint8),
+                   fps=_first(get, "fps", float))
+
+
+def _shaped(get, name: str) -> Any:
+    """Output ``name`` in its shape (``<name>_shape``): HTTP JSON sends it flat."""
+    value, shape = get(name), get(f"{name}_shape")
+    if value is not None and shape is not None:
+        value = np.reshape(value, [int(n) for n in np.ravel(shape)])
+    return value
 
 
 @dataclass
@@ -285,12 +303,35 @@ class OmniClient:
                   "pooled_prompt_embeds": pooled_prompt_embeds}
         if self.shared_memory:
             return self._generate_shared(client_module, model, prompt, negative_prompt, embeds, options)
+        return self._infer_media(client_module, model, prompt, negative_prompt, embeds, options, "image")[0][0]
+
+    def generate_video(self, prompt: str | None = None, *, prompt_embeds: np.ndarray | None = None,
+                       negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
+                       model: str = "diffusion", **options: Any) -> Video:
+        """A video model's frames ``[F, H, W, 3]`` uint8 and their frame rate. ``options``:
+        ``generate_image``'s, and ``num_frames`` (1 + a multiple of the model's VAE's temporal
+        factor: 1 + 4k for Wan; the model's default when left out)."""
+        client_module = _client_module(self.protocol)
+        embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+        frames, fps = self._infer_media(client_module, model, prompt, negative_prompt, embeds, options, "video", "fps")
+        return Video(frames[0], float(np.ravel(fps)[0]))
+
+    def _infer_media(self, client_module, model: str, prompt, negative_prompt, embeds: dict, options: dict,
+                     *names: str) -> list[np.ndarray]:
+        """One call's outputs ``names`` (an image, or a video's frames and frame rate); a model that
+        makes the other kind is named in the error."""
         with client_module.InferenceServerClient(self.url) as client:
             inputs = self._image_inputs(client, client_module, None, model, prompt, negative_prompt, embeds, options)
             try:
-                return client.infer(model, inputs).as_numpy("image")[0]
+                result = client.infer(model, inputs)
             except Exception as exc:
                 raise as_omni_error(exc) from None
+        values = [result.as_numpy(name) for name in names]
+        if values[0] is None:
+            other = "generate_image" if names[0] == "video" else "generate_video"
+            raise OmniError("INVALID_ARG", f"'{model}' returned no {names[0]}: it makes "
+                            f"{'images' if names[0] == 'video' else 'videos'} (call {other})")
+        return values
 
     def _image_inputs(self, client, client_module, shared: list | None, model: str, prompt, negative_prompt,
                       embeds: dict, options: dict) -> list:

@@ -93,6 +93,8 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("guidance_scale", "TYPE_FP32"),
         TensorSpec("height", "TYPE_INT32"),
         TensorSpec("width", "TYPE_INT32"),
+        # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan)
+        TensorSpec("num_frames", "TYPE_INT32"),
         TensorSpec("seed", "TYPE_INT64"),
         # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
         TensorSpec("step_cache", "TYPE_STRING"),
@@ -104,7 +106,10 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
 
 def diffusion_outputs() -> list[TensorSpec]:
     return [
+        # what the model's family makes: an image, or a video's frames and their frame rate
         TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3)),
+        TensorSpec("video", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [F, H, W, 3]
+        TensorSpec("fps", "TYPE_FP32"),
         # Sent only by a decoupled diffusion model (docs/models.md, "Progress"): one response per
         # denoising step, before the image's.
         TensorSpec("step", "TYPE_INT32"),
@@ -133,6 +138,7 @@ OMNI_INPUTS = [
     TensorSpec("guidance_scale", "TYPE_FP32"),
     TensorSpec("height", "TYPE_INT32"),
     TensorSpec("width", "TYPE_INT32"),
+    TensorSpec("num_frames", "TYPE_INT32"),  # a video model's
     TensorSpec("seed", "TYPE_INT64"),
     TensorSpec("step_cache", "TYPE_STRING"),
     TensorSpec("lora", "TYPE_STRING"),
@@ -151,9 +157,13 @@ OMNI_OUTPUTS = [
     TensorSpec("step", "TYPE_INT32", dims=(-1,)),
     TensorSpec("total_steps", "TYPE_INT32", dims=(-1,)),
     TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [num_images, H, W, 3]
-    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),  # which of num_images (images or videos)
     # The image's shape again: Triton's HTTP /generate flattens tensors to JSON lists.
     TensorSpec("image_shape", "TYPE_INT32", dims=(4,)),
+    # A video model's answer in place of the image: [num_images, F, H, W, 3], its shape, its frame rate
+    TensorSpec("video", "TYPE_UINT8", dims=(-1, -1, -1, -1, 3)),
+    TensorSpec("video_shape", "TYPE_INT32", dims=(5,)),
+    TensorSpec("fps", "TYPE_FP32"),
 ]
 
 

@@ -51,9 +51,11 @@ class FakeStages:
         return FakeEmbeds(prompt), FakeEmbeds("<absent>" if negative_prompt is None else negative_prompt)
 
     async def diffuse(self, embeds: FakeEmbeds, negative: FakeEmbeds | None, options: dict[str, Any],
-                      on_step: Callable[[int, int], None]) -> str:
+                      on_step: Callable[[int, int], None]) -> tuple[str, float | None]:
         await self._enter("diffuse", (embeds.prompt, negative and negative.prompt, options))
         for step in range(1, self.steps + 1):
             await asyncio.sleep(0)
             on_step(step, self.steps)
-        return f"image of {embeds.prompt} seed {options.get('seed')}"
+        if "num_frames" in options:  # as a video model answers: frames and their rate
+            return f"{options['num_frames']} frames of {embeds.prompt} seed {options.get('seed')}", 16.0
+        return f"image of {embeds.prompt} seed {options.get('seed')}", None

@@ -17,15 +17,16 @@ from triton_omni.diffusion.steps import to_pixels
 DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image",
                   "flux2-klein": "demo:tiny-flux2-klein", "flux2-dev": "demo:tiny-flux2-dev",
                   "flux1-dev": "demo:tiny-flux1-dev", "qwen-image-edit": "demo:tiny-qwen-image-edit",
-                  "qwen-image-edit-plus": "demo:tiny-qwen-image-edit-plus"}
+                  "qwen-image-edit-plus": "demo:tiny-qwen-image-edit-plus", "wan": "demo:tiny-wan"}
 # The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
 GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale",
                     "flux2-klein": "guidance_scale", "flux2-dev": "guidance_scale", "flux1-dev": "guidance_scale",
-                    "qwen-image-edit": "true_cfg_scale", "qwen-image-edit-plus": "true_cfg_scale"}
+                    "qwen-image-edit": "true_cfg_scale", "qwen-image-edit-plus": "true_cfg_scale",
+                    "wan": "guidance_scale"}
 # What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 [klein] guide above 1, Z-Image
 # above 0 (FLUX.2 [dev] and FLUX.1 [dev] are guidance-distilled: the DiT reads any scale, 1 as much as 4)
 NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0, "flux2-dev": 1.0, "flux1-dev": 1.0,
-               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0}
+               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0, "wan": 1.0}
 # The guidance-distilled families, whose pipeline runs no negative pass (FLUX.2 [dev] takes no negative
 # prompt; FLUX.1's reads one only for true_cfg_scale, which is left at its default): a negative is ignored
 NO_NEGATIVE = {"flux2-dev", "flux1-dev"}
@@ -41,8 +42,9 @@ def pipeline(family: str) -> DiffusionPipeline:
 
 def reference(family: str, prompt: str, negative_prompt=ABSENT, *, guidance_scale: float, num_inference_steps: int,
               height: int, width: int, seed: int, **inputs) -> np.ndarray:
-    """The pipeline's image ``[H, W, 3]`` uint8 for these arguments; ``negative_prompt`` left out of
-    the call when ``ABSENT``; ``inputs``: more of the call's arguments (an edit's ``image``)."""
+    """The pipeline's image ``[H, W, 3]`` uint8 (a video's frames: ``[F, H, W, 3]``) for these
+    arguments; ``negative_prompt`` left out of the call when ``ABSENT``; ``inputs``: more of the
+    call's arguments (an edit's ``image``, a video's ``num_frames``)."""
     return call(pipeline(family), prompt, negative_prompt, guidance_keyword=GUIDANCE_KEYWORD[family],
                 guidance_scale=guidance_scale, num_inference_steps=num_inference_steps, height=height, width=width,
                 seed=seed, **inputs)[0].numpy()
@@ -50,7 +52,8 @@ def reference(family: str, prompt: str, negative_prompt=ABSENT, *, guidance_scal
 
 def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidance_keyword: str = "guidance_scale",
          guidance_scale: float, seed: int, **kwargs) -> torch.Tensor:
-    """``pipe``'s own call, as its users write it, its images ``[N, H, W, 3]`` uint8. A pipeline that
+    """``pipe``'s own call, as its users write it, its images ``[N, H, W, 3]`` uint8 (a video
+    pipeline's frames: ``[N, F, H, W, 3]``). A pipeline that
     takes no ``negative_prompt`` (FLUX.2 [klein]: its negative is "") gets a negative text the way
     its users give one: ``negative_prompt_embeds`` from its own ``encode_prompt``; one that takes no
     negative at all (FLUX.2 [dev], guidance-distilled) runs without it, as the server does."""
@@ -64,9 +67,9 @@ def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidan
     else:
         given = {}
     with torch.inference_mode():
-        images = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pt",
-                      **{guidance_keyword: guidance_scale}, **given, **kwargs).images
-    return to_pixels(images)
+        output = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pt",
+                      **{guidance_keyword: guidance_scale}, **given, **kwargs)
+    return to_pixels(output.frames if hasattr(output, "frames") else output.images)
 
 
 def encoded(family: str, text: str) -> np.ndarray:

@@ -3,7 +3,8 @@ scale or step count moves each family's image far past the parity tests' toleran
 255), so a parity test fails when a route encodes or guides a request wrongly. (FLUX.2 [dev] and
 FLUX.1 [dev] run no negative pass: their DiT reads the scale, so 1 is a guidance like any other.)
 FLUX.1's pooled CLIP vector moves the image on its own too (test_diffusion_families.py).
-Qwen-Image-Edit's image moves it too: another input image."""
+Qwen-Image-Edit's image moves it too: another input image. Wan's video: another frame count too
+(its first frames compared)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ BASE = {"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale": 4.
         "height": 32, "width": 32, "seed": 7}
 MIN_LEVELS = 10
 EDITS = {"qwen-image-edit"}  # the families that edit an input image: every call gives one
+VIDEOS = {"wan"}  # the families that make videos: every call gives a frame count
 
 
 def changes(family: str) -> dict[str, dict]:
@@ -30,15 +32,17 @@ def changes(family: str) -> dict[str, dict]:
         "guidance off": {"guidance_scale": NO_GUIDANCE[family]},
         "step count": {"num_inference_steps": 3},
         **({"input image": {"image": Image.fromarray(picture(2))}} if family in EDITS else {}),
+        **({"frame count": {"num_frames": 9}} if family in VIDEOS else {}),
     }
 
 
 @pytest.mark.parametrize("family", ["sd", "qwen-image", "z-image", "flux2-klein", "flux2-dev", "flux1-dev",
-                                    "qwen-image-edit"])
+                                    "qwen-image-edit", "wan"])
 def test_each_input_moves_the_image_far_past_the_parity_tolerance(family):
-    given = BASE | ({"image": Image.fromarray(picture(1))} if family in EDITS else {})
+    given = BASE | ({"image": Image.fromarray(picture(1))} if family in EDITS else {}) | \
+        ({"num_frames": 5} if family in VIDEOS else {})
     base = reference(family, **given)
-    moved = {name: levels_apart(base, reference(family, **(given | change)))
+    moved = {name: levels_apart(base, reference(family, **(given | change))[: len(base)])
              for name, change in changes(family).items()}
     print(f"{family}: levels of 255 each change moved the image by: {moved}")  # pytest -s shows them
     assert all(levels >= MIN_LEVELS for levels in moved.values()), moved

@@ -2,7 +2,8 @@
 own ``__call__``: same prompt, negative prompt, steps, guidance, size and
 seeded generator, on tiny random-weight models (diffusers' test shapes).
 Alone, bit-exact; batched beside other requests, within 1/255 per pixel, or
-bit-exact with ``exact_batching: pipeline``."""
+bit-exact with ``exact_batching: pipeline``. A video family (Wan) the same, every frame: its
+requests here make ``FRAMES`` frames (the model's default set so, and the pipeline called with it)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,22 @@ from triton_omni.errors import RequestValidationError
 
 from tests.support.pipelines import call
 
-STEPS, SIZE = 2, 32
+STEPS, SIZE, FRAMES = 2, 32, 5
 MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
-          "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev"}
+          "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev",
+          "wan": "demo:tiny-wan"}
+VIDEO = {"wan"}
+
+
+def config(family: str, **settings) -> DiffusionRunnerConfig:
+    """The family's tiny demo; a video family's requests make ``FRAMES`` frames unless they say."""
+    return DiffusionRunnerConfig(MODELS[family], defaults={"num_frames": FRAMES} if family in VIDEO else {},
+                                 **settings)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def runner(request) -> DiffusionRunner:
-    return DiffusionRunner(DiffusionRunnerConfig(MODELS[request.param], exact_batching=False, batch_size=4))
+    return DiffusionRunner(config(request.param, exact_batching=False, batch_size=4))
 
 
 def served(runner: DiffusionRunner, *requests: dict) -> list[torch.Tensor]:
@@ -38,8 +47,9 @@ def reference(runner: DiffusionRunner, prompt: str, seed: int, guidance: float, 
               size: int = SIZE, steps: int = STEPS, height: int | None = None) -> torch.Tensor:
     """The pipeline's own call, as its documentation shows it."""
     guidance_key = "true_cfg_scale" if runner.family.name == "qwen_image" else "guidance_scale"
+    frames = {"num_frames": FRAMES} if runner.output.video else {}
     return call(runner.pipeline, prompt, negative, guidance_keyword=guidance_key, guidance_scale=guidance, seed=seed,
-                num_inference_steps=steps, height=height or size, width=size)[0]
+                num_inference_steps=steps, height=height or size, width=size, **frames)[0]
 
 
 def encoded(runner: DiffusionRunner, text: str) -> torch.Tensor:
@@ -81,7 +91,7 @@ def test_batched_beside_other_requests_stays_within_one_level(runner):
                    {"prompt": "a watercolor lighthouse", "guidance_scale": 1.0, "seed": 4, "num_inference_steps": 3},
                    {"prompt": "a red fox", "guidance_scale": 2.0, "seed": 6, "height": 2 * SIZE})
     assert (batch[0].int() - alone.int()).abs().max() <= 1
-    assert batch[3].shape == (SIZE, SIZE, 3) and batch[4].shape == (2 * SIZE, SIZE, 3)
+    assert batch[3].shape[-3:] == (SIZE, SIZE, 3) and batch[4].shape[-3:] == (2 * SIZE, SIZE, 3)
     assert not torch.equal(batch[0], batch[1])  # each request its own generator
 
 
@@ -146,7 +156,7 @@ def test_a_size_the_model_cannot_take_names_it(runner):
 @pytest.fixture(scope="module", params=list(MODELS))
 def stepper(request) -> DiffusionRunner:
     """Step batching: requests join and leave the running batch at every step."""
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS[request.param], batching="step", batch_size=4))
+    runner = DiffusionRunner(config(request.param, batching="step", batch_size=4))
     yield runner
     runner.close()
 
@@ -187,8 +197,7 @@ COMPANY = [{"prompt": "a red fox", "negative_prompt": "blurry", "guidance_scale"
 def test_exact_batching_pipeline_is_bit_exact_in_any_company(family, batching):
     """``exact_batching: pipeline``: each request's passes at its pipeline's own batch size, so its
     image equals the pipeline's call alone bit for bit, whatever shares the batch."""
-    runner = DiffusionRunner(DiffusionRunnerConfig(MODELS[family], batching=batching, batch_size=4,
-                                                   exact_batching="pipeline"))
+    runner = DiffusionRunner(config(family, batching=batching, batch_size=4, exact_batching="pipeline"))
     try:
         if batching == "step":
             futures = [runner.submit(runner.parse({"num_inference_steps": STEPS, "height": SIZE, "width": SIZE}

@@ -47,6 +47,8 @@ def test_several_images_get_consecutive_seeds():
     ({"text_input": "x", "modalities": []}, "modalities"),
     ({"text_input": "x", "modalities": ["audio"]}, "modalities"),
     ({"text_input": "x", "modalities": ["text", "text"]}, "modalities"),
+    ({"text_input": "x", "modalities": ["image", "video"]}, "modalities"),
+    ({"text_input": "x", "parameters": '{"num_frames": "many"}'}, "num_frames"),
     ({"text_input": "x", "num_images": 5}, "num_images"),
     ({"text_input": "x", "enhance_prompt": "yes"}, "enhance_prompt"),
     ({"text_input": "x", "parameters": "{"}, "parameters"),
@@ -164,6 +166,19 @@ def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_prog
     progress = [e for e in events if isinstance(e, Progress) and e.stage == "diffusion"]
     assert sorted((e.image_index, e.step) for e in progress) == [(i, s) for i in (0, 1) for s in (1, 2, 3)]
     assert not any(stage == "generate" for stage, _ in stages.calls)
+
+
+def test_the_video_route_is_the_diffusion_route_and_carries_the_frame_rate():
+    """``modalities: ["video"]`` encodes then diffuses as ``["image"]`` does, ``num_frames`` passed to
+    the diffusion model; its answer (a video model's frames) comes back with their rate."""
+    from triton_omni.scheduler import ImageResult
+
+    stages = FakeStages()
+    events = scheduled(stages, text_input="a fox", modalities=["video"], seed=7, parameters='{"num_frames": 9}')
+    [result] = [e for e in events if isinstance(e, ImageResult)]
+    assert (result.image, result.fps) == ("9 frames of a fox seed 7", 16.0)
+    [(_, (_, _, options))] = [call for call in stages.calls if call[0] == "diffuse"]
+    assert options == {"num_frames": 9, "seed": 7}
 
 
 def test_hybrid_route_runs_both_branches_and_enhance_rewrites_first():

@@ -150,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_image_options(image)
     image.set_defaults(run=_generate_image)
 
+    video = commands.add_parser("generate-video", help="generate a video with a video model (Wan)")
+    video.add_argument("prompt")
+    video.add_argument("--out", type=Path, required=True,
+                       help="OUT.mp4 (H.264, lossy) or OUT.npy (the frames [F, H, W, 3] as served, lossless)")
+    video.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    video.add_argument("--url")
+    video.add_argument("--model", default="diffusion", help="diffusion (default), or text_to_image")
+    video.add_argument("--frames", type=int, dest="num_frames", help="1 + a multiple of 4 for Wan (default: the "
+                       "model's, 81)")
+    _add_image_options(video)
+    video.set_defaults(run=_generate_video)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from triton_omni_tools.demos import DemoError
@@ -393,6 +405,30 @@ def _generate_image(args) -> int:
         return 1
     Image.fromarray(pixels).save(args.out, format="PNG")
     print(f"wrote {args.out} ({pixels.shape[1]}x{pixels.shape[0]})")
+    return 0
+
+
+def _generate_video(args) -> int:
+    import numpy as np
+    from triton_omni_client import InputValueError, OmniClient, OmniError
+    from triton_omni_client.video import encode_mp4
+
+    if args.out.suffix not in (".mp4", ".npy"):
+        raise SystemExit(f"error: --out must end in .mp4 or .npy, got {args.out.name!r}")
+    options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale",
+                                             "num_frames") if getattr(args, k) is not None} | (args.lora or {})
+    try:
+        video = OmniClient(args.url, protocol=args.protocol).generate_video(
+            args.prompt, negative_prompt=args.negative_prompt, model=args.model, **options)
+    except (OmniError, InputValueError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    if args.out.suffix == ".npy":
+        np.save(args.out, video.frames)
+    else:
+        args.out.write_bytes(encode_mp4(video.frames, video.fps))
+    count, height, width, _ = video.frames.shape
+    print(f"wrote {args.out} ({count} frames, {width}x{height}, {video.fps:g} fps)")
     return 0
 
 

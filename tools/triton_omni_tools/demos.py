@@ -31,4 +31,6 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     edits: dict[str, dict[str, Any]] = {"diffusion": {"parameters": {"model": model}}}
     if DEMOS[demo].encoder:
         edits["ar_encoder"] = {"parameters": {"model": model, "recipe": family.recipe.name}}
+    if family.output.video:  # text_to_image ends in what the family makes
+        edits["text_to_image"] = {"media": "video"}
     return edits

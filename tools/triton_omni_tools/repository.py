@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format, text_format
+from triton_omni_protocol import diffusion_outputs
 from tritonclient.grpc import model_config_pb2
 
 ParameterValue = str | dict[str, Any]
@@ -28,12 +29,15 @@ def load_config(path: Path) -> model_config_pb2.ModelConfig:
 def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = None,
                 max_batch_size: int | None = None, max_queue_delay_us: int | None = None,
                 preferred_batch_size: list[int] | None = None,
-                instance_group: list[dict[str, Any]] | None = None, decoupled: bool | None = None) -> None:
+                instance_group: list[dict[str, Any]] | None = None, decoupled: bool | None = None,
+                media: str | None = None) -> None:
     """Change ``path`` in place.
 
     ``parameters``: a string sets the model parameter; a dict is merged into
     the JSON object the parameter holds (``{"limits": {"max_size": 1024}}``).
     ``instance_group``: Triton's JSON form, e.g. ``[{"kind": "KIND_GPU", "count": 2, "gpus": [0]}]``.
+    ``media``: ``"video"`` makes an ensemble that ends in the diffusion stage's ``image`` end in its
+    ``video`` and ``fps`` (a video family's outputs) instead.
     """
     config = load_config(path)
     for key, value in (parameters or {}).items():
@@ -53,7 +57,28 @@ def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = No
         del config.instance_group[:]
         for group in instance_group:
             json_format.ParseDict(group, config.instance_group.add())
+    if media == "video":
+        _ends_in_video(config)
+    elif media is not None:
+        raise ValueError(f"media must be 'video', got {media!r}")
     path.write_text(text_format.MessageToString(config))
+
+
+def _ends_in_video(config: model_config_pb2.ModelConfig) -> None:
+    """The ensemble's ``image`` output (the diffusion stage's) replaced by ``video`` and ``fps``, as
+    the protocol declares them: Triton fails an ensemble request whose outputs are not all produced,
+    and a video model produces no ``image``."""
+    specs = {spec.name: spec for spec in diffusion_outputs()}
+    kept = [output for output in config.output if output.name != "image"]
+    del config.output[:]
+    config.output.extend(kept)
+    for name in ("video", "fps"):
+        output = config.output.add(name=name, data_type=model_config_pb2.DataType.Value(specs[name].data_type))
+        output.dims.extend(specs[name].dims)
+    for step in config.ensemble_scheduling.step:
+        if step.output_map.get("image") == "image":
+            del step.output_map["image"]
+            step.output_map.update({"video": "video", "fps": "fps"})
 
 
 def copy_model(source_repository: Path, model: str, dest_repository: Path, name: str | None = None,

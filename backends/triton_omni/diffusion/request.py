@@ -36,6 +36,10 @@ class DiffusionLimits:
     max_embeds_bytes: int | None = None
     max_prompt_chars: int = 10_000
     size_multiple: int = 8  # the VAE's factor, times the patch for a DiT (families.py)
+    # a video family's frame counts are 1 + k x frames_step, at most max_frames; 0: an image model
+    frames_step: int = 0
+    max_frames: int = 81
+    default_frames: int = 0
     pooled_size: int = 0  # the pooled embedding's width the family reads beside the sequence (FLUX.1); 0: none
     # input images (images.py): how many the family takes (0: none), and each one's bounds
     max_images: int = 0
@@ -69,6 +73,7 @@ class DiffusionRequest:
     images_field: str = "images"  # the input the images came in: "image" (pixels) or "images" (files)
     lora: str | None = None  # the LoRA adapter it runs with (lora.py), by name; None: the base weights
     lora_scale: float = 1.0
+    num_frames: int = 1  # a video's frame count; 1 for an image model
 
     @property
     def has_negative(self) -> bool:
@@ -103,9 +108,28 @@ class DiffusionRequest:
             except ValueError as exc:
                 raise RequestValidationError("step_cache", str(exc), step_cache) from None
         lora, lora_scale = _lora(values.get("lora"), values.get("lora_scale"))
+        frames = _frames(inputs.get("num_frames"), values.get("num_frames"), limits)
         return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
                    pooled, images, ("height" in inputs, "width" in inputs),
-                   "image" if values.get("image") is not None else "images", lora, lora_scale)
+                   "image" if values.get("image") is not None else "images", lora, lora_scale, frames)
+
+
+def _frames(given: Any, value: Any, limits: DiffusionLimits) -> int:
+    """A video's ``num_frames`` (the model's default unless given): ``1 + k x frames_step``, as its
+    VAE takes it (the pipeline would round another count with a warning; a request is refused,
+    naming the counts it could give). An image model refuses one."""
+    name = "num_frames"
+    if not limits.frames_step:
+        require(given is None, name, "this model makes images (num_frames is a video model's)", given)
+        return 1
+    frames = as_int(name, limits.default_frames if value is None else value)
+    in_range(name, frames, 1, limits.max_frames)
+    step = limits.frames_step
+    if (frames - 1) % step:
+        below = (frames - 1) // step * step + 1
+        raise RequestValidationError(name, f"must be 1 + a multiple of {step} (this model's VAE takes {step} frames "
+                                     f"into one after the first): {below} or {below + step}", frames)
+    return frames
 
 
 def _lora(name: Any, scale: Any) -> tuple[str | None, float]:

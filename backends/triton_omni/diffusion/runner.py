@@ -203,7 +203,8 @@ class _Job:
     def group_key(self) -> tuple:
         r = self.request
         guided = self.uncond is not None
-        return (r.height, r.width, r.num_inference_steps, r.guidance_scale if guided or self.scale_read else 0.0,
+        return (r.height, r.width, r.num_frames, r.num_inference_steps,
+                r.guidance_scale if guided or self.scale_read else 0.0,
                 self.cond.shape[0], self.uncond.shape[0] if guided else 0,
                 id(r) if r.images else None,  # a call's input images are every row's: such a request runs alone
                 r.lora, r.lora_scale if r.lora else None)  # and so is its adapter
@@ -241,8 +242,11 @@ class DiffusionRunner:
         hidden = self.family.hidden_size()
         # an edit's output is its input image's size by default (about 1024² pixels, a side up to 2048),
         # and its embeddings hold the image's vision tokens beside the prompt's (about 1340 for 1024²)
+        self.output = self.family.output  # an image or a video: what each request's result is
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
-                                          "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
+                                          "pooled_size": self.family.pooled_size(), "max_images": capabilities.images,
+                                          "frames_step": self.family.frames_step(),
+                                          "default_frames": self.output.default_frames}
                                          | (EDIT_LIMITS if capabilities.edits else {}) | config.limits))
         self.graphs: GraphedDenoiser | None = None
         self.sequence_parallel: SequenceParallel | None = None
@@ -415,7 +419,7 @@ class DiffusionRunner:
                is_cancelled: Callable[[], bool] | None = None,
                on_cached: Callable[[int, int], None] | None = None) -> Future:
         """Step batching: one request into the running batch. The future
-        resolves to its image ``[H, W, 3]`` uint8 (or its error). ``on_cached``:
+        resolves to its image ``[H, W, 3]`` uint8, or its video's frames ``[F, H, W, 3]`` (or its error). ``on_cached``:
         (steps computed, steps skipped) when it ends, if it used the step cache."""
         def prepare() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # on the engine's thread
             job = self._prepare(0, request)
@@ -426,7 +430,7 @@ class DiffusionRunner:
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled,
                            step_cache=request.step_cache or self.step_cache, on_cached=on_cached,
-                           images=request.images)
+                           images=request.images, frames=request.num_frames)
         if request.lora is None:
             return self.steps.submit(step_job)
         return self._submit_adapted(step_job, request.lora, request.lora_scale)
@@ -532,7 +536,8 @@ class DiffusionRunner:
 
     def run(self, requests: list[DiffusionRequest], on_step: StepCallback | None = None,
             is_cancelled: IsCancelled | None = None) -> list[torch.Tensor | Exception]:
-        """Images ``[H, W, 3]`` uint8, or the exception of each failed request, in order."""
+        """Images ``[H, W, 3]`` uint8 (videos: ``[F, H, W, 3]``), or the exception of each failed
+        request, in order."""
         if self.steps is not None:
             return self._run_steps(requests, on_step, is_cancelled)
         results: list[torch.Tensor | Exception | None] = [None] * len(requests)
@@ -629,17 +634,15 @@ class DiffusionRunner:
             kwargs |= self.family.image_kwargs(first.images)
         if jobs[0].pooled is not None:
             kwargs |= self.family.pooled_kwargs([job.pooled for job in rows])
-        kwargs |= {
+        kwargs |= self.family.size_kwargs(first.height, first.width, first.num_frames) | {
             "num_inference_steps": first.num_inference_steps,
-            "height": first.height,
-            "width": first.width,
             "generator": generators,
             "output_type": "pt",
             "callback_on_step_end": self._step_callback(jobs, on_step, is_cancelled),
         }
         started = time.perf_counter()
         with torch.inference_mode(), self._adapter(first):
-            images = self.pipeline(**kwargs).images[: len(jobs)]
+            images = self.family.call_output(self.pipeline(**kwargs))[: len(jobs)]
         queued = time.perf_counter()
         # Images are final outputs that leave the server over the network: one
         # device-to-host copy per batch here is cheaper than a CUDA tensor per

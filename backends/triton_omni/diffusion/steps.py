@@ -94,6 +94,7 @@ class StepJob:
     step_cache: Any = None  # its StepCacheConfig (step_cache.py) when it caches, else None
     on_cached: Callable[[int, int], None] | None = None  # (steps computed, steps skipped), when it ends
     images: list = field(default_factory=list)  # input images (the family's step adapter reads them)
+    frames: int = 1  # a video's frame count (a video family's); 1 for an image
     lora: tuple[int, float] | None = None  # its LoRA adapter's (slot, scale) (lora.py), pinned while it runs
     future: Future = field(default_factory=Future)
     submitted: float = 0.0  # time.monotonic() when the engine got it (most_behind)
@@ -115,9 +116,13 @@ class StepJob:
         """What rows must share to run in one forward pass."""
         return self.key if self.key is not None else (self.height, self.width, self.cond.shape[0])
 
+    def pixels(self) -> int:
+        """Its output's pixels, every frame's: what a step costs grows with them."""
+        return self.frames * self.height * self.width
+
     def work_left(self) -> int:
-        """Its remaining steps times its latent area: what a step costs grows with the pixels."""
-        return (self.steps - self.done) * self.height * self.width
+        """Its remaining steps times its pixels."""
+        return (self.steps - self.done) * self.pixels()
 
     def behind(self, now: float, step_cost: float) -> float:
         """How far it is behind its time alone (up to a factor common to every request, if
@@ -160,12 +165,12 @@ class StepCosts:
             group, started, ended = self._pending.popleft()
             self._learn(group, started.elapsed_time(ended) / 1e3)
 
-    def of(self, groups: list[tuple]) -> dict[tuple, float]:
-        """Each group's step cost: measured, or, until every one of ``groups`` has been, its latent
-        area (one unit for all: the ratios between groups are what orders them)."""
+    def of(self, groups: dict[tuple, int]) -> dict[tuple, float]:
+        """Each group's step cost: measured, or, until every one of ``groups`` has been, its
+        pixels (``groups``' values: one unit for all, the ratios between groups are what orders them)."""
         if all(group in self.seconds for group in groups):
             return {group: self.seconds[group] for group in groups}
-        return {group: float(group[0] * group[1]) for group in groups}
+        return {group: float(pixels) for group, pixels in groups.items()}
 
     def _learn(self, group: tuple, seconds: float) -> None:
         old = self.seconds.get(group)
@@ -227,7 +232,8 @@ class StepEngine:
     # -- the caller's side -----------------------------------------------------
 
     def submit(self, job: StepJob) -> Future:
-        """The job's future resolves to its image ``[H, W, 3]`` uint8 on the CPU."""
+        """The job's future resolves to its output on the CPU: an image ``[H, W, 3]`` uint8, or a
+        video's frames ``[F, H, W, 3]``."""
         if job.rows > self.max_rows:
             raise RequestRejectedError(f"a request needs {job.rows} rows; this engine runs at most {self.max_rows}",
                                        "rows")
@@ -333,7 +339,7 @@ class StepEngine:
             return self._running[keys[next(self._turn) % len(keys)]]
         if self.group_order == "most_behind":
             self.costs.update()
-            now, cost = time.monotonic(), self.costs.of(keys)
+            now, cost = time.monotonic(), self.costs.of({key: self._running[key][0].pixels() for key in keys})
             return self._running[max(keys, key=lambda k: max(job.behind(now, cost[k]) for job in self._running[k]))]
         starved = [key for key in keys if self._passed.get(key, 0) >= STARVE_AFTER]
         chosen = starved[0] if starved else min(keys, key=lambda k: min(job.work_left() for job in self._running[k]))
@@ -460,9 +466,9 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | N
 
 
 def pixels_to_host(images: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU, and the event that
-    marks its copy done (``None``: nothing to wait for). From a GPU the copy is queued into
-    pinned memory: the pixels are only valid once the event is."""
+    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU (videos: ``[N, F, 3, H, W]``
+    -> ``[N, F, H, W, 3]``), and the event that marks its copy done (``None``: nothing to wait for).
+    From a GPU the copy is queued into pinned memory: the pixels are only valid once the event is."""
     pixels = _as_pixels(images)
     if pixels.device.type != "cuda":
         return pixels, None
@@ -474,9 +480,11 @@ def pixels_to_host(images: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 def to_pixels(images: torch.Tensor) -> torch.Tensor:
-    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU, in one copy (that waits)."""
+    """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU (videos: ``[N, F, 3, H, W]``
+    -> ``[N, F, H, W, 3]``), in one copy (that waits)."""
     return _as_pixels(images).cpu()
 
 
 def _as_pixels(images: torch.Tensor) -> torch.Tensor:
-    return (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    """Channels last: the channel axis is the third from the end in images and videos alike."""
+    return (images * 255).round().clamp(0, 255).to(torch.uint8).movedim(-3, -1).contiguous()

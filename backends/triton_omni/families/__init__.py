@@ -25,12 +25,13 @@ from triton_omni.families.flux2 import Flux2Dev, Flux2Klein
 from triton_omni.families.qwen_image import QwenImage
 from triton_omni.families.qwen_image_edit import QwenImageEdit, QwenImageEditPlus
 from triton_omni.families.stable_diffusion import StableDiffusion
+from triton_omni.families.wan import Wan
 from triton_omni.families.z_image import ZImage
 
 logger = logging.getLogger(__name__)
 
 FAMILIES: dict[str, type[Family]] = {family.pipeline_class: family for family in (
-    StableDiffusion, QwenImage, QwenImageEdit, QwenImageEditPlus, ZImage, Flux2Klein, Flux2Dev, Flux1)}
+    StableDiffusion, QwenImage, QwenImageEdit, QwenImageEditPlus, ZImage, Flux2Klein, Flux2Dev, Flux1, Wan)}
 RECIPES: dict[str, EncoderRecipe] = {LAST_HIDDEN_STATE.name: LAST_HIDDEN_STATE} | {
     family.recipe.name: family.recipe for family in FAMILIES.values()}
 DEMOS: dict[str, Demo] = {family.demo.name: family.demo for family in FAMILIES.values() if family.demo}

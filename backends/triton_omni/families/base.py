@@ -16,6 +16,9 @@ pipeline class:
   the image of that call;
 - its **text recipe** (``EncoderRecipe``): what ``ar_encoder`` computes so
   that its embeddings are the pipeline's own ``encode_prompt``;
+- its **output** (``Output``): an image ``[H, W, 3]``, or a video's frames
+  ``[F, H, W, 3]`` at a frame rate; the runner, the step engine's work
+  accounting and the Triton adapter follow it;
 - its **demo builders**: a tiny random-weight pipeline for the CPU and the
   tests, and the real shapes (random weights) for GPU benchmarks.
 
@@ -66,6 +69,25 @@ class Capabilities:
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
     lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (lora.py)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a family's pipeline makes: one image (``[H, W, 3]`` uint8, the ``image`` output), or a
+    video (``[F, H, W, 3]`` uint8 frames, the ``video`` output, played at ``fps``). A video's frame
+    count is ``1 + k x frames_step`` (its VAE compresses ``frames_step`` frames into one latent
+    frame after the first); ``default_frames`` is its pipeline's default."""
+
+    name: str = "image"  # the diffusion model's output tensor: "image" or "video"
+    fps: float = 0.0
+    default_frames: int = 0
+
+    @property
+    def video(self) -> bool:
+        return self.name == "video"
+
+
+IMAGE = Output()
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,7 @@ class Family:
     capabilities: ClassVar[Capabilities]
     recipe: ClassVar[EncoderRecipe] = LAST_HIDDEN_STATE
     step_adapter: ClassVar[type[StepAdapter]]
+    output: ClassVar[Output] = IMAGE
     # request batching: CFG runs the prompt and its negative as rows of one batch (one token count)
     negatives_in_one_batch: ClassVar[bool] = False
     demo: ClassVar[Demo | None] = None
@@ -161,6 +184,19 @@ class Family:
     def size_multiple(self) -> int:
         """Height and width must be multiples of this: the VAE's factor times the DiT's patch."""
         raise NotImplementedError
+
+    def frames_step(self) -> int:
+        """A video family's frame counts are ``1 + k x`` this (its VAE's temporal factor); 0: images."""
+        return 0
+
+    def size_kwargs(self, height: int, width: int, frames: int) -> dict[str, Any]:
+        """One batched ``__call__``'s output size (a video's frame count too)."""
+        return {"height": height, "width": width} | ({"num_frames": frames} if self.output.video else {})
+
+    def call_output(self, result: Any) -> torch.Tensor:
+        """One ``__call__``'s output (``output_type="pt"``) as ``[N, 3, H, W]`` images or
+        ``[N, F, 3, H, W]`` videos in [0, 1]."""
+        return result.images
 
     def uses_guidance(self, guidance_scale: float, has_negative: bool) -> bool:
         """Whether a request runs a negative pass, by the pipeline's own rule."""
@@ -230,9 +266,11 @@ class Family:
         config = self.network.config
         return int(config.num_attention_heads), int(config.attention_head_dim)
 
-    def image_tokens(self, height: int, width: int) -> int:
-        """The DiT's image tokens for an output of this size (its patches)."""
-        return (height // self.size_multiple()) * (width // self.size_multiple())
+    def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
+        """The DiT's image tokens for an output of this size (its patches; a video's, of every
+        latent frame)."""
+        latent_frames = 1 if not self.frames_step() else (frames - 1) // self.frames_step() + 1
+        return latent_frames * (height // self.size_multiple()) * (width // self.size_multiple())
 
     def forward_flops(self, image_tokens: int, text_tokens: int, rows: int = 1) -> int:
         """Floating-point operations of one forward pass of the DiT's repeated blocks over ``rows``
@@ -412,7 +450,8 @@ class FlowStepAdapter(StepAdapter):
                 job.steps_skipped += 1
 
     def group(self, job) -> tuple:
-        return job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0]
+        return (job.height, job.width, job.cond.shape[0], 0 if job.uncond is None else job.uncond.shape[0],
+                job.frames)
 
 
 class TwoPassStepAdapter(FlowStepAdapter):

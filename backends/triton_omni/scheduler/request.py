@@ -27,7 +27,8 @@ from triton_omni.validation import (
     require,
 )
 
-MODALITIES = ("text", "image")
+# "image" and "video" both name the diffusion route; what comes back is what its model makes
+MODALITIES = ("text", "image", "video")
 # Image options forwarded to the diffusion stage, with their type converters.
 IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "negative_prompt": as_str,
@@ -35,6 +36,7 @@ IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "guidance_scale": as_float,
     "height": as_int32,
     "width": as_int32,
+    "num_frames": as_int32,
     "seed": as_int,
     "step_cache": as_str,
     "lora": as_str,
@@ -72,7 +74,8 @@ class OmniRequest:
 
     @property
     def wants_image(self) -> bool:
-        return "image" in self.modalities
+        """The diffusion route: an image, or a video's frames from a video model."""
+        return "image" in self.modalities or "video" in self.modalities
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits,
@@ -104,6 +107,8 @@ class OmniRequest:
         require(set(modalities) <= set(MODALITIES), "modalities", f"must be among {list(MODALITIES)}",
                 list(modalities))
         require(len(set(modalities)) == len(modalities), "modalities", "must not repeat", list(modalities))
+        require(not {"image", "video"} <= set(modalities), "modalities", "name the diffusion route once: 'image' "
+                "or 'video' (its model makes one of them)", list(modalities))
         num_images = as_int("num_images", values.get("num_images", 1))
         in_range("num_images", num_images, 1, limits.max_images)
         seed = as_int("seed", values.get("seed", -1))
@@ -112,8 +117,8 @@ class OmniRequest:
                 f"must be at most {INT64_MAX - (num_images - 1)} with num_images={num_images}", seed)
 
         images = list(inputs.get("images") or [])
-        require(not images or "image" in modalities, "images", "input images need modalities ['image']",
-                len(images))
+        require(not images or {"image", "video"} & set(modalities), "images",
+                "input images need modalities ['image'] (or ['video'])", len(images))
 
         return cls(
             prompt=prompt,

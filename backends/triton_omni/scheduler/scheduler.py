@@ -49,7 +49,8 @@ class Progress:
 @dataclass
 class ImageResult:
     index: int
-    image: Any  # whatever the stages adapter returns (a Triton tensor there)
+    image: Any  # whatever the stages adapter returns (there: a Triton tensor, an image or a video's frames)
+    fps: float | None = None  # a video's frame rate; None for an image
 
 
 Event = TextDelta | EnhancedPrompt | Progress | ImageResult
@@ -71,7 +72,9 @@ class Stages(Protocol):
         ...
 
     async def diffuse(self, embeds: Embeds, negative: Embeds | None, options: dict[str, Any],
-                      on_step: Callable[[int, int], None]) -> Any: ...
+                      on_step: Callable[[int, int], None]) -> tuple[Any, float | None]:
+        """The diffusion model's answer: an image, or a video's frames and their frame rate."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,8 @@ class OmniScheduler:
         def on_step(step: int, total: int) -> None:
             emit(Progress("diffusion", step, total, index))
 
-        image = await self.stages.diffuse(embeds, negative, options, on_step)
-        emit(ImageResult(index, image))
+        image, fps = await self.stages.diffuse(embeds, negative, options, on_step)
+        emit(ImageResult(index, image, fps))
 
     async def _enhanced(self, request: OmniRequest, emit: Callable[[Event], None]) -> str:
         """Greedy rewrite of the prompt by the AR model; an empty rewrite

@@ -121,8 +121,9 @@ class TritonStages:
 
     async def diffuse(self, embeds: TritonEmbeds, negative: TritonEmbeds | None, options: dict[str, Any],
                       on_step: Callable[[int, int], None]):
-        """The image, ``[1, H, W, 3]`` as a Triton tensor; ``on_step`` gets
-        each denoising step through the progress channel."""
+        """The image, ``[1, H, W, 3]`` as a Triton tensor, and None; or, from a video model, its frames
+        ``[1, F, H, W, 3]`` and their frame rate. ``on_step`` gets each denoising step through the
+        progress channel."""
         key = new_id()
         inputs = [embeds.named("prompt_embeds")]
         if embeds.pooled is not None:
@@ -133,7 +134,7 @@ class TritonStages:
                                    np.array([[value]], dtype=_SCALAR_TYPES[name]))
                    for name, value in options.items()]
         request = pb_utils.InferenceRequest(
-            model_name=self.models["diffusion"], inputs=inputs, requested_output_names=["image"],
+            model_name=self.models["diffusion"], inputs=inputs, requested_output_names=["image", "video", "fps"],
             parameters={KEY_PARAMETER: key, PROGRESS_PARAMETER: self.progress.name},
         )
         self.progress.subscribe(key, on_step)
@@ -142,7 +143,10 @@ class TritonStages:
         finally:
             self.progress.unsubscribe(key)
         _raise_if_error(self.models["diffusion"], response)
-        return pb_utils.get_output_tensor_by_name(response, "image")
+        video = pb_utils.get_output_tensor_by_name(response, "video")
+        if video is None:
+            return pb_utils.get_output_tensor_by_name(response, "image"), None
+        return video, float(pb_utils.get_output_tensor_by_name(response, "fps").as_numpy().reshape(-1)[0])
 
     async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None) -> Any:
         """Run a blocking BLS call to ``model``. If the caller is cancelled
