@@ -41,10 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--png-compress-level", type=int, choices=range(10), default=1, metavar="0-9",
                         help="the images' PNG deflate level: a client waits for the encoding; 1 (default) encodes "
                         "photographs about twice as fast as 6 for some 15%% more bytes, 9 makes the smallest files")
+    parser.add_argument("--max-video-jobs", type=int, default=32, metavar="N",
+                        help="/v1/videos: jobs held at once, running and finished (a finished video is kept until "
+                        "deleted or --video-keep-s after it ends)")
+    parser.add_argument("--video-keep-s", type=float, default=3600.0, metavar="S")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     settings = GatewaySettings(triton_url=args.triton_url, api_key=args.api_key, tokenizers=dict(args.tokenizer),
-                               png_compress_level=args.png_compress_level)
+                               png_compress_level=args.png_compress_level, workers=max(1, args.workers),
+                               max_video_jobs=args.max_video_jobs, video_keep_s=args.video_keep_s)
     server = {"host": args.host, "port": args.port, "log_level": "warning", "access_log": False}
     if args.workers <= 1:
         uvicorn.run(create_app(settings), **server)

@@ -21,10 +21,19 @@ from starlette.exceptions import HTTPException
 from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
 from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
-from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse, parse_edit
+from triton_omni_gateway.requests import (
+    ChatRequest,
+    CompletionRequest,
+    ImageRequest,
+    parse,
+    parse_edit,
+    parse_video_form,
+    parse_video_json,
+)
 from triton_omni_gateway.templates import ChatTemplates
 from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, whole
 from triton_omni_gateway.triton import Triton
+from triton_omni_gateway.videos import VideoJobs
 
 logger = logging.getLogger("triton_omni_gateway")
 API_KEY_ENV = "TRITON_OMNI_API_KEY"
@@ -41,6 +50,9 @@ class GatewaySettings:
     # the images' PNG deflate level (0 to 9): a client waits for the encoding, and on photographs
     # level 1 encodes about twice as fast as zlib's usual 6 for some 15 % more bytes
     png_compress_level: int = 1
+    workers: int = 1  # the processes answering (``--workers``): video jobs need one, whose memory holds them
+    max_video_jobs: int = 32  # /v1/videos: jobs held at once (running and finished)
+    video_keep_s: float = 3600.0  # a finished video is kept this long (or until deleted)
 
     def __post_init__(self):
         if not 0 <= self.png_compress_level <= 9:
@@ -59,12 +71,14 @@ def app_from_environment() -> FastAPI:
 def create_app(settings: GatewaySettings) -> FastAPI:
     triton = Triton(settings.triton_url)
     images = ImageModels(triton, settings.png_compress_level)
+    videos = VideoJobs(images, settings.max_video_jobs, settings.video_keep_s)
     templates = ChatTemplates(settings.tokenizers)
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app):
         yield
+        videos.close()
         await triton.close()
 
     app = FastAPI(title="triton-omni OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -122,6 +136,55 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             await form.close()
         return await unless_disconnected(request, images.edit(body))
+
+    def video_jobs(request: Request) -> VideoJobs:
+        """The jobs, for an authorized request to a gateway of one process (they live in its memory)."""
+        authorize(request, settings.key)
+        if settings.workers > 1:
+            raise OpenAIError(501, f"video jobs live in one process's memory, and this gateway runs {settings.workers} "
+                              "worker processes: serve /v1/videos from a gateway with --workers 1",
+                              code="video_jobs_need_one_worker")
+        return videos
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request):
+        """JSON, or multipart/form-data as the ``openai`` SDK sends it (``input_reference``: a file)."""
+        jobs = video_jobs(request)
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return await jobs.create(parse_video_json(await raw_body(request, settings.max_body_bytes)))
+        request._body = await raw_body(request, settings.max_upload_bytes)  # the form parser reads it from here
+        try:
+            form = await request.form(max_files=1, max_fields=64)
+        except Exception as error:  # malformed: Starlette's and python-multipart's own errors
+            raise OpenAIError(400, f"The body is not valid multipart/form-data: {error}",
+                              code="invalid_multipart") from None
+        try:
+            body = await parse_video_form(form)
+        finally:
+            await form.close()
+        return await jobs.create(body)
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request):
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not limit.isdigit():
+            raise OpenAIError(400, f"limit: must be a whole number, got {limit!r:.40}", param="limit",
+                              code="invalid_value")
+        return video_jobs(request).list(query.get("after"), int(limit), query.get("order", "desc"))
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve_video(request: Request, video_id: str):
+        return video_jobs(request).retrieve(video_id)
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(request: Request, video_id: str):
+        return await video_jobs(request).delete(video_id)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(request: Request, video_id: str):
+        content, media_type = await video_jobs(request).content(video_id, request.query_params.get("variant", "video"))
+        return Response(content, media_type=media_type)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -18,8 +18,10 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     499: "cancelled",
     500: "server_error",
+    501: "not_implemented",
     503: "service_unavailable",
     504: "timeout",
 }

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/chat/completions", "/v1/completions", "/v1/models",
-             "/health")
+             "/v1/videos", "/health")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -48,8 +48,9 @@ class GatewayMetrics:
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-            if scope["path"].startswith("/v1/models/"):
-                endpoint = "/v1/models"
+            for collection in ("/v1/models", "/v1/videos"):  # one label for a collection and its members
+                if scope["path"].startswith(collection + "/"):
+                    endpoint = collection
             started, status = time.monotonic(), [500]
 
             async def send_and_note(message):

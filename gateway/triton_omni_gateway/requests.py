@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -178,21 +179,62 @@ class ImageRequest(_Body):
         return style
 
     def dimensions(self) -> tuple[int, int] | None:
-        """``size`` ("WIDTHxHEIGHT") as (width, height); None for the model's default."""
-        if self.size is None or self.size == "auto":
-            return None
-        width, x, height = self.size.partition("x")
-        if not (x and width.isdigit() and height.isdigit()):
-            raise invalid("size", f"must be WIDTHxHEIGHT (e.g. 512x512) or auto, got {self.size!r}")
-        width, height = int(width), int(height)
-        if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
-            raise invalid("size", f"each side must be between 1 and {MAX_SIDE}, got {self.size!r}")
-        return width, height
+        return dimensions(self.size)
 
     def guidance(self) -> float | None:
         if self.guidance_scale is not None and self.true_cfg_scale is not None:
             raise invalid("true_cfg_scale", "give guidance_scale or true_cfg_scale, not both")
         return self.true_cfg_scale if self.true_cfg_scale is not None else self.guidance_scale
+
+
+def dimensions(size: str | None) -> tuple[int, int] | None:
+    """``size`` ("WIDTHxHEIGHT") as (width, height); None for the model's default."""
+    if size is None or size == "auto":
+        return None
+    width, x, height = size.partition("x")
+    if not (x and width.isdigit() and height.isdigit()):
+        raise invalid("size", f"must be WIDTHxHEIGHT (e.g. 512x512) or auto, got {size!r}")
+    width, height = int(width), int(height)
+    if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
+        raise invalid("size", f"each side must be between 1 and {MAX_SIDE}, got {size!r}")
+    return width, height
+
+
+class VideoRequest(_Body):
+    """``POST /v1/videos``, as JSON or as the ``openai`` SDK sends it (multipart/form-data, with
+    ``input_reference``, the first frame's image file, where given). ``seconds`` is a string in
+    OpenAI's API ("4"); a number is taken too. The extensions are the image endpoints'."""
+
+    prompt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+    model: StrictStr = "text_to_image"
+    seconds: StrictStr | Number | StrictInt | None = None
+    size: StrictStr | None = None
+    user: StrictStr | None = None
+    seed: Seed | None = None
+    num_inference_steps: Annotated[Int32, Field(ge=1)] | None = None
+    guidance_scale: Annotated[Number, Field(ge=0)] | None = None
+    negative_prompt: StrictStr | None = None
+    num_frames: Annotated[Int32, Field(ge=1)] | None = None
+    step_cache: StrictStr | None = None
+    lora: StrictStr | None = None
+    lora_scale: Number | StrictInt | None = None
+    _reference: bytes | None = PrivateAttr(None)  # input_reference's file, from a multipart form
+
+    @property
+    def input_reference(self) -> bytes | None:
+        return self._reference
+
+    def length(self) -> float | None:
+        """``seconds`` as a number (the model turns it into frames at its frame rate)."""
+        if self.seconds is None:
+            return None
+        try:
+            seconds = float(self.seconds)
+        except ValueError:
+            raise invalid("seconds", f"must be a number of seconds, got {self.seconds!r:.40}") from None
+        if not 0 < seconds < float("inf"):
+            raise invalid("seconds", f"must be above 0, got {self.seconds!r:.40}")
+        return seconds
 
 
 class ImageEditRequest(ImageRequest):
@@ -207,7 +249,7 @@ class ImageEditRequest(ImageRequest):
 
 # Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes
 FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float,
-                "lora_scale": float}
+                "lora_scale": float, "num_frames": int}
 FORM_BOOLS = {"enhance_prompt"}
 
 
@@ -235,6 +277,35 @@ async def parse_edit(form) -> ImageEditRequest:
     request = parse(ImageEditRequest, json.dumps(fields).encode())
     request.images = images
     return request
+
+
+async def parse_video_form(form) -> VideoRequest:
+    """``POST /v1/videos`` as the ``openai`` SDK sends it: multipart/form-data, every field text but
+    ``input_reference``, a file."""
+    fields: dict[str, Any] = {}
+    reference = None
+    for name, value in form.multi_items():
+        if name in fields or (name == "input_reference" and reference is not None):
+            raise invalid(name, "is given more than once")
+        if name == "input_reference":
+            if isinstance(value, str):
+                raise invalid(name, "must be an image file (multipart/form-data), not a text field")
+            reference = await value.read()
+        elif not isinstance(value, str):
+            raise invalid(name, "must be a text field, not a file")
+        else:
+            fields[name] = _form_value(name, value)
+    request = parse(VideoRequest, json.dumps(fields).encode())
+    request._reference = reference
+    return request
+
+
+def parse_video_json(raw: bytes) -> VideoRequest:
+    """``POST /v1/videos`` as JSON (no file: ``input_reference`` needs the multipart form)."""
+    if b'"input_reference"' in raw:
+        raise invalid("input_reference", "is an image file: send the request as multipart/form-data (the openai "
+                      "SDK does)")
+    return parse(VideoRequest, raw)
 
 
 def _form_value(name: str, text: str) -> Any:

@@ -93,8 +93,10 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         TensorSpec("guidance_scale", "TYPE_FP32"),
         TensorSpec("height", "TYPE_INT32"),
         TensorSpec("width", "TYPE_INT32"),
-        # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan)
+        # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan), or its
+        # length in seconds at the model's frame rate (OpenAI's `seconds`: 4 s at 16 fps is 65 frames)
         TensorSpec("num_frames", "TYPE_INT32"),
+        TensorSpec("seconds", "TYPE_FP32"),
         TensorSpec("seed", "TYPE_INT64"),
         # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
         TensorSpec("step_cache", "TYPE_STRING"),
@@ -139,6 +141,7 @@ OMNI_INPUTS = [
     TensorSpec("height", "TYPE_INT32"),
     TensorSpec("width", "TYPE_INT32"),
     TensorSpec("num_frames", "TYPE_INT32"),  # a video model's
+    TensorSpec("seconds", "TYPE_FP32"),
     TensorSpec("seed", "TYPE_INT64"),
     TensorSpec("step_cache", "TYPE_STRING"),
     TensorSpec("lora", "TYPE_STRING"),

@@ -7,22 +7,32 @@ guidance, step count or frame count moves its frames by tens of levels
 
 The routes: `diffusion` with the prompt as text, `diffusion` with `ar_encoder`'s embeddings (the
 pipeline's own UMT5 encoding), the `text_to_image` ensemble, which ends in the video for a video
-family, and the `omni` scheduler (modalities `["video"]`)."""
+family, the `omni` scheduler (modalities `["video"]`), and the OpenAI gateway's `/v1/videos` jobs
+through the `openai` SDK's `videos` (its MP4 lossy: the raw frames come through the gateway's
+`frames` variant)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 from triton_omni_client import OmniClient, OmniError, Video
-from triton_omni_client.video import decode_mp4
+from triton_omni_client.video import decode_mp4, encode_mp4
+from triton_omni_tools.gateway import Gateway
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
+from tests.support.images import png
 from tests.support.pipelines import ABSENT, levels_apart, reference
+from tests.support.server import metric_value
 
+# the openai SDK warns that OpenAI's own video service is closing; the API's shape is what is served here
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 OPTIONS = {"num_inference_steps": 2, "height": 32, "width": 32, "num_frames": 5, "seed": 7, "guidance_scale": 4.0}
 PROMPT = "a red fox"
 
@@ -97,3 +107,96 @@ def test_the_cli_writes_the_frames_and_an_mp4_of_them(wan_server, tmp_path):
     assert frames.shape == expected.shape and fps == 16.0
     error = np.mean((frames.astype(float) - expected) ** 2)
     print(f"MP4 (H.264, crf 18) against the served frames: PSNR {10 * np.log10(255 ** 2 / error):.1f} dB")
+
+
+MAX_JOBS = 4
+EXTENSIONS = {key: OPTIONS[key] for key in ("num_inference_steps", "num_frames", "seed", "guidance_scale")}
+
+
+@pytest.fixture(scope="module")
+def videos_api(wan_server):
+    """The OpenAI gateway over the Wan server, as the ``openai`` SDK reaches it (no retries: a 429
+    is the answer under test, not something to wait out)."""
+    gateway = Gateway(free_port(), "127.0.0.1", wan_server.grpc_url, {}, max_video_jobs=MAX_JOBS).start()
+    try:
+        yield openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused", max_retries=0)
+    finally:
+        gateway.stop()
+
+
+def finished(api, **fields):
+    return api.videos.create_and_poll(prompt=PROMPT, poll_interval_ms=100, **fields)
+
+
+def test_openai_videos_give_the_pipelines_frames_and_their_mp4(videos_api):
+    video = finished(videos_api, model="text_to_image", size="32x32", extra_body=EXTENSIONS)
+    assert (video.status, video.size, video.seconds, video.progress) == ("completed", "32x32", "0.25", 100)
+    frames = np.load(io.BytesIO(videos_api.videos.download_content(video.id, variant="frames").content))
+    assert levels_apart(frames, reference("wan", PROMPT, **OPTIONS)) <= 1
+    mp4, fps = decode_mp4(videos_api.videos.download_content(video.id).content)
+    assert fps == 16.0 and np.array_equal(mp4, decode_mp4(encode_mp4(frames, fps))[0])  # the encoder's, as is
+    error = np.mean((mp4.astype(float) - frames) ** 2)
+    print(f"/v1/videos MP4 against the raw frames: PSNR {10 * np.log10(255 ** 2 / error):.1f} dB")
+    thumbnail = videos_api.videos.download_content(video.id, variant="thumbnail").content
+    assert thumbnail.startswith(b"\x89PNG")
+    assert video.id in [listed.id for listed in videos_api.videos.list()]
+    assert videos_api.videos.retrieve(video.id).status == "completed"
+    assert videos_api.videos.delete(video.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        videos_api.videos.retrieve(video.id)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"extra_body": EXTENSIONS | {"num_frames": 6}}, "num_frames"),
+    ({"seconds": "4", "extra_body": EXTENSIONS}, "seconds"),  # 65 frames at 16 a second, and num_frames 5
+    ({"input_reference": ("first.png", png(1, 32, 32), "image/png"),
+      "extra_body": EXTENSIONS}, "input_reference"),  # Wan 2.1 T2V takes no image
+])
+def test_what_the_model_refuses_fails_the_job_naming_the_field(videos_api, fields, param):
+    video = finished(videos_api, model="diffusion", size="32x32", **fields)
+    assert video.status == "failed" and video.error.param == param, video.error
+    assert finished(videos_api, model="diffusion", size="32x32", extra_body=EXTENSIONS).status == "completed"
+    for listed in videos_api.videos.list():
+        videos_api.videos.delete(listed.id)
+
+
+def test_what_the_gateway_refuses_is_a_400_404_or_429(videos_api):
+    with pytest.raises(openai.BadRequestError) as refused:
+        videos_api.videos.create(prompt=PROMPT, model="diffusion", size="wide")
+    assert refused.value.body["param"] == "size"
+    with pytest.raises(openai.NotFoundError):
+        videos_api.videos.retrieve("video_0")
+    with pytest.raises(openai.NotFoundError):
+        videos_api.videos.download_content("video_0")
+    created = []
+    with pytest.raises(openai.RateLimitError):  # the job list is bounded
+        for _ in range(MAX_JOBS + 1):
+            created.append(videos_api.videos.create(prompt=PROMPT, model="diffusion", size="32x32",
+                                                    extra_body=EXTENSIONS).id)
+    assert len(created) == MAX_JOBS
+    for video_id in created:
+        videos_api.videos.delete(video_id)
+
+
+def test_deleting_a_running_job_stops_its_denoising(videos_api, wan_server):
+    def count(outcome: str) -> float:
+        return metric_value(wan_server, "omni_diffusion_requests_total", model="diffusion", outcome=outcome)
+
+    def in_flight() -> float:
+        return metric_value(wan_server, "omni_diffusion_requests_in_flight", model="diffusion")
+
+    def wait(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    wait(lambda: in_flight() == 0, "the earlier tests' requests never ended")
+    cancelled, steps = count("cancelled"), metric_value(wan_server, "omni_diffusion_steps_total", model="diffusion")
+    video = videos_api.videos.create(prompt=PROMPT, model="diffusion", size="32x32",
+                                     extra_body=EXTENSIONS | {"num_inference_steps": 100})
+    wait(lambda: in_flight() == 1, "the job never reached the model")
+    assert videos_api.videos.delete(video.id).deleted
+    wait(lambda: count("cancelled") == cancelled + 1 and in_flight() == 0,  # dropped at its next step
+         "the deleted job's request was never cancelled")
+    assert metric_value(wan_server, "omni_diffusion_steps_total", model="diffusion") - steps < 100

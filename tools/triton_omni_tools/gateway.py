@@ -53,13 +53,15 @@ def default_workers() -> int:
 
 class Gateway:
     def __init__(self, port: int, bind: str, grpc_url: str, tokenizers: dict[str, str],
-                 api_key: str | None = None, workers: int = 1, startup_timeout_s: float = 60.0):
+                 api_key: str | None = None, workers: int = 1, startup_timeout_s: float = 60.0,
+                 max_video_jobs: int | None = None):
         self.url = f"{bind}:{port}"
         # In the environment, not on the command line, where `ps` would show it.
         self.env = os.environ | ({API_KEY_ENV: api_key} if api_key else {})
         self.command = [sys.executable, "-m", "triton_omni_gateway", f"--triton-url={grpc_url}", f"--host={bind}",
                         f"--port={port}", f"--workers={workers}",
-                        *(f"--tokenizer={model}={path}" for model, path in tokenizers.items())]
+                        *(f"--tokenizer={model}={path}" for model, path in tokenizers.items()),
+                        *([f"--max-video-jobs={max_video_jobs}"] if max_video_jobs else [])]
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.reaper: Reaper | None = None

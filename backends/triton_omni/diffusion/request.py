@@ -40,6 +40,7 @@ class DiffusionLimits:
     frames_step: int = 0
     max_frames: int = 81
     default_frames: int = 0
+    fps: float = 0.0  # a video's frame rate: `seconds` x fps + 1 frames
     pooled_size: int = 0  # the pooled embedding's width the family reads beside the sequence (FLUX.1); 0: none
     # input images (images.py): how many the family takes (0: none), and each one's bounds
     max_images: int = 0
@@ -108,20 +109,24 @@ class DiffusionRequest:
             except ValueError as exc:
                 raise RequestValidationError("step_cache", str(exc), step_cache) from None
         lora, lora_scale = _lora(values.get("lora"), values.get("lora_scale"))
-        frames = _frames(inputs.get("num_frames"), values.get("num_frames"), limits)
+        frames = _frames(inputs.get("num_frames"), values.get("num_frames"), inputs.get("seconds"), limits)
         return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
                    pooled, images, ("height" in inputs, "width" in inputs),
                    "image" if values.get("image") is not None else "images", lora, lora_scale, frames)
 
 
-def _frames(given: Any, value: Any, limits: DiffusionLimits) -> int:
-    """A video's ``num_frames`` (the model's default unless given): ``1 + k x frames_step``, as its
-    VAE takes it (the pipeline would round another count with a warning; a request is refused,
-    naming the counts it could give). An image model refuses one."""
-    name = "num_frames"
+def _frames(given: Any, value: Any, seconds: Any, limits: DiffusionLimits) -> int:
+    """A video's ``num_frames`` (the model's default unless given), or ``seconds`` at the model's
+    frame rate (``seconds x fps + 1`` frames: the first frame is time 0): ``1 + k x frames_step``,
+    as its VAE takes it (the pipeline would round another count with a warning; a request is
+    refused, naming the counts or lengths it could give). An image model refuses both."""
     if not limits.frames_step:
-        require(given is None, name, "this model makes images (num_frames is a video model's)", given)
+        for name, sent in (("num_frames", given), ("seconds", seconds)):
+            require(sent is None, name, f"this model makes images ({name} is a video model's)", sent)
         return 1
+    if seconds is not None:
+        return _frames_of_seconds(as_float("seconds", seconds), given, limits)
+    name = "num_frames"
     frames = as_int(name, limits.default_frames if value is None else value)
     in_range(name, frames, 1, limits.max_frames)
     step = limits.frames_step
@@ -129,6 +134,21 @@ def _frames(given: Any, value: Any, limits: DiffusionLimits) -> int:
         below = (frames - 1) // step * step + 1
         raise RequestValidationError(name, f"must be 1 + a multiple of {step} (this model's VAE takes {step} frames "
                                      f"into one after the first): {below} or {below + step}", frames)
+    return frames
+
+
+def _frames_of_seconds(seconds: float, given: Any, limits: DiffusionLimits) -> int:
+    fps, step = limits.fps, limits.frames_step
+    longest = (limits.max_frames - 1) / fps
+    in_range("seconds", seconds, 0.0, longest)
+    frames = round(seconds * fps) + 1
+    if given is not None and as_int("num_frames", given) != frames:
+        raise RequestValidationError("seconds", f"{seconds:g} s at {fps:g} frames a second is {frames} frames, and "
+                                     f"num_frames is {given}: give one of them", seconds)
+    if (frames - 1) % step:
+        below = (frames - 1) // step * step
+        raise RequestValidationError("seconds", f"must make 1 + a multiple of {step} frames at {fps:g} a second "
+                                     f"({frames} here): {below / fps:g} s or {(below + step) / fps:g} s", seconds)
     return frames
 
 

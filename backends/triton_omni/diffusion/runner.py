@@ -246,7 +246,7 @@ class DiffusionRunner:
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
                                           "pooled_size": self.family.pooled_size(), "max_images": capabilities.images,
                                           "frames_step": self.family.frames_step(),
-                                          "default_frames": self.output.default_frames}
+                                          "default_frames": self.output.default_frames, "fps": self.output.fps}
                                          | (EDIT_LIMITS if capabilities.edits else {}) | config.limits))
         self.graphs: GraphedDenoiser | None = None
         self.sequence_parallel: SequenceParallel | None = None

@@ -37,6 +37,7 @@ IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
     "height": as_int32,
     "width": as_int32,
     "num_frames": as_int32,
+    "seconds": as_float,
     "seed": as_int,
     "step_cache": as_str,
     "lora": as_str,
