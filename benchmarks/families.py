@@ -1,4 +1,4 @@
-"""A pipeline family (Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.1) through Triton against
+"""A pipeline family (Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.1, Wan's videos) through Triton against
 diffusers' own pipeline, on one machine, with the same weights, embeddings and seeds.
 
 * direct: the family's pipeline in this process; concurrency ``c`` is one
@@ -26,6 +26,7 @@ server's own: a few levels of 255, docs/models.md).
     python benchmarks/families.py --family flux1-dev --preset realistic           # GPU: 1024², 28 steps, guidance 3.5
     python benchmarks/families.py --family flux1-schnell --preset realistic       # GPU: 1024², 4 steps
     python benchmarks/families.py --family qwen-image-edit --preset realistic     # GPU: edit 1024², 50 steps, CFG 4
+    python benchmarks/families.py --family wan --preset realistic                 # GPU: Wan 2.1 1.3B, 832x480x81, CFG 5
 
 An edit family's requests (Qwen-Image-Edit) each send the same input image, 1024² (``edit_picture``):
 the pipeline's ``image`` on the direct side, the request's ``images`` on Triton's.
@@ -110,12 +111,23 @@ from triton_omni_tools.repository import copy_repositories
 @dataclass(frozen=True)
 class Setup:
     model: str
-    size: int
+    size: int  # the width (and the height, unless given)
     steps: int
     guidance: float  # Qwen-Image: true CFG scale (with a negative); the others: guidance_scale (Z 0: turbo)
     concurrency: tuple[int, ...]
     tokens: int = 64  # prompt tokens
     negative_tokens: int | None = None  # None: 3/4 as many (FLUX.2 pads every text to 512)
+    height: int = 0  # 0: the size
+    frames: int = 0  # a video's frame count; 0: an image
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.height or self.size, self.size
+
+    def sized(self) -> dict:
+        """The size arguments of a call and of a request (a video's frame count too)."""
+        height, width = self.shape
+        return {"height": height, "width": width} | ({"num_frames": self.frames} if self.frames else {})
 
 
 # --end-to-end: ar_encoder's model (a folder holding the family's text encoder and tokenizer), its recipe
@@ -146,11 +158,15 @@ SETUPS = {
     ("qwen-image-edit", "tiny"): Setup("demo:tiny-qwen-image-edit", 32, 2, 4.0, (1, 4)),
     # vLLM-Omni's published figure's setting: 1024², 50 steps, true CFG 4
     ("qwen-image-edit", "realistic"): Setup("demo:realistic-qwen-image-edit", 1024, 50, 4.0, (1, 4)),
+    # every prompt 512 rows (the pipeline pads with zeros); the model card's 480p: 832x480, 81 frames, CFG 5
+    ("wan", "tiny"): Setup("demo:tiny-wan", 32, 2, 5.0, (1, 4), 512, 512, frames=5),
+    ("wan", "realistic"): Setup("demo:realistic-wan2.1-1.3b", 832, 50, 5.0, (1, 4), 512, 512, height=480, frames=81),
 }
 GUIDES_ABOVE = {"z-image": 0.0}  # the others guide above 1
 NEVER_GUIDED = {"flux1-dev", "flux1-schnell"}  # guidance-distilled or none: no negative pass at any scale
 # embeddings as one tensor (Z-Image: a list)
-STACKED = {"qwen-image", "qwen-image-edit", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell"}
+STACKED = {"qwen-image", "qwen-image-edit", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell",
+           "wan"}
 TRUE_CFG = {"qwen-image", "qwen-image-edit"}  # the scale is true_cfg_scale
 EDITS = {"qwen-image-edit"}  # every request edits an input image
 
@@ -230,12 +246,11 @@ def pipeline_of(setup: Setup, device: str, dtype: torch.dtype, encoder: str | No
 
 
 def hidden_size(pipeline) -> int:
-    config = pipeline.transformer.config
-    return int(config.joint_attention_dim if hasattr(config, "joint_attention_dim") else config.cap_feat_dim)
+    return family_of(pipeline).hidden_size()
 
 
 def pooled_size(pipeline) -> int:
-    return int(getattr(pipeline.transformer.config, "pooled_projection_dim", 0))
+    return family_of(pipeline).pooled_size()
 
 
 WARM_UP_STEPS = 2
@@ -244,7 +259,7 @@ def flops_per_image(pipeline, requests: Requests) -> int:
     negative's where it guides), each ``Family.forward_flops``; an edit's input image's tokens
     are part of the sequence."""
     family, setup = family_of(pipeline), requests.setup
-    image = family.image_tokens(setup.size, setup.size) * (2 if requests.image is not None else 1)
+    image = family.image_tokens(*setup.shape, setup.frames or 1) * (2 if requests.image is not None else 1)
     per_step = family.forward_flops(image, setup.tokens)
     if requests.guided:
         per_step += family.forward_flops(image, setup.negative_tokens or setup.tokens * 3 // 4)
@@ -281,10 +296,10 @@ def direct_call(pipeline, requests: Requests, count: int, device: str, dtype: to
 
         kwargs["image"] = Image.open(io.BytesIO(requests.image)).convert("RGB")
     with torch.inference_mode():
-        images = pipeline(num_inference_steps=steps, height=setup.size, width=setup.size, output_type="pt",
+        output = pipeline(num_inference_steps=steps, output_type="pt", **setup.sized(),
                           generator=[torch.Generator(device).manual_seed(requests.seed(i)) for i in indices],
-                          **kwargs).images
-    return to_pixels(images).numpy()
+                          **kwargs)
+    return to_pixels(family_of(pipeline).call_output(output)).numpy()
 
 
 def synchronize(device: str) -> None:
@@ -334,19 +349,23 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     """The same work as ``measure_direct``: ``concurrency`` requests at once, a warm-up round first;
     also the mean time a request spent inside the server (the rest is the client's and gRPC's)."""
     setup = requests.setup
-    options = {"height": setup.size, "width": setup.size, "guidance_scale": setup.guidance}
+    options = setup.sized() | {"guidance_scale": setup.guidance}
     if requests.image is not None:
         options["images"] = [requests.image]
 
+    def generate(*args, **kwargs) -> np.ndarray:  # an image, or a video's frames
+        if setup.frames:
+            return client.generate_video(*args, **kwargs).frames
+        return client.generate_image(*args, **kwargs)
+
     def one(i: int, steps: int) -> np.ndarray:
         if requests.end_to_end:
-            return client.generate_image(requests.prompt_text(i), negative_prompt=requests.negative_text(i),
-                                         model="text_to_image", seed=requests.seed(i), num_inference_steps=steps,
-                                         **options)
-        return client.generate_image(prompt_embeds=requests.sent(requests.prompt(i)),
-                                     negative_prompt_embeds=requests.sent(requests.negative(i)),
-                                     pooled_prompt_embeds=requests.sent(requests.pooled(i)), seed=requests.seed(i),
-                                     num_inference_steps=steps, **options)
+            return generate(requests.prompt_text(i), negative_prompt=requests.negative_text(i),
+                            model="text_to_image", seed=requests.seed(i), num_inference_steps=steps, **options)
+        pooled = {"pooled_prompt_embeds": requests.sent(requests.pooled(i))} if requests.pooled_size else {}
+        return generate(prompt_embeds=requests.sent(requests.prompt(i)),
+                        negative_prompt_embeds=requests.sent(requests.negative(i)), seed=requests.seed(i),
+                        num_inference_steps=steps, **pooled, **options)
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(concurrency), [min(WARM_UP_STEPS, setup.steps)] * concurrency))
@@ -383,7 +402,7 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "o
     dtype = "bfloat16" if device == "cuda" else "float32"
     share = "0.90" if encoder is None else "0.75"  # the encoder's weights take the rest
     edits: dict = {"diffusion": {
-        "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, setup.size)},
+        "parameters": {"model": setup.model, "dtype": dtype, "limits": {"max_size": max(1024, *setup.shape)},
                        "gpu_memory_utilization": share if device == "cuda" else "0.30",
                        "compile": compile, "exact_batching": exact_batching}
         | (kernels or {}),
@@ -462,7 +481,8 @@ def report(result: dict) -> None:
     triton = {True: "blocks", False: "off"}.get(compiled.get("triton"), compiled.get("triton", "off"))  # old: a bool
     gather_us = result.get("gather_us")
     window = "" if gather_us is None else f", Triton's batching window {gather_us} µs"
-    print(f"{result['family']} ({result['preset']}: {s['size']}², {s['steps']} steps, guidance {s['guidance']}) "
+    size = f"{s['size']}x{s.get('height') or s['size']}" + (f"x{s['frames']} frames" if s.get("frames") else "")
+    print(f"{result['family']} ({result['preset']}: {size}, {s['steps']} steps, guidance {s['guidance']}) "
           f"on {result['device']}, {result['rounds']} rounds, compiled: Triton {triton}, diffusers "
           f"{'blocks' if compiled.get('direct') else 'off'}, "
           f"server exact_batching: {result.get('exact_batching', 'false')}, "

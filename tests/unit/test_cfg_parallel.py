@@ -1,4 +1,4 @@
-"""CFG parallel's code path on the CPU (tiny Qwen-Image and FLUX.2 [klein]): the negatives' pass
+"""CFG parallel's code path on the CPU (tiny Qwen-Image, FLUX.2 [klein] and Wan): the negatives' pass
 on a copy of the transformer, in a worker process over gloo, gives the image
 the runner gives without it, alone and beside requests with other steps, guidance
 and step caches. The second device here is the CPU again: tests/gpu runs it
@@ -26,14 +26,15 @@ def images(runner: DiffusionRunner, requests: list[dict]) -> list:
     return [future.result() for future in futures]
 
 
-@pytest.mark.parametrize("model", [MODEL, "demo:tiny-flux2-klein"])
-def test_cfg_parallel_gives_the_one_device_images(model):
-    one = DiffusionRunner(DiffusionRunnerConfig(model, batching="step"))
+@pytest.mark.parametrize(("model", "defaults"), [(MODEL, {}), ("demo:tiny-flux2-klein", {}),
+                                                 ("demo:tiny-wan", {"num_frames": 5})])
+def test_cfg_parallel_gives_the_one_device_images(model, defaults):
+    one = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", defaults=defaults))
     try:
         expected = [images(one, [values])[0] for values in COMPANY] + images(one, COMPANY)
     finally:
         one.close()
-    parallel = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", cfg_device="cpu"))
+    parallel = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", cfg_device="cpu", defaults=defaults))
     try:
         assert parallel.cfg_parallel.workers[0].is_alive()
         got = [images(parallel, [values])[0] for values in COMPANY] + images(parallel, COMPANY)
@@ -75,7 +76,7 @@ def test_cfg_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
     with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image, "
-                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein\)"):
+                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein, wan\)"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
     with pytest.raises(ValueError, match=r"the flux1 family does not"):  # guidance-distilled: one pass a step
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", cfg_device="cpu"))

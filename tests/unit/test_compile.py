@@ -14,13 +14,15 @@ from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion import runner as runner_module
 
 FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
-            "flux2_klein": "demo:tiny-flux2-klein"}
+            "flux2_klein": "demo:tiny-flux2-klein", "wan": "demo:tiny-wan"}
+DEFAULTS = {"wan": {"num_frames": 5}}  # a video's frame count
 REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 4, "guidance_scale": 4.0,
            "height": 32, "width": 32, "seed": 3}
 
 
-def images(model: str, compile: str, requests: list[dict]) -> list[torch.Tensor]:
-    runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile))
+def images(model: str, compile: str, requests: list[dict], defaults: dict | None = None) -> list[torch.Tensor]:
+    runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile,
+                                                   defaults=defaults or {}))
     try:
         futures = [runner.submit(runner.parse(r)) for r in requests]
         done = [f.result() for f in futures]
@@ -41,7 +43,7 @@ DYNAMIC = {"dynamic": True}
 
 
 # the families whose VAE decoder compiles (FLUX.2's VAE, FLUX.1's and Z-Image's AutoencoderKL) compile it here too
-COMPILED = {"qwen_image": "blocks", "z_image": "blocks,vae", "flux2_klein": "blocks,vae"}
+COMPILED = {"qwen_image": "blocks", "z_image": "blocks,vae", "flux2_klein": "blocks,vae", "wan": "blocks"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -50,8 +52,8 @@ def test_compiled_blocks_give_the_eager_images_in_company_and_with_the_step_cach
     monkeypatch.setattr(runner_module, "COMPILE_OPTIONS", DYNAMIC)
     requests = [REQUEST, REQUEST | {"seed": 4, "num_inference_steps": 3},
                 REQUEST | {"seed": 5, "step_cache": "first_block:0.6"}]
-    eager = images(FAMILIES[family], "off", requests)
-    compiled = images(FAMILIES[family], COMPILED[family], requests)
+    eager = images(FAMILIES[family], "off", requests, DEFAULTS.get(family))
+    compiled = images(FAMILIES[family], COMPILED[family], requests, DEFAULTS.get(family))
     for e, c in zip(eager, compiled, strict=True):
         assert e.shape == c.shape
         assert int((e.int() - c.int()).abs().max()) <= 1  # inductor's fused float32 rounding, at most one level

@@ -22,7 +22,7 @@ def counted_block_flops(pipeline, family, **kwargs) -> int:
                for name, module in network.named_modules() if type(module).__name__ in network._repeated_blocks)
 
 
-@pytest.mark.parametrize("demo", ["tiny-qwen-image", "tiny-z-image", "tiny-flux1-dev", "tiny-flux2-klein"])
+@pytest.mark.parametrize("demo", ["tiny-qwen-image", "tiny-z-image", "tiny-flux1-dev", "tiny-flux2-klein", "tiny-wan"])
 def test_the_flop_formula_equals_the_flop_counter(demo):
     from diffusers import DiffusionPipeline
 
@@ -36,10 +36,14 @@ def test_the_flop_formula_equals_the_flop_counter(demo):
         kwargs["pooled_prompt_embeds"] = torch.randn(1, family.pooled_size())
     elif family.name == "z_image":
         kwargs = {"prompt_embeds": [embeds[0]], "guidance_scale": 0.0}
+    frames = 5 if family.output.video else 1
+    if family.output.video:
+        kwargs["num_frames"] = frames
     counted = counted_block_flops(pipeline, family, **kwargs)
     assert counted > 0
-    assert family.forward_flops(family.image_tokens(SIZE, SIZE), TEXT_TOKENS) == counted
-    assert family.forward_flops(family.image_tokens(SIZE, SIZE), TEXT_TOKENS, rows=3) == 3 * counted
+    tokens = family.image_tokens(SIZE, SIZE, frames)
+    assert family.forward_flops(tokens, TEXT_TOKENS) == counted
+    assert family.forward_flops(tokens, TEXT_TOKENS, rows=3) == 3 * counted
 
 
 def test_qwen_image_at_its_real_shape_is_about_seventy_teraflop_a_forward():
@@ -53,3 +57,21 @@ def test_qwen_image_at_its_real_shape_is_about_seventy_teraflop_a_forward():
                                          tokenizer=None))
     flops = family.forward_flops(image_tokens=64 * 64, text_tokens=200)
     assert 68e12 < flops < 74e12
+
+
+def test_wan_2_1_1_3b_at_its_real_shape_is_about_280_teraflop_a_forward():
+    """Wan 2.1 T2V-1.3B (meta device) over 81 frames of 832x480 (32,760 tokens) and 512 text tokens:
+    about 283 TFLOP a forward, two thirds of it attention over the video's tokens."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from triton_omni.families.wan import SHAPES
+
+    with torch.device("meta"):
+        transformer = WanTransformer3DModel(patch_size=(1, 2, 2), attention_head_dim=128, text_dim=4096,
+                                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", **SHAPES["1.3b"])
+    pipeline = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=transformer)
+    family = family_of(pipeline)  # without a VAE the pipeline takes Wan's factors: 4 frames, 8 pixels
+    tokens = family.image_tokens(480, 832, 81)
+    assert tokens == 21 * 30 * 52
+    flops = family.forward_flops(tokens, 512)
+    attention = 4 * tokens * tokens * 12 * 128 * 30
+    assert 275e12 < flops < 290e12 and 0.6 < attention / flops < 0.7

@@ -18,11 +18,13 @@ from triton_omni.diffusion.steps import to_pixels
 from triton_omni.errors import RequestValidationError
 
 FAMILIES = {"qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
-            "flux2_klein": "demo:tiny-flux2-klein", "flux1": "demo:tiny-flux1-dev"}
+            "flux2_klein": "demo:tiny-flux2-klein", "flux1": "demo:tiny-flux1-dev", "wan": "demo:tiny-wan"}
 # Thresholds at which the tiny random-weight DiTs skip some of 10 steps, not all
-THRESHOLDS = {"qwen_image": 0.4, "z_image": 0.8, "flux2_klein": 0.8, "flux1": 0.2}
+THRESHOLDS = {"qwen_image": 0.4, "z_image": 0.8, "flux2_klein": 0.8, "flux1": 0.2, "wan": 0.2}
 # The keyword each pipeline reads the request's scale from (Qwen-Image: true CFG)
-GUIDANCE_KEYWORD = {"qwen_image": "true_cfg_scale", "flux1": "guidance_scale"}
+GUIDANCE_KEYWORD = {"qwen_image": "true_cfg_scale", "flux1": "guidance_scale", "wan": "guidance_scale"}
+# What a family's requests here give besides REQUEST (a video's frame count: the model's default set to it)
+CALL = {"wan": {"num_frames": 5}}
 REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 10, "guidance_scale": 4.0,
            "height": 32, "width": 32, "seed": 3}
 
@@ -30,6 +32,7 @@ REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_st
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def stepper(request):
     runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[request.param], batching="step", batch_size=8,
+                                                   defaults=CALL.get(request.param, {}),
                                                    exact_batching=False))
     yield request.param, runner
     runner.close()
@@ -67,9 +70,9 @@ def test_a_malformed_step_cache_is_refused_by_name(text):
 @pytest.mark.parametrize("family", list(GUIDANCE_KEYWORD))
 def test_alone_a_request_takes_diffusers_first_block_cache_decisions(family):
     """The reference is diffusers' own hook on the pipeline's own loop, as a user of diffusers turns it
-    on (the families whose blocks diffusers' hook runs: Qwen-Image and FLUX.1)."""
+    on (the families whose blocks diffusers' hook runs: Qwen-Image, FLUX.1 and Wan)."""
     threshold = THRESHOLDS[family]
-    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[family], batching="step"))
+    runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[family], batching="step", defaults=CALL.get(family, {})))
     counts: list = []
     try:
         ours = submit(runner, REQUEST | {"step_cache": f"first_block:{threshold}"}, counts).result()
@@ -78,10 +81,11 @@ def test_alone_a_request_takes_diffusers_first_block_cache_decisions(family):
     pipeline = DiffusionPipeline.from_pretrained(resolve_model(FAMILIES[family]))
     pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
     with torch.inference_mode():
-        images = pipeline(prompt=REQUEST["prompt"], negative_prompt=REQUEST["negative_prompt"],
+        output = pipeline(prompt=REQUEST["prompt"], negative_prompt=REQUEST["negative_prompt"],
                           **{GUIDANCE_KEYWORD[family]: 4.0}, num_inference_steps=10, height=32, width=32,
-                          output_type="pt",
-                          generator=torch.Generator().manual_seed(REQUEST["seed"])).images
+                          output_type="pt", generator=torch.Generator().manual_seed(REQUEST["seed"]),
+                          **CALL.get(family, {}))
+    images = output.frames if family in CALL else output.images
     [(computed, skipped)] = counts
     assert computed + skipped == 10 and 0 < skipped < 10, counts
     assert max_difference(ours, to_pixels(images)[0]) == 0

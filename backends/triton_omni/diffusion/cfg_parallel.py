@@ -43,8 +43,6 @@ class CfgParallel:
         self.worker_devices = [device]
         self.device = transformer.device
         self.dtype = transformer.dtype
-        # the output's last size: the transformer's final projection (its input's patches)
-        self.out_features = transformer.proj_out.out_features
         self.workers, port = workers.start(_serve, "omni-cfg-parallel", transformer, [device], compile_options,
                                             kernels, graphs)
         self.control = None
@@ -75,11 +73,11 @@ class CfgParallel:
         ended = [self._ended.popleft() for _ in range(len(self._ended))]
         workers.send_call(self.control, (), kwargs, ([self._row(state) for state in rows], ended))
 
-    def receive(self, kwargs: dict, rows: list) -> torch.Tensor:
-        """The output of the pass ``send(kwargs, rows)`` sent, on rank 0's device; the cached rows'
-        owners learn whether their pass computed every block. Queue this after rank 0's own pass:
-        rank 0's stream waits for it, and its own pass must not."""
-        shape = (*kwargs["hidden_states"].shape[:-1], self.out_features)
+    def receive(self, shape: tuple[int, ...], rows: list) -> torch.Tensor:
+        """The output (of ``shape``: the step adapter knows it) of the pass ``send`` sent with
+        ``rows``, on rank 0's device; the cached rows' owners learn whether their pass computed every
+        block. Queue this after rank 0's own pass: rank 0's stream waits for it, and its own pass
+        must not."""
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         dist.broadcast(out, src=1)
         if any(state is not None for state in rows):

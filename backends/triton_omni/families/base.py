@@ -163,7 +163,8 @@ class Family:
     fp8_kept: ClassVar[tuple[str, ...]] = ()
     # which tokens each linear layer of the repeated blocks reads, for ``forward_flops``: (pattern of the
     # layer's name from the network's root, stream); the first match wins, and unmatched layers read both
-    # streams' tokens ("joint"). A block's attention spans the tokens of its ``attention_streams`` entry.
+    # streams' tokens ("joint"). An attention spans the tokens of its ``attention_streams`` entry (matched
+    # on its own name; "cross": the image's tokens attending to the text's).
     flop_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
     attention_streams: ClassVar[tuple[tuple[str, str], ...]] = ()
     # the DiT's attention may take a padding mask: requests of different text lengths share a pass
@@ -291,7 +292,9 @@ def forward_flops(network: torch.nn.Module, streams, attention_streams, image_to
     (the scores' matmul and the values'). A layer reads the tokens of its stream: "image", "text",
     "joint" (both) or "row" (one per row: the modulations, computed from the timestep alone). What
     lies outside the blocks (the embedders, the final projection) is left out: well under 1 % of a
-    forward at the real shapes. The MFU the benchmarks print divides this by the GPU's peak."""
+    forward at the real shapes. A cross-attention ("cross": Wan's, the image's tokens reading the
+    text's) is 4 x image x text x (heads x head size). The MFU the benchmarks print divides this
+    by the GPU's peak."""
     tokens = {"image": image_tokens, "text": text_tokens, "joint": image_tokens + text_tokens, "row": 1}
 
     def stream(name: str, table, default: str = "joint") -> str:
@@ -304,9 +307,12 @@ def forward_flops(network: torch.nn.Module, streams, attention_streams, image_to
         for name, module in block.named_modules(prefix=block_name):
             if isinstance(module, torch.nn.Linear):
                 total += 2 * module.in_features * module.out_features * tokens[stream(name, streams)]
-            elif hasattr(module, "heads") and hasattr(module, "inner_dim"):  # diffusers' attention: one per block
-                span = tokens[stream(block_name, attention_streams)]
-                total += 4 * span * span * module.inner_dim
+            elif hasattr(module, "heads") and hasattr(module, "inner_dim"):  # diffusers' attention
+                kind = stream(name, attention_streams)
+                if kind == "cross":
+                    total += 4 * image_tokens * text_tokens * module.inner_dim
+                else:
+                    total += 4 * tokens[kind] * tokens[kind] * module.inner_dim
     return total * rows
 
 
@@ -475,6 +481,11 @@ class TwoPassStepAdapter(FlowStepAdapter):
         """A guided request's prediction from its prompt's and its negative's, by the pipeline's rule."""
         raise NotImplementedError
 
+    def output_shape(self, kwargs: dict) -> tuple[int, ...]:
+        """The shape of the transformer's output for a pass's arguments (CFG parallel receives it into
+        a buffer of that shape): packed latents' tokens, each as wide as its final projection."""
+        return (*kwargs["hidden_states"].shape[:-1], self.pipeline.transformer.proj_out.out_features)
+
     def _pass(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> tuple[dict, list]:
         """One pass's transformer arguments, its rows padded, and each row's cache owner."""
         n = len(jobs)
@@ -495,7 +506,7 @@ class TwoPassStepAdapter(FlowStepAdapter):
             self.cfg_parallel.send(*remote)
         cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
         if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
-            uncond = iter(self.cfg_parallel.receive(*remote)[: len(guided)])
+            uncond = iter(self.cfg_parallel.receive(self.output_shape(remote[0]), remote[1])[: len(guided)])
         else:
             uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
         self.count_skips(jobs)

@@ -58,6 +58,11 @@ class WanSteps(TwoPassStepAdapter):
     def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
         return negative + job.guidance_scale * (pred - negative)
 
+    def output_shape(self, kwargs: dict) -> tuple[int, ...]:
+        """The DiT unpatchifies its output: latents of every frame, ``out_channels`` deep."""
+        rows, _, *frames_and_sides = kwargs["hidden_states"].shape
+        return rows, int(self.pipeline.transformer.config.out_channels), *frames_and_sides
+
     def decode(self, jobs: list) -> torch.Tensor:
         pipeline, vae = self.pipeline, self.pipeline.vae
         latents = torch.cat([job.latents for job in jobs]).to(vae.dtype)
@@ -138,7 +143,13 @@ def build_realistic_14b(device, dtype):
 class Wan(Family):
     name = "wan"
     pipeline_class = "WanPipeline"
-    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True)
+    # the prompts' and the negatives' passes apart: CFG parallel; First Block Cache on its blocks, as
+    # diffusers' hook runs them; its blocks compiled. Not yet: LoRA adapters, CUDA graphs, sequence parallel
+    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, compile=True)
+    # self-attention and the feed-forward read the video's tokens; the cross-attention's keys and values
+    # the text's; the modulation is a learnt table, no layer
+    flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("blocks.*", "image"))
+    attention_streams = (("*.attn1", "image"), ("*.attn2", "cross"))
     recipe = RECIPE
     step_adapter = WanSteps
     output = Output("video", fps=FPS, default_frames=81)
