@@ -86,6 +86,16 @@ class OmniEvent:
                    fps=_first(get, "fps", float))
 
 
+def _media(model: str, values: list, names: tuple[str, ...]) -> list:
+    """A call's outputs ``names``; a model that made the other kind (an image for a video, or the
+    reverse) is named in the error."""
+    if values[0] is None:
+        other = "generate_image" if names[0] == "video" else "generate_video"
+        raise OmniError("INVALID_ARG", f"'{model}' returned no {names[0]}: it makes "
+                        f"{'images' if names[0] == 'video' else 'videos'} (call {other})")
+    return values
+
+
 def _shaped(get, name: str) -> Any:
     """Output ``name`` in its shape (``<name>_shape``): HTTP JSON sends it flat."""
     value, shape = get(name), get(f"{name}_shape")
@@ -301,9 +311,8 @@ class OmniClient:
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds,
                   "pooled_prompt_embeds": pooled_prompt_embeds}
-        if self.shared_memory:
-            return self._generate_shared(client_module, model, prompt, negative_prompt, embeds, options)
-        return self._infer_media(client_module, model, prompt, negative_prompt, embeds, options, "image")[0][0]
+        call = self._generate_shared if self.shared_memory else self._infer_media
+        return call(client_module, model, prompt, negative_prompt, embeds, options, "image")[0][0]
 
     def generate_video(self, prompt: str | None = None, *, prompt_embeds: np.ndarray | None = None,
                        negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
@@ -313,7 +322,8 @@ class OmniClient:
         factor: 1 + 4k for Wan; the model's default when left out)."""
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
-        frames, fps = self._infer_media(client_module, model, prompt, negative_prompt, embeds, options, "video", "fps")
+        call = self._generate_shared if self.shared_memory else self._infer_media
+        frames, fps = call(client_module, model, prompt, negative_prompt, embeds, options, "video", "fps")
         return Video(frames[0], float(np.ravel(fps)[0]))
 
     def _infer_media(self, client_module, model: str, prompt, negative_prompt, embeds: dict, options: dict,
@@ -326,12 +336,7 @@ class OmniClient:
                 result = client.infer(model, inputs)
             except Exception as exc:
                 raise as_omni_error(exc) from None
-        values = [result.as_numpy(name) for name in names]
-        if values[0] is None:
-            other = "generate_image" if names[0] == "video" else "generate_video"
-            raise OmniError("INVALID_ARG", f"'{model}' returned no {names[0]}: it makes "
-                            f"{'images' if names[0] == 'video' else 'videos'} (call {other})")
-        return values
+        return _media(model, [result.as_numpy(name) for name in names], names)
 
     def _image_inputs(self, client, client_module, shared: list | None, model: str, prompt, negative_prompt,
                       embeds: dict, options: dict) -> list:
@@ -343,10 +348,10 @@ class OmniClient:
         return batched_inputs(client_module, shared, declared, **embeds, **text, **options)
 
     def _generate_shared(self, client_module, model: str, prompt, negative_prompt, embeds: dict,
-                         options: dict) -> np.ndarray:
-        """``generate_image`` through this client's kept regions. A server restarted since they were
+                         options: dict, *names: str) -> list[np.ndarray]:
+        """``_infer_media`` through this client's kept regions. A server restarted since they were
         registered refuses them by name: they are registered afresh and the call made once more."""
-        args = (client_module, model, prompt, negative_prompt, embeds, options)
+        args = (client_module, model, prompt, negative_prompt, embeds, options, *names)
         try:
             return self._infer_shared(*args)
         except OmniError as error:
@@ -356,11 +361,12 @@ class OmniClient:
         return self._infer_shared(*args)
 
     def _infer_shared(self, client_module, model: str, prompt, negative_prompt, embeds: dict,
-                      options: dict) -> np.ndarray:
-        """The embeddings, and the image when its size is known before the call, through a session's
-        regions."""
+                      options: dict, *names: str) -> list[np.ndarray]:
+        """The embeddings, and the image (or the video's frames) when its size is known before the
+        call, through a session's regions; the other outputs ``names`` (a frame rate) in the response."""
         height, width = options.get("height"), options.get("width")
-        sized = height is not None and width is not None
+        frames = options.get("num_frames", 1) if names[0] == "video" else 1
+        sized = height is not None and width is not None and (names[0] == "image" or "num_frames" in options)
         with self._sessions.session(self._admin_headers) as (client, regions):
             shared: list = []
             inputs = self._image_inputs(client, client_module, shared, model, prompt, negative_prompt, embeds,
@@ -368,11 +374,15 @@ class OmniClient:
             try:
                 for tensor, array in shared:
                     regions.send(client, tensor, array)
-                image = client_module.InferRequestedOutput("image")
+                outputs = [client_module.InferRequestedOutput(name) for name in names]
                 if sized:
-                    regions.receive(client, image, int(height) * int(width) * 3)
-                result = client.infer(model, inputs, outputs=[image] if sized else None)
-                return (regions.read(result, "image") if sized else result.as_numpy("image"))[0]
+                    regions.receive(client, outputs[0], int(frames) * int(height) * int(width) * 3)
+                result = client.infer(model, inputs, outputs=outputs if sized else None)
+                made = sized and result.get_output(names[0]) is not None  # (else the model makes the other kind)
+                media = regions.read(result, names[0]) if made else result.as_numpy(names[0])
+                return _media(model, [media, *(result.as_numpy(name) for name in names[1:])], names)
+            except OmniError:
+                raise
             except Exception as exc:
                 raise as_omni_error(exc) from None
 
