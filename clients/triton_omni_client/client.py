@@ -365,8 +365,8 @@ class OmniClient:
         """The embeddings, and the image (or the video's frames) when its size is known before the
         call, through a session's regions; the other outputs ``names`` (a frame rate) in the response."""
         height, width = options.get("height"), options.get("width")
-        frames = options.get("num_frames", 1) if names[0] == "video" else 1
-        sized = height is not None and width is not None and (names[0] == "image" or "num_frames" in options)
+        frames = options.get("num_frames") if names[0] == "video" else 1
+        sized = height is not None and width is not None and frames is not None
         with self._sessions.session(self._admin_headers) as (client, regions):
             shared: list = []
             inputs = self._image_inputs(client, client_module, shared, model, prompt, negative_prompt, embeds,

@@ -166,12 +166,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/videos")
     async def list_videos(request: Request):
-        query = request.query_params
+        jobs, query = video_jobs(request), request.query_params
         limit = query.get("limit", "20")
-        if not limit.isdigit():
+        if not (limit.isascii() and limit.isdecimal()):
             raise OpenAIError(400, f"limit: must be a whole number, got {limit!r:.40}", param="limit",
                               code="invalid_value")
-        return video_jobs(request).list(query.get("after"), int(limit), query.get("order", "desc"))
+        return jobs.list(query.get("after"), int(limit), query.get("order", "desc"))
 
     @app.get("/v1/videos/{video_id}")
     async def retrieve_video(request: Request, video_id: str):

@@ -125,6 +125,10 @@ def _in_api_terms(error: OpenAIError) -> OpenAIError:
 
 def png(image: np.ndarray, compress_level: int) -> str:
     """The image as a base64 PNG file (lossless at every level; the level trades time for bytes)."""
+    return base64.b64encode(png_bytes(image, compress_level)).decode()
+
+
+def png_bytes(image: np.ndarray, compress_level: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG", compress_level=compress_level)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()

@@ -192,7 +192,7 @@ def dimensions(size: str | None) -> tuple[int, int] | None:
     if size is None or size == "auto":
         return None
     width, x, height = size.partition("x")
-    if not (x and width.isdigit() and height.isdigit()):
+    if not (x and width.isascii() and height.isascii() and width.isdecimal() and height.isdecimal()):
         raise invalid("size", f"must be WIDTHxHEIGHT (e.g. 512x512) or auto, got {size!r}")
     width, height = int(width), int(height)
     if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from triton_omni_client.video import encode_mp4
 
 from triton_omni_gateway.errors import OpenAIError
-from triton_omni_gateway.images import ImageModels, png
+from triton_omni_gateway.images import ImageModels, png_bytes
 from triton_omni_gateway.requests import VideoRequest, dimensions
 
 logger = logging.getLogger("triton_omni_gateway")
@@ -36,6 +37,7 @@ logger = logging.getLogger("triton_omni_gateway")
 VIDEO_FIELDS = {"height": "size", "width": "size", "text_input": "prompt", "images": "input_reference",
                 "images[0]": "input_reference", "image": "input_reference"}
 MAX_LIST = 100  # `limit` of a list, at most (OpenAI's)
+VARIANTS = ("video", "thumbnail", "frames")
 
 
 @dataclass
@@ -53,7 +55,7 @@ class VideoJob:
     error: dict | None = None
     frames: np.ndarray | None = None  # [F, H, W, 3] uint8, once completed
     fps: float | None = None
-    mp4: bytes | None = None  # encoded at the first fetch
+    mp4: asyncio.Future | None = None  # its MP4's bytes: encoded at the first fetch, once
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def body(self) -> dict[str, Any]:
@@ -118,26 +120,21 @@ class VideoJobs:
     async def content(self, video_id: str, variant: str) -> tuple[bytes, str]:
         """(the file, its media type): ``video`` an MP4, ``thumbnail`` the first frame as a PNG,
         ``frames`` the frames as served (``.npy``)."""
+        if variant not in VARIANTS:
+            raise OpenAIError(400, f"variant: must be {', '.join(VARIANTS)} (frames: this gateway's lossless "
+                              f"extension), got {variant!r:.40}", param="variant", code="invalid_value")
         job = self._job(video_id)
         if job.status != "completed":
             raise OpenAIError(400, f"video {video_id} is {job.status}: its content is there once it is completed",
                               param="video_id", code="video_not_ready")
+        # each off the event loop: an 81-frame video is about 100 MB of pixels
         if variant == "video":
-            if job.mp4 is None:  # encoding takes a while for a long video: off the event loop
-                from triton_omni_client.video import encode_mp4
-
-                job.mp4 = await asyncio.to_thread(encode_mp4, job.frames, job.fps)
-            return job.mp4, "video/mp4"
+            if job.mp4 is None:
+                job.mp4 = asyncio.ensure_future(asyncio.to_thread(encode_mp4, job.frames, job.fps))  # encoded once
+            return await asyncio.shield(job.mp4), "video/mp4"
         if variant == "thumbnail":
-            import base64
-
-            return base64.b64decode(await asyncio.to_thread(png, job.frames[0], 1)), "image/png"
-        if variant == "frames":
-            buffer = io.BytesIO()
-            np.save(buffer, job.frames)
-            return buffer.getvalue(), "application/x-npy"
-        raise OpenAIError(400, f"variant: must be video, thumbnail or frames (this gateway's lossless extension), "
-                          f"got {variant!r}", param="variant", code="invalid_value")
+            return await asyncio.to_thread(png_bytes, job.frames[0], self.images.png_compress_level), "image/png"
+        return await asyncio.to_thread(npy, job.frames), "application/x-npy"
 
     def close(self) -> None:
         for job in self._jobs.values():
@@ -160,9 +157,15 @@ class VideoJobs:
         return {"prompt": request.prompt} | {key: value for key, value in values.items() if value is not None}
 
     async def _run(self, job: VideoJob, kind: str, values: dict[str, Any]) -> None:
+        """The job, ended ``completed`` or ``failed`` whatever happens (but a delete's cancellation,
+        which has forgotten it already)."""
         job.status = "in_progress"
         try:
-            job.frames, job.fps = await self._generate(job.model, kind, values)
+            frames, fps = await self._generate(job.model, kind, values)
+            count, height, width, _ = frames.shape
+            job.size, job.seconds = f"{width}x{height}", f"{(count - 1) / fps:g}"
+            job.frames, job.fps, job.progress = frames, fps, 100
+            self._end(job, "completed")
         except OpenAIError as error:
             error = _in_video_terms(error)
             job.error = {"code": error.code or "failed", "message": error.message, "param": error.param}
@@ -171,12 +174,6 @@ class VideoJobs:
             logger.exception("video job %s failed", job.id)
             job.error = {"code": "internal_error", "message": f"internal error: {type(error).__name__}"}
             self._end(job, "failed")
-        else:
-            job.progress = 100
-            count, height, width, _ = job.frames.shape
-            job.size = f"{width}x{height}"
-            job.seconds = f"{(count - 1) / job.fps:g}"
-            self._end(job, "completed")
 
     def _end(self, job: VideoJob, status: str) -> None:
         job.status, job.completed_at = status, int(time.time())
@@ -190,7 +187,8 @@ class VideoJobs:
                 video = result.as_numpy("video")
                 if video is not None:
                     return _shaped(video, result.as_numpy("video_shape"))[0], float(result.as_numpy("fps").ravel()[0])
-            raise OpenAIError(500, f"model '{model}' answered without a video", code="no_video")
+            raise OpenAIError(400, f"model '{model}' makes images, not videos: use /v1/images/generations",
+                              param="model", code="not_a_video_model")
         request = {"text_input" if kind == "ensemble" else "prompt": prompt, **values}
         result = await self.triton.infer(model, request)
         video = result.as_numpy("video")
@@ -211,6 +209,13 @@ class VideoJobs:
         now = time.time()
         for video_id in [i for i, job in self._jobs.items() if job.expires_at is not None and job.expires_at <= now]:
             del self._jobs[video_id]
+
+
+def npy(frames: np.ndarray) -> bytes:
+    """The frames as a NumPy ``.npy`` file: ``numpy.load`` reads them back as they were served."""
+    buffer = io.BytesIO()
+    np.save(buffer, frames)
+    return buffer.getvalue()
 
 
 def _shaped(array: np.ndarray, shape: np.ndarray | None) -> np.ndarray:

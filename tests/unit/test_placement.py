@@ -157,3 +157,12 @@ def test_a_torch_runner_takes_one_gpu_and_bad_gpus_are_refused(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(Exception, match="GPU 1 is not among the 1 visible"):
         place_instance({"model_instance_kind": "MODEL"}, {"gpus": "1"})
+
+
+def test_a_video_demo_gets_a_gateway_of_one_process():
+    """/v1/videos jobs live in one gateway process's memory (several answer them 501): `serve --demo
+    wan` starts one; an image demo keeps the default."""
+    from triton_omni_tools.cli import _gateway_workers
+
+    assert _gateway_workers("wan", 4) == 1
+    assert _gateway_workers("flux1-dev", 4) == 4 and _gateway_workers("sd", 3) == 3

@@ -215,6 +215,15 @@ def _key_value(text: str) -> tuple[str, object]:
         return key, raw
 
 
+def _gateway_workers(demo: str, default: int) -> int:
+    """The gateway's processes: one for a video demo, whose /v1/videos jobs live in one process's
+    memory (a gateway of several answers them 501); else ``default``."""
+    from triton_omni.families import DEMOS, FAMILIES
+
+    makes_video = any(family.output.video for family in FAMILIES.values() if family.demo is DEMOS.get(demo))
+    return 1 if makes_video else default
+
+
 def _serve(args) -> int:
     from triton_omni_tools.gateway import default_workers
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
@@ -226,7 +235,7 @@ def _serve(args) -> int:
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
         placement=args.place, demo=args.demo, openai_port=args.openai_port,
-        api_key=args.api_key, openai_workers=args.openai_workers or default_workers(),
+        api_key=args.api_key, openai_workers=args.openai_workers or _gateway_workers(args.demo, default_workers()),
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())
 

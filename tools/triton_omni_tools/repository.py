@@ -68,6 +68,8 @@ def _ends_in_video(config: model_config_pb2.ModelConfig) -> None:
     """The ensemble's ``image`` output (the diffusion stage's) replaced by ``video`` and ``fps``, as
     the protocol declares them: Triton fails an ensemble request whose outputs are not all produced,
     and a video model produces no ``image``."""
+    if not any(output.name == "image" for output in config.output):
+        return  # no image to replace (or replaced already)
     specs = {spec.name: spec for spec in diffusion_outputs()}
     kept = [output for output in config.output if output.name != "image"]
     del config.output[:]

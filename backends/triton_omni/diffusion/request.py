@@ -126,10 +126,11 @@ def _frames(given: Any, value: Any, seconds: Any, limits: DiffusionLimits) -> in
         return 1
     if seconds is not None:
         return _frames_of_seconds(as_float("seconds", seconds), given, limits)
-    name = "num_frames"
-    frames = as_int(name, limits.default_frames if value is None else value)
+    name, step = "num_frames", limits.frames_step
+    if value is None:  # the model's default, within its max_frames (an operator may have lowered it)
+        return min(limits.default_frames, (limits.max_frames - 1) // step * step + 1)
+    frames = as_int(name, value)
     in_range(name, frames, 1, limits.max_frames)
-    step = limits.frames_step
     if (frames - 1) % step:
         below = (frames - 1) // step * step + 1
         raise RequestValidationError(name, f"must be 1 + a multiple of {step} (this model's VAE takes {step} frames "
@@ -140,13 +141,14 @@ def _frames(given: Any, value: Any, seconds: Any, limits: DiffusionLimits) -> in
 def _frames_of_seconds(seconds: float, given: Any, limits: DiffusionLimits) -> int:
     fps, step = limits.fps, limits.frames_step
     longest = (limits.max_frames - 1) / fps
-    in_range("seconds", seconds, 0.0, longest)
+    require(0 < seconds <= longest, "seconds", f"must be above 0 and at most {longest:g} (this model's "
+            f"{limits.max_frames} frames at {fps:g} a second)", seconds)
     frames = round(seconds * fps) + 1
     if given is not None and as_int("num_frames", given) != frames:
         raise RequestValidationError("seconds", f"{seconds:g} s at {fps:g} frames a second is {frames} frames, and "
                                      f"num_frames is {given}: give one of them", seconds)
     if (frames - 1) % step:
-        below = (frames - 1) // step * step
+        below = max((frames - 1) // step * step, step)  # (0 s is one frame: not a video's length)
         raise RequestValidationError("seconds", f"must make 1 + a multiple of {step} frames at {fps:g} a second "
                                      f"({frames} here): {below / fps:g} s or {(below + step) / fps:g} s", seconds)
     return frames

@@ -243,11 +243,12 @@ class DiffusionRunner:
         # an edit's output is its input image's size by default (about 1024² pixels, a side up to 2048),
         # and its embeddings hold the image's vision tokens beside the prompt's (about 1340 for 1024²)
         self.output = self.family.output  # an image or a video: what each request's result is
+        # what the family makes is its own: the `limits` parameter bounds requests, it does not redefine a video
+        made = {"frames_step": self.family.frames_step(), "default_frames": self.output.default_frames,
+                "fps": self.output.fps}
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
-                                          "pooled_size": self.family.pooled_size(), "max_images": capabilities.images,
-                                          "frames_step": self.family.frames_step(),
-                                          "default_frames": self.output.default_frames, "fps": self.output.fps}
-                                         | (EDIT_LIMITS if capabilities.edits else {}) | config.limits))
+                                          "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
+                                         | (EDIT_LIMITS if capabilities.edits else {}) | config.limits | made))
         self.graphs: GraphedDenoiser | None = None
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
