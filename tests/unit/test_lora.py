@@ -20,7 +20,8 @@ from triton_omni.lora import AdapterError, parse_sources
 from tests.support.loras import build_lora, with_adapter
 from tests.support.pipelines import DEMO_PIPELINES, GUIDANCE_KEYWORD, call, levels_apart
 
-FAMILIES = ("qwen-image", "z-image", "flux2-klein", "flux1-dev")
+FAMILIES = ("qwen-image", "z-image", "flux2-klein", "flux1-dev", "wan")
+VIDEO = {"wan": {"num_frames": 5}}  # a video family's frame count: the model's default, and the pipeline's call
 OPTIONS = {"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale": 4.0}
 PROMPT, NEGATIVE = "a red fox", "blurry"
 
@@ -38,7 +39,8 @@ def adapters(tmp_path_factory) -> dict[str, dict[str, str]]:
 
 def runner(family: str, sources: dict[str, str] | None, **config) -> DiffusionRunner:
     return DiffusionRunner(DiffusionRunnerConfig(DEMO_PIPELINES[family], batching=config.pop("batching", "step"),
-                                                 exact_batching=False, lora_adapters=sources or {}, **config))
+                                                 exact_batching=False, lora_adapters=sources or {},
+                                                 defaults=VIDEO.get(family, {}), **config))
 
 
 def request(seed: int, lora: str | None = None, scale: float | None = None, **more) -> dict:
@@ -59,7 +61,7 @@ def reference(family: str, folder: str | None, scale: float, seed: int, negative
     with with_adapter(family, folder, scale) as pipe:
         return call(pipe, PROMPT, negative, guidance_keyword=GUIDANCE_KEYWORD[family], seed=seed,
                     guidance_scale=OPTIONS["guidance_scale"], num_inference_steps=OPTIONS["num_inference_steps"],
-                    height=OPTIONS["height"], width=OPTIONS["width"])[0].numpy()
+                    height=OPTIONS["height"], width=OPTIONS["width"], **VIDEO.get(family, {}))[0].numpy()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -144,8 +144,9 @@ class Wan(Family):
     name = "wan"
     pipeline_class = "WanPipeline"
     # the prompts' and the negatives' passes apart: CFG parallel; First Block Cache on its blocks, as
-    # diffusers' hook runs them; its blocks compiled. Not yet: LoRA adapters, CUDA graphs, sequence parallel
-    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, compile=True)
+    # diffusers' hook runs them; its blocks compiled; LoRA adapters per request. Not yet: CUDA graphs,
+    # sequence parallel
+    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, compile=True, lora=True)
     # self-attention and the feed-forward read the video's tokens; the cross-attention's keys and values
     # the text's; the modulation is a learnt table, no layer
     flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("blocks.*", "image"))
