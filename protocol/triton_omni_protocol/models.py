@@ -75,13 +75,36 @@ def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
     ]
 
 
+# -- the diffusion options: one table. A request's option for the diffusion stage, scalar, optional,
+# and validated by the stage (its request dataclass names it): `diffusion` takes each as an input, and
+# so do `text_to_image` (tests/unit/test_architecture.py holds its config to this table) and `omni`
+# (its scheduler converts each to this type and passes it on). A new option is one line here, the
+# ensemble's two lines, and the code that reads it.
+DIFFUSION_OPTIONS = [
+    TensorSpec("negative_prompt", "TYPE_STRING"),
+    TensorSpec("num_inference_steps", "TYPE_INT32"),
+    TensorSpec("guidance_scale", "TYPE_FP32"),
+    TensorSpec("height", "TYPE_INT32"),
+    TensorSpec("width", "TYPE_INT32"),
+    # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan), or its
+    # length in seconds at the model's frame rate (OpenAI's `seconds`: 4 s at 16 fps is 65 frames)
+    TensorSpec("num_frames", "TYPE_INT32"),
+    TensorSpec("seconds", "TYPE_FP32"),
+    TensorSpec("seed", "TYPE_INT64"),
+    # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
+    TensorSpec("step_cache", "TYPE_STRING"),
+    # a LoRA adapter the model serves (its lora_adapters parameter), and its scale (1.0 unless given)
+    TensorSpec("lora", "TYPE_STRING"),
+    TensorSpec("lora_scale", "TYPE_FP32"),
+]
+
+
 # -- diffusion (dynamic batching)
 def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
     embeds_type = EMBEDS_TYPES[embeds_dtype]
     return [
         TensorSpec("prompt", "TYPE_STRING"),
         TensorSpec("prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
-        TensorSpec("negative_prompt", "TYPE_STRING"),
         TensorSpec("negative_prompt_embeds", embeds_type, dims=(-1, -1), kind="array"),
         # beside prompt_embeds, for a family whose DiT reads a pooled embedding (FLUX.1); [0]: none
         TensorSpec("pooled_prompt_embeds", embeds_type, dims=(-1,), kind="array"),
@@ -89,20 +112,7 @@ def diffusion_inputs(embeds_dtype: str = "float32") -> list[TensorSpec]:
         # pixels, or one or several encoded PNG / JPEG / WebP files (docs/models.md, "Input images")
         TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, 3), kind="array"),
         TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
-        TensorSpec("num_inference_steps", "TYPE_INT32"),
-        TensorSpec("guidance_scale", "TYPE_FP32"),
-        TensorSpec("height", "TYPE_INT32"),
-        TensorSpec("width", "TYPE_INT32"),
-        # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan), or its
-        # length in seconds at the model's frame rate (OpenAI's `seconds`: 4 s at 16 fps is 65 frames)
-        TensorSpec("num_frames", "TYPE_INT32"),
-        TensorSpec("seconds", "TYPE_FP32"),
-        TensorSpec("seed", "TYPE_INT64"),
-        # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
-        TensorSpec("step_cache", "TYPE_STRING"),
-        # a LoRA adapter the model serves (its lora_adapters parameter), and its scale (1.0 unless given)
-        TensorSpec("lora", "TYPE_STRING"),
-        TensorSpec("lora_scale", "TYPE_FP32"),
+        *DIFFUSION_OPTIONS,
     ]
 
 
@@ -134,18 +144,8 @@ OMNI_INPUTS = [
     TensorSpec("temperature", "TYPE_FP32"),
     TensorSpec("top_p", "TYPE_FP32"),
     TensorSpec("top_k", "TYPE_INT32"),
-    # image options (as `diffusion` takes them); `seed` seeds both stages
-    TensorSpec("negative_prompt", "TYPE_STRING"),
-    TensorSpec("num_inference_steps", "TYPE_INT32"),
-    TensorSpec("guidance_scale", "TYPE_FP32"),
-    TensorSpec("height", "TYPE_INT32"),
-    TensorSpec("width", "TYPE_INT32"),
-    TensorSpec("num_frames", "TYPE_INT32"),  # a video model's
-    TensorSpec("seconds", "TYPE_FP32"),
-    TensorSpec("seed", "TYPE_INT64"),
-    TensorSpec("step_cache", "TYPE_STRING"),
-    TensorSpec("lora", "TYPE_STRING"),
-    TensorSpec("lora_scale", "TYPE_FP32"),
+    # the diffusion options (as `diffusion` takes them); `seed` seeds both stages
+    *DIFFUSION_OPTIONS,
     # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
     TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
 ]

@@ -16,6 +16,7 @@ from triton_omni_protocol import (
     AR_ENCODE_INPUTS,
     AR_GENERATE_INPUTS,
     AR_GENERATE_OUTPUTS,
+    DIFFUSION_OPTIONS,
     OMNI_INPUTS,
     OMNI_OUTPUTS,
     RETURN_FLAGS,
@@ -190,6 +191,19 @@ def test_the_ensemble_is_wired_from_the_protocol():
         inputs, outputs = CONTRACTS[step.model_name]
         assert set(step.input_map) <= {s.name for s in inputs}, step.model_name
         assert set(step.output_map) <= {s.name for s in outputs}, step.model_name
+
+
+def test_every_diffusion_option_is_an_optional_input_of_the_ensemble_passed_to_diffusion():
+    """The protocol's one table of diffusion options: `text_to_image` takes each, optional, as
+    `diffusion` declares it, and hands it to `diffusion` under its name (the negative prompt's text
+    to `ar_encoder`, which encodes it for `diffusion`)."""
+    config = load_config(ROOT / "ensemble" / "text_to_image" / "config.pbtxt")
+    inputs = {tensor.name: tensor for tensor in config.input}
+    steps = {step.model_name: step for step in config.ensemble_scheduling.step}
+    for spec in DIFFUSION_OPTIONS:
+        assert spec.name in inputs and inputs[spec.name].optional, spec.name
+        stage = "ar_encoder" if spec.name == "negative_prompt" else "diffusion"
+        assert steps[stage].input_map.get(spec.name) == spec.name, spec.name
 
 
 def test_one_type_per_scalar_input_name_across_models():

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from triton_omni_protocol import DIFFUSION_OPTIONS
+
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
 from triton_omni.validation import (
@@ -29,20 +31,10 @@ from triton_omni.validation import (
 
 # "image" and "video" both name the diffusion route; what comes back is what its model makes
 MODALITIES = ("text", "image", "video")
-# Image options forwarded to the diffusion stage, with their type converters.
-IMAGE_OPTIONS = {  # bounded to the type of the diffusion input each one becomes
-    "negative_prompt": as_str,
-    "num_inference_steps": as_int32,
-    "guidance_scale": as_float,
-    "height": as_int32,
-    "width": as_int32,
-    "num_frames": as_int32,
-    "seconds": as_float,
-    "seed": as_int,
-    "step_cache": as_str,
-    "lora": as_str,
-    "lora_scale": as_float,
-}
+# The diffusion options forwarded to the diffusion stage (the protocol's table), each converted to
+# (and bounded by) the type of the diffusion input it becomes.
+CONVERTERS = {"TYPE_STRING": as_str, "TYPE_INT32": as_int32, "TYPE_INT64": as_int, "TYPE_FP32": as_float}
+IMAGE_OPTIONS = {spec.name: CONVERTERS[spec.data_type] for spec in DIFFUSION_OPTIONS}
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
 # Sampling keys `ar` takes that the omni text route cannot return the result of.
 TEXT_OPTIONS_REFUSED = {
