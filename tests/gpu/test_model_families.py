@@ -1,5 +1,6 @@
-"""Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2 [klein] and FLUX.1 [dev] at their real shapes (random
-weights, built on the GPU in bf16) on a GPU: a request's image through step batching against the
+"""Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2 [klein], FLUX.1 [dev] and Wan 2.1 T2V-1.3B (a video of
+``VIDEO_FRAMES`` frames) at their real shapes (random weights, built on the GPU in bf16) on a GPU: a
+request's image through step batching against the
 pipeline's own call with the same embeddings, seeded generator and (an edit) input image. Alone it
 runs the pipeline's batch of one: bit-exact. Beside requests of other steps,
 sizes and guidance its forward passes run at other batch sizes, whose bf16
@@ -25,9 +26,10 @@ from triton_omni_tools.bench.presets import edit_picture
 
 FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "qwen_image_edit": "demo:realistic-qwen-image-edit",
             "z_image": "demo:realistic-z-image", "flux2_klein": "demo:realistic-flux2-klein",
-            "flux1": "demo:realistic-flux1-dev"}
+            "flux1": "demo:realistic-flux1-dev", "wan": "demo:realistic-wan2.1-1.3b"}
 # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
-STACKED = {"qwen_image", "qwen_image_edit", "flux2_klein", "flux1"}
+STACKED = {"qwen_image", "qwen_image_edit", "flux2_klein", "flux1", "wan"}
+VIDEO_FRAMES = 17  # a video family's requests: the model's default set to it, and the pipeline called with it
 EDITED = edit_picture(512, 768)  # an edit's input image: the pipeline reads it at about 1024², 3:2
 SIZE, STEPS = 512, 4
 # Per pixel channel, out of 255, for a request that shares its forward passes with others: bf16
@@ -47,7 +49,8 @@ def step(request):
     gc.collect()
     torch.cuda.empty_cache()
     runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[family], device="cuda", dtype="bfloat16",
-                                                   batching="step", batch_size=4, exact_batching=exact))
+                                                   batching="step", batch_size=4, exact_batching=exact,
+                                                   defaults={"num_frames": VIDEO_FRAMES} if family == "wan" else {}))
     yield runner
     runner.close()
 
@@ -79,13 +82,15 @@ def reference(runner: DiffusionRunner, values: dict) -> torch.Tensor:
     if "pooled_prompt_embeds" in values:
         kwargs["pooled_prompt_embeds"] = values["pooled_prompt_embeds"][None].cuda()
     as_input = (lambda e: e[None].cuda()) if runner.family.name in STACKED else (lambda e: [e.cuda()])
+    if runner.output.video:
+        kwargs["num_frames"] = VIDEO_FRAMES
     with torch.inference_mode():
-        images = runner.pipeline(
+        output = runner.pipeline(
             prompt_embeds=as_input(values["prompt_embeds"]),
             negative_prompt_embeds=None if negative is None else as_input(negative),
             num_inference_steps=values["num_inference_steps"], height=values["height"], width=values["width"],
-            generator=torch.Generator("cuda").manual_seed(values["seed"]), output_type="pt", **kwargs).images
-    return to_pixels(images)[0]
+            generator=torch.Generator("cuda").manual_seed(values["seed"]), output_type="pt", **kwargs)
+    return to_pixels(runner.family.call_output(output))[0]
 
 
 def difference(image: torch.Tensor, expected: torch.Tensor) -> int:
