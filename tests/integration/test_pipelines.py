@@ -204,7 +204,8 @@ def test_sub_model_failure_is_typed_with_the_stage_message(server, protocol):
 
 
 @pytest.mark.parametrize("inputs, parameter", [
-    ({"modalities": ["video"]}, "modalities"),
+    ({"modalities": ["audio"]}, "modalities"),
+    ({"modalities": ["image", "video"]}, "modalities"),  # the diffusion route named twice
     ({"modalities": []}, "modalities"),
     ({"num_images": 99}, "num_images"),
     ({"parameters": '{"best_of": 2}'}, "parameters"),

@@ -75,7 +75,7 @@ VALUE_CASES = [
         ({"text_input": HUGE_TEXT}, "text_input"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ]],
     *[("omni", change, name) for change, name in [
-        ({"modalities": ["video"]}, "modalities"), ({"modalities": []}, "modalities"),
+        ({"modalities": ["audio"]}, "modalities"), ({"modalities": []}, "modalities"),
         ({"num_images": 0}, "num_images"), ({"num_images": 1000}, "num_images"),
         ({"parameters": "{"}, "parameters"), ({"parameters": DEEP}, "parameters"),
         ({"parameters": '{"seed": 9223372036854775808}'}, "seed"),
