@@ -27,6 +27,8 @@ server's own: a few levels of 255, docs/models.md).
     python benchmarks/families.py --family flux1-schnell --preset realistic       # GPU: 1024², 4 steps
     python benchmarks/families.py --family qwen-image-edit --preset realistic     # GPU: edit 1024², 50 steps, CFG 4
     python benchmarks/families.py --family wan --preset realistic                 # GPU: Wan 2.1 1.3B, 832x480x81, CFG 5
+    python benchmarks/families.py --family wan2.2-ti2v --preset realistic         # GPU: Wan 2.2 TI2V-5B, 1280x704x121
+    python benchmarks/families.py --family wan2.2-t2v-a14b --preset realistic --steps 4  # GPU: two 14B experts
 
 An edit family's requests (Qwen-Image-Edit) each send the same input image, 1024² (``edit_picture``):
 the pipeline's ``image`` on the direct side, the request's ``images`` on Triton's.
@@ -161,12 +163,19 @@ SETUPS = {
     # every prompt 512 rows (the pipeline pads with zeros); the model card's 480p: 832x480, 81 frames, CFG 5
     ("wan", "tiny"): Setup("demo:tiny-wan", 32, 2, 5.0, (1, 4), 512, 512, frames=5),
     ("wan", "realistic"): Setup("demo:realistic-wan2.1-1.3b", 832, 50, 5.0, (1, 4), 512, 512, height=480, frames=81),
+    # Wan 2.2 TI2V-5B's model card: 1280x704, 121 frames, 50 steps, CFG 5
+    ("wan2.2-ti2v", "tiny"): Setup("demo:tiny-wan2.2", 32, 2, 5.0, (1, 4), 512, 512, frames=5),
+    ("wan2.2-ti2v", "realistic"): Setup("demo:realistic-wan2.2-ti2v-5b", 1280, 50, 5.0, (1,), 512, 512, height=704,
+                                        frames=121),
+    # T2V-A14B's: 1280x720, 81 frames, 40 steps, CFG 4 (one scale for both experts: the pipeline's default)
+    ("wan2.2-t2v-a14b", "realistic"): Setup("demo:realistic-wan2.2-t2v-a14b", 1280, 40, 4.0, (1,), 512, 512,
+                                            height=720, frames=81),
 }
 GUIDES_ABOVE = {"z-image": 0.0}  # the others guide above 1
 NEVER_GUIDED = {"flux1-dev", "flux1-schnell"}  # guidance-distilled or none: no negative pass at any scale
 # embeddings as one tensor (Z-Image: a list)
 STACKED = {"qwen-image", "qwen-image-edit", "flux2-klein", "flux2-klein-distilled", "flux1-dev", "flux1-schnell",
-           "wan"}
+           "wan", "wan2.2-ti2v", "wan2.2-t2v-a14b"}
 TRUE_CFG = {"qwen-image", "qwen-image-edit"}  # the scale is true_cfg_scale
 EDITS = {"qwen-image-edit"}  # every request edits an input image
 
@@ -418,13 +427,17 @@ def server_repositories(setup: Setup, device: str, dest: Path, compile: str = "o
 def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | None, compile: str = "off",
         compile_direct: bool = False, exact_batching: str = "false", end_to_end: bool = False,
         aa: bool = False, tokens: int | None = None, shared_memory: bool = False, kernels: dict | None = None,
-        gather_us: int | None = None) -> dict:
-    """``kernels``: the server's ``diffusion`` parameters given on the command line (quantization,
+        gather_us: int | None = None, steps: int | None = None) -> dict:
+    """``steps``: the denoising steps in place of the setup's (a model too slow for its full run
+    here is measured over fewer: the ratios are per step); ``kernels``: the server's ``diffusion``
+    parameters given on the command line (quantization,
     fp8_kept, attention_backend, cuda_graphs, embeds_dtype, steps_ahead); ``gather_us``: its batching
     window (``server_repositories``)."""
     setup = SETUPS[(family, preset)]
     if tokens is not None:  # the prompts' (and negatives') token count, for what the embeddings' size costs
         setup = dataclasses.replace(setup, tokens=tokens, negative_tokens=tokens)
+    if steps is not None:
+        setup = dataclasses.replace(setup, steps=steps)
     levels = concurrency or setup.concurrency
     device = "cuda" if preset == "realistic" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -542,6 +555,7 @@ def main() -> None:
     parser.add_argument("--steps-ahead", type=int, help="the server's steps_ahead (default: 2; GPU only)")
     parser.add_argument("--gather-us", type=int, help="Triton's batching window for diffusion, in microseconds, "
                         "in place of one request per execute (requests sent together share their first step)")
+    parser.add_argument("--steps", type=int, help="denoising steps in place of the setup's (the ratios are per step)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
@@ -553,7 +567,7 @@ def main() -> None:
                                                      ("steps_ahead", args.steps_ahead)) if value is not None}
     result = run(args.family, args.preset, args.rounds, levels, args.compile, args.compile_direct,
                  args.exact_batching, args.end_to_end, args.aa, args.tokens, args.shared_memory, kernels,
-                 args.gather_us)
+                 args.gather_us, args.steps)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -414,15 +414,25 @@ class OmniClient:
         ``on_progress(step, total_steps)`` as each denoising step ends (a
         slow reader gets the latest step), then the image ``[H, W, 3]``.
         ``options``: as ``generate_image``."""
+        return self._stream_media(model, on_progress, prompt, options, "image")[0][0]
+
+    def stream_video(self, prompt: str | None = None, *, model: str = "diffusion_stream",
+                     on_progress: Callable[[int, int], None] | None = None, **options: Any) -> Video:
+        """``stream_image`` for a video model: progress per step, then the frames and their rate.
+        ``options``: as ``generate_video``."""
+        frames, fps = self._stream_media(model, on_progress, prompt, options, "video", "fps")
+        return Video(frames[0], float(np.ravel(fps)[0]))
+
+    def _stream_media(self, model: str, on_progress, prompt, options: dict, *names: str) -> list[np.ndarray]:
         import tritonclient.grpc as grpcclient
 
         for result in stream_infer(self.url, model, batched_inputs(grpcclient, prompt=prompt, **options)):
-            image = result.as_numpy("image")
-            if image is not None:
-                return image[0]
+            media, step = [result.as_numpy(name) for name in names], result.as_numpy("step")
+            if media[0] is not None or step is None:  # the last response (another kind's: named in the error)
+                return _media(model, media, names)
             if on_progress is not None:
-                on_progress(int(result.as_numpy("step")[0, 0]), int(result.as_numpy("total_steps")[0, 0]))
-        raise OmniError("INTERNAL", f"'{model}' ended its stream without an image")
+                on_progress(int(step[0, 0]), int(result.as_numpy("total_steps")[0, 0]))
+        raise OmniError("INTERNAL", f"'{model}' ended its stream without a {names[0]}")
 
 
 def batched_inputs(client_module, shared: list | None = None, declared: dict[str, str] | None = None,

@@ -124,18 +124,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def edit_images(request: Request):
         """multipart/form-data: read whole within the body limit, then parsed as a form."""
         authorize(request, settings.key)
+        # more files than a model takes reach the model, which names its limit
+        body = await form_of(request, parse_edit, 16, "multipart/form-data with the image files")
+        return await unless_disconnected(request, images.edit(body))
+
+    async def form_of(request: Request, parse, max_files: int, what: str):
+        """A multipart/form-data body, read whole within the upload limit, parsed by ``parse`` (its
+        files closed after); one that is not multipart, or is malformed, is a 400 saying it is not
+        ``what``."""
         request._body = await raw_body(request, settings.max_upload_bytes)  # the form parser reads it from here
         try:
-            # more files than a model takes reach the model, which names its limit
-            form = await request.form(max_files=16, max_fields=64)
-        except Exception as error:  # not multipart, or malformed: Starlette's and python-multipart's own errors
-            raise OpenAIError(400, f"The body is not multipart/form-data with the image files: {error}",
-                              code="invalid_multipart") from None
+            form = await request.form(max_files=max_files, max_fields=64)
+        except Exception as error:  # Starlette's and python-multipart's own errors
+            raise OpenAIError(400, f"The body is not {what}: {error}", code="invalid_multipart") from None
         try:
-            body = await parse_edit(form)
+            return await parse(form)
         finally:
             await form.close()
-        return await unless_disconnected(request, images.edit(body))
 
     def video_jobs(request: Request) -> VideoJobs:
         """The jobs, for an authorized request to a gateway of one process (they live in its memory)."""
@@ -152,17 +157,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         jobs = video_jobs(request)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             return await jobs.create(parse_video_json(await raw_body(request, settings.max_body_bytes)))
-        request._body = await raw_body(request, settings.max_upload_bytes)  # the form parser reads it from here
-        try:
-            form = await request.form(max_files=1, max_fields=64)
-        except Exception as error:  # malformed: Starlette's and python-multipart's own errors
-            raise OpenAIError(400, f"The body is not valid multipart/form-data: {error}",
-                              code="invalid_multipart") from None
-        try:
-            body = await parse_video_form(form)
-        finally:
-            await form.close()
-        return await jobs.create(body)
+        return await jobs.create(await form_of(request, parse_video_form, 1, "valid multipart/form-data"))
 
     @app.get("/v1/videos")
     async def list_videos(request: Request):

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from triton_omni_client.video import encode_mp4
+from triton_omni_protocol.models import DIFFUSION_OPTIONS
 
 from triton_omni_gateway.errors import OpenAIError
 from triton_omni_gateway.images import ImageModels, png_bytes
@@ -145,10 +146,10 @@ class VideoJobs:
 
     def _values(self, request: VideoRequest) -> dict[str, Any]:
         """The model's inputs (checked here where they can be: ``size``, ``seconds``)."""
-        values = {"negative_prompt": request.negative_prompt, "num_inference_steps": request.num_inference_steps,
-                  "guidance_scale": request.guidance_scale, "seed": request.seed, "num_frames": request.num_frames,
-                  "seconds": request.length(), "step_cache": request.step_cache, "lora": request.lora,
-                  "lora_scale": request.lora_scale}
+        # every diffusion option, by its name in the protocol's table: the body's field of that name, but
+        # the two that OpenAI's API shapes its own way (size, and seconds as text)
+        values = {spec.name: getattr(request, spec.name) for spec in DIFFUSION_OPTIONS
+                  if spec.name not in ("height", "width", "seconds")} | {"seconds": request.length()}
         size = dimensions(request.size)
         if size is not None:
             values["width"], values["height"] = size
@@ -161,7 +162,7 @@ class VideoJobs:
         which has forgotten it already)."""
         job.status = "in_progress"
         try:
-            frames, fps = await self._generate(job.model, kind, values)
+            frames, fps = await self._generate(job.model, kind, values, job)
             count, height, width, _ = frames.shape
             job.size, job.seconds = f"{width}x{height}", f"{(count - 1) / fps:g}"
             job.frames, job.fps, job.progress = frames, fps, 100
@@ -179,14 +180,19 @@ class VideoJobs:
         job.status, job.completed_at = status, int(time.time())
         job.expires_at = job.completed_at + int(self.keep_s)
 
-    async def _generate(self, model: str, kind: str, values: dict[str, Any]) -> tuple[np.ndarray, float]:
+    async def _generate(self, model: str, kind: str, values: dict[str, Any],
+                        job: VideoJob) -> tuple[np.ndarray, float]:
+        """The frames and their rate; through ``omni``, the job's ``progress`` follows its denoising
+        steps (an ensemble's or a batched model's answer comes whole: 0, then 100)."""
         prompt = values.pop("prompt")
         if kind == "omni":
-            request = {"text_input": prompt, "modalities": ["video"], "stream": False, **values}
-            async for result in self.triton.stream(model, request, lambda result: True):
+            # streamed: a response per denoising step, then the video (or an image model's image)
+            request = {"text_input": prompt, "modalities": ["video"], "stream": True, **values}
+            async for result in self.triton.stream(model, request, _media_made):
                 video = result.as_numpy("video")
                 if video is not None:
                     return _shaped(video, result.as_numpy("video_shape"))[0], float(result.as_numpy("fps").ravel()[0])
+                job.progress = max(job.progress, _progress(result))
             raise OpenAIError(400, f"model '{model}' makes images, not videos: use /v1/images/generations",
                               param="model", code="not_a_video_model")
         request = {"text_input" if kind == "ensemble" else "prompt": prompt, **values}
@@ -209,6 +215,20 @@ class VideoJobs:
         now = time.time()
         for video_id in [i for i, job in self._jobs.items() if job.expires_at is not None and job.expires_at <= now]:
             del self._jobs[video_id]
+
+
+def _media_made(result) -> bool:
+    """``omni``'s last response to a streamed video request: the video, or an image model's image."""
+    return result.as_numpy("video") is not None or result.as_numpy("image") is not None
+
+
+def _progress(result) -> int:
+    """An ``omni`` progress event's share of the denoising in percent, below 100 (that is the
+    finished video's); 0 for any other event."""
+    stage, step, total = (result.as_numpy(name) for name in ("stage", "step", "total_steps"))
+    if stage is None or step is None or total is None or stage.ravel()[0] != b"diffusion":
+        return 0
+    return min(99, int(100 * int(step.ravel()[0]) / max(1, int(total.ravel()[0]))))
 
 
 def npy(frames: np.ndarray) -> bytes:

@@ -26,9 +26,11 @@ from triton_omni_tools.bench.presets import edit_picture
 
 FAMILIES = {"qwen_image": "demo:realistic-qwen-image", "qwen_image_edit": "demo:realistic-qwen-image-edit",
             "z_image": "demo:realistic-z-image", "flux2_klein": "demo:realistic-flux2-klein",
-            "flux1": "demo:realistic-flux1-dev", "wan": "demo:realistic-wan2.1-1.3b"}
+            "flux1": "demo:realistic-flux1-dev", "wan": "demo:realistic-wan2.1-1.3b",
+            "wan2.2_ti2v": "demo:realistic-wan2.2-ti2v-5b", "wan2.2_a14b": "demo:realistic-wan2.2-t2v-a14b"}
 # pipelines taking [batch, tokens, hidden]; Z-Image takes a list
-STACKED = {"qwen_image", "qwen_image_edit", "flux2_klein", "flux1", "wan"}
+STACKED = {"qwen_image", "qwen_image_edit", "flux2_klein", "flux1", "wan", "wan2.2_ti2v", "wan2.2_a14b"}
+VIDEOS = {"wan", "wan2.2_ti2v", "wan2.2_a14b"}
 VIDEO_FRAMES = 17  # a video family's requests: the model's default set to it, and the pipeline called with it
 EDITED = edit_picture(512, 768)  # an edit's input image: the pipeline reads it at about 1024², 3:2
 SIZE, STEPS = 512, 4
@@ -50,7 +52,7 @@ def step(request):
     torch.cuda.empty_cache()
     runner = DiffusionRunner(DiffusionRunnerConfig(FAMILIES[family], device="cuda", dtype="bfloat16",
                                                    batching="step", batch_size=4, exact_batching=exact,
-                                                   defaults={"num_frames": VIDEO_FRAMES} if family == "wan" else {}))
+                                                   defaults={"num_frames": VIDEO_FRAMES} if family in VIDEOS else {}))
     yield runner
     runner.close()
 

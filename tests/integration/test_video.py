@@ -9,7 +9,8 @@ The routes: `diffusion` with the prompt as text, `diffusion` with `ar_encoder`'s
 pipeline's own UMT5 encoding), the `text_to_image` ensemble, which ends in the video for a video
 family, the `omni` scheduler (modalities `["video"]`), and the OpenAI gateway's `/v1/videos` jobs
 through the `openai` SDK's `videos` (its MP4 lossy: the raw frames come through the gateway's
-`frames` variant)."""
+`frames` variant). Then Wan 2.2 TI2V (`serve --demo wan2.2`) given a first image, through every
+route and as `/v1/videos`' `input_reference`, against `WanImageToVideoPipeline`."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 from triton_omni_client import OmniClient, OmniError, Video
 from triton_omni_client.video import decode_mp4, encode_mp4
 from triton_omni_tools.gateway import Gateway
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, PROJECT_ROOT, ServerOptions, TritonServer, free_port
+from triton_omni_tools.repository import copy_model
 
 from tests.support.images import png
 from tests.support.pipelines import ABSENT, levels_apart, reference
@@ -39,8 +42,12 @@ PROMPT = "a red fox"
 
 @pytest.fixture(scope="module")
 def wan_server(tmp_path_factory):
-    models = ["ar_encoder", "diffusion", "text_to_image", "omni"]
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+    models = ["ar_encoder", "diffusion", "text_to_image", "omni", "diffusion_stream"]
+    variants = tmp_path_factory.mktemp("variants")  # diffusion decoupled: a response per denoising step
+    copy_model(PROJECT_ROOT / "model_repository", "diffusion", variants, "diffusion_stream", decoupled=True,
+               parameters={"model": "demo:tiny-wan"})
+    options = ServerOptions(model_repositories=[*DEFAULT_REPOSITORIES, variants], http_port=free_port(),
+                            grpc_port=free_port(), metrics_port=free_port(),
                             model_control_mode="explicit", load_models=models, demo="wan",
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     with TritonServer(options) as server:
@@ -85,6 +92,20 @@ def test_a_frame_count_the_vae_cannot_take_is_refused_by_name_and_the_next_reque
     with pytest.raises(OmniError, match="generate_video"):  # an image asked of a video model: named, not a crash
         client.generate_image(PROMPT, **OPTIONS)
     assert client.generate_video(PROMPT, **(OPTIONS | {"num_frames": 1})).frames.shape == (1, 32, 32, 3)
+
+
+def test_a_decoupled_model_streams_each_step_then_the_frames(wan_server):
+    """``diffusion_stream`` (diffusion with ``decoupled: true``): progress per denoising step, in
+    order, then the frames, the batched model's."""
+    steps = []
+    client = OmniClient(wan_server.grpc_url)
+    video = client.stream_video(PROMPT, on_progress=lambda step, total: steps.append((step, total)),
+                                **(OPTIONS | {"num_inference_steps": 4}))
+    assert steps == sorted(steps) and steps[-1] == (4, 4) and all(total == 4 for _, total in steps)
+    assert video.fps == 16.0
+    assert np.array_equal(video.frames, client.generate_video(PROMPT, **(OPTIONS | {"num_inference_steps": 4})).frames)
+    with pytest.raises(OmniError, match="returned no image: it makes videos"):
+        client.stream_image(PROMPT, **OPTIONS)
 
 
 def test_frames_through_shared_memory_are_the_served_frames(wan_server):
@@ -160,6 +181,20 @@ def test_openai_videos_give_the_pipelines_frames_and_their_mp4(videos_api):
         videos_api.videos.retrieve(video.id)
 
 
+def test_a_job_through_omni_reports_its_denoising_progress(videos_api):
+    """Through ``omni`` the job's ``progress`` follows the denoising steps (through an ensemble it
+    goes from 0 to 100 at once)."""
+    video = videos_api.videos.create(prompt=PROMPT, model="omni", size="32x32",
+                                     extra_body=EXTENSIONS | {"num_inference_steps": 40})
+    seen = [video.progress]
+    while (video := videos_api.videos.retrieve(video.id)).status in ("queued", "in_progress"):
+        seen.append(video.progress)
+        time.sleep(0.02)
+    assert video.status == "completed" and video.progress == 100, video.error
+    assert seen == sorted(seen) and any(0 < progress < 100 for progress in seen), seen
+    videos_api.videos.delete(video.id)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"extra_body": EXTENSIONS | {"num_frames": 6}}, "num_frames"),
     ({"seconds": "4", "extra_body": EXTENSIONS}, "seconds"),  # 65 frames at 16 a second, and num_frames 5
@@ -172,6 +207,14 @@ def test_what_the_model_refuses_fails_the_job_naming_the_field(videos_api, field
     assert finished(videos_api, model="diffusion", size="32x32", extra_body=EXTENSIONS).status == "completed"
     for listed in videos_api.videos.list():
         videos_api.videos.delete(listed.id)
+
+
+def test_a_form_that_is_not_multipart_is_a_400_naming_it(videos_api):
+    import httpx
+
+    response = httpx.post(f"{videos_api.base_url}videos", content=b"prompt=a red fox",
+                          headers={"content-type": "multipart/form-data"})  # no boundary: no form
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_multipart", response.text
 
 
 def test_what_the_gateway_refuses_is_a_400_404_or_429(videos_api):
@@ -214,3 +257,63 @@ def test_deleting_a_running_job_stops_its_denoising(videos_api, wan_server):
     wait(lambda: count("cancelled") == cancelled + 1 and in_flight() == 0,  # dropped at its next step
          "the deleted job's request was never cancelled")
     assert metric_value(wan_server, "omni_diffusion_steps_total", model="diffusion") - steps < 100
+
+
+# -- Wan 2.2 TI2V (`serve --demo wan2.2`): a prompt and a first image --------------------------------
+
+FIRST_FRAME = png(1)
+
+
+@pytest.fixture(scope="module")
+def ti2v_server(tmp_path_factory):
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_control_mode="explicit", load_models=["ar_encoder", "diffusion", "text_to_image",
+                                                                        "omni"], demo="wan2.2",
+                            log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
+    with TritonServer(options) as server:
+        yield server
+
+
+@pytest.mark.parametrize("negative", [ABSENT, "", " "], ids=["absent", "empty", "blank"])
+@pytest.mark.parametrize("route", ["diffusion", "text_to_image", "omni"])
+def test_a_first_image_through_every_route_gives_the_image_to_video_pipelines_frames(ti2v_server, route,
+                                                                                    negative):
+    """Against ``WanImageToVideoPipeline`` over the demo's components, its negative prompt left out,
+    empty or blank, as its users give it."""
+    client = OmniClient(ti2v_server.grpc_url)
+    given = ({} if negative is ABSENT else {"negative_prompt": negative}) | OPTIONS | {"images": [FIRST_FRAME]}
+    if route == "omni":
+        [event] = [event for event in client.generate(PROMPT, modalities=["video"], **given)
+                   if event.video is not None]
+        video = Video(event.video[0], event.fps)
+    else:
+        video = client.generate_video(PROMPT, model=route, **given)
+    expected = reference("wan2.2", PROMPT, negative, image=Image.open(io.BytesIO(FIRST_FRAME)), **OPTIONS)
+    assert video.fps == 24.0 and levels_apart(video.frames, expected) <= 1
+
+
+def test_openai_videos_take_the_first_image_as_input_reference(ti2v_server):
+    gateway = Gateway(free_port(), "127.0.0.1", ti2v_server.grpc_url, {}).start()
+    try:
+        api = openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused", max_retries=0)
+        video = finished(api, model="text_to_image", size="32x32", extra_body=EXTENSIONS,
+                         input_reference=("first.png", FIRST_FRAME, "image/png"))
+        assert video.status == "completed", video.error
+        frames = np.load(io.BytesIO(api.videos.download_content(video.id, variant="frames").content))
+    finally:
+        gateway.stop()
+    expected = reference("wan2.2", PROMPT, image=Image.open(io.BytesIO(FIRST_FRAME)), **OPTIONS)
+    assert levels_apart(frames, expected) <= 1
+    assert levels_apart(frames, reference("wan2.2", PROMPT, **OPTIONS)) >= 10  # the image was read
+
+
+def test_the_cli_gives_its_first_image(ti2v_server, tmp_path):
+    """`omni-triton generate-video --image IN.png`: the first image reaches the model."""
+    first = tmp_path / "first.png"
+    first.write_bytes(FIRST_FRAME)
+    subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate-video", PROMPT, "--url",
+                    ti2v_server.grpc_url, "--steps", "2", "--seed", "7", "--guidance", "4", "--height", "32",
+                    "--width", "32", "--frames", "5", "--image", str(first), "--out", str(tmp_path / "video.npy")],
+                   check=True)
+    expected = reference("wan2.2", PROMPT, image=Image.open(io.BytesIO(FIRST_FRAME)), **OPTIONS)
+    assert levels_apart(np.load(tmp_path / "video.npy"), expected) <= 1

@@ -17,16 +17,17 @@ from triton_omni.diffusion.steps import to_pixels
 DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z-image": "demo:tiny-z-image",
                   "flux2-klein": "demo:tiny-flux2-klein", "flux2-dev": "demo:tiny-flux2-dev",
                   "flux1-dev": "demo:tiny-flux1-dev", "qwen-image-edit": "demo:tiny-qwen-image-edit",
-                  "qwen-image-edit-plus": "demo:tiny-qwen-image-edit-plus", "wan": "demo:tiny-wan"}
+                  "qwen-image-edit-plus": "demo:tiny-qwen-image-edit-plus", "wan": "demo:tiny-wan",
+                  "wan2.2": "demo:tiny-wan2.2"}
 # The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
 GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale",
                     "flux2-klein": "guidance_scale", "flux2-dev": "guidance_scale", "flux1-dev": "guidance_scale",
                     "qwen-image-edit": "true_cfg_scale", "qwen-image-edit-plus": "true_cfg_scale",
-                    "wan": "guidance_scale"}
+                    "wan": "guidance_scale", "wan2.2": "guidance_scale"}
 # What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 [klein] guide above 1, Z-Image
 # above 0 (FLUX.2 [dev] and FLUX.1 [dev] are guidance-distilled: the DiT reads any scale, 1 as much as 4)
 NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0, "flux2-dev": 1.0, "flux1-dev": 1.0,
-               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0, "wan": 1.0}
+               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0, "wan": 1.0, "wan2.2": 1.0}
 # The guidance-distilled families, whose pipeline runs no negative pass (FLUX.2 [dev] takes no negative
 # prompt; FLUX.1's reads one only for true_cfg_scale, which is left at its default): a negative is ignored
 NO_NEGATIVE = {"flux2-dev", "flux1-dev"}
@@ -57,6 +58,8 @@ def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidan
     takes no ``negative_prompt`` (FLUX.2 [klein]: its negative is "") gets a negative text the way
     its users give one: ``negative_prompt_embeds`` from its own ``encode_prompt``; one that takes no
     negative at all (FLUX.2 [dev], guidance-distilled) runs without it, as the server does."""
+    if "image" in kwargs and "image" not in inspect.signature(pipe.__call__).parameters:
+        pipe = image_pipeline(pipe)  # Wan 2.2 TI2V: its first image is read by the I2V pipeline's class
     parameters = inspect.signature(pipe.__call__).parameters
     if negative_prompt is ABSENT or negative_prompt is None:
         given = {}
@@ -70,6 +73,17 @@ def call(pipe: DiffusionPipeline, prompt: str, negative_prompt=ABSENT, *, guidan
         output = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="pt",
                       **{guidance_keyword: guidance_scale}, **given, **kwargs)
     return to_pixels(output.frames if hasattr(output, "frames") else output.images)
+
+
+def image_pipeline(pipe: DiffusionPipeline) -> DiffusionPipeline:
+    """The pipeline its users call over ``pipe``'s components to give it a first image
+    (``WanPipeline`` -> ``WanImageToVideoPipeline``: Wan 2.2 TI2V's model card does so)."""
+    from diffusers import WanImageToVideoPipeline
+
+    assert type(pipe).__name__ == "WanPipeline", type(pipe).__name__
+    image_to_video = WanImageToVideoPipeline.from_pipe(pipe)
+    image_to_video.set_progress_bar_config(disable=True)
+    return image_to_video
 
 
 def encoded(family: str, text: str) -> np.ndarray:

@@ -234,6 +234,19 @@ def test_every_diffusion_option_is_an_optional_input_of_the_ensemble_passed_to_d
         assert steps[stage].input_map.get(spec.name) == spec.name, spec.name
 
 
+def test_the_gateways_request_bodies_take_every_diffusion_option():
+    """OpenAI's bodies carry the table's options as extensions under the same names (``/v1/videos``'
+    values are read off the table by name), but what the API shapes its own way: ``size`` for the
+    height and width, and the image endpoints make no video (a frame count, a length)."""
+    from triton_omni_gateway.requests import ImageRequest, VideoRequest
+
+    names = {spec.name for spec in DIFFUSION_OPTIONS} - {"height", "width"}
+    assert "size" in VideoRequest.model_fields and "size" in ImageRequest.model_fields
+    assert names <= set(VideoRequest.model_fields), names - set(VideoRequest.model_fields)
+    image_names = names - {"num_frames", "seconds"}
+    assert image_names <= set(ImageRequest.model_fields), image_names - set(ImageRequest.model_fields)
+
+
 def test_one_type_per_scalar_input_name_across_models():
     seen = {}
     for spec in [*AR_GENERATE_INPUTS, *diffusion_inputs(), *OMNI_INPUTS]:

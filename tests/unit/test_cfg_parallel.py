@@ -76,7 +76,7 @@ def test_cfg_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
     with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image, "
-                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein, wan\)"):
+                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein, wan, wan2.2_ti2v\)"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
     with pytest.raises(ValueError, match=r"the flux1 family does not"):  # guidance-distilled: one pass a step
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", cfg_device="cpu"))

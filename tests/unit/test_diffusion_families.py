@@ -2,7 +2,8 @@
 own ``__call__``: same prompt, negative prompt, steps, guidance, size and
 seeded generator, on tiny random-weight models (diffusers' test shapes).
 Alone, bit-exact; batched beside other requests, within 1/255 per pixel, or
-bit-exact with ``exact_batching: pipeline``. A video family (Wan) the same, every frame: its
+bit-exact with ``exact_batching: pipeline``. A video family (Wan 2.1, Wan 2.2 TI2V and T2V-A14B,
+whose two experts step requests at either side of their boundary in one group) the same, every frame: its
 requests here make ``FRAMES`` frames (the model's default set so, and the pipeline called with it)."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from tests.support.pipelines import call
 STEPS, SIZE, FRAMES = 2, 32, 5
 MODELS = {"stable_diffusion": "demo:tiny-sd", "qwen_image": "demo:tiny-qwen-image", "z_image": "demo:tiny-z-image",
           "flux2_klein": "demo:tiny-flux2-klein", "flux2_dev": "demo:tiny-flux2-dev", "flux1": "demo:tiny-flux1-dev",
-          "wan": "demo:tiny-wan"}
-VIDEO = {"wan"}
+          "wan": "demo:tiny-wan", "wan2.2_ti2v": "demo:tiny-wan2.2", "wan2.2_a14b": "demo:tiny-wan2.2-a14b"}
+VIDEO = {"wan", "wan2.2_ti2v", "wan2.2_a14b"}
 
 
 def config(family: str, **settings) -> DiffusionRunnerConfig:

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     video.add_argument("--model", default="diffusion", help="diffusion (default), or text_to_image")
     video.add_argument("--frames", type=int, dest="num_frames", help="1 + a multiple of 4 for Wan (default: the "
                        "model's, 81)")
+    video.add_argument("--seconds", type=float, help="the video's length (the model makes seconds x fps + 1 frames)")
+    video.add_argument("--image", type=Path, metavar="IN.png",
+                       help="a first image (PNG, JPEG or WebP) for a model that takes one (Wan 2.2 TI2V, I2V-A14B)")
     _add_image_options(video)
     video.set_defaults(run=_generate_video)
 
@@ -421,11 +424,15 @@ def _generate_video(args) -> int:
     import numpy as np
     from triton_omni_client import InputValueError, OmniClient, OmniError
     from triton_omni_client.video import encode_mp4
+    from triton_omni_protocol.models import DIFFUSION_OPTIONS
 
     if args.out.suffix not in (".mp4", ".npy"):
         raise SystemExit(f"error: --out must end in .mp4 or .npy, got {args.out.name!r}")
-    options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale",
-                                             "num_frames") if getattr(args, k) is not None} | (args.lora or {})
+    # every diffusion option this command has a flag for (its dest is the option's name)
+    options = {spec.name: getattr(args, spec.name) for spec in DIFFUSION_OPTIONS
+               if spec.name != "negative_prompt" and getattr(args, spec.name, None) is not None} | (args.lora or {})
+    if args.image is not None:
+        options["images"] = [args.image.read_bytes()]
     try:
         video = OmniClient(args.url, protocol=args.protocol).generate_video(
             args.prompt, negative_prompt=args.negative_prompt, model=args.model, **options)

@@ -8,6 +8,7 @@ runner returns neither CLIP's nor T5's states, nor hidden states for multimodal 
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,12 +17,20 @@ import torch
 from triton_omni.families import family_of
 
 
+def dropped_components(pipeline_path: Path) -> dict[str, None]:
+    """The components the encoder does without: the VAE and every denoiser (Wan 2.2 A14B has two,
+    ``transformer`` and ``transformer_2``), by the names the pipeline's ``model_index.json`` gives."""
+    index = Path(pipeline_path) / "model_index.json"
+    components = json.loads(index.read_text()) if index.is_file() else {"transformer": None, "vae": None}
+    return {name: None for name in components if name == "vae" or name.startswith("transformer")}
+
+
 class PipelineTextEngine:
     def __init__(self, pipeline_path: Path, device: str, dtype: torch.dtype):
         from diffusers import DiffusionPipeline
 
         self.device = torch.device(device)
-        pipeline = DiffusionPipeline.from_pretrained(pipeline_path, transformer=None, vae=None, dtype=dtype)
+        pipeline = DiffusionPipeline.from_pretrained(pipeline_path, **dropped_components(pipeline_path), dtype=dtype)
         pipeline.to(self.device)
         self.family = family_of(pipeline)
         self.hidden_size = self.family.hidden_size()

@@ -248,7 +248,8 @@ class DiffusionRunner:
                 "fps": self.output.fps}
         self.limits = DiffusionLimits(**({"hidden_size": hidden, "size_multiple": self.family.size_multiple(),
                                           "pooled_size": self.family.pooled_size(), "max_images": capabilities.images}
-                                         | (EDIT_LIMITS if capabilities.edits else {}) | config.limits | made))
+                                         | (EDIT_LIMITS if capabilities.edits else {}) | self.output.limits()
+                                         | config.limits | made))
         self.graphs: GraphedDenoiser | None = None
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
@@ -267,7 +268,8 @@ class DiffusionRunner:
                 self.steps.fixed_shapes = graphed or "blocks" in config.compiled
             if config.cfg_device is not None:  # before rank 0's kernels: the worker takes the weights as loaded
                 self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
-            self._on_torch_thread(lambda: kernels.apply(self.family.network))
+            for network in self.family.networks:
+                self._on_torch_thread(lambda network=network: kernels.apply(network))
             spread = self._spread_vae_group_norms()
             if self.steps is not None:  # a compiled decoder keeps one shape; a spread one is faster alone
                 self.steps.decode_alone = spread or "vae" in config.compiled
@@ -365,10 +367,10 @@ class DiffusionRunner:
             if not self.family.capabilities.compile:
                 raise ValueError(f"model parameter compile {name!r}: the {self.family.name} family has no "
                                  "diffusion transformer blocks to compile")
-            transformer = self.family.network
-            compile_blocks(transformer, COMPILE_OPTIONS)
-            logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
-                        ", ".join(transformer._repeated_blocks), type(transformer).__name__)
+            for transformer in self.family.networks:
+                compile_blocks(transformer, COMPILE_OPTIONS)
+                logger.info("torch.compile: the %s blocks of %s (each new shape compiles on its first step)",
+                            ", ".join(transformer._repeated_blocks), type(transformer).__name__)
         if "vae" in parts:
             if not self.family.capabilities.vae_compile:
                 raise ValueError(f"model parameter compile {name!r}: the {self.family.name} family's VAE is not "
@@ -478,7 +480,8 @@ class DiffusionRunner:
         if self.graphs is not None:
             self.graphs.remove()  # its graphs hold their pool's memory and the blocks' compiled code
         if self.config.compiled:
-            for module in (*self.family.network.modules(), self.pipeline.vae.decoder):
+            modules = [module for network in self.family.networks for module in network.modules()]
+            for module in (*modules, self.pipeline.vae.decoder):
                 module.__dict__.pop("forward", None)  # the compiled forward _compile set
             torch._dynamo.reset()  # this process's compile caches: a stub's are its model's alone
         self.pipeline = self.family = self.graphs = self.adapters = None
@@ -526,7 +529,10 @@ class DiffusionRunner:
     def _size_from_images(self, request: DiffusionRequest) -> None:
         """The pipeline's checks of its input images, and, for a side the request did not give, the
         output's size the pipeline takes from them, held to this model's limits."""
-        height, width = self.family.check_images(request.images, request.images_field)
+        size = self.family.check_images(request.images, request.images_field)
+        if size is None:
+            return
+        height, width = size
         limits = self.limits
         for name, given, value in (("height", request.sized[0], height), ("width", request.sized[1], width)):
             if not given:
@@ -643,7 +649,7 @@ class DiffusionRunner:
         }
         started = time.perf_counter()
         with torch.inference_mode(), self._adapter(first):
-            images = self.family.call_output(self.pipeline(**kwargs))[: len(jobs)]
+            images = self.family.call_output(self.family.call(kwargs))[: len(jobs)]
         queued = time.perf_counter()
         # Images are final outputs that leave the server over the network: one
         # device-to-host copy per batch here is cheaper than a CUDA tensor per

@@ -1,7 +1,9 @@
-"""The pipeline families: one module each, and the registry, keyed by the diffusers pipeline's
-class. Everything the runtime knows of a family is in its module (base.py says what that is);
-the runner, the step engine, ``ar_encoder`` and the launcher read a family's capabilities and
-never name a family or probe a pipeline themselves (tests/unit/test_architecture.py holds it).
+"""The pipeline families: one module each, and the registry, by family name. A pipeline's family
+is the first whose pipeline class is the pipeline's and which ``serves`` it (Wan 2.2's models
+share ``WanPipeline`` with Wan 2.1; their configs tell them apart). Everything the runtime knows
+of a family is in its module (base.py says what that is); the runner, the step engine,
+``ar_encoder`` and the launcher read a family's capabilities and never name a family or probe a
+pipeline themselves (tests/unit/test_architecture.py holds it).
 
 Adding a family: ARCHITECTURE.md, "Adding a family".
 """
@@ -26,12 +28,15 @@ from triton_omni.families.qwen_image import QwenImage
 from triton_omni.families.qwen_image_edit import QwenImageEdit, QwenImageEditPlus
 from triton_omni.families.stable_diffusion import StableDiffusion
 from triton_omni.families.wan import Wan
+from triton_omni.families.wan22_a14b import Wan22A14B, Wan22I2VA14B
+from triton_omni.families.wan22_ti2v import Wan22TI2V
 from triton_omni.families.z_image import ZImage
 
 logger = logging.getLogger(__name__)
 
-FAMILIES: dict[str, type[Family]] = {family.pipeline_class: family for family in (
-    StableDiffusion, QwenImage, QwenImageEdit, QwenImageEditPlus, ZImage, Flux2Klein, Flux2Dev, Flux1, Wan)}
+FAMILIES: dict[str, type[Family]] = {family.name: family for family in (
+    StableDiffusion, QwenImage, QwenImageEdit, QwenImageEditPlus, ZImage, Flux2Klein, Flux2Dev, Flux1, Wan,
+    Wan22TI2V, Wan22A14B, Wan22I2VA14B)}
 RECIPES: dict[str, EncoderRecipe] = {LAST_HIDDEN_STATE.name: LAST_HIDDEN_STATE} | {
     family.recipe.name: family.recipe for family in FAMILIES.values()}
 DEMOS: dict[str, Demo] = {family.demo.name: family.demo for family in FAMILIES.values() if family.demo}
@@ -40,10 +45,16 @@ DEMOS: dict[str, Demo] = {family.demo.name: family.demo for family in FAMILIES.v
 def family_of(pipeline: Any) -> Family:
     """The family of ``pipeline``, by its class; a UNet pipeline no family names is taken for
     Stable Diffusion's shape (request batching; step batching checks its loop's parts)."""
-    family = FAMILIES.get(type(pipeline).__name__)
+    family = next((family for family in FAMILIES.values()
+                   if family.pipeline_class == type(pipeline).__name__ and family.serves(pipeline)), None)
     if family is None:
+        name = type(pipeline).__name__
+        kin = [family.name for family in FAMILIES.values() if family.pipeline_class == name]
+        if kin:  # the class is served, its config (Wan 2.1's image-to-video, say) is not
+            raise ValueError(f"no family serves this {name}'s config (the families of its class: {', '.join(kin)})")
         if getattr(pipeline, "unet", None) is None:
-            raise ValueError(f"no family serves {type(pipeline).__name__} (served: {', '.join(FAMILIES)})")
+            served = sorted({family.pipeline_class for family in FAMILIES.values()})
+            raise ValueError(f"no family serves {name} (served: {', '.join(served)})")
         logger.warning("%s is served as a Stable Diffusion pipeline (a UNet conditioned on text embeddings)",
                        type(pipeline).__name__)
         family = StableDiffusion

@@ -81,10 +81,18 @@ class Output:
     name: str = "image"  # the diffusion model's output tensor: "image" or "video"
     fps: float = 0.0
     default_frames: int = 0
+    max_side: int = 0  # a video's largest side its model card makes (Wan: 1280 for 720p); 0: the default limit
 
     @property
     def video(self) -> bool:
         return self.name == "video"
+
+    def limits(self) -> dict[str, int]:
+        """The request limits a video's model card needs (its default frame count, its 720p side),
+        which the model's ``limits`` parameter may lower."""
+        if not self.video:
+            return {}
+        return {"max_frames": max(81, self.default_frames)} | ({"max_size": self.max_side} if self.max_side else {})
 
 
 IMAGE = Output()
@@ -174,10 +182,23 @@ class Family:
     def __init__(self, pipeline):
         self.pipeline = pipeline
 
+    @classmethod
+    def serves(cls, pipeline) -> bool:
+        """Whether this family serves ``pipeline`` (of its ``pipeline_class``): a class whose models
+        differ in their loop (Wan 2.2's experts, or its first-frame conditioning) has a family per
+        kind, each reading the pipeline's own config."""
+        return True
+
     @property
     def network(self) -> torch.nn.Module:
-        """The denoising network: a UNet or a diffusion transformer."""
+        """The denoising network: a UNet or a diffusion transformer (the first, where there are several)."""
         return self.pipeline.transformer
+
+    @property
+    def networks(self) -> tuple[torch.nn.Module, ...]:
+        """Every denoising network (Wan 2.2 A14B's two experts): what compile, FP8, the attention
+        kernel and the step cache wrap, each of them."""
+        return (self.network,)
 
     def hidden_size(self) -> int:
         raise NotImplementedError
@@ -193,6 +214,12 @@ class Family:
     def size_kwargs(self, height: int, width: int, frames: int) -> dict[str, Any]:
         """One batched ``__call__``'s output size (a video's frame count too)."""
         return {"height": height, "width": width} | ({"num_frames": frames} if self.output.video else {})
+
+    def call(self, kwargs: dict[str, Any]) -> Any:
+        """One batched ``__call__`` (request batching): the pipeline's own; a family whose input image
+        is read by another pipeline class over the same components (Wan 2.2 TI2V's first frame)
+        calls that one."""
+        return self.pipeline(**kwargs)
 
     def call_output(self, result: Any) -> torch.Tensor:
         """One ``__call__``'s output (``output_type="pt"``) as ``[N, 3, H, W]`` images or
@@ -241,10 +268,11 @@ class Family:
         """One batched call's conditioning: rows of one token count (the runner groups them so)."""
         raise NotImplementedError
 
-    def check_images(self, images: list, field: str = "images") -> tuple[int, int]:
+    def check_images(self, images: list, field: str = "images") -> tuple[int, int] | None:
         """Refuse input images the pipeline refuses (``RequestValidationError`` naming the image, in
         ``field``: ``image`` or ``images``);
-        the output's (height, width) the pipeline takes from them when the request gives none."""
+        the output's (height, width) the pipeline takes from them when the request gives none (None:
+        the pipeline's size does not follow its input image)."""
         raise NotImplementedError
 
     def image_kwargs(self, images: list) -> dict[str, Any]:
@@ -426,28 +454,34 @@ class FlowStepAdapter(StepAdapter):
 
     def __init__(self, pipeline, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, device, dtype)
-        self._step_cache = None  # the hooks, installed when a request first asks for them
+        # the step cache's hooks, per denoising network, installed when a request first asks for them
+        self._step_caches: dict[int, Any] = {}
         self.cfg_parallel = None  # a CfgParallel, where the family takes it: where the negatives' passes run
 
-    def start_cache(self, job, passes: tuple[str, ...]) -> None:
-        """The job's passes' cache state, where it asked for step caching."""
+    def start_cache(self, job, passes: tuple[str, ...], network: torch.nn.Module | None = None) -> None:
+        """The job's passes' cache state (fresh: a network's first step computes), where it asked for
+        step caching; ``network``: the one its next passes run (the pipeline's transformer by default)."""
         from triton_omni.diffusion.step_cache import FirstBlockCache, PassCache
 
         if job.step_cache is None or not job.step_cache.on:
             return
-        if self._step_cache is None:
-            self._step_cache = FirstBlockCache(self.pipeline.transformer)
+        network = self.pipeline.transformer if network is None else network
+        if id(network) not in self._step_caches:
+            cache = FirstBlockCache(network)
             if self.lora_rows is not None:  # the rows that compute the remaining blocks keep their adapters
-                self._step_cache.narrow = self.lora_rows.narrowed
+                cache.narrow = self.lora_rows.narrowed
+            self._step_caches[id(network)] = cache
         job.cache = {name: PassCache(job.step_cache.threshold) for name in passes}
 
     def graphable(self) -> bool:
         # the step cache's hooks decide per request from the first block's output, read on the host
-        return self._step_cache is None or self._step_cache.rows is None
+        return all(cache.rows is None for cache in self._step_caches.values())
 
-    def cached(self, rows: list) -> contextlib.AbstractContextManager:
-        """Around a forward pass whose row ``i`` is ``rows[i]``'s (a PassCache, or None)."""
-        return contextlib.nullcontext() if self._step_cache is None else self._step_cache.passes(rows)
+    def cached(self, rows: list, network: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Around a forward pass of ``network`` (the pipeline's transformer by default) whose row ``i``
+        is ``rows[i]``'s (a PassCache, or None)."""
+        cache = self._step_caches.get(id(self.pipeline.transformer if network is None else network))
+        return contextlib.nullcontext() if cache is None else cache.passes(rows)
 
     @staticmethod
     def count_skips(jobs: list) -> None:
@@ -468,8 +502,8 @@ class TwoPassStepAdapter(FlowStepAdapter):
     (cfg_parallel.py), while the prompts' pass runs on the first; the same kernels on the same
     rows, so the image is the one GPU's. A family gives one pass's arguments and its guidance."""
 
-    def start_passes(self, job) -> None:
-        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",))
+    def start_passes(self, job, network: torch.nn.Module | None = None) -> None:
+        self.start_cache(job, ("cond", "uncond") if job.uncond is not None else ("cond",), network)
 
     def arguments(self, jobs: list, embeds: torch.Tensor, size: int, branch: str) -> dict:
         """One pass's transformer arguments (``return_dict`` aside) for ``jobs``, padded to ``size``
@@ -493,22 +527,35 @@ class TwoPassStepAdapter(FlowStepAdapter):
         kwargs = self.arguments(jobs, torch.stack(pad_rows(embeds, size)), size, branch) | {"return_dict": False}
         return kwargs, [job.cache and job.cache[branch] for job in jobs] + [None] * (size - n)
 
-    def _forward(self, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo, branch: str) -> torch.Tensor:
+    def _forward(self, network: torch.nn.Module, jobs: list, embeds: list[torch.Tensor], pad_to: PadTo,
+                 branch: str) -> torch.Tensor:
         kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
-        with self.cached(rows), self.adapted([job.lora for job in jobs] + [None] * (len(rows) - len(jobs))):
-            return self.pipeline.transformer(**kwargs)[0][: len(jobs)]
+        with self.cached(rows, network), \
+                self.adapted([job.lora for job in jobs] + [None] * (len(rows) - len(jobs))):
+            return network(**kwargs)[0][: len(jobs)]
+
+    def networks_of(self, jobs: list) -> list[tuple[torch.nn.Module, list]]:
+        """The network each job's step runs, with its jobs: the pipeline's transformer for all,
+        unless the family has several (Wan 2.2's experts, each for a part of the schedule)."""
+        return [(self.pipeline.transformer, jobs)]
 
     def predict(self, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
+        preds: dict[int, torch.Tensor] = {}
+        for network, part in self.networks_of(jobs):
+            preds.update(zip(map(id, part), self._predict(network, part, pad_to), strict=True))
+        return [preds[id(job)] for job in jobs]
+
+    def _predict(self, network: torch.nn.Module, jobs: list, pad_to: PadTo) -> list[torch.Tensor]:
         guided = [job for job in jobs if job.uncond is not None]
         negatives = [job.uncond for job in guided]
         remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
         if remote is not None:
             self.cfg_parallel.send(*remote)
-        cond = self._forward(jobs, [job.cond for job in jobs], pad_to, "cond")
+        cond = self._forward(network, jobs, [job.cond for job in jobs], pad_to, "cond")
         if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
             uncond = iter(self.cfg_parallel.receive(self.output_shape(remote[0]), remote[1])[: len(guided)])
         else:
-            uncond = iter(self._forward(guided, negatives, pad_to, "uncond") if guided else ())
+            uncond = iter(self._forward(network, guided, negatives, pad_to, "uncond") if guided else ())
         self.count_skips(jobs)
         preds = []
         for job, pred in zip(jobs, cond, strict=True):
