@@ -1,5 +1,6 @@
-"""CFG parallel's code path on the CPU (tiny Qwen-Image, FLUX.2 [klein] and Wan): the negatives' pass
-on a copy of the transformer, in a worker process over gloo, gives the image
+"""CFG parallel's code path on the CPU (tiny Qwen-Image, FLUX.2 [klein] and Wan 2.2 T2V-A14B, whose
+worker holds both experts): the negatives' pass on a copy of the transformer, in a worker process
+over gloo, gives the image
 the runner gives without it, alone and beside requests with other steps, guidance
 and step caches. The second device here is the CPU again: tests/gpu runs it
 over two GPUs, and benchmarks/parallel.py measures it."""
@@ -27,7 +28,7 @@ def images(runner: DiffusionRunner, requests: list[dict]) -> list:
 
 
 @pytest.mark.parametrize(("model", "defaults"), [(MODEL, {}), ("demo:tiny-flux2-klein", {}),
-                                                 ("demo:tiny-wan", {"num_frames": 5})])
+                                                 ("demo:tiny-wan2.2-a14b", {"num_frames": 5})])
 def test_cfg_parallel_gives_the_one_device_images(model, defaults):
     one = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", defaults=defaults))
     try:
@@ -76,7 +77,8 @@ def test_cfg_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"CFG parallel.*batching 'step'"):
         DiffusionRunnerConfig(MODEL, batching="request", cfg_device="cpu")
     with pytest.raises(ValueError, match=r"the z_image family does not \(families that do: qwen_image, "
-                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein, wan, wan2.2_ti2v\)"):
+                                         r"qwen_image_edit, qwen_image_edit_plus, flux2_klein, wan, wan2.2_ti2v, "
+                                         r"wan2.2_a14b, wan2.2_i2v_a14b\)"):
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", batching="step", cfg_device="cpu"))
     with pytest.raises(ValueError, match=r"the flux1 family does not"):  # guidance-distilled: one pass a step
         DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", cfg_device="cpu"))

@@ -5,6 +5,7 @@ before its pixels are decoded where the header already says no."""
 
 from __future__ import annotations
 
+import types
 import numpy as np
 import pytest
 import torch
@@ -172,6 +173,7 @@ def test_a_cached_request_with_reference_images_takes_its_decisions_alone_in_com
 
 def test_sequence_parallel_refuses_input_images_by_name(monkeypatch):
     runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux2-klein", batching="request"))
-    monkeypatch.setattr(runner, "sequence_parallel", object())  # as a runner with `parallel: sp` has one
+    # as a runner with `parallel: sp` has one
+    monkeypatch.setattr(runner, "sequence_parallel", types.SimpleNamespace(devices=["cpu", "cpu"]))
     with pytest.raises(RequestValidationError, match="`images`: not with sequence parallel"):
         runner.parse(BASE | {"images": [encoded(picture(1))]})

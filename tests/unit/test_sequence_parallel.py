@@ -14,6 +14,7 @@ from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.errors import RequestValidationError
 
 from tests.support import fake_pb_utils
+from tests.support.images import png
 
 fake_pb_utils.install()
 from triton_omni.triton.diffusion_io import runner_config  # noqa: E402  (after the stand-in for pb_utils)
@@ -64,6 +65,27 @@ def test_flux_splits_its_text_and_image_with_diffusers_plan():
     company = [COMPANY[0], COMPANY[3] | {"width": 48}]
     expected = served(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step"), company)
     got = served(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", sp_devices=("cpu",)), company)
+    assert_same(got, expected)
+
+
+# Wan: a video's tokens (every latent frame's patches) split by diffusers' plan at the first block.
+# Wan 2.2 TI2V-5B takes a timestep per token (split with them) and a first image as its first latent
+# frame; T2V-A14B runs two experts, each split, the workers holding both.
+VIDEO = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_steps": 3, "guidance_scale": 4.0,
+         "height": 32, "width": 32, "num_frames": 5, "seed": 3}
+VIDEO_COMPANY = {
+    "demo:tiny-wan2.2": [VIDEO | {"images": [png(1)]}, VIDEO | {"seed": 5, "num_frames": 9, "width": 64},
+                         VIDEO | {"seed": 7, "guidance_scale": 1.0}],
+    "demo:tiny-wan2.2-a14b": [VIDEO, VIDEO | {"seed": 5, "num_inference_steps": 5, "width": 48},
+                              VIDEO | {"seed": 7, "prompt": "a small boat on a calm lake at dawn", "num_frames": 9}],
+}
+
+
+@pytest.mark.parametrize("model", list(VIDEO_COMPANY))
+def test_wan_splits_its_videos_tokens_with_diffusers_plan(model):
+    company = VIDEO_COMPANY[model]
+    expected = served(DiffusionRunnerConfig(model, batching="step", exact_batching=False), company)
+    got = served(DiffusionRunnerConfig(model, batching="step", exact_batching=False, sp_devices=("cpu",)), company)
     assert_same(got, expected)
 
 

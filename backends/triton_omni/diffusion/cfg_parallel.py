@@ -33,22 +33,25 @@ logger = logging.getLogger(__name__)
 
 
 class CfgParallel:
-    """``transformer``'s negatives' passes on ``device``, in a worker process."""
+    """The negatives' passes of ``networks`` (a family's denoisers: Wan 2.2 A14B has two experts)
+    on ``device``, in a worker process that holds a copy of each."""
 
-    def __init__(self, transformer: torch.nn.Module, device: torch.device, compile_options: dict | None = None,
+    def __init__(self, networks: tuple[torch.nn.Module, ...], device: torch.device,
+                 compile_options: dict | None = None,
                  kernels: NetworkKernels | None = None, graphs: bool = False):
         """``compile_options``, ``kernels`` and ``graphs`` (its forward replayed as CUDA graphs):
         what the worker sets on its copy, as rank 0 on its own (rank 0 sets its kernels after
         this: its weights are shared as they were loaded)."""
         self.worker_devices = [device]
-        self.device = transformer.device
-        self.dtype = transformer.dtype
-        self.workers, port = workers.start(_serve, "omni-cfg-parallel", transformer, [device], compile_options,
+        self.device = networks[0].device
+        self.dtype = networks[0].dtype
+        self._index = {id(network): index for index, network in enumerate(networks)}
+        self.workers, port = workers.start(_serve, "omni-cfg-parallel", networks, [device], compile_options,
                                             kernels, graphs)
         self.control = None
         try:
             self.control = workers.join(0, 2, port, self.device)
-            workers.share_weights(transformer)
+            workers.share_weights(networks)
         except Exception:
             workers.stop(self.workers, self.control)
             raise
@@ -66,12 +69,13 @@ class CfgParallel:
             weakref.finalize(state, self._ended.append, number)  # the request ended: the worker forgets it
         return self._ids[state], state.threshold
 
-    def send(self, kwargs: dict, rows: list) -> None:
-        """The negatives' pass to the worker: the transformer's arguments and each row's cache
+    def send(self, network: torch.nn.Module, kwargs: dict, rows: list) -> None:
+        """The negatives' pass of ``network`` to the worker: its arguments and each row's cache
         owner (a PassCache or None). Returns once queued; ``receive`` gets the output."""
         workers.check_alive(self.workers, self.worker_devices, "CFG parallel")
         ended = [self._ended.popleft() for _ in range(len(self._ended))]
-        workers.send_call(self.control, (), kwargs, ([self._row(state) for state in rows], ended))
+        workers.send_call(self.control, (), kwargs,
+                          (self._index[id(network)], [self._row(state) for state in rows], ended))
 
     def receive(self, shape: tuple[int, ...], rows: list) -> torch.Tensor:
         """The output (of ``shape``: the step adapter knows it) of the pass ``send`` sent with
@@ -92,10 +96,10 @@ class CfgParallel:
         workers.stop(self.workers, self.control)
 
 
-def _serve(rank: int, world: int, port: int, device: str, module: str, name: str, config: dict,
-           dtype: torch.dtype, compile_options: dict | None, kernels: NetworkKernels | None, graphs: bool) -> None:
-    """The worker: build the transformer, take rank 0's weights, then run each negatives' pass
-    rank 0 sends and send its output back."""
+def _serve(rank: int, world: int, port: int, device: str, specs: list, compile_options: dict | None,
+           kernels: NetworkKernels | None, graphs: bool) -> None:
+    """The worker: build the networks, take rank 0's weights, then run each negatives' pass rank 0
+    sends and send its output back."""
     from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
     from triton_omni.diffusion.runner import compile_blocks
     from triton_omni.diffusion.step_cache import FirstBlockCache, PassCache
@@ -103,27 +107,31 @@ def _serve(rank: int, world: int, port: int, device: str, module: str, name: str
     logging.basicConfig(level=logging.INFO, format="CFG parallel worker: %(message)s")
     device = torch.device(device)
     control = workers.join(rank, world, port, device)
-    transformer = workers.build(module, name, config, dtype, device)
-    workers.share_weights(transformer)
-    if kernels is not None:
-        kernels.apply(transformer)
-    if compile_options is not None:
-        compile_blocks(transformer, compile_options)
-    cache, states = None, {}  # the step cache's hooks, when a row first asks; each negative pass's state
-    if graphs:  # a pass the step cache decides per request runs as it is, as on rank 0
-        GraphedDenoiser(transformer, max_graphs=32, graphable=lambda: cache is None or cache.rows is None)
-    logger.info("%s ready on %s", name, device)
+    networks = workers.build(specs, device)
+    workers.share_weights(networks)
+    caches: dict[int, FirstBlockCache] = {}  # each network's step-cache hooks, when a row first asks
+    states: dict[int, PassCache] = {}  # each negative pass's cache state, by rank 0's number for it
+    for index, network in enumerate(networks):
+        if kernels is not None:
+            kernels.apply(network)
+        if compile_options is not None:
+            compile_blocks(network, compile_options)
+        if graphs:  # a pass the step cache decides per request runs as it is, as on rank 0
+            GraphedDenoiser(network, max_graphs=32,
+                            graphable=lambda index=index: caches.get(index) is None or caches[index].rows is None)
+    logger.info("%s ready on %s", ", ".join(type(network).__name__ for network in networks), device)
     with torch.inference_mode():
         while (call := workers.receive_call(control, device)) is not None:
-            _, kwargs, (rows, ended) = call
+            _, kwargs, (index, rows, ended) = call
             for number in ended:
                 states.pop(number, None)
             owners = [None if row is None else states.setdefault(row[0], PassCache(row[1])) for row in rows]
             cached = any(owner is not None for owner in owners)
-            if cached and cache is None:
-                cache = FirstBlockCache(transformer)
+            if cached and index not in caches:
+                caches[index] = FirstBlockCache(networks[index])
+            cache = caches.get(index)
             with cache.passes(owners) if cache is not None else contextlib.nullcontext():
-                out = transformer(**kwargs)[0]
+                out = networks[index](**kwargs)[0]
             dist.broadcast(out.contiguous(), src=1)
             if cached:
                 dist.broadcast_object_list([[owner is not None and owner.computed for owner in owners]], src=1,

@@ -384,9 +384,9 @@ class DiffusionRunner:
         if not self.family.capabilities.sequence_parallel:
             raise ValueError(f"parallel 'sp': the {self.family.name} family does not take sequence parallel (it "
                              "splits a diffusion transformer's output tokens)")
-        transformer = self.family.network
-        self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(transformer, devices))
-        logger.info("Sequence parallel (Ulysses): %s over %s", type(transformer).__name__,
+        networks = self.family.networks
+        self.sequence_parallel = self._on_torch_thread(lambda: SequenceParallel(networks, devices))
+        logger.info("Sequence parallel (Ulysses): %s over %s", ", ".join(type(n).__name__ for n in networks),
                     ", ".join(str(d) for d in self.sequence_parallel.devices))
 
     def _parallel_cfg(self, device: torch.device, kernels: NetworkKernels, graphed: bool) -> None:
@@ -395,8 +395,8 @@ class DiffusionRunner:
             raise ValueError(f"CFG parallel runs a family's negative prompts in a pass of their own, on a second "
                              f"GPU: the {self.family.name} family does not (families that do: {taking})")
         options = COMPILE_OPTIONS if "blocks" in self.config.compiled else None
-        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.network, device, options, kernels,
-                                                                      graphed))
+        self.cfg_parallel = self._on_torch_thread(lambda: CfgParallel(self.family.networks, device, options,
+                                                                      kernels, graphed))
         self.steps.adapter.cfg_parallel = self.cfg_parallel
         logger.info("CFG parallel: the negatives' pass on %s, in a worker process", device)
 
@@ -497,9 +497,6 @@ class DiffusionRunner:
             raise RequestValidationError("images", f"is required: {type(self.pipeline).__name__} edits an input "
                                          "image (give `images`, or `image` as pixels)", None, show_value=False)
         if request.images:
-            if self.sequence_parallel is not None:
-                raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
-                                             "output image's tokens)", None, show_value=False)
             self._size_from_images(request)
         if (request.prompt is None and request.negative_prompt_embeds is None and request.negative_prompt is None
                 and self._guided(request) and not self.family.has_text_encoder()):
@@ -507,7 +504,7 @@ class DiffusionRunner:
                                          "this model has no text encoder to encode the pipeline's default negative "
                                          'prompt ""', None, show_value=False)
         if self.sequence_parallel is not None:  # a size the family's sequence cannot share over the ranks
-            self.family.check_sequence_parallel(request.height, request.width, len(self.sequence_parallel.devices),
+            self.family.check_sequence_parallel(request, len(self.sequence_parallel.devices),
                                                 on_cpu=self.device.type == "cpu")
         if request.lora is not None:
             if self.adapters is None:

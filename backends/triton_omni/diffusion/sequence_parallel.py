@@ -8,7 +8,9 @@ gathered again after the last projection. It is SPMD, one process per
 device (workers.py): rank 0 is the runner's own process, every other device
 a worker with a copy of the transformer, and each forward of the transformer
 on rank 0 first sends its arguments (a forward pre-hook), so that the
-workers run the same forward in step.
+workers run the same forward in step. A family with several denoisers (Wan
+2.2 A14B's two experts) has each split so, the workers holding all of them
+and told which one each forward runs.
 
 The workers serve no requests of their own: a worker that dies fails rank 0's
 next forward with an error that names it.
@@ -17,7 +19,9 @@ next forward with an error that names it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 from typing import Any
 
 import torch
@@ -40,55 +44,56 @@ def _plan(transformer: Any) -> dict:
 
 
 class SequenceParallel:
-    """``transformer`` (on rank 0's device) run over it and ``devices``, one worker process each."""
+    """``networks`` (a family's denoisers, on rank 0's device) each run over it and ``devices``,
+    one worker process each holding a copy of every one of them."""
 
-    def __init__(self, transformer: torch.nn.Module, devices: list[torch.device]):
-        if not supports(transformer):
-            raise ValueError(f"sequence parallel: no context-parallel plan for {type(transformer).__name__}")
-        device = transformer.device
+    def __init__(self, networks: tuple[torch.nn.Module, ...], devices: list[torch.device]):
+        for network in networks:
+            if not supports(network):
+                raise ValueError(f"sequence parallel: no context-parallel plan for {type(network).__name__}")
+        device = networks[0].device
         self.devices = [device, *devices]
-        _check_ranks(transformer, len(self.devices), device)
-        self.workers, port = workers.start(_serve, "omni-sequence-parallel", transformer, devices)
+        for network in networks:
+            _check_ranks(network, len(self.devices), device)
+        self.workers, port = workers.start(_serve, "omni-sequence-parallel", networks, devices)
         self.control = None
         try:
             self.control = workers.join(0, len(self.devices), port, device)
-            workers.share_weights(transformer)
-            _enable(transformer, len(self.devices), device)
-            self._split = _Split(transformer, len(self.devices))
+            workers.share_weights(networks)
+            self._splits = _enable(networks, len(self.devices), device)
         except Exception:
             workers.stop(self.workers, self.control)
             raise
-        self._hook = transformer.register_forward_pre_hook(self._send, with_kwargs=True)
-        self.transformer = transformer
+        self._hooks = [network.register_forward_pre_hook(functools.partial(self._send, index), with_kwargs=True)
+                       for index, network in enumerate(networks)]
 
-    def _send(self, module, args: tuple, kwargs: dict) -> None:
-        """Before each forward on rank 0: the same arguments to every worker."""
+    def _send(self, index: int, module, args: tuple, kwargs: dict) -> None:
+        """Before each forward of network ``index`` on rank 0: the same arguments to every worker."""
         workers.check_alive(self.workers, self.devices[1:], "sequence parallel")
-        workers.send_call(self.control, args, kwargs)
-        self._split.choose(kwargs)
+        workers.send_call(self.control, args, kwargs, index)
+        self._splits[index].choose(kwargs)
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them, leave the group."""
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         workers.stop(self.workers, self.control)
 
 
-def _serve(rank: int, world: int, port: int, device: str, module: str, name: str, config: dict,
-           dtype: torch.dtype) -> None:
-    """A worker process: build the transformer, take rank 0's weights, then run every forward rank 0 runs."""
+def _serve(rank: int, world: int, port: int, device: str, specs: list) -> None:
+    """A worker process: build the networks, take rank 0's weights, then run every forward rank 0 runs."""
     logging.basicConfig(level=logging.INFO, format=f"sequence parallel rank {rank}: %(message)s")
     device = torch.device(device)
     control = workers.join(rank, world, port, device)
-    transformer = workers.build(module, name, config, dtype, device)
-    workers.share_weights(transformer)
-    _enable(transformer, world, device)
-    split = _Split(transformer, world)
-    logger.info("%s ready on %s", name, device)
+    networks = workers.build(specs, device)
+    workers.share_weights(networks)
+    splits = _enable(networks, world, device)
+    logger.info("%s ready on %s", ", ".join(type(network).__name__ for network in networks), device)
     with torch.inference_mode():
         while (call := workers.receive_call(control, device)) is not None:
-            args, kwargs, _ = call
-            split.choose(kwargs)
-            transformer(*args, **kwargs)
+            args, kwargs, index = call
+            splits[index].choose(kwargs)
+            networks[index](*args, **kwargs)
     dist.destroy_process_group()
 
 
@@ -125,25 +130,37 @@ class _Split:
         self.arguments = {} if ours else {
             name: entry.split_dim for plan in transformer._cp_plan.values() if isinstance(plan, dict)
             for name, entry in plan.items() if isinstance(name, str) and isinstance(entry, ContextParallelInput)}
+        patch = transformer.config.get("patch_size")  # a video DiT's (frames, height, width) patch
+        self.patch = math.prod(patch) if isinstance(patch, (tuple, list)) else 1
         self.always_even = _heads(transformer) % world == 0 and (ours is None or ours[1] % world == 0)
 
     def choose(self, kwargs: dict) -> None:
         even = self.always_even and all(
-            value.shape[dim] % self.world == 0 for name, dim in self.arguments.items()
+            self._length(value, dim) % self.world == 0 for name, dim in self.arguments.items()
             if isinstance(value := kwargs.get(name), torch.Tensor) and value.dim() > dim)
         self.config.ulysses_anything = not even
 
+    def _length(self, value: torch.Tensor, dim: int) -> int:
+        """The split sequence's length: a video DiT's latents ``[N, C, F, H, W]`` are split as the
+        tokens its patch embedding makes of them (Wan's plan splits its first block's input)."""
+        if value.dim() == 5:
+            return value.shape[2:].numel() // self.patch
+        return value.shape[dim]
 
-def _enable(transformer: torch.nn.Module, world: int, device: torch.device) -> None:
-    """diffusers' Ulysses attention over all ranks. "Anything" mode takes any token count and head
-    count, so requests need no padding: a prompt's token count is rarely a multiple of the ranks."""
+
+def _enable(networks, world: int, device: torch.device) -> list[_Split]:
+    """diffusers' Ulysses attention over all ranks, for each network (one mesh for all); each
+    network's ``_Split``. "Anything" mode takes any token count and head count, so requests need no
+    padding: a prompt's token count is rarely a multiple of the ranks."""
     from diffusers.models._modeling_parallel import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("ring", "ulysses"))
-    config = ContextParallelConfig(ulysses_degree=world, ulysses_anything=True, mesh=mesh)
-    with _accelerator_count_on_cpu(device):
-        transformer.enable_parallelism(config=config, cp_plan=_plan(transformer))
+    for network in networks:
+        config = ContextParallelConfig(ulysses_degree=world, ulysses_anything=True, mesh=mesh)
+        with _accelerator_count_on_cpu(device):
+            network.enable_parallelism(config=config, cp_plan=_plan(network))
+    return [_Split(network, world) for network in networks]
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@ device: what sequence parallel and CFG parallel share.
 torch.distributed wants one process per device, so the runner's own process
 is rank 0 (it keeps serving, and its transformer is the one every caller
 already uses) and every other device gets a worker process. A worker builds
-the transformer from its config on its device and takes every weight from
-rank 0 over the collective: no checkpoint is read twice, and in-memory random
+the transformer (every denoiser of a family that has several) from its config
+on its device and takes every weight from rank 0 over the collective: no checkpoint is read twice, and in-memory random
 weights work too. Rank 0 then sends each call's arguments: small values over a
 gloo group (the host's), tensors over the devices' own (NCCL on GPUs).
 
@@ -22,7 +22,7 @@ import importlib
 import multiprocessing
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,18 +43,19 @@ class _Tensor:
     dtype: torch.dtype
 
 
-def start(target: Callable, name: str, transformer: torch.nn.Module, devices: list[torch.device],
+def start(target: Callable, name: str, networks: Sequence[torch.nn.Module], devices: list[torch.device],
           *extra: Any) -> tuple[list[multiprocessing.Process], int]:
     """One worker process per device in ``devices`` (ranks 1..N), each running
-    ``target(rank, world, port, device, module, class name, config, dtype, *extra)``;
-    returns them and the port rank 0 joins them on."""
+    ``target(rank, world, port, device, specs, *extra)``, where ``specs`` lets ``build`` make each
+    of ``networks`` (a family's denoisers: Wan 2.2 A14B has two); returns them and the port rank 0
+    joins them on."""
     port = _free_port()
     spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
-    cls = type(transformer)
+    specs = [(type(network).__module__, type(network).__name__, dict(network.config), network.dtype)
+             for network in networks]
     world = len(devices) + 1
     workers = [spawn.Process(target=target, name=f"{name}-{rank}", daemon=True,
-                             args=(rank, world, port, str(device), cls.__module__, cls.__name__,
-                                   dict(transformer.config), transformer.dtype, *extra))
+                             args=(rank, world, port, str(device), specs, *extra))
                for rank, device in enumerate(devices, start=1)]
     for worker in workers:
         worker.start()
@@ -78,24 +79,29 @@ def join(rank: int, world: int, port: int, device: torch.device) -> dist.Process
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
-def build(module: str, name: str, config: dict, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A worker's transformer: built from rank 0's config on the worker's device, then
-    ``share_weights`` fills it."""
-    cls = getattr(importlib.import_module(module), name)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return cls.from_config(config).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(default)
+def build(specs: list[tuple[str, str, dict, torch.dtype]], device: torch.device) -> list[torch.nn.Module]:
+    """A worker's networks: each built from rank 0's config on the worker's device, then
+    ``share_weights`` fills them."""
+    networks = []
+    for module, name, config, dtype in specs:
+        cls = getattr(importlib.import_module(module), name)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                networks.append(cls.from_config(config).eval().requires_grad_(False))
+        finally:
+            torch.set_default_dtype(default)
+    return networks
 
 
-def share_weights(transformer: torch.nn.Module) -> None:
-    """Every parameter and buffer from rank 0, in the state dict's order (the same on every rank)."""
+def share_weights(networks: Sequence[torch.nn.Module]) -> None:
+    """Every parameter and buffer from rank 0, network after network, in each state dict's order
+    (the same on every rank)."""
     with torch.no_grad():
-        for tensor in transformer.state_dict().values():
-            dist.broadcast(tensor, src=0)
+        for network in networks:
+            for tensor in network.state_dict().values():
+                dist.broadcast(tensor, src=0)
 
 
 def send_call(control: dist.ProcessGroup, args: tuple, kwargs: dict, note: Any = None) -> None:

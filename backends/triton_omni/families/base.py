@@ -156,6 +156,9 @@ class Family:
     recipe: ClassVar[EncoderRecipe] = LAST_HIDDEN_STATE
     step_adapter: ClassVar[type[StepAdapter]]
     output: ClassVar[Output] = IMAGE
+    # whether a request's input images enter the output's own latents (Wan's first frame) rather than
+    # tokens beside them: sequence parallel, which splits the output's tokens, then takes them too
+    images_in_latents: ClassVar[bool] = False
     # request batching: CFG runs the prompt and its negative as rows of one batch (one token count)
     negatives_in_one_batch: ClassVar[bool] = False
     demo: ClassVar[Demo | None] = None
@@ -283,12 +286,22 @@ class Family:
         """One batched call's pooled embeddings (rows as ``call_kwargs``'), where the family reads them."""
         return {}
 
-    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
-        """Refuse a request size sequence parallel cannot split (``RequestValidationError``). The
-        default is diffusers' own plans' need: they split the image's tokens (and the text's: 512
-        from ar_encoder for FLUX, which 2, 4 or 8 ranks divide) at the transformer's entry, and on
-        the CPU gloo gathers equal shares only."""
-        check_even_patches(height, width, ranks, on_cpu, self.size_multiple())
+    def check_sequence_parallel(self, request, ranks: int, on_cpu: bool) -> None:
+        """Refuse a request sequence parallel cannot split (``RequestValidationError``). The default
+        is diffusers' own plans' need: they split the output's tokens (and the text's: 512 from
+        ar_encoder for FLUX, which 2, 4 or 8 ranks divide) at the transformer's entry, so no input
+        image's tokens beside them, and on the CPU gloo gathers equal shares only."""
+        if request.images and not self.images_in_latents:
+            raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
+                                         "output's tokens)", None, show_value=False)
+        tokens = self.image_tokens(request.height, request.width, request.num_frames)
+        if on_cpu and tokens % ranks:
+            patch = self.size_multiple()
+            what = "video's" if self.output.video else "image's"
+            raise RequestValidationError("height", f"sequence parallel on the CPU shares the {what} {tokens} "
+                                         f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
+                                         f"height x width must make a multiple of {ranks} patches",
+                                         f"{request.height}x{request.width}")
 
     def attention_shape(self) -> tuple[int, int]:
         """(heads, head size) of the DiT's attention: the shape ``attention_backend: auto`` times."""
@@ -550,7 +563,7 @@ class TwoPassStepAdapter(FlowStepAdapter):
         negatives = [job.uncond for job in guided]
         remote = self._pass(guided, negatives, pad_to, "uncond") if guided and self.cfg_parallel else None
         if remote is not None:
-            self.cfg_parallel.send(*remote)
+            self.cfg_parallel.send(network, *remote)
         cond = self._forward(network, jobs, [job.cond for job in jobs], pad_to, "cond")
         if remote is not None:  # received after the prompts' pass is queued: that pass must not wait for it
             uncond = iter(self.cfg_parallel.receive(self.output_shape(remote[0]), remote[1])[: len(guided)])
@@ -564,19 +577,6 @@ class TwoPassStepAdapter(FlowStepAdapter):
                 pred = self.guide(job, pred, next(uncond)[None, : job.latents.shape[1]])
             preds.append(pred)
         return preds
-
-
-def check_even_patches(height: int, width: int, ranks: int, on_cpu: bool, patch: int) -> None:
-    """Sequence parallel on the CPU: gloo gathers the ranks' image tokens in equal shares only (NCCL
-    takes any), and the gathered sequence is the image's patches."""
-    if not on_cpu:
-        return
-    tokens = (height // patch) * (width // patch)
-    if tokens % ranks:
-        raise RequestValidationError("height", f"sequence parallel on the CPU shares the image's {tokens} "
-                                     f"patches ({patch}x{patch} pixels each) evenly over {ranks} processes: "
-                                     f"height x width must make a multiple of {ranks} patches",
-                                     f"{height}x{width}")
 
 
 def ones_mask(embeds: list[torch.Tensor]) -> torch.Tensor:

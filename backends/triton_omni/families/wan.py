@@ -273,9 +273,11 @@ class Wan(Family):
     name = "wan"
     pipeline_class = "WanPipeline"
     # the prompts' and the negatives' passes apart: CFG parallel; First Block Cache on its blocks, as
-    # diffusers' hook runs them; its blocks compiled; LoRA adapters per request. Not yet: CUDA graphs,
-    # sequence parallel
-    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, compile=True, lora=True)
+    # diffusers' hook runs them; sequence parallel by diffusers' plan (the video's tokens, every latent
+    # frame's, split at the first block); its blocks compiled; LoRA adapters per request. Not yet: CUDA
+    # graphs
+    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
+                                compile=True, lora=True)
     # self-attention and the feed-forward read the video's tokens; the cross-attention's keys and values
     # the text's; the modulation is a learnt table, no layer
     flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("blocks.*", "image"))
@@ -283,6 +285,7 @@ class Wan(Family):
     recipe = RECIPE
     step_adapter = WanSteps
     output = Output("video", fps=FPS, default_frames=81, max_side=1280)
+    images_in_latents = True  # a first image (Wan 2.2) is a latent frame, or channels beside the noise
     demo = Demo("wan", "tiny-wan", build_tiny)
     realistic: ClassVar[dict] = {"demo:realistic-wan2.1-1.3b": build_realistic,
                                  "demo:realistic-wan2.1-14b": build_realistic_14b}

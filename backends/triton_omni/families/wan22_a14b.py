@@ -6,12 +6,13 @@ that image followed by black frames). Text and UMT5 as Wan 2.1 (wan.py); 81 fram
 16 per second.
 
 The pipelines are the reference. Every mode that wraps the denoiser wraps both experts (compile,
-FP8, the attention kernel), and the step cache keeps a state per expert, as diffusers' hooks on
-each expert do; not yet: LoRA adapters (Wan 2.2's come as a pair, one per expert) and CFG parallel
-(its worker holds one network)."""
+FP8, the attention kernel), the step cache keeps a state per expert, as diffusers' hooks on each
+expert do, and the parallel modes' workers hold both (CFG parallel, sequence parallel); not yet:
+LoRA adapters (Wan 2.2's come as a pair, one per expert)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -101,7 +102,8 @@ def build_realistic_i2v(device, dtype):
 
 class Wan22A14B(Wan):
     name = "wan2.2_a14b"
-    capabilities = Capabilities(Guidance.CFG, step_cache=True, compile=True)
+    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
+                                compile=True)
     demo = None
     demo_folders: ClassVar[dict] = {"tiny-wan2.2-a14b": build_tiny}
     realistic: ClassVar[dict] = {"demo:realistic-wan2.2-t2v-a14b": build_realistic}
@@ -116,7 +118,7 @@ class Wan22A14B(Wan):
 class Wan22I2VA14B(Wan22A14B):
     name = "wan2.2_i2v_a14b"
     pipeline_class = "WanImageToVideoPipeline"
-    capabilities = Capabilities(Guidance.CFG, step_cache=True, compile=True, images=1, edits=True)
+    capabilities = replace(Wan22A14B.capabilities, images=1, edits=True)
     step_adapter = WanI2VSteps
     demo_folders: ClassVar[dict] = {"tiny-wan2.2-i2v-a14b": build_tiny_i2v}
     realistic: ClassVar[dict] = {"demo:realistic-wan2.2-i2v-a14b": build_realistic_i2v}

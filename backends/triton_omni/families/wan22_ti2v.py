@@ -10,12 +10,13 @@ over the same components for a prompt and a first image."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from triton_omni.families.base import Capabilities, Demo, Guidance, Output
+from triton_omni.families.base import Demo, Output
 from triton_omni.families.wan import (
     Wan,
     flow_scheduler,
@@ -63,8 +64,7 @@ def build_realistic(device, dtype):
 class Wan22TI2V(Wan):
     name = "wan2.2_ti2v"
     # Wan 2.1's modes, and a first image per request (optional)
-    capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, compile=True, lora=True,
-                                images=1)
+    capabilities = replace(Wan.capabilities, images=1)
     output = Output("video", fps=FPS, default_frames=121, max_side=1280)
     demo = Demo("wan2.2", "tiny-wan2.2", build_tiny)
     realistic: ClassVar[dict] = {"demo:realistic-wan2.2-ti2v-5b": build_realistic}

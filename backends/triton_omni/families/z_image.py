@@ -216,7 +216,7 @@ class ZImage(Family):
             kwargs["negative_prompt_embeds"] = list(unconds)
         return kwargs
 
-    def check_sequence_parallel(self, height: int, width: int, ranks: int, on_cpu: bool) -> None:
+    def check_sequence_parallel(self, request, ranks: int, on_cpu: bool) -> None:
         """Our plan pads the joint sequence it splits (sequence_parallel.py): any size splits."""
 
     @staticmethod
