@@ -63,7 +63,8 @@ class AdapterWeights:
     layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
 
-Reader = Callable[[str, str], AdapterWeights]  # (name, source) -> the adapter, or AdapterError
+# (name, source) -> the adapter, or AdapterError; a source is a path, or a path per denoiser
+Reader = Callable[[str, "str | dict[str, str]"], AdapterWeights]
 
 
 def read_pipeline_adapter(pipeline, network: torch.nn.Module, name: str, source: str,
@@ -89,6 +90,26 @@ def read_pipeline_adapter(pipeline, network: torch.nn.Module, name: str, source:
                                                     adapter_name=name), network)
 
 
+def read_experts_adapter(pipeline, networks: dict[str, torch.nn.Module], name: str,
+                         source: str | dict[str, str]) -> AdapterWeights:
+    """An adapter of a pipeline with several denoisers (Wan 2.2 A14B's two experts), read against
+    ``networks`` (the pipeline's component name -> its denoiser): a file or folder per component, as
+    ``load_lora_weights(path)`` loads one into ``transformer`` and ``load_lora_weights(path,
+    load_into_transformer_2=True)`` into ``transformer_2`` (Wan 2.2's step-distillation adapters
+    come as such a pair); a plain path is the first denoiser's alone, as ``load_lora_weights(path)``
+    loads it. Its layers are named from the component (``transformer_2.blocks.0...``)."""
+    parts = source if isinstance(source, dict) else {next(iter(networks)): source}
+    unknown = sorted(set(parts) - set(networks))
+    if unknown:
+        raise AdapterError(f"LoRA adapter {name!r} names {unknown[0]!r}: this pipeline's denoisers are "
+                           f"{', '.join(networks)}")
+    layers = {}
+    for component, path in parts.items():
+        read = read_pipeline_adapter(pipeline, networks[component], name, path)
+        layers |= {f"{component}.{layer}": factors for layer, factors in read.layers.items()}
+    return AdapterWeights(name, layers)
+
+
 def read_peft_adapter(network: torch.nn.Module, name: str, source: str) -> AdapterWeights:
     """An LLM's PEFT adapter folder, as ``PeftModel.from_pretrained`` loads it onto ``network`` (a
     causal LM, or its base model: ``ar_encoder`` loads no LM head, so the adapter's ``model.``
@@ -96,6 +117,8 @@ def read_peft_adapter(network: torch.nn.Module, name: str, source: str) -> Adapt
     from peft import LoraConfig
     from safetensors.torch import load_file
 
+    if not isinstance(source, str):
+        raise AdapterError(f"LoRA adapter {name!r}: an LLM's adapter is one PEFT folder, got {source!r}")
     folder = Path(source)
     try:
         config = LoraConfig.from_pretrained(str(folder))
@@ -363,17 +386,31 @@ class Adapters:
         self._loader.shutdown(wait=False, cancel_futures=True)
 
 
-def parse_sources(text: str, base: Path | None = None) -> dict[str, str]:
-    """The ``lora_adapters`` model parameter: a JSON object, adapter name -> folder, file or hub id
-    (a relative path is taken from ``base``, the model's folder)."""
+def parse_sources(text: str, base: Path | None = None) -> dict[str, str | dict[str, str]]:
+    """The ``lora_adapters`` model parameter: a JSON object, adapter name -> folder, file or hub id,
+    or (a family with several denoisers, Wan 2.2 A14B) an object of the pipeline's denoiser
+    components to those, ``{"transformer": ..., "transformer_2": ...}``. A relative path is taken
+    from ``base``, the model's folder."""
     try:
         sources = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
         raise ValueError(f"model parameter lora_adapters must be a JSON object (name -> path): {exc}") from None
-    if not isinstance(sources, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
-                                                 for k, v in sources.items()):
-        raise ValueError("model parameter lora_adapters must be a JSON object of names to paths")
+
+    def path(value) -> bool:
+        return isinstance(value, str) and bool(value)
+
+    def source(value) -> bool:  # a path, or a path per denoiser component
+        if isinstance(value, dict):
+            return bool(value) and all(path(component) and path(p) for component, p in value.items())
+        return path(value)
+
+    if not isinstance(sources, dict) or not all(path(k) and source(v) for k, v in sources.items()):
+        raise ValueError("model parameter lora_adapters must be a JSON object of names to paths (or, per "
+                         'denoiser, to objects such as {"transformer": path, "transformer_2": path})')
     if base is not None:
-        sources = {k: str(base / v) if not Path(v).is_absolute() and (base / v).exists() else v
+        def resolved(v: str) -> str:
+            return str(base / v) if not Path(v).is_absolute() and (base / v).exists() else v
+
+        sources = {k: resolved(v) if isinstance(v, str) else {c: resolved(p) for c, p in v.items()}
                    for k, v in sources.items()}
     return sources

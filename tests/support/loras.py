@@ -19,10 +19,13 @@ ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def build_lora(family: str, folder: Path, seed: int, rank: int = 4, alpha: float | None = None,
-               targets: list[str] | None = None, spread: float = 0.3) -> Path:
-    """A LoRA of ``family``'s demo transformer in ``folder`` (``pytorch_lora_weights.safetensors``)."""
+               targets: list[str] | None = None, spread: float = 0.3, component: str = "transformer",
+               weight_name: str | None = None) -> Path:
+    """A LoRA of ``family``'s demo transformer (its ``component``: Wan 2.2 A14B's second expert is
+    ``transformer_2``) in ``folder`` (``weight_name``, else ``pytorch_lora_weights.safetensors``);
+    returns the folder, or the file where ``weight_name`` is given."""
     pipe = pipeline(family)
-    transformer = copy.deepcopy(pipe.transformer)
+    transformer = copy.deepcopy(getattr(pipe, component))
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets or TARGETS.get(family, ATTENTION),
                         init_lora_weights=False)
     transformer.add_adapter(config)
@@ -31,13 +34,23 @@ def build_lora(family: str, folder: Path, seed: int, rank: int = 4, alpha: float
         if "lora_" in name:
             parameter.data = torch.randn(parameter.shape, generator=generator) * spread
     type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer),
-                                 transformer_lora_adapter_metadata=config.to_dict())
-    return folder
+                                 transformer_lora_adapter_metadata=config.to_dict(), weight_name=weight_name)
+    return folder if weight_name is None else folder / weight_name
 
 
-def with_adapter(family: str, folder: Path | None, scale: float = 1.0):
+def build_expert_pair(family: str, folder: Path, seed: int, rank: int = 4) -> dict[str, str]:
+    """A Wan 2.2 A14B adapter as its users get one: a file per expert (``high_noise_model`` and
+    ``low_noise_model``), as ``lora_adapters`` names it."""
+    return {component: str(build_lora(family, folder, seed + index, rank, component=component,
+                                      weight_name=f"{noise}_noise_model.safetensors"))
+            for index, (component, noise) in enumerate((("transformer", "high"), ("transformer_2", "low")))}
+
+
+def with_adapter(family: str, folder: Path | str | dict | None, scale: float = 1.0):
     """The demo pipeline with the adapter in ``folder`` loaded and set at ``scale`` (None: with none),
-    as its users run one: ``load_lora_weights`` then ``set_adapters``. Undone on exit."""
+    as its users run one: ``load_lora_weights`` then ``set_adapters``; a pair of a two-expert
+    pipeline (``{"transformer": file, "transformer_2": file}``) as Wan 2.2's users load one, the
+    second with ``load_into_transformer_2=True``, both at ``scale``. Undone on exit."""
     import contextlib
 
     @contextlib.contextmanager
@@ -46,12 +59,17 @@ def with_adapter(family: str, folder: Path | None, scale: float = 1.0):
         if folder is None:
             yield pipe
             return
-        pipe.load_lora_weights(str(folder), adapter_name="request")
-        pipe.set_adapters(["request"], [scale])
+        parts = folder if isinstance(folder, dict) else {"transformer": folder}
+        names = []
+        for component, path in parts.items():
+            names.append(f"request_{component}")
+            pipe.load_lora_weights(str(path), adapter_name=names[-1],
+                                   **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
+        pipe.set_adapters(names, [scale] * len(names))
         try:
             yield pipe
         finally:
-            pipe.delete_adapters(["request"])
+            pipe.delete_adapters(names)
 
     return loaded()
 

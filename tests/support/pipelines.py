@@ -18,16 +18,16 @@ DEMO_PIPELINES = {"sd": "demo:tiny-sd", "qwen-image": "demo:tiny-qwen-image", "z
                   "flux2-klein": "demo:tiny-flux2-klein", "flux2-dev": "demo:tiny-flux2-dev",
                   "flux1-dev": "demo:tiny-flux1-dev", "qwen-image-edit": "demo:tiny-qwen-image-edit",
                   "qwen-image-edit-plus": "demo:tiny-qwen-image-edit-plus", "wan": "demo:tiny-wan",
-                  "wan2.2": "demo:tiny-wan2.2"}
+                  "wan2.2": "demo:tiny-wan2.2", "wan2.2-a14b": "demo:tiny-wan2.2-a14b"}
 # The keyword each pipeline reads its guidance scale from (Qwen-Image: true CFG)
 GUIDANCE_KEYWORD = {"sd": "guidance_scale", "qwen-image": "true_cfg_scale", "z-image": "guidance_scale",
                     "flux2-klein": "guidance_scale", "flux2-dev": "guidance_scale", "flux1-dev": "guidance_scale",
                     "qwen-image-edit": "true_cfg_scale", "qwen-image-edit-plus": "true_cfg_scale",
-                    "wan": "guidance_scale", "wan2.2": "guidance_scale"}
+                    "wan": "guidance_scale", "wan2.2": "guidance_scale", "wan2.2-a14b": "guidance_scale"}
 # What each family reads as "no guidance": SD, Qwen-Image and FLUX.2 [klein] guide above 1, Z-Image
 # above 0 (FLUX.2 [dev] and FLUX.1 [dev] are guidance-distilled: the DiT reads any scale, 1 as much as 4)
 NO_GUIDANCE = {"sd": 1.0, "qwen-image": 1.0, "z-image": 0.0, "flux2-klein": 1.0, "flux2-dev": 1.0, "flux1-dev": 1.0,
-               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0, "wan": 1.0, "wan2.2": 1.0}
+               "qwen-image-edit": 1.0, "qwen-image-edit-plus": 1.0, "wan": 1.0, "wan2.2": 1.0, "wan2.2-a14b": 1.0}
 # The guidance-distilled families, whose pipeline runs no negative pass (FLUX.2 [dev] takes no negative
 # prompt; FLUX.1's reads one only for true_cfg_scale, which is left at its default): a negative is ignored
 NO_NEGATIVE = {"flux2-dev", "flux1-dev"}

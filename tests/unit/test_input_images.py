@@ -6,6 +6,7 @@ before its pixels are decoded where the header already says no."""
 from __future__ import annotations
 
 import types
+
 import numpy as np
 import pytest
 import torch

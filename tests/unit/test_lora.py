@@ -17,11 +17,12 @@ from triton_omni.diffusion import runner as runner_module
 from triton_omni.errors import RequestValidationError
 from triton_omni.lora import AdapterError, parse_sources
 
-from tests.support.loras import build_lora, with_adapter
+from tests.support.loras import build_expert_pair, build_lora, with_adapter
 from tests.support.pipelines import DEMO_PIPELINES, GUIDANCE_KEYWORD, call, levels_apart
 
 FAMILIES = ("qwen-image", "z-image", "flux2-klein", "flux1-dev", "wan")
-VIDEO = {"wan": {"num_frames": 5}}  # a video family's frame count: the model's default, and the pipeline's call
+# a video family's frame count: the model's default, and the pipeline's call
+VIDEO = {"wan": {"num_frames": 5}, "wan2.2-a14b": {"num_frames": 5}}
 OPTIONS = {"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale": 4.0}
 PROMPT, NEGATIVE = "a red fox", "blurry"
 
@@ -127,6 +128,43 @@ def test_the_step_cache_keeps_each_rows_adapter_in_its_smaller_batches(adapters)
         assert levels_apart(joint, solo) <= 1
 
 
+def test_a_two_expert_models_adapters_come_as_pairs_and_each_expert_runs_its_half(tmp_path):
+    """Wan 2.2 T2V-A14B: an adapter is a file per expert (``transformer``, ``transformer_2``), or
+    one file for the first expert alone (as ``load_lora_weights(path)`` loads it); requests with
+    pairs, a one-expert adapter, scales and none share one step batch, each equal to the pipeline
+    with the same adapters loaded (the second with ``load_into_transformer_2=True``). The steps
+    span both experts, and each half moves the video: the pair against its first half alone."""
+    family = "wan2.2-a14b"
+    pair = build_expert_pair(family, tmp_path / "pair", seed=11)
+    sources = {"pair": pair, "high": pair["transformer"]}
+    mix = [("pair", 0.8), (None, None), ("high", None), ("pair", 1.5)]
+    more = VIDEO[family] | {"num_inference_steps": 4}
+    model = runner(family, sources)
+    try:
+        images(model, [request(1, name, num_inference_steps=1) for name in sources])  # loaded: one batch next
+        served = images(model, [request(7, lora, scale, **more) for lora, scale in mix])
+        assert model.steps.max_rows_seen >= len(mix)
+        schedule = model.steps.adapter.experts, model.steps.adapter.boundary
+    finally:
+        model.close()
+    assert len(schedule[0]) == 2 and schedule[1] is not None
+    expected = []
+    for lora, scale in mix:
+        with with_adapter(family, sources.get(lora), 1.0 if scale is None else scale) as pipe:
+            expected.append(call(pipe, PROMPT, NEGATIVE, seed=7, guidance_scale=OPTIONS["guidance_scale"],
+                                 height=OPTIONS["height"], width=OPTIONS["width"], **more)[0].numpy())
+    for (lora, scale), video, pipe_video in zip(mix, served, expected, strict=True):
+        assert levels_apart(video, pipe_video) <= 1, (lora, scale)
+    assert levels_apart(expected[0], expected[1]) > 10  # the adapter moves the video
+    with with_adapter(family, {"transformer": pair["transformer"]}, 0.8) as pipe:  # its first half alone
+        first_half = call(pipe, PROMPT, NEGATIVE, seed=7, guidance_scale=OPTIONS["guidance_scale"],
+                          height=OPTIONS["height"], width=OPTIONS["width"], **more)[0].numpy()
+    assert levels_apart(expected[0], first_half) > 10  # the second expert's half is read too
+    with pytest.raises(AdapterError, match="names 'transformer_3': this pipeline's denoisers are transformer, "
+                                           "transformer_2"):
+        runner(family, {"odd": {"transformer_3": pair["transformer"]}})
+
+
 def test_request_batching_runs_a_group_with_its_adapter(adapters):
     sources = adapters["z-image"]
     model = runner("z-image", sources, batching="request", max_loras=1)
@@ -212,7 +250,9 @@ def test_configuration_is_checked_at_load(adapters):
     with pytest.raises(ValueError, match="not with a parallel mode"):
         runner("qwen-image", adapters["qwen-image"], cfg_device="cpu")
     assert parse_sources('{"a": "x/y"}') == {"a": "x/y"}
-    for text in ("[1]", '{"a": 3}', "{", '{"": "x"}'):
+    pair = '{"a": {"transformer": "h", "transformer_2": "l"}}'
+    assert parse_sources(pair) == {"a": {"transformer": "h", "transformer_2": "l"}}
+    for text in ("[1]", '{"a": 3}', "{", '{"": "x"}', '{"a": {}}', '{"a": {"transformer": 1}}', '{"a": {"": "x"}}'):
         with pytest.raises(ValueError, match="lora_adapters"):
             parse_sources(text)
 

@@ -60,7 +60,7 @@ from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.families import FAMILIES, Family, Guidance, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
-from triton_omni.lora import Adapters, read_pipeline_adapter
+from triton_omni.lora import Adapters, read_experts_adapter, read_pipeline_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class DiffusionRunnerConfig:
     # sequence parallel: the transformer's forward over this device and these (sequence_parallel.py)
     sp_devices: tuple[str, ...] = ()
     # LoRA adapters a request may name (lora.py): name -> folder, file or hub id; and how many stay on the device
-    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_adapters: dict[str, str | dict[str, str]] = field(default_factory=dict)
     max_loras: int = 4
     # "fp8": the DiT's block layers in float8 (kernels.py); fp8_kept: layers left in bf16 (None: the family's)
     quantization: str = "none"
@@ -288,10 +288,16 @@ class DiffusionRunner:
             raise ValueError(f"model parameter lora_adapters: the {self.family.name} family takes no LoRA adapters "
                              "per request (its denoiser is not a diffusion transformer)")
         c = self.config
-        network = self.family.network
+        networks = self.family.networks
+        if len(networks) == 1:
+            network, read = networks[0], functools.partial(read_pipeline_adapter, self.pipeline, networks[0])
+        else:  # several denoisers: one adapter holds a part for each (its layers named from the component)
+            components = {id(module): component for component, module in self.pipeline.components.items()}
+            named = {components[id(network)]: network for network in networks}  # transformer, transformer_2
+            network, read = torch.nn.ModuleDict(named), functools.partial(read_experts_adapter, self.pipeline, named)
         self.adapters = self._on_torch_thread(lambda: Adapters(
-            network, functools.partial(read_pipeline_adapter, self.pipeline, network), c.lora_adapters, c.max_loras,
-            self.family.lora_flattened, run=self._on_torch_thread, on_event=self._on_lora))
+            network, read, c.lora_adapters, c.max_loras, self.family.lora_flattened, run=self._on_torch_thread,
+            on_event=self._on_lora))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
 

@@ -7,8 +7,10 @@ that image followed by black frames). Text and UMT5 as Wan 2.1 (wan.py); 81 fram
 
 The pipelines are the reference. Every mode that wraps the denoiser wraps both experts (compile,
 FP8, the attention kernel), the step cache keeps a state per expert, as diffusers' hooks on each
-expert do, and the parallel modes' workers hold both (CFG parallel, sequence parallel); not yet:
-LoRA adapters (Wan 2.2's come as a pair, one per expert)."""
+expert do, and the parallel modes' workers hold both (CFG parallel, sequence parallel). A LoRA
+adapter comes as a pair, a file per expert (``{"transformer": ..., "transformer_2": ...}`` in
+``lora_adapters``), as its users load it with ``load_lora_weights`` and
+``load_into_transformer_2=True``; one request's adapter applies to each expert's steps."""
 
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def build_realistic_i2v(device, dtype):
 class Wan22A14B(Wan):
     name = "wan2.2_a14b"
     capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
-                                compile=True)
+                                compile=True, lora=True)
     demo = None
     demo_folders: ClassVar[dict] = {"tiny-wan2.2-a14b": build_tiny}
     realistic: ClassVar[dict] = {"demo:realistic-wan2.2-t2v-a14b": build_realistic}
