@@ -318,8 +318,9 @@ class OmniClient:
                        negative_prompt: str | None = None, negative_prompt_embeds: np.ndarray | None = None,
                        model: str = "diffusion", **options: Any) -> Video:
         """A video model's frames ``[F, H, W, 3]`` uint8 and their frame rate. ``options``:
-        ``generate_image``'s, and ``num_frames`` (1 + a multiple of the model's VAE's temporal
-        factor: 1 + 4k for Wan; the model's default when left out)."""
+        ``generate_image``'s, ``num_frames`` (1 + a multiple of the model's VAE's temporal
+        factor: 1 + 4k for Wan; the model's default when left out) or ``seconds``, and for a model
+        with two experts (Wan 2.2 A14B) ``guidance_scale_2``, the low-noise expert's scale."""
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
         call = self._generate_shared if self.shared_memory else self._infer_media

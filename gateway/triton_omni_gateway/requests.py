@@ -213,6 +213,7 @@ class VideoRequest(_Body):
     seed: Seed | None = None
     num_inference_steps: Annotated[Int32, Field(ge=1)] | None = None
     guidance_scale: Annotated[Number, Field(ge=0)] | None = None
+    guidance_scale_2: Annotated[Number, Field(ge=0)] | None = None  # Wan 2.2 A14B's low-noise expert's
     negative_prompt: StrictStr | None = None
     num_frames: Annotated[Int32, Field(ge=1)] | None = None
     step_cache: StrictStr | None = None
@@ -249,7 +250,7 @@ class ImageEditRequest(ImageRequest):
 
 # Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes
 FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float,
-                "lora_scale": float, "num_frames": int}
+                "lora_scale": float, "num_frames": int, "guidance_scale_2": float}
 FORM_BOOLS = {"enhance_prompt"}
 
 

@@ -84,6 +84,8 @@ DIFFUSION_OPTIONS = [
     TensorSpec("negative_prompt", "TYPE_STRING"),
     TensorSpec("num_inference_steps", "TYPE_INT32"),
     TensorSpec("guidance_scale", "TYPE_FP32"),
+    # the low-noise expert's scale of a two-expert model (Wan 2.2 A14B); guidance_scale unless given
+    TensorSpec("guidance_scale_2", "TYPE_FP32"),
     TensorSpec("height", "TYPE_INT32"),
     TensorSpec("width", "TYPE_INT32"),
     # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan), or its

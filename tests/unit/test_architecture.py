@@ -237,13 +237,14 @@ def test_every_diffusion_option_is_an_optional_input_of_the_ensemble_passed_to_d
 def test_the_gateways_request_bodies_take_every_diffusion_option():
     """OpenAI's bodies carry the table's options as extensions under the same names (``/v1/videos``'
     values are read off the table by name), but what the API shapes its own way: ``size`` for the
-    height and width, and the image endpoints make no video (a frame count, a length)."""
+    height and width, and the image endpoints make no video (a frame count, a length, the scale of
+    a video model's second expert)."""
     from triton_omni_gateway.requests import ImageRequest, VideoRequest
 
     names = {spec.name for spec in DIFFUSION_OPTIONS} - {"height", "width"}
     assert "size" in VideoRequest.model_fields and "size" in ImageRequest.model_fields
     assert names <= set(VideoRequest.model_fields), names - set(VideoRequest.model_fields)
-    image_names = names - {"num_frames", "seconds"}
+    image_names = names - {"num_frames", "seconds", "guidance_scale_2"}
     assert image_names <= set(ImageRequest.model_fields), image_names - set(ImageRequest.model_fields)
 
 

@@ -87,6 +87,21 @@ def test_the_two_experts_each_run_their_part_of_the_schedule(runners):
     assert levels(video, reference(one_expert, "blurry")) >= 10  # the low-noise expert's step is its own
 
 
+def test_the_low_noise_expert_takes_its_own_scale_and_one_denoiser_refuses_it(runners):
+    """``guidance_scale_2`` (the model card's 3.0 beside 4.0): the pipeline's, on either batching;
+    a second scale far enough from the first moves the video (so the comparison can fail); Wan
+    2.2 TI2V-5B, one denoiser, refuses it by name, as its pipeline does."""
+    batching, made = runners
+    runner = made["t2v_a14b"]
+    video = served(runner, negative_prompt="blurry", guidance_scale_2=1.5)
+    assert levels(video, reference(runner.pipeline, "blurry", guidance_scale_2=1.5)) <= tolerance(batching)
+    assert levels(video, served(runner, negative_prompt="blurry")) >= 10
+    with pytest.raises(RequestValidationError, match=r"`guidance_scale_2`.*has one denoiser"):
+        made["ti2v"].parse(REQUEST | {"guidance_scale_2": 3.0})
+    with pytest.raises(RequestValidationError, match=r"`guidance_scale_2`"):
+        runner.parse(REQUEST | {"guidance_scale_2": -1.0})
+
+
 def test_image_to_video_without_an_image_is_refused_by_name(runners):
     _, made = runners
     with pytest.raises(RequestValidationError, match=r"images.*is required"):

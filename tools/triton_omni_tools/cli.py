@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     video.add_argument("--frames", type=int, dest="num_frames", help="1 + a multiple of 4 for Wan (default: the "
                        "model's, 81)")
     video.add_argument("--seconds", type=float, help="the video's length (the model makes seconds x fps + 1 frames)")
+    video.add_argument("--guidance-2", type=float, dest="guidance_scale_2",
+                       help="the low-noise expert's guidance scale (Wan 2.2 A14B; default: --guidance's)")
     video.add_argument("--image", type=Path, metavar="IN.png",
                        help="a first image (PNG, JPEG or WebP) for a model that takes one (Wan 2.2 TI2V, I2V-A14B)")
     _add_image_options(video)

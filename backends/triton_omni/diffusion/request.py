@@ -75,6 +75,8 @@ class DiffusionRequest:
     lora: str | None = None  # the LoRA adapter it runs with (lora.py), by name; None: the base weights
     lora_scale: float = 1.0
     num_frames: int = 1  # a video's frame count; 1 for an image model
+    # the second denoiser's scale (Wan 2.2 A14B's low-noise expert); None: guidance_scale's
+    guidance_scale_2: float | None = None
 
     @property
     def has_negative(self) -> bool:
@@ -99,6 +101,10 @@ class DiffusionRequest:
         in_range("num_inference_steps", steps, 1, limits.max_steps)
         guidance = as_float("guidance_scale", values["guidance_scale"])
         in_range("guidance_scale", guidance, 0.0, limits.max_guidance)
+        guidance_2 = values.get("guidance_scale_2")
+        if guidance_2 is not None:
+            guidance_2 = as_float("guidance_scale_2", guidance_2)
+            in_range("guidance_scale_2", guidance_2, 0.0, limits.max_guidance)
         height, width = (_image_side(name, values[name], limits) for name in ("height", "width"))
         seed = values.get("seed")
         seed = None if seed is None or as_int("seed", seed) < 0 else as_int("seed", seed)
@@ -112,7 +118,8 @@ class DiffusionRequest:
         frames = _frames(inputs.get("num_frames"), values.get("num_frames"), inputs.get("seconds"), limits)
         return cls(prompt, embeds, negative, negative_embeds, steps, guidance, height, width, seed, step_cache,
                    pooled, images, ("height" in inputs, "width" in inputs),
-                   "image" if values.get("image") is not None else "images", lora, lora_scale, frames)
+                   "image" if values.get("image") is not None else "images", lora, lora_scale, frames,
+                   guidance_2)
 
 
 def _frames(given: Any, value: Any, seconds: Any, limits: DiffusionLimits) -> int:

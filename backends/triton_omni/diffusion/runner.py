@@ -204,7 +204,7 @@ class _Job:
         r = self.request
         guided = self.uncond is not None
         return (r.height, r.width, r.num_frames, r.num_inference_steps,
-                r.guidance_scale if guided or self.scale_read else 0.0,
+                r.guidance_scale if guided or self.scale_read else 0.0, r.guidance_scale_2 if guided else None,
                 self.cond.shape[0], self.uncond.shape[0] if guided else 0,
                 id(r) if r.images else None,  # a call's input images are every row's: such a request runs alone
                 r.lora, r.lora_scale if r.lora else None)  # and so is its adapter
@@ -439,7 +439,8 @@ class DiffusionRunner:
                            request.num_inference_steps, request.height, request.width,
                            self._generator(request.seed), on_step, is_cancelled,
                            step_cache=request.step_cache or self.step_cache, on_cached=on_cached,
-                           images=request.images, frames=request.num_frames)
+                           images=request.images, frames=request.num_frames,
+                           guidance_scale_2=request.guidance_scale_2)
         if request.lora is None:
             return self.steps.submit(step_job)
         return self._submit_adapted(step_job, request.lora, request.lora_scale)
@@ -512,6 +513,10 @@ class DiffusionRunner:
         if self.sequence_parallel is not None:  # a size the family's sequence cannot share over the ranks
             self.family.check_sequence_parallel(request, len(self.sequence_parallel.devices),
                                                 on_cpu=self.device.type == "cpu")
+        if request.guidance_scale_2 is not None and len(self.family.networks) < 2:  # as the pipeline refuses it
+            raise RequestValidationError("guidance_scale_2", f"the {self.family.name} family has one denoiser "
+                                         "(guidance_scale_2 is the second expert's scale, for a model with two)",
+                                         request.guidance_scale_2)
         if request.lora is not None:
             if self.adapters is None:
                 raise RequestValidationError("lora", "this model serves no LoRA adapters (its lora_adapters "
@@ -640,6 +645,8 @@ class DiffusionRunner:
         guided = jobs[0].uncond is not None
         kwargs: dict[str, Any] = self.family.call_kwargs(
             [job.cond for job in rows], [job.uncond for job in rows] if guided else None, first.guidance_scale)
+        if first.guidance_scale_2 is not None and guided:
+            kwargs["guidance_scale_2"] = first.guidance_scale_2
         if first.images:
             kwargs |= self.family.image_kwargs(first.images)
         if jobs[0].pooled is not None:

@@ -96,6 +96,7 @@ class StepJob:
     images: list = field(default_factory=list)  # input images (the family's step adapter reads them)
     frames: int = 1  # a video's frame count (a video family's); 1 for an image
     lora: tuple[int, float] | None = None  # its LoRA adapter's (slot, scale) (lora.py), pinned while it runs
+    guidance_scale_2: float | None = None  # the second denoiser's scale (Wan 2.2 A14B), where it has one
     future: Future = field(default_factory=Future)
     submitted: float = 0.0  # time.monotonic() when the engine got it (most_behind)
     # set when admitted

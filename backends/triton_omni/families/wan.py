@@ -130,7 +130,12 @@ class WanSteps(TwoPassStepAdapter):
         return (job.step_kwargs["mask"][0][0][:, ::2, ::2] * t).flatten()[None]
 
     def guide(self, job, pred: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-        return negative + job.guidance_scale * (pred - negative)
+        """The pipeline's rule, at the scale of the expert that ran: ``guidance_scale``, or on the
+        low-noise expert ``guidance_scale_2`` where the request gave one."""
+        scale = job.guidance_scale
+        if job.step_kwargs["expert"] == 1 and job.guidance_scale_2 is not None:
+            scale = job.guidance_scale_2
+        return negative + scale * (pred - negative)
 
     def output_shape(self, kwargs: dict) -> tuple[int, ...]:
         """The DiT unpatchifies its output: latents of every frame, ``out_channels`` deep."""
