@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from triton_omni_gateway.errors import OpenAIError, model_not_found
-from triton_omni_gateway.requests import ImageEditRequest, ImageRequest
+from triton_omni_gateway.requests import ImageEditRequest, ImageRequest, table_options
 from triton_omni_gateway.triton import Triton, first
 
 # a model's input -> the API's field: an error names the field the user sent
@@ -99,9 +99,7 @@ class ImageModels:
 
 
 def _options(request: ImageRequest) -> dict[str, Any]:
-    values = {"num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance(),
-              "seed": request.seed, "step_cache": request.step_cache, "lora": request.lora,
-              "lora_scale": request.lora_scale}
+    values = table_options(request, video=False) | {"guidance_scale": request.guidance()}
     size = request.dimensions()
     if size is not None:
         values["width"], values["height"] = size

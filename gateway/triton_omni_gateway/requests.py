@@ -27,6 +27,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from triton_omni_protocol import DIFFUSION_OPTIONS, VIDEO_OPTIONS
 
 from triton_omni_gateway.errors import OpenAIError, invalid
 
@@ -248,9 +249,19 @@ class ImageEditRequest(ImageRequest):
     images: list[bytes] = Field(default_factory=list, exclude=True)
 
 
-# Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes
-FORM_NUMBERS = {"n": int, "seed": int, "num_inference_steps": int, "guidance_scale": float, "true_cfg_scale": float,
-                "lora_scale": float, "num_frames": int, "guidance_scale_2": float}
+# Form fields arrive as text: these are read as the JSON numbers the generations endpoint takes (the
+# diffusion options' numbers, by the protocol's table; `seconds` is text in OpenAI's API, and `size`
+# stands for the height and width)
+FORM_NUMBERS = {"n": int, "true_cfg_scale": float} | {
+    spec.name: spec.python_type for spec in DIFFUSION_OPTIONS
+    if spec.python_type in (int, float) and spec.name not in ("height", "width", "seconds")}
+
+
+def table_options(body: _Body, *, video: bool) -> dict[str, Any]:
+    """The body's values of the protocol's diffusion options (a video's with ``video``), by name,
+    but those the API shapes its own way (``size``, ``seconds``); None where not given."""
+    skipped = {"height", "width", "seconds"} | (set() if video else VIDEO_OPTIONS)
+    return {spec.name: getattr(body, spec.name) for spec in DIFFUSION_OPTIONS if spec.name not in skipped}
 FORM_BOOLS = {"enhance_prompt"}
 
 

@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 from triton_omni_client.video import encode_mp4
-from triton_omni_protocol.models import DIFFUSION_OPTIONS
 
 from triton_omni_gateway.errors import OpenAIError
 from triton_omni_gateway.images import ImageModels, png_bytes
-from triton_omni_gateway.requests import VideoRequest, dimensions
+from triton_omni_gateway.requests import VideoRequest, dimensions, table_options
 
 logger = logging.getLogger("triton_omni_gateway")
 # a model's input -> the API's field, where they differ: an error names the field the user sent
@@ -146,10 +145,7 @@ class VideoJobs:
 
     def _values(self, request: VideoRequest) -> dict[str, Any]:
         """The model's inputs (checked here where they can be: ``size``, ``seconds``)."""
-        # every diffusion option, by its name in the protocol's table: the body's field of that name, but
-        # the two that OpenAI's API shapes its own way (size, and seconds as text)
-        values = {spec.name: getattr(request, spec.name) for spec in DIFFUSION_OPTIONS
-                  if spec.name not in ("height", "width", "seconds")} | {"seconds": request.length()}
+        values = table_options(request, video=True) | {"seconds": request.length()}
         size = dimensions(request.size)
         if size is not None:
             values["width"], values["height"] = size

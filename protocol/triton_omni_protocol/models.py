@@ -76,29 +76,35 @@ def ar_encode_outputs(embeds_dtype: str) -> list[TensorSpec]:
 
 
 # -- the diffusion options: one table. A request's option for the diffusion stage, scalar, optional,
-# and validated by the stage (its request dataclass names it): `diffusion` takes each as an input, and
-# so do `text_to_image` (tests/unit/test_architecture.py holds its config to this table) and `omni`
-# (its scheduler converts each to this type and passes it on). A new option is one line here, the
-# ensemble's two lines, and the code that reads it.
+# and validated by the stage (its request dataclass names it; its bounds and defaults are the model's:
+# its `limits` and `defaults` parameters, its family's pipeline): `diffusion` takes each as an input,
+# and so do `text_to_image` (tests/unit/test_architecture.py holds its config to this table) and
+# `omni` (its scheduler converts each to this type and passes it on); the gateway's bodies and
+# forms and the CLI's flags (`--name-with-dashes`, documented by `doc`) follow it too. A new option
+# is one line here, the ensemble's two lines, and the code that reads it.
 DIFFUSION_OPTIONS = [
-    TensorSpec("negative_prompt", "TYPE_STRING"),
-    TensorSpec("num_inference_steps", "TYPE_INT32"),
-    TensorSpec("guidance_scale", "TYPE_FP32"),
-    # the low-noise expert's scale of a two-expert model (Wan 2.2 A14B); guidance_scale unless given
-    TensorSpec("guidance_scale_2", "TYPE_FP32"),
-    TensorSpec("height", "TYPE_INT32"),
-    TensorSpec("width", "TYPE_INT32"),
-    # a video model's frame count (1 + a multiple of its VAE's temporal factor: 81 for Wan), or its
-    # length in seconds at the model's frame rate (OpenAI's `seconds`: 4 s at 16 fps is 65 frames)
-    TensorSpec("num_frames", "TYPE_INT32"),
-    TensorSpec("seconds", "TYPE_FP32"),
-    TensorSpec("seed", "TYPE_INT64"),
-    # "off", "first_block" or "first_block:THRESHOLD": this request's step cache (docs/models.md)
-    TensorSpec("step_cache", "TYPE_STRING"),
+    TensorSpec("negative_prompt", "TYPE_STRING", doc="what the output should not show (the pipeline's default "
+               "unless given)"),
+    TensorSpec("num_inference_steps", "TYPE_INT32", doc="denoising steps (default: the model's)"),
+    TensorSpec("guidance_scale", "TYPE_FP32", doc="classifier-free guidance scale, or a guidance-distilled "
+               "model's guidance input (default: the model's)"),
+    TensorSpec("guidance_scale_2", "TYPE_FP32", doc="the low-noise expert's guidance scale, for a model with two "
+               "experts (default: guidance_scale)"),
+    TensorSpec("height", "TYPE_INT32", doc="pixels (a multiple of the model's; default: the model's)"),
+    TensorSpec("width", "TYPE_INT32", doc="pixels (a multiple of the model's; default: the model's)"),
+    TensorSpec("num_frames", "TYPE_INT32", doc="a video's frame count: 1 + a multiple of its VAE's temporal "
+               "factor (default: the model's)"),
+    TensorSpec("seconds", "TYPE_FP32", doc="a video's length at the model's frame rate (seconds x fps + 1 "
+               "frames; OpenAI's `seconds`)"),
+    TensorSpec("seed", "TYPE_INT64", doc="the noise's seed (default: a random one)"),
+    TensorSpec("step_cache", "TYPE_STRING", doc="off, first_block or first_block:THRESHOLD: this request's "
+               "step cache (default: the model's)"),
     # a LoRA adapter the model serves (its lora_adapters parameter), and its scale (1.0 unless given)
-    TensorSpec("lora", "TYPE_STRING"),
-    TensorSpec("lora_scale", "TYPE_FP32"),
+    TensorSpec("lora", "TYPE_STRING", doc="a LoRA adapter the model serves (its lora_adapters)"),
+    TensorSpec("lora_scale", "TYPE_FP32", doc="the adapter's scale (default 1)"),
 ]
+# The options only a video model reads: the image endpoints and commands leave them out.
+VIDEO_OPTIONS = frozenset({"num_frames", "seconds", "guidance_scale_2"})
 
 
 # -- diffusion (dynamic batching)

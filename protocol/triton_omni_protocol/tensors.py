@@ -40,6 +40,17 @@ class TensorSpec:
     dims: tuple[int, ...] = (1,)
     kind: Kind = "scalar"  # how the server hands the value to Python
     optional: bool = True
+    doc: str = ""  # what a user reads of it (a command's --help): a table's option is documented once
+
+    @property
+    def python_type(self) -> type:
+        """The Python type of one value (a JSON body's, a command-line flag's)."""
+        dtype = self.numpy_dtype
+        if dtype is np.bool_:
+            return bool
+        if dtype is np.object_:
+            return str
+        return int if np.issubdtype(dtype, np.integer) else float
 
     @property
     def wire_type(self) -> str:

@@ -248,6 +248,29 @@ def test_the_gateways_request_bodies_take_every_diffusion_option():
     assert image_names <= set(ImageRequest.model_fields), image_names - set(ImageRequest.model_fields)
 
 
+def test_the_clis_flags_are_the_diffusion_options():
+    """`generate-video` has a flag for every option of the table (its dest the option's name, its
+    help the table's), `generate-image` for every one but a video's: `lora` and `lora_scale` as one
+    `--lora NAME[:SCALE]`."""
+    import argparse
+
+    from triton_omni_protocol import VIDEO_OPTIONS
+    from triton_omni_tools.cli import _add_image_options
+
+    for video in (True, False):
+        parser = argparse.ArgumentParser()
+        _add_image_options(parser, video=video)
+        flags = {action.dest: action for action in parser._actions}
+        for spec in DIFFUSION_OPTIONS:
+            if spec.name in ("lora", "lora_scale"):
+                continue
+            if spec.name in VIDEO_OPTIONS and not video:
+                assert spec.name not in flags, spec.name
+                continue
+            assert flags[spec.name].type is spec.python_type and flags[spec.name].help == spec.doc, spec.name
+        assert "lora" in flags
+
+
 def test_one_type_per_scalar_input_name_across_models():
     seen = {}
     for spec in [*AR_GENERATE_INPUTS, *diffusion_inputs(), *OMNI_INPUTS]:

@@ -157,14 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     video.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     video.add_argument("--url")
     video.add_argument("--model", default="diffusion", help="diffusion (default), or text_to_image")
-    video.add_argument("--frames", type=int, dest="num_frames", help="1 + a multiple of 4 for Wan (default: the "
-                       "model's, 81)")
-    video.add_argument("--seconds", type=float, help="the video's length (the model makes seconds x fps + 1 frames)")
-    video.add_argument("--guidance-2", type=float, dest="guidance_scale_2",
-                       help="the low-noise expert's guidance scale (Wan 2.2 A14B; default: --guidance's)")
     video.add_argument("--image", type=Path, metavar="IN.png",
                        help="a first image (PNG, JPEG or WebP) for a model that takes one (Wan 2.2 TI2V, I2V-A14B)")
-    _add_image_options(video)
+    _add_image_options(video, video=True)
     video.set_defaults(run=_generate_video)
 
     args = parser.parse_args(argv)
@@ -180,16 +175,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _add_image_options(parser) -> None:
-    """The diffusion options, the same for `generate` and `generate-image`."""
-    parser.add_argument("--steps", type=int, dest="num_inference_steps")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--guidance", type=float, dest="guidance_scale")
-    parser.add_argument("--negative-prompt")
+# Shorter names for the diffusion options' flags, beside --name-with-dashes
+SHORT_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2",
+               "num_frames": "--frames"}
+
+
+def _add_image_options(parser, video: bool = False) -> None:
+    """Every diffusion option of the protocol's table as a flag whose dest is its name (a video
+    model's too with ``video``); ``lora`` and ``lora_scale`` as one ``--lora NAME[:SCALE]``."""
+    from triton_omni_protocol import DIFFUSION_OPTIONS, VIDEO_OPTIONS
+
+    for spec in DIFFUSION_OPTIONS:
+        if spec.name in ("lora", "lora_scale") or (spec.name in VIDEO_OPTIONS and not video):
+            continue
+        flags = ["--" + spec.name.replace("_", "-")]
+        if spec.name in SHORT_FLAGS:
+            flags.insert(0, SHORT_FLAGS[spec.name])
+        parser.add_argument(*flags, type=spec.python_type, dest=spec.name, help=spec.doc or None,
+                            metavar={int: "N", float: "X"}.get(spec.python_type, "TEXT"))
     parser.add_argument("--lora", type=_lora, metavar="NAME[:SCALE]",
                         help="a LoRA adapter the diffusion model serves (its lora_adapters), at SCALE (default 1)")
+
+
+def _diffusion_options(args) -> dict:
+    """The diffusion options the command line gave, by their names (``_add_image_options``)."""
+    from triton_omni_protocol import DIFFUSION_OPTIONS
+
+    return {spec.name: getattr(args, spec.name) for spec in DIFFUSION_OPTIONS
+            if getattr(args, spec.name, None) is not None} | (args.lora or {})
 
 
 def _lora(text: str) -> dict:
@@ -284,9 +297,8 @@ def _generate(args) -> int:
     if "image" in modalities and args.out is None:
         print("error: --out is required for the image modality", file=sys.stderr)
         return 2
-    names = ("max_tokens", "num_inference_steps", "seed", "height", "width", "guidance_scale", "negative_prompt",
-             "num_images")
-    options = {k: getattr(args, k) for k in names if getattr(args, k) is not None} | (args.lora or {})
+    options = _diffusion_options(args) | {k: getattr(args, k) for k in ("max_tokens", "num_images")
+                                          if getattr(args, k) is not None}
     bars: dict[int, tqdm] = {}
     written = []
     # A bar as wide as the terminal wraps to a new line at every redraw in some terminals (tmux).
@@ -401,19 +413,16 @@ def _generate_image(args) -> int:
     from PIL import Image
     from triton_omni_client import InputValueError, OmniClient, OmniError
 
-    options = {k: getattr(args, k) for k in ("num_inference_steps", "seed", "height", "width", "guidance_scale")
-               if getattr(args, k) is not None} | (args.lora or {})
+    options = _diffusion_options(args)
     client = OmniClient(args.url, protocol=args.protocol)
     try:
         if args.stream:
             pixels = _stream_image(client, args, options)
         elif args.images:
             pixels = client.edit_image(args.prompt, [str(path) for path in args.images],
-                                       negative_prompt=args.negative_prompt, model=args.model or "diffusion",
-                                       **options)
+                                       model=args.model or "diffusion", **options)
         else:
-            pixels = client.generate_image(args.prompt, negative_prompt=args.negative_prompt,
-                                           model=args.model or "diffusion", **options)
+            pixels = client.generate_image(args.prompt, model=args.model or "diffusion", **options)
     except (OmniError, InputValueError) as exc:  # a value its input cannot hold: named, not sent
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -426,18 +435,15 @@ def _generate_video(args) -> int:
     import numpy as np
     from triton_omni_client import InputValueError, OmniClient, OmniError
     from triton_omni_client.video import encode_mp4
-    from triton_omni_protocol.models import DIFFUSION_OPTIONS
 
     if args.out.suffix not in (".mp4", ".npy"):
         raise SystemExit(f"error: --out must end in .mp4 or .npy, got {args.out.name!r}")
-    # every diffusion option this command has a flag for (its dest is the option's name)
-    options = {spec.name: getattr(args, spec.name) for spec in DIFFUSION_OPTIONS
-               if spec.name != "negative_prompt" and getattr(args, spec.name, None) is not None} | (args.lora or {})
+    options = _diffusion_options(args)
     if args.image is not None:
         options["images"] = [args.image.read_bytes()]
     try:
         video = OmniClient(args.url, protocol=args.protocol).generate_video(
-            args.prompt, negative_prompt=args.negative_prompt, model=args.model, **options)
+            args.prompt, model=args.model, **options)
     except (OmniError, InputValueError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -467,7 +473,7 @@ def _stream_image(client, args, options: dict):
 
     try:
         return client.stream_image(args.prompt, model=args.model or "diffusion_stream", on_progress=on_progress,
-                                   negative_prompt=args.negative_prompt, **options)
+                                   **options)
     finally:
         if bar is not None:
             bar.close()
