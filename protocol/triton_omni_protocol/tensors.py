@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 Kind = Literal["scalar", "list", "array", "blobs"]  # blobs: BYTES elements as raw bytes (encoded images)
 
-# Triton config type -> (KServe wire type, NumPy dtype)
-TYPES: dict[str, tuple[str, Any]] = {
-    "TYPE_STRING": ("BYTES", np.object_),
-    "TYPE_BOOL": ("BOOL", np.bool_),
-    "TYPE_INT32": ("INT32", np.int32),
-    "TYPE_INT64": ("INT64", np.int64),
-    "TYPE_UINT8": ("UINT8", np.uint8),
-    "TYPE_UINT32": ("UINT32", np.uint32),
-    "TYPE_FP16": ("FP16", np.float16),
-    "TYPE_FP32": ("FP32", np.float32),
+# Triton config type -> (KServe wire type, NumPy dtype's name). NumPy is imported where a value is
+# converted, not with the tables: a command's --help reads the tables on a bare install.
+TYPES: dict[str, tuple[str, str | None]] = {
+    "TYPE_STRING": ("BYTES", "object_"),
+    "TYPE_BOOL": ("BOOL", "bool_"),
+    "TYPE_INT32": ("INT32", "int32"),
+    "TYPE_INT64": ("INT64", "int64"),
+    "TYPE_UINT8": ("UINT8", "uint8"),
+    "TYPE_UINT32": ("UINT32", "uint32"),
+    "TYPE_FP16": ("FP16", "float16"),
+    "TYPE_FP32": ("FP32", "float32"),
     "TYPE_BF16": ("BF16", None),  # no NumPy type; sent through DLPack
 }
 # The `embeds_dtype` model parameter -> Triton config type of prompt embeddings.
@@ -45,12 +47,10 @@ class TensorSpec:
     @property
     def python_type(self) -> type:
         """The Python type of one value (a JSON body's, a command-line flag's)."""
-        dtype = self.numpy_dtype
-        if dtype is np.bool_:
-            return bool
-        if dtype is np.object_:
-            return str
-        return int if np.issubdtype(dtype, np.integer) else float
+        name = TYPES[self.data_type][1]
+        if name in ("bool_", "object_"):
+            return bool if name == "bool_" else str
+        return float if name is None or name.startswith("float") else int
 
     @property
     def wire_type(self) -> str:
@@ -59,12 +59,17 @@ class TensorSpec:
 
     @property
     def numpy_dtype(self) -> Any:
-        return TYPES[self.data_type][1]
+        import numpy as np
+
+        name = TYPES[self.data_type][1]
+        return None if name is None else getattr(np, name)
 
     def scalar(self, value: Any) -> np.ndarray:
         """``value`` as this one-value tensor's NumPy array (shape ``[1]``), or ``InputValueError``
         naming the tensor when the value is not of its type or outside its range: NumPy would
         raise an ``OverflowError`` naming nothing, or wrap the value around silently."""
+        import numpy as np
+
         dtype = self.numpy_dtype
         if dtype is np.bool_:
             ok = isinstance(value, (bool, np.bool_))
