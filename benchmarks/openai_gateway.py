@@ -25,6 +25,14 @@ against `tritonclient.grpc.aio`'s `infer` with the same file in `images`.
 first use), at 1024² and `--edit-steps` steps (4 by default: 16 edits of 50
 steps are minutes a round). The input image is a 1024² PNG either way.
 
+`--videos` measures videos instead (Wan): `text_to_image` at concurrency 4,
+through `/v1/videos` as the `openai` SDK's `create_and_poll` and
+`download_content` use it (create the job, poll it, fetch the MP4) against
+`tritonclient.grpc.aio`'s `infer` of the same video (the raw frames).
+`--preset tiny` serves the tiny Wan demo (32², 5 frames, 2 steps); for a
+real model give `--grpc-url` and `--openai-url` of a server that serves one
+(`--video-size`, `--video-frames`, `--video-steps` set the work).
+
 `--aa` runs the direct side against itself: the spread of those ratios is
 the finest difference this host can resolve.
 
@@ -34,6 +42,7 @@ By default it starts its own server and gateway (the demo models); give
 
     .venv/bin/python benchmarks/openai_gateway.py --json .cache/openai-gateway.json
     python benchmarks/openai_gateway.py --edits --preset realistic [--aa]      # GPU: Qwen-Image-Edit's edits
+    python benchmarks/openai_gateway.py --videos [--aa]                          # the tiny Wan demo
 """
 
 from __future__ import annotations
@@ -129,6 +138,38 @@ class Edits:
                                         files={"image": ("in.png", self.image, "image/png")})
         response.raise_for_status()
         return len(response.json()["data"])
+
+
+class Videos:
+    """A video through `text_to_image`: the gateway's job (created, polled, its MP4 fetched) against
+    one gRPC call that returns the frames."""
+
+    name, unit = "videos", "videos/s"
+    POLL_S = 0.02  # between a job's polls, as a client polls (the SDK's create_and_poll waits longer)
+
+    def __init__(self, grpc: aioclient.InferenceServerClient, http: httpx.AsyncClient, options: dict):
+        self.grpc, self.http, self.options = grpc, http, options
+
+    async def direct(self) -> int:
+        inputs = batched_inputs(grpcclient, text_input=PROMPT, **self.options)
+        result = await self.grpc.infer("text_to_image", inputs)
+        assert result.as_numpy("video").shape[1] == self.options["num_frames"]
+        return 1
+
+    async def gateway(self) -> int:
+        options = self.options
+        body = {"model": "text_to_image", "prompt": PROMPT, "size": f"{options['width']}x{options['height']}",
+                **{name: options[name] for name in ("seed", "num_inference_steps", "guidance_scale", "num_frames")}}
+        response = await self.http.post("/v1/videos", json=body)
+        response.raise_for_status()
+        job = response.json()
+        while job["status"] in ("queued", "in_progress"):
+            await asyncio.sleep(self.POLL_S)
+            job = (await self.http.get(f"/v1/videos/{job['id']}")).raise_for_status().json()
+        assert job["status"] == "completed", job
+        content = await self.http.get(f"/v1/videos/{job['id']}/content")
+        assert content.raise_for_status().headers["content-type"] == "video/mp4"
+        return 1
 
 
 class Chat:
@@ -269,6 +310,10 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
             edits = Edits(grpc, http, options, edit_picture())
             return [await compare(edits, args.image_concurrency, args.image_requests, args.rounds, args.aa,
                                   args.gateway_pid)]
+        if args.videos:
+            videos = Videos(grpc, http, options | {"num_frames": args.video_frames})
+            return [await compare(videos, args.video_concurrency, args.video_requests, args.rounds, args.aa,
+                                  args.gateway_pid)]
         prompt = rendered_prompt(args.tokenizer)
         chat_http = AiohttpClient(openai_url) if args.http_client == "aiohttp" else http
         images, chat = Images(grpc, http, options), Chat(grpc, chat_http, prompt, args.tokens, args.direct_outputs)
@@ -317,7 +362,8 @@ REALISTIC_EDITS = {
 
 @contextlib.contextmanager
 def edits_server(preset: str, workers: int):
-    """The edit models on a server of this run's own, and a gateway in front of it."""
+    """The edit models (or another demo's: ``preset`` names it) on a server of this run's own, and a
+    gateway in front of it."""
     from triton_omni.demo_models import resolve_model
     from triton_omni_tools.repository import copy_repositories
 
@@ -330,7 +376,7 @@ def edits_server(preset: str, workers: int):
                      # (its image's vision tokens), and the default 64 MB held three of 16 in flight
                      "extra_args": ["--cuda-memory-pool-byte-size=0:1073741824"]}
         else:
-            extra = {"demo": "qwen-image-edit"}
+            extra = {"demo": preset}
         with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                         model_control_mode="explicit",
                                         load_models=["ar_encoder", "diffusion", "text_to_image"], **extra)) as server:
@@ -383,12 +429,24 @@ def main() -> None:
     parser.add_argument("--edits", action="store_true", help="image edits (Qwen-Image-Edit) through "
                         "/v1/images/edits against gRPC, instead of the images and chat workloads")
     parser.add_argument("--edit-steps", type=int, default=4, help="--edits --preset realistic: steps per edit")
+    parser.add_argument("--videos", action="store_true", help="videos (Wan) through /v1/videos against gRPC, "
+                        "instead of the images and chat workloads")
+    parser.add_argument("--video-concurrency", type=int, default=4)
+    parser.add_argument("--video-requests", type=int, default=8, help="per side and round")
+    parser.add_argument("--video-size", type=int, help="--videos: each side in pixels (default: 32 on the tiny "
+                        "demo)")
+    parser.add_argument("--video-frames", type=int, default=5, help="--videos: frames per video")
+    parser.add_argument("--video-steps", type=int, help="--videos: steps per video (default: 2 on the tiny demo)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     args.steps, args.size, args.guidance, args.tokens = preset.steps, preset.size, preset.guidance, preset.max_tokens
     if args.edits:  # true CFG needs a negative prompt: 4 is the edit pipeline's scale, here without one
         args.steps, args.size, args.guidance = (2, 32, 4.0) if args.preset == "tiny" else (args.edit_steps, 1024, 4.0)
+    if args.videos:  # Wan's CFG at its model card's 5
+        args.steps, args.size, args.guidance = args.video_steps or 2, args.video_size or 32, 5.0
+        if args.preset != "tiny" and not args.grpc_url:
+            parser.error("--videos serves the tiny Wan demo; for a real model give --grpc-url and --openai-url")
 
     with contextlib.suppress(ImportError):  # the clients' loop: uvloop where installed, as the gateway's is
         import uvloop
@@ -396,8 +454,9 @@ def main() -> None:
         uvloop.install()
     if args.grpc_url:
         results = asyncio.run(run(args.grpc_url, args.openai_url, args))
-    elif args.edits:
-        with edits_server(args.preset, args.workers) as (grpc_url, openai_url, _, gateway_pid):
+    elif args.edits or args.videos:
+        demo = "wan" if args.videos else args.preset if args.preset == "realistic" else "qwen-image-edit"
+        with edits_server(demo, args.workers) as (grpc_url, openai_url, _, gateway_pid):
             args.gateway_pid = args.gateway_pid or gateway_pid
             results = asyncio.run(run(grpc_url, openai_url, args))
     else:
