@@ -100,9 +100,10 @@ def resolve_model(model: str) -> str:
         return model
     name = model.removeprefix(DEMO_PREFIX)
     from triton_omni.families import demo_folders  # the families' builders use this module's helpers
+    from triton_omni.speech.demos import SPEECH_DEMOS
 
     builders = {AR_DEMO: build_ar_model, AR_REALISTIC: lambda out: build_ar_model(out, AR_REALISTIC_SHAPE),
-                **demo_folders()}
+                **demo_folders(), **SPEECH_DEMOS}
     if name not in builders:
         raise ValueError(f"unknown demo model {model!r}; known: {sorted(DEMO_PREFIX + n for n in builders)}")
     return str(ensure_built(name, builders[name]))
