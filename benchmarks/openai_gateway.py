@@ -169,6 +169,8 @@ class Videos:
         assert job["status"] == "completed", job
         content = await self.http.get(f"/v1/videos/{job['id']}/content")
         assert content.raise_for_status().headers["content-type"] == "video/mp4"
+        # fetched: deleted, as a client done with it does (a gateway keeps a bounded number of jobs)
+        (await self.http.delete(f"/v1/videos/{job['id']}")).raise_for_status()
         return 1
 
 
@@ -426,11 +428,12 @@ def main() -> None:
                         "or for the text and token count only")
     parser.add_argument("--aa", action="store_true", help="direct against direct: the spread this host "
                         "shows with no gateway at all (run it first on a new host)")
-    parser.add_argument("--edits", action="store_true", help="image edits (Qwen-Image-Edit) through "
-                        "/v1/images/edits against gRPC, instead of the images and chat workloads")
+    workloads = parser.add_mutually_exclusive_group()
+    workloads.add_argument("--edits", action="store_true", help="image edits (Qwen-Image-Edit) through "
+                           "/v1/images/edits against gRPC, instead of the images and chat workloads")
     parser.add_argument("--edit-steps", type=int, default=4, help="--edits --preset realistic: steps per edit")
-    parser.add_argument("--videos", action="store_true", help="videos (Wan) through /v1/videos against gRPC, "
-                        "instead of the images and chat workloads")
+    workloads.add_argument("--videos", action="store_true", help="videos (Wan) through /v1/videos against gRPC, "
+                           "instead of the images and chat workloads (a gateway of one process: jobs live in it)")
     parser.add_argument("--video-concurrency", type=int, default=4)
     parser.add_argument("--video-requests", type=int, default=8, help="per side and round")
     parser.add_argument("--video-size", type=int, help="--videos: each side in pixels (default: 32 on the tiny "
@@ -447,6 +450,7 @@ def main() -> None:
         args.steps, args.size, args.guidance = args.video_steps or 2, args.video_size or 32, 5.0
         if args.preset != "tiny" and not args.grpc_url:
             parser.error("--videos serves the tiny Wan demo; for a real model give --grpc-url and --openai-url")
+        args.workers = 1  # a gateway of several processes answers /v1/videos with a 501
 
     with contextlib.suppress(ImportError):  # the clients' loop: uvloop where installed, as the gateway's is
         import uvloop

@@ -163,6 +163,8 @@ def test_a_two_expert_models_adapters_come_as_pairs_and_each_expert_runs_its_hal
     with pytest.raises(AdapterError, match="names 'transformer_3': this pipeline's denoisers are transformer, "
                                            "transformer_2"):
         runner(family, {"odd": {"transformer_3": pair["transformer"]}})
+    with pytest.raises(AdapterError, match="'pair' names a file per denoiser, and this model has one"):
+        runner("wan", {"pair": pair})
 
 
 def test_request_batching_runs_a_group_with_its_adapter(adapters):

@@ -201,8 +201,9 @@ def _diffusion_options(args) -> dict:
     """The diffusion options the command line gave, by their names (``_add_image_options``)."""
     from triton_omni_protocol import DIFFUSION_OPTIONS
 
-    return {spec.name: getattr(args, spec.name) for spec in DIFFUSION_OPTIONS
-            if getattr(args, spec.name, None) is not None} | (args.lora or {})
+    given = {spec.name: getattr(args, spec.name) for spec in DIFFUSION_OPTIONS
+             if spec.name not in ("lora", "lora_scale") and getattr(args, spec.name, None) is not None}
+    return given | (args.lora or {})  # --lora NAME[:SCALE]: both
 
 
 def _lora(text: str) -> dict:

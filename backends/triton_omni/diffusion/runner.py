@@ -60,7 +60,7 @@ from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.families import FAMILIES, Family, Guidance, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
-from triton_omni.lora import Adapters, read_experts_adapter, read_pipeline_adapter
+from triton_omni.lora import AdapterError, Adapters, read_experts_adapter, read_pipeline_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -288,15 +288,20 @@ class DiffusionRunner:
             raise ValueError(f"model parameter lora_adapters: the {self.family.name} family takes no LoRA adapters "
                              "per request (its denoiser is not a diffusion transformer)")
         c = self.config
-        networks = self.family.networks
+        networks, flattened = self.family.networks, self.family.lora_flattened
         if len(networks) == 1:
+            for name, source in c.lora_adapters.items():
+                if not isinstance(source, str):
+                    raise AdapterError(f"LoRA adapter {name!r} names a file per denoiser, and this model has one: "
+                                       "give its path")
             network, read = networks[0], functools.partial(read_pipeline_adapter, self.pipeline, networks[0])
         else:  # several denoisers: one adapter holds a part for each (its layers named from the component)
             components = {id(module): component for component, module in self.pipeline.components.items()}
             named = {components[id(network)]: network for network in networks}  # transformer, transformer_2
             network, read = torch.nn.ModuleDict(named), functools.partial(read_experts_adapter, self.pipeline, named)
+            flattened = tuple(f"{component}.{layer}" for component in named for layer in flattened)
         self.adapters = self._on_torch_thread(lambda: Adapters(
-            network, read, c.lora_adapters, c.max_loras, self.family.lora_flattened, run=self._on_torch_thread,
+            network, read, c.lora_adapters, c.max_loras, flattened, run=self._on_torch_thread,
             on_event=self._on_lora))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
@@ -510,7 +515,11 @@ class DiffusionRunner:
             raise RequestValidationError("negative_prompt_embeds", "is required for guidance with prompt_embeds: "
                                          "this model has no text encoder to encode the pipeline's default negative "
                                          'prompt ""', None, show_value=False)
-        if self.sequence_parallel is not None:  # a size the family's sequence cannot share over the ranks
+        if self.sequence_parallel is not None:
+            if request.images and not self.family.images_in_latents:
+                raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
+                                             "output's tokens)", None, show_value=False)
+            # a size the family's sequence cannot share over the ranks
             self.family.check_sequence_parallel(request, len(self.sequence_parallel.devices),
                                                 on_cpu=self.device.type == "cpu")
         if request.guidance_scale_2 is not None and len(self.family.networks) < 2:  # as the pipeline refuses it

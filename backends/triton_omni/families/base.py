@@ -287,13 +287,11 @@ class Family:
         return {}
 
     def check_sequence_parallel(self, request, ranks: int, on_cpu: bool) -> None:
-        """Refuse a request sequence parallel cannot split (``RequestValidationError``). The default
-        is diffusers' own plans' need: they split the output's tokens (and the text's: 512 from
-        ar_encoder for FLUX, which 2, 4 or 8 ranks divide) at the transformer's entry, so no input
-        image's tokens beside them, and on the CPU gloo gathers equal shares only."""
-        if request.images and not self.images_in_latents:
-            raise RequestValidationError(request.images_field, "not with sequence parallel (its split is the "
-                                         "output's tokens)", None, show_value=False)
+        """Refuse a request size sequence parallel cannot split (``RequestValidationError``). The
+        default is diffusers' own plans' need: they split the output's tokens (and the text's: 512
+        from ar_encoder for FLUX, which 2, 4 or 8 ranks divide) at the transformer's entry, and on
+        the CPU gloo gathers equal shares only (the runner refuses input images whose tokens would
+        sit beside the output's: ``images_in_latents``)."""
         tokens = self.image_tokens(request.height, request.width, request.num_frames)
         if on_cpu and tokens % ranks:
             patch = self.size_multiple()
