@@ -1,11 +1,15 @@
-"""The tiny Qwen3-Omni: a MoE thinker, a MoE talker with its code predictor, and the causal
-``code2wav`` decoder, at a tiny configuration with random weights, built offline and saved as
-``Qwen3OmniMoeForConditionalGeneration.save_pretrained`` saves the real one (with its tokenizer
-and chat template). Its own ``generate`` is the reference for the speech routes.
+"""The tiny Qwen-Omni demos, built offline with random weights at tiny configurations and saved
+as ``save_pretrained`` saves the real models (with a tokenizer and chat template); each model's
+own ``generate`` is the reference for the speech routes.
 
-Two voices (``ethan``, ``chelsie``: the talker's speaker codes, as the real config's
-``speaker_id``), four codebooks of 32 codes, 24 kHz at 1920 samples a codec frame (the real
-decoder's rate; its layers are tiny)."""
+- Qwen3-Omni: a MoE thinker, a MoE talker with its code predictor, and the causal ``code2wav``
+  decoder. Two voices (``ethan``, ``chelsie``: the talker's speaker codes, as the real config's
+  ``speaker_id``), four codebooks of 32 codes, 24 kHz at 1920 samples a codec frame (the real
+  decoder's rate; its layers are tiny).
+- Qwen2.5-Omni: a thinker, a talker of one codebook, and ``token2wav`` (a flow-matching DiT to a
+  mel spectrogram, then BigVGAN at 240 samples a mel frame, 24 kHz). Two voices (``Chelsie``,
+  ``Ethan``), each a marker token, an x-vector and a reference mel in ``spk_dict.pt``, as the
+  real model ships them."""
 
 from __future__ import annotations
 
@@ -105,5 +109,82 @@ def _initialise_talker_experts(model) -> None:
                 module.down_proj.normal_(0.0, 0.02)
 
 
+# Qwen2.5-Omni's markers (its processor's names) and a voice's marker each
+MARKERS_25 = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|IMAGE|>", "<|VIDEO|>", "<|vision_bos|>",
+              "<|vision_eos|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>")
+VOICES_25 = ("Chelsie", "Ethan")
+TALKER_VOCAB_25 = 64
+CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 60, 61, 62, 63
+SPEAKER_WIDTH, MEL_BINS = 16, 80
+
+
+def build_tiny_qwen2_5_omni(out: Path) -> None:
+    import torch
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+
+    voices = tuple(f"<|spk_{voice.lower()}|>" for voice in VOICES_25)
+    tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS_25 + voices)
+    ids = {token: tokenizer.convert_tokens_to_ids(token)
+           for token in (*MARKERS_25, *voices, "<|im_start|>", "<|im_end|>")}
+    [ids["user"]] = tokenizer.encode("user", add_special_tokens=False)
+    config = Qwen2_5OmniConfig(**_config_25(len(tokenizer), ids), enable_audio_output=True)
+    torch.manual_seed(0)
+    model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    # as the Qwen3 demo's: a talker that reads its conditioning (scaled by 3, another prompt still gave
+    # the same codes; by 6, another prompt or voice another length and other samples), a decoder that is
+    # heard (about 0.2 of full scale)
+    amplify(model.talker, 6.0)
+    with torch.no_grad():
+        for layer in model.token2wav.code2wav_bigvgan_model.modules():
+            if isinstance(layer, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+                layer.weight.mul_(4.0)
+    model.thinker.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.thinker.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    speakers = {voice: {"bos_token": ids[marker], "cond": torch.randn(1, SPEAKER_WIDTH),
+                        "ref_mel": torch.randn(1, 40, MEL_BINS)}
+                for voice, marker in zip(VOICES_25, voices, strict=True)}
+    torch.save(speakers, out / "spk_dict.pt")
+
+
+def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
+    mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]}
+    markers = {"audio_token_index": ids["<|AUDIO|>"], "image_token_index": ids["<|IMAGE|>"],
+               "video_token_index": ids["<|VIDEO|>"], "audio_start_token_id": ids["<|audio_bos|>"],
+               "audio_end_token_id": ids["<|audio_eos|>"], "vision_start_token_id": ids["<|vision_bos|>"]}
+    return dict(
+        thinker_config=dict(
+            text_config=dict(vocab_size=vocab_size, hidden_size=THINKER_WIDTH, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=1024, rope_parameters=mrope, tie_word_embeddings=False,
+                             eos_token_id=ids["<|im_end|>"]),
+            audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                              d_model=16, output_dim=THINKER_WIDTH, n_window=100, max_source_positions=1500),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                               out_hidden_size=THINKER_WIDTH, patch_size=14, spatial_merge_size=2,
+                               temporal_patch_size=2, window_size=112, fullatt_block_indexes=[0]),
+            user_token_id=ids["user"], **markers),
+        talker_config=dict(
+            vocab_size=TALKER_VOCAB_25, embedding_size=THINKER_WIDTH, hidden_size=16, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            max_position_embeddings=1024, rope_parameters=mrope, tts_codec_pad_token_id=CODEC_PAD,
+            tts_codec_start_token_id=CODEC_BOS, tts_codec_end_token_id=CODEC_EOS, tts_codec_mask_token_id=CODEC_MASK,
+            tts_text_pad_token_id=ids["<|tts_pad|>"], tts_text_start_token_id=ids["<|tts_bos|>"],
+            tts_text_end_token_id=ids["<|tts_eos|>"], vision_end_token_id=ids["<|vision_eos|>"], **markers),
+        token2wav_config=dict(
+            dit_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, ff_mult=2,
+                            emb_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                            block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2,
+                            num_embeds=TALKER_VOCAB_25, mel_dim=MEL_BINS, dropout=0.0, enc_emb_dim=SPEAKER_WIDTH,
+                            enc_dim=16, enc_channels=[16, 16, 16], enc_kernel_sizes=[5, 3, 1],
+                            enc_dilations=[1, 2, 1], enc_attention_channels=8, enc_res2net_scale=2,
+                            enc_se_channels=8),
+            bigvgan_config=dict(mel_dim=MEL_BINS, upsample_initial_channel=128, resblock_kernel_sizes=[3],
+                                resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[5, 3, 2, 2, 2, 2],
+                                upsample_kernel_sizes=[11, 7, 4, 4, 4, 4])))
+
+
 # ``demo:<name>`` -> its builder (``demo_models.resolve_model``)
-SPEECH_DEMOS = {"tiny-qwen3-omni": build_tiny_qwen3_omni}
+SPEECH_DEMOS = {"tiny-qwen3-omni": build_tiny_qwen3_omni, "tiny-qwen2.5-omni": build_tiny_qwen2_5_omni}
