@@ -100,8 +100,7 @@ class StepBatcher:
         self._wake = threading.Condition()
         self._stopping = False
         self.rows: list[Sequence] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # [rows, cache length]: 0 over left padding
+        self._cache = PaddedCache()
         self.max_rows_seen = 0  # the most rows decoded together (tests read it)
         self._thread = threading.Thread(target=self._run, name="omni-ar-batcher", daemon=True)
         self._thread.start()
@@ -145,7 +144,8 @@ class StepBatcher:
                 logger.exception("transformers engine step failed")
                 for sequence in self.rows + joining:
                     sequence.fail(exc)
-                self.rows, self._cache, self._mask = [], None, None
+                self.rows = []
+                self._cache.clear()
         for sequence in self.rows + list(self._pending):
             sequence.finish("abort")
 
@@ -158,8 +158,7 @@ class StepBatcher:
         input_ids = torch.tensor([sequence.prompt_ids], device=self.device)
         with self._adapted([sequence]):
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        mask = torch.ones(1, len(sequence.prompt_ids), dtype=torch.long, device=self.device)
-        self._stack(cache, mask)
+        self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])
@@ -168,10 +167,10 @@ class StepBatcher:
         rows = self.rows
         input_ids = torch.tensor([[s.output_ids[-1]] for s in rows], device=self.device)
         position_ids = torch.tensor([[s.position] for s in rows], device=self.device)
-        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=1)
+        mask = self._cache.extend()
         with self._adapted(rows):
-            out = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=position_ids,
-                             past_key_values=self._cache, use_cache=True)
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=self._cache.cache, use_cache=True)
         for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator), strict=True):
             sequence.position += 1
             sequence.accept(token)
@@ -182,38 +181,60 @@ class StepBatcher:
             return contextlib.nullcontext()
         return self.adapter_rows.bind([sequence.lora for sequence in rows], self.device)
 
-    def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        if not self.rows:
-            self._cache, self._mask = cache, mask
-            return
-        have, new = self._mask.shape[1], mask.shape[1]
-        if new < have:
-            mask = _left_pad(cache, mask, have - new)
-        elif new > have:
-            self._mask = _left_pad(self._cache, self._mask, new - have)
-        for layer, joining in zip(self._cache.layers, cache.layers, strict=True):
-            layer.keys = torch.cat([layer.keys, joining.keys])
-            layer.values = torch.cat([layer.values, joining.values])
-        self._mask = torch.cat([self._mask, mask])
-
     def _leave(self) -> None:
         """Drop finished and cancelled rows, and the padding no row needs any more."""
         for sequence in self.rows:
             if sequence.cancelled:
                 sequence.finish("abort")
         keep = [i for i, sequence in enumerate(self.rows) if not sequence.done]
-        if len(keep) == len(self.rows):
+        if len(keep) < len(self.rows):
+            self._cache.keep(keep)
+            self.rows = [self.rows[i] for i in keep]
+
+
+class PaddedCache:
+    """The running rows' KV caches (transformers' ``DynamicCache`` of full attention
+    layers) as one batch, left-padded to one length, the mask hiding the padding."""
+
+    def __init__(self):
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, cache length]: 0 over left padding
+
+    def clear(self) -> None:
+        self.cache, self.mask = None, None
+
+    def add(self, cache: DynamicCache, length: int) -> None:
+        """Stack one more row: ``cache`` of one sequence of ``length`` positions."""
+        mask = torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device)
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
             return
-        if not keep:
-            self.rows, self._cache, self._mask = [], None, None
+        have = self.mask.shape[1]
+        if length < have:
+            mask = _left_pad(cache, mask, have - length)
+        elif length > have:
+            self.mask = _left_pad(self.cache, self.mask, length - have)
+        for layer, joining in zip(self.cache.layers, cache.layers, strict=True):
+            layer.keys = torch.cat([layer.keys, joining.keys])
+            layer.values = torch.cat([layer.values, joining.values])
+        self.mask = torch.cat([self.mask, mask])
+
+    def extend(self) -> torch.Tensor:
+        """The mask of a step that adds one position to every row."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        return self.mask
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep these rows, in this order, and trim the columns that are padding for all of them."""
+        if not rows:
+            self.clear()
             return
-        index = torch.tensor(keep, device=self.device)
-        first = int(self._mask[index].any(dim=0).nonzero()[0])  # first column some row still needs
-        for layer in self._cache.layers:
+        index = torch.tensor(rows, device=self.mask.device)
+        first = int(self.mask[index].any(dim=0).nonzero()[0])  # first column some row still needs
+        for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, first:]
             layer.values = layer.values.index_select(0, index)[:, :, first:]
-        self._mask = self._mask.index_select(0, index)[:, first:]
-        self.rows = [self.rows[i] for i in keep]
+        self.mask = self.mask.index_select(0, index)[:, first:]
 
 
 def _left_pad(cache: DynamicCache, mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -245,7 +266,8 @@ def sample(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) 
 def _penalise(row: torch.Tensor, sequence: Sequence) -> None:
     options = sequence.options
     if options.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(sequence.prompt_ids) | set(sequence.output_ids)), device=row.device)
+        seen = torch.tensor(sorted(set(sequence.prompt_ids) | set(sequence.output_ids)), dtype=torch.long,
+                            device=row.device)
         scores = row[seen]
         row[seen] = torch.where(scores > 0, scores / options.repetition_penalty,
                                 scores * options.repetition_penalty)

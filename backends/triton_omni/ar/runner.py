@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.engine_pipeline import PipelineTextEngine
-from triton_omni.ar.language_model import architecture, has_language_model, language_model
+from triton_omni.ar.language_model import architecture, has_language_model, is_omni, language_model
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
@@ -131,6 +131,9 @@ class ArRunner:
         if self.engine_name == "vllm" and has_language_model(self.model_path):
             self.model_path = language_model(self.model_path, tokenizer_path)
             logger.info("vLLM encodes with the language model of %s (%s)", config.model, self.model_path)
+        elif is_omni(self.model_path):  # the thinker alone: the speech stage holds the talker and decoder
+            self.model_path = language_model(self.model_path, tokenizer_path)
+            logger.info("the thinker of %s, as a causal LM (%s)", config.model, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self._token_ids = _token_ids_of(self.tokenizer, config.mode != "encode" or self.recipe.special_tokens)
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")

@@ -1,0 +1,307 @@
+"""Qwen3-Omni's talker: the thinker's reply to codec frames, with continuous batching.
+
+The talker is a MoE causal LM over codec tokens. Its prompt is the thinker's
+conversation as the model's own ``generate`` builds it (the user turns and the
+assistant's opening, each token's thinker embedding through the talker's
+``text_projection``, the voice's codec marker added to the opening); each step
+it reads one more token of the reply (then a pad), predicts the frame's first
+codebook, and its code predictor (a small LM run afresh every step) predicts
+the frame's other codebooks one after another. A frame is whole once its
+residual codes are out, so a frame leaves one step after its first code was
+drawn; an end-of-speech code or ``max_tokens`` ends the utterance, and, as in
+``generate``, the last code drawn at ``max_tokens`` makes no frame.
+
+For text the thinker's part is its token embeddings: the reply reaches the
+talker only as those, never as the thinker's hidden states (the model reads
+the thinker's middle layer only at the positions of input audio, images and
+video, which this module does not take yet). So this stage holds the
+thinker's embedding table, not the thinker, and the ``ar`` stage's thinker
+hands it the token ids.
+
+``TalkerBatcher`` decodes every running utterance with one forward pass of
+the talker and one batched run of the code predictor per step, on its own
+thread; an utterance joins after a prefill of its own, its KV cache stacked
+onto the batch's (``PaddedCache``), and leaves when it ends or is cancelled.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from triton_omni.ar.batching import PaddedCache, sample
+from triton_omni.ar.sampling import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+# the model's own talker defaults (Qwen3OmniMoeForConditionalGeneration.generate)
+TALKER_DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "max_tokens": 4096}
+# the code predictor samples with top-k 50 and top-p 0.8 where the talker samples, greedily where it does not
+_PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
+_PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
+
+
+@dataclass
+class TalkerPrompt:
+    """What the talker reads for one reply: its prompt, then one trailing state a step."""
+
+    embeds: torch.Tensor  # [length, width]
+    trailing: torch.Tensor  # [reply tokens after the first, then the end-of-text marker, width]
+
+
+class Qwen3Talker:
+    """The talker of a Qwen3-Omni checkpoint, with the thinker's embedding table."""
+
+    def __init__(self, talker: torch.nn.Module, thinker_embedding: torch.nn.Embedding, config):
+        self.talker = talker
+        self.embedding = thinker_embedding
+        self.config = config  # the whole model's: its token ids
+        codec = config.talker_config
+        self.voices: dict[str, int] = {name.lower(): int(code) for name, code in codec.speaker_id.items()}
+        self.eos = codec.codec_eos_token_id
+        vocab = codec.text_config.vocab_size
+        # generate's suppress_tokens: the 1024 special codes at the top of the vocabulary, but the end of speech
+        self.suppressed = [code for code in range(vocab - 1024, vocab) if code != self.eos]
+        self.groups = codec.num_code_groups
+        self.device = next(talker.parameters()).device
+
+    def _project(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, device=self.device)
+        return self.talker.text_projection(self.embedding(ids))
+
+    def _codec(self, codes: list[int]) -> torch.Tensor:
+        return self.talker.get_input_embeddings()(torch.tensor(codes, device=self.device))
+
+    @torch.inference_mode()
+    def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str) -> TalkerPrompt:
+        """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
+        user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn."""
+        cfg = self.config
+        user = [i for i in range(len(prompt_ids)) if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
+        start = max(i for i in range(len(prompt_ids) - 1)
+                    if prompt_ids[i] == cfg.im_start_token_id and prompt_ids[i + 1] == cfg.assistant_token_id)
+        assistant = self._project((prompt_ids + reply_ids)[start:])
+        pad, bos, eos = self._project([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id])
+        codec = cfg.talker_config
+        opening_text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
+        opening_codec = torch.cat([opening_text.new_zeros(3, opening_text.shape[1]),
+                                   self._codec([codec.codec_nothink_id, codec.codec_think_bos_id,
+                                                codec.codec_think_eos_id, self.voices[voice], codec.codec_pad_id,
+                                                codec.codec_bos_id])])
+        embeds = torch.cat([self._project([prompt_ids[i] for i in user]), opening_text + opening_codec])
+        return TalkerPrompt(embeds, torch.cat([assistant[4:], eos[None]]))
+
+    @property
+    def pad(self) -> torch.Tensor:
+        return self._project([self.config.tts_pad_token_id])[0]
+
+
+def _role_at(ids: list[int], position: int, im_start: int) -> int | None:
+    """The role token of the turn ``position`` is in: the token after the last ``<|im_start|>`` at or before it."""
+    for i in range(position, -1, -1):
+        if ids[i] == im_start:
+            return ids[i + 1] if i + 1 < len(ids) else None
+    return None
+
+
+@dataclass
+class Utterance:
+    """One reply being spoken: its prompt, its options, where its frames go.
+
+    ``emit`` gets each frame (a list of ``groups`` codes), then None at the end,
+    or the exception that ended it. Owned by the batcher's thread once submitted;
+    ``cancel`` is the only method other threads call."""
+
+    prompt: TalkerPrompt
+    options: SamplingOptions
+    emit: Callable[[list[int] | None | BaseException], None]
+    output_ids: list[int] = field(default_factory=list)  # first codes drawn (penalised, as generate's ids)
+    prompt_ids: list[int] = field(default_factory=list)  # none: the penalty reads the codes drawn only
+    generator: torch.Generator | None = None
+    stop_ids: list[int] = field(default_factory=list)  # the end of speech, set by the batcher
+    done: bool = False
+    reason: str | None = None  # "stop" (end of speech), "length", "abort"
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.done, self.reason = True, reason
+            self.emit(None)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done:
+            self.done, self.reason = True, "error"
+            self.emit(exc)
+
+
+class TalkerBatcher:
+    """Speaks the running utterances together, one step at a time, on its own thread."""
+
+    def __init__(self, talker: Qwen3Talker, max_num_seqs: int):
+        self.talker = talker
+        self.model = talker.talker
+        self.device = talker.device
+        self.max_num_seqs = max_num_seqs
+        self.generator = torch.Generator(device=self.device)  # for unseeded utterances
+        self.generator.seed()
+        self._pad = talker.pad
+        self._pending: collections.deque[Utterance] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.rows: list[Utterance] = []
+        self._cache = PaddedCache()
+        self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
+        self._positions: list[int] = []  # each row's next position
+        self._steps: list[int] = []  # each row's steps since its prefill (its next trailing state)
+        self.max_rows_seen = 0  # the most utterances spoken together (tests read it)
+        self.steps = 0  # forward passes run (the counters the cancellation tests read)
+        self._thread = threading.Thread(target=self._run, name="omni-talker", daemon=True)
+        self._thread.start()
+
+    def submit(self, utterance: Utterance) -> None:
+        utterance.stop_ids = [self.talker.eos]
+        if utterance.options.seed is not None:
+            utterance.generator = torch.Generator(device=self.device)
+            utterance.generator.manual_seed(utterance.options.seed)
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the talker is shutting down")
+            self._pending.append(utterance)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._pending or self.rows or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                joining = [self._pending.popleft()
+                           for _ in range(min(len(self._pending), self.max_num_seqs - len(self.rows)))]
+            try:
+                with torch.inference_mode():
+                    for utterance in joining:
+                        self._join(utterance)
+                    self._leave()
+                    if self.rows:
+                        self._step()
+                        self._leave()
+            except BaseException as exc:  # a failed step fails the utterances in it, not the stage
+                logger.exception("talker step failed")
+                for utterance in self.rows + joining:
+                    utterance.fail(exc)
+                self.rows, self._positions, self._steps, self._hidden = [], [], [], None
+                self._cache.clear()
+        for utterance in self.rows + list(self._pending):
+            utterance.finish("abort")
+
+    def _join(self, utterance: Utterance) -> None:
+        if utterance.cancelled:
+            utterance.finish("abort")
+            return
+        cache = DynamicCache()
+        embeds = utterance.prompt.embeds[None]
+        length = embeds.shape[1]
+        out = self.model.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True,
+                               output_hidden_states=True)
+        self._cache.add(cache, length)
+        self.rows.append(utterance)
+        self._positions.append(length)
+        self._steps.append(0)
+        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
+        last = out.hidden_states[-1][:, -1:]  # the code predictor's first input
+        self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
+        self._accept([utterance], self.model.codec_head(out.last_hidden_state[:, -1]))
+
+    def _accept(self, rows: list[Utterance], logits: torch.Tensor) -> None:
+        logits = logits.float()
+        logits[:, self.talker.suppressed] = float("-inf")
+        for utterance, code in zip(rows, sample(logits, rows, self.generator), strict=True):
+            utterance.output_ids.append(code)
+            if code == self.talker.eos:
+                utterance.finish("stop")
+            elif len(utterance.output_ids) >= utterance.options.max_tokens:
+                utterance.finish("length")  # generate drops the last code drawn: its frame is never predicted
+
+    def _step(self) -> None:
+        rows = self.rows
+        first = torch.tensor([[u.output_ids[-1]] for u in rows], device=self.device)
+        first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
+        residual, residual_embeds = self._predict_residuals(self._hidden, first_embeds, rows)
+        for utterance, codes in zip(rows, residual.tolist(), strict=True):
+            utterance.emit([utterance.output_ids[-1], *codes])
+        inputs = first_embeds + residual_embeds
+        trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
+                    for u, s in zip(rows, self._steps, strict=True)]
+        inputs = inputs + torch.stack(trailing)[:, None]
+        positions = torch.tensor(self._positions, device=self.device)[None, :, None].expand(3, -1, -1)
+        mask = self._cache.extend()
+        out = self.model.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
+                               past_key_values=self._cache.cache, use_cache=True, output_hidden_states=True)
+        self.steps += 1
+        self._positions = [p + 1 for p in self._positions]
+        self._steps = [s + 1 for s in self._steps]
+        self._hidden = out.hidden_states[-1][:, -1:]
+        self._accept(rows, self.model.codec_head(out.last_hidden_state[:, -1]))
+
+    def _predict_residuals(self, hidden: torch.Tensor, first_embeds: torch.Tensor, rows: list[Utterance]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The code predictor for every row at once: codebooks 1.. of each frame, and the
+        sum of their embeddings (what the talker reads next, with the first code's)."""
+        predictor = self.model.code_predictor
+        draws = [_Draw(_PREDICTOR_SAMPLED if u.options.temperature > 0 else _PREDICTOR_GREEDY, u.generator)
+                 for u in rows]
+        cache = DynamicCache()
+        inputs = torch.cat([hidden, first_embeds], dim=1)
+        codes, total = [], torch.zeros_like(first_embeds)
+        for group in range(self.talker.groups - 1):
+            out = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
+            logits = predictor.lm_head[group](out.last_hidden_state[:, -1])
+            code = torch.tensor(sample(logits, draws, self.generator), device=self.device)
+            codes.append(code)
+            inputs = predictor.get_input_embeddings()[group](code)[:, None]
+            total = total + inputs
+        return torch.stack(codes, dim=1), total
+
+    def _leave(self) -> None:
+        for utterance in self.rows:
+            if utterance.cancelled:
+                utterance.finish("abort")
+        keep = [i for i, utterance in enumerate(self.rows) if not utterance.done]
+        if len(keep) < len(self.rows):
+            self._cache.keep(keep)
+            index = torch.tensor(keep, device=self.device, dtype=torch.long)
+            self._hidden = self._hidden.index_select(0, index) if keep else None
+            self.rows = [self.rows[i] for i in keep]
+            self._positions = [self._positions[i] for i in keep]
+            self._steps = [self._steps[i] for i in keep]
+
+
+@dataclass
+class _Draw:
+    """A code predictor's draw for one row: its options and its utterance's generator."""
+
+    options: SamplingOptions
+    generator: torch.Generator | None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
