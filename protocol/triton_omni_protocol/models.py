@@ -14,7 +14,8 @@ from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
 # -- ar (decoupled): Triton's vLLM backend's inputs, then one tensor per common
 # sampling option with the names TensorRT-LLM models use, so that clients
 # written for either drive it unchanged.
-RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+                "token_ids")
 AR_GENERATE_INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", optional=False),
     TensorSpec("stream", "TYPE_BOOL"),
@@ -47,6 +48,9 @@ AR_GENERATE_OUTPUTS = [
     TensorSpec("logprobs", "TYPE_STRING", dims=(-1,)),
     TensorSpec("num_input_tokens", "TYPE_UINT32", dims=(1,)),
     TensorSpec("num_output_tokens", "TYPE_UINT32", dims=(-1,)),
+    # the new tokens' ids, the completions' one after another (num_output_tokens says how many each):
+    # what the speech stage reads of a thinker's reply
+    TensorSpec("token_ids", "TYPE_INT64", dims=(-1,)),
 ]
 
 # -- ar_encoder (dynamic batching): a prompt and, optionally, its negative prompt. The negative
@@ -175,6 +179,32 @@ OMNI_OUTPUTS = [
     TensorSpec("video", "TYPE_UINT8", dims=(-1, -1, -1, -1, 3)),
     TensorSpec("video_shape", "TYPE_INT32", dims=(5,)),
     TensorSpec("fps", "TYPE_FP32"),
+]
+
+
+# -- speech (decoupled): a thinker's reply spoken, the audio streamed in chunks as the talker makes
+# its codec frames (Qwen-Omni's talker and codec decoder; the thinker is `ar`'s model)
+SPEECH_INPUTS = [
+    TensorSpec("text_input", "TYPE_STRING", optional=False, doc="the prompt the thinker answered, as it read it "
+               "(its chat template applied)"),
+    TensorSpec("reply_ids", "TYPE_INT64", dims=(-1,), kind="list", optional=False,
+               doc="the thinker's reply, its token ids (ar's token_ids output)"),
+    TensorSpec("voice", "TYPE_STRING", doc="one of the model's speakers (default: the model's)"),
+    TensorSpec("temperature", "TYPE_FP32", doc="the talker's sampling temperature; 0 is greedy (default: the "
+               "model's)"),
+    TensorSpec("top_p", "TYPE_FP32", doc="the talker's nucleus"),
+    TensorSpec("top_k", "TYPE_INT32", doc="the talker's top-k"),
+    TensorSpec("repetition_penalty", "TYPE_FP32", doc="the talker's repetition penalty over its codes"),
+    TensorSpec("max_tokens", "TYPE_INT32", doc="the most codec frames (the audio's length bound)"),
+    TensorSpec("min_tokens", "TYPE_INT32", doc="codec frames before the end of speech may come"),
+    TensorSpec("seed", "TYPE_INT64", doc="the talker's seed (default: a random one)"),
+    TensorSpec("chunk_frames", "TYPE_INT32", doc="codec frames an audio chunk waits for (default: the model's)"),
+]
+SPEECH_OUTPUTS = [
+    TensorSpec("audio", "TYPE_FP32", dims=(-1,)),  # the next samples of the waveform, in [-1, 1]
+    TensorSpec("sample_rate", "TYPE_INT32"),
+    TensorSpec("codes", "TYPE_INT64", dims=(-1, -1)),  # [codebooks, frames]: the frames these samples end
+    TensorSpec("finish_reason", "TYPE_STRING"),  # on the last response: stop (end of speech) or length
 ]
 
 

@@ -314,11 +314,13 @@ class _TextStream:
         self.num_tokens = 0
         self.sent_chars = 0
         self.sent_tokens = 0
+        self.token_ids: list[int] = []
         self.hold_back = max((len(s) for s in options.stop), default=1) - 1
 
     def add(self, token_ids: list[int], drop_last: bool) -> bool:
         """Stream what is safe to send; True when a stop string ended the text (final delta sent)."""
         self.num_tokens = len(token_ids)
+        self.token_ids = token_ids
         self.text = self.tokenizer.decode(token_ids[:-1] if drop_last else token_ids,
                                           skip_special_tokens=self.options.skip_special_tokens)
         cut, stop = min(((i, s) for s in self.options.stop if (i := self.text.find(s)) >= 0), default=(-1, ""))
@@ -341,5 +343,5 @@ class _TextStream:
         # Every new token is reported, with the text it completes (maybe none yet), as vLLM does.
         if delta or reason is not None or self.num_tokens > self.sent_tokens:
             self.sent_chars = len(text)
-            new_tokens, self.sent_tokens = self.num_tokens - self.sent_tokens, self.num_tokens
-            self.emit(Delta(delta, new_tokens, reason))
+            new_ids, self.sent_tokens = self.token_ids[self.sent_tokens:self.num_tokens], self.num_tokens
+            self.emit(Delta(delta, len(new_ids), reason, token_ids=new_ids))

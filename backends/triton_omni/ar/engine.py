@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ class Delta:
     index: int = 0
     logprobs: list[dict[int, TokenLogprob]] | None = None
     cumulative_logprob: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # the new tokens'
 
 
 class ArEngine(ABC):

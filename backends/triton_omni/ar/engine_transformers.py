@@ -165,5 +165,5 @@ def _coalesce(first: Delta | BaseException, queue: asyncio.Queue) -> Delta | Bas
         if isinstance(following, BaseException):
             return following
         merged = Delta(merged.text + following.text, merged.num_tokens + following.num_tokens,
-                       following.finish_reason)
+                       following.finish_reason, token_ids=merged.token_ids + following.token_ids)
     return merged

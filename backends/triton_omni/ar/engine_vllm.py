@@ -240,6 +240,7 @@ def _delta(completion) -> Delta:
             {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token or "") for token, lp in position.items()}
             for position in completion.logprobs],
         cumulative_logprob=completion.cumulative_logprob,
+        token_ids=list(completion.token_ids),
     )
 
 

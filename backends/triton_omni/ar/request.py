@@ -54,6 +54,7 @@ class ReturnOptions:
     logprobs: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    token_ids: bool = False
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any]) -> ReturnOptions:

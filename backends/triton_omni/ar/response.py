@@ -30,6 +30,7 @@ class ArResponse:
     logprobs: list[list[dict[int, TokenLogprob]] | None]
     finish_reasons: list[str] | None = None  # set on the final response only
     final: bool = False
+    token_ids: list[list[int]] = field(default_factory=list)  # per completion, the new ones (streamed) or all
 
     def absorb(self, later: ArResponse) -> ArResponse:
         """This streamed response and the next one as one, in place (what a
@@ -44,6 +45,9 @@ class ArResponse:
             self.num_output_tokens[i] += later.num_output_tokens[i]
             if self.logprobs[i] is not None or later.logprobs[i] is not None:
                 self.logprobs[i] = (self.logprobs[i] or []) + (later.logprobs[i] or [])
+        if later.token_ids:
+            self.token_ids = [ids + new for ids, new in zip(self.token_ids or [[]] * len(later.token_ids),
+                                                            later.token_ids, strict=True)]
         self.num_input_tokens = later.num_input_tokens
         self.cumulative_logprobs = later.cumulative_logprobs
         self.finish_reasons = later.finish_reasons
@@ -53,7 +57,7 @@ class ArResponse:
     def then(self, later: ArResponse) -> ArResponse:
         """``absorb`` into a new response, leaving this one as it is."""
         copy = replace(self, texts=list(self.texts), num_output_tokens=list(self.num_output_tokens),
-                       logprobs=list(self.logprobs))
+                       logprobs=list(self.logprobs), token_ids=list(self.token_ids))
         return copy.absorb(later)
 
 
@@ -66,6 +70,7 @@ class _Completion:
 
     whole: bool
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[dict[int, TokenLogprob]] | None = None
     cumulative_logprob: float | None = None
@@ -79,6 +84,7 @@ class _Completion:
         self.num_tokens += delta.num_tokens
         if self.whole:
             self.texts.append(delta.text)
+            self.token_ids += delta.token_ids
             if delta.logprobs is not None:
                 if self.logprobs is None:
                     self.logprobs = []
@@ -134,6 +140,7 @@ class ResponseAssembler:
             logprobs=per_index(delta.logprobs, []),
             finish_reasons=self._finish_reasons(),
             final=self.done,
+            token_ids=per_index(delta.token_ids, []),
         )
 
     def _whole(self) -> ArResponse:
@@ -145,6 +152,7 @@ class ResponseAssembler:
             logprobs=[c.logprobs for c in self.completions],
             finish_reasons=self._finish_reasons(),
             final=True,
+            token_ids=[c.token_ids for c in self.completions],
         )
 
     def _finish_reasons(self) -> list[str] | None:

@@ -120,6 +120,8 @@ def generate_response(response: ArResponse, wanted: ReturnOptions):
         outputs.append(GENERATE_OUTPUTS.tensor("num_input_tokens", response.num_input_tokens))
     if wanted.num_output_tokens:
         outputs.append(GENERATE_OUTPUTS.tensor("num_output_tokens", response.num_output_tokens))
+    if wanted.token_ids:
+        outputs.append(GENERATE_OUTPUTS.tensor("token_ids", [i for ids in response.token_ids for i in ids]))
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 

@@ -1,0 +1,71 @@
+"""A request to the speech stage, checked once: every refusal names its field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.errors import RequestValidationError
+from triton_omni.validation import as_float, as_int, as_int_list, as_optional_int, as_str, in_range, require
+
+
+@dataclass(frozen=True)
+class SpeechLimits:
+    """The model's bounds (its parameters)."""
+
+    max_tokens: int = 4096  # codec frames: Qwen3-Omni's 12.5 a second, about 5.5 minutes
+    max_prompt_chars: int = 100_000
+    max_reply_tokens: int = 8192
+    max_chunk_frames: int = 256
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    prompt: str
+    reply_ids: list[int]
+    voice: str
+    talker: SamplingOptions  # the talker's sampling (temperature 0: greedy, as generate's talker_do_sample=False)
+    chunk_frames: int
+
+    @classmethod
+    def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
+                    defaults: dict[str, Any], chunk_frames: int) -> SpeechRequest:
+        prompt = as_str("text_input", inputs.get("text_input"))
+        require(bool(prompt.strip()), "text_input", "must be the prompt the thinker answered, not empty", prompt)
+        require(len(prompt) <= limits.max_prompt_chars, "text_input",
+                f"is longer than this model's max_prompt_chars {limits.max_prompt_chars}", f"{len(prompt)} characters")
+        reply = as_int_list("reply_ids", inputs.get("reply_ids"))
+        require(bool(reply), "reply_ids", "must hold the thinker's reply (at least one token id)", reply)
+        require(len(reply) <= limits.max_reply_tokens, "reply_ids",
+                f"is longer than this model's max_reply_tokens {limits.max_reply_tokens}", f"{len(reply)} tokens")
+        voice = as_str("voice", inputs.get("voice") or default_voice)
+        require(voice.lower() in voices, "voice", f"is not one of this model's voices ({', '.join(sorted(voices))})",
+                voice)
+        talker = _talker_options(inputs, limits, defaults)
+        chunk = as_int("chunk_frames", inputs.get("chunk_frames", chunk_frames))
+        in_range("chunk_frames", chunk, 1, limits.max_chunk_frames)
+        return cls(prompt, reply, voice.lower(), talker, chunk)
+
+
+def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:
+    values = {**defaults, **{k: v for k, v in inputs.items() if v is not None}}
+    options = SamplingOptions(
+        temperature=as_float("temperature", values["temperature"]),
+        top_p=as_float("top_p", values["top_p"]),
+        top_k=as_int("top_k", values["top_k"]),
+        repetition_penalty=as_float("repetition_penalty", values["repetition_penalty"]),
+        max_tokens=as_int("max_tokens", values["max_tokens"]),
+        min_tokens=as_int("min_tokens", values.get("min_tokens", 0)),
+        seed=as_optional_int("seed", values.get("seed")),
+    )
+    in_range("temperature", options.temperature, 0.0)
+    require(0.0 < options.top_p <= 1.0, "top_p", "must be in (0, 1]", options.top_p)
+    in_range("top_k", options.top_k, 0)
+    require(options.repetition_penalty > 0, "repetition_penalty", "must be above 0", options.repetition_penalty)
+    in_range("max_tokens", options.max_tokens, 1, limits.max_tokens)
+    in_range("min_tokens", options.min_tokens, 0, options.max_tokens)
+    return options
+
+
+__all__ = ["RequestValidationError", "SpeechLimits", "SpeechRequest"]

@@ -1,0 +1,195 @@
+"""The speech stage: a thinker's reply to a waveform, streamed in chunks.
+
+``SpeechRunner`` holds a Qwen3-Omni checkpoint's talker, its ``code2wav`` and
+the thinker's embedding table (the thinker itself is the ``ar`` stage's). Each
+request's utterance joins the talker's step batch (``TalkerBatcher``); its
+frames are decoded on the codec thread every ``chunk_frames`` frames, each
+chunk the samples those frames settle (``Code2WavStream``), so audio leaves
+while the talker is still speaking, and the decoder works beside the talker's
+next steps rather than between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from triton_omni.aio import EventLoopThread
+from triton_omni.demo_models import resolve_model
+from triton_omni.speech.codec import StreamingCode2Wav
+from triton_omni.speech.request import SpeechLimits, SpeechRequest
+from triton_omni.speech.talker import TALKER_DEFAULTS, Qwen3Talker, TalkerBatcher, Utterance
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000  # Qwen-Omni's decoders' rate (the checkpoints do not state it; vLLM-Omni writes 24 kHz)
+DEFAULT_CHUNK_FRAMES = 8  # Qwen3-Omni: 0.64 s of audio a chunk
+
+
+@dataclass(frozen=True)
+class SpeechConfig:
+    model: str = "demo:tiny-qwen3-omni"
+    device: str = "cpu"
+    dtype: str = "auto"  # bfloat16 on a GPU, float32 on a CPU
+    max_num_seqs: int = 64  # utterances spoken together
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
+    limits: SpeechLimits = SpeechLimits()
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class AudioChunk:
+    samples: np.ndarray  # float32 in [-1, 1], the next samples of the waveform
+    codes: np.ndarray  # int64 [codebooks, frames]: the frames whose decode ended with these samples
+    finish_reason: str | None = None  # on the last chunk: "stop" (end of speech) or "length"
+
+
+class SpeechRunner:
+    def __init__(self, config: SpeechConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        folder = Path(resolve_model(config.model))
+        model_config = AutoConfig.from_pretrained(folder)
+        if model_config.model_type != "qwen3_omni_moe":
+            raise ValueError(f"model parameter model {config.model!r}: the speech stage speaks Qwen3-Omni "
+                             f"checkpoints, not {model_config.model_type!r}")
+        self.device = torch.device(config.device)
+        talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.talker = Qwen3Talker(talker, embedding, model_config)
+        self.decoder = StreamingCode2Wav(code2wav)
+        self.voices = self.talker.voices
+        self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
+        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs)
+        self.loop = EventLoopThread(name="omni-speech")
+        # one decode at a time: a GPU runs them in order anyway, a CPU has the talker's thread beside it
+        self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
+        self._lock = threading.Lock()
+        self.counters = {"started": 0, "finished": 0, "cancelled": 0, "chunks": 0}
+        logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames", folder, self.device,
+                    sorted(self.voices), self.decoder.lookback)
+
+    def parse(self, inputs: dict) -> SpeechRequest:
+        return SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
+                                         TALKER_DEFAULTS, self.config.chunk_frames)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids as the thinker (``ar``) read them: the same tokenizer, its special tokens."""
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    async def speak(self, request: SpeechRequest, on_chunk: Callable[[AudioChunk], None]) -> None:
+        """Speak ``request`` on this runner's loop, handing each chunk to ``on_chunk`` as it is
+        decoded; cancelled, the talker drops the utterance at its next step."""
+        loop = asyncio.get_running_loop()
+        frames: asyncio.Queue = asyncio.Queue()
+        prompt = await loop.run_in_executor(
+            self._codec, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids, request.voice))
+        utterance = Utterance(prompt, request.talker, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
+        stream = self.decoder.stream()
+        self._count("started")
+        self.batcher.submit(utterance)
+        try:
+            pending: list[list[int]] = []
+            while True:
+                item = await frames.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is not None:
+                    pending.append(item)
+                    if len(pending) < request.chunk_frames:
+                        continue
+                final = item is None
+                if pending or final:
+                    codes = torch.tensor(pending, dtype=torch.long).T.reshape(self.talker.groups, -1)
+                    samples = await loop.run_in_executor(self._codec, self._decode, stream, codes)
+                    on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
+                    self._count("chunks")
+                    pending = []
+                if final:
+                    self._count("finished")
+                    return
+        except asyncio.CancelledError:
+            utterance.cancel()
+            self._count("cancelled")
+            raise
+
+    @staticmethod
+    def _decode(stream, codes: torch.Tensor) -> np.ndarray:
+        if codes.shape[1] == 0:
+            return np.zeros(0, dtype=np.float32)
+        return stream.add(codes).float().cpu().numpy()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    def close(self) -> None:
+        self.batcher.stop()
+        self._codec.shutdown(wait=False)
+        self.loop.stop()
+
+
+def load_qwen3_speech(folder: Path, config, device: torch.device, dtype: torch.dtype):
+    """The talker, ``code2wav`` and the thinker's embedding table of a Qwen3-Omni checkpoint, and
+    nothing of the thinker besides: each built empty on ``device`` and given its tensors, shard by
+    shard (the experts' per-expert tensors fused as transformers' modules hold them)."""
+    from safetensors import safe_open
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    with torch.device(device), no_init_weights():
+        talker = Qwen3OmniMoeTalkerForConditionalGeneration(config.talker_config)
+        code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
+        embedding = torch.nn.Embedding(config.thinker_config.text_config.vocab_size,
+                                       config.thinker_config.text_config.hidden_size)
+    parts = {"talker.": {}, "code2wav.": {}, "thinker.model.embed_tokens.": {}}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as source:
+            for key in source.keys():  # noqa: SIM118 - a safetensors file is not iterable
+                prefix = next((p for p in parts if key.startswith(p)), None)
+                if prefix is not None:
+                    parts[prefix][key.removeprefix(prefix)] = source.get_tensor(key)
+    for module, state in ((talker, _fuse_experts(parts["talker."])), (code2wav, parts["code2wav."]),
+                          (embedding, parts["thinker.model.embed_tokens."])):
+        module.load_state_dict(state, strict=True)
+        module.to(device, dtype).eval()
+    code2wav.float()  # the decoder in float32, as the model's generate runs it (its samples are float32)
+    return talker, code2wav, embedding
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``experts.N.{gate,up,down}_proj.weight`` (how checkpoints store them) as the
+    modules' ``experts.gate_up_proj`` [experts, 2 x inner, width] and ``experts.down_proj``."""
+    fused: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, tensor in state.items():
+        match = _EXPERT.fullmatch(key)
+        if match is None:
+            fused[key] = tensor
+        else:
+            experts.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
+    for prefix, by_index in experts.items():
+        ordered = [by_index[i] for i in range(len(by_index))]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in ordered])
+        fused[f"{prefix}.down_proj"] = torch.stack([e["down"] for e in ordered])
+    return fused
