@@ -9,11 +9,22 @@ declares both); step batching drives every family's denoising loop.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# The speech stage's repository, added by a speech demo: ar serves the checkpoint's thinker, speech
+# its talker and codec decoder; the image models stay Stable Diffusion's.
+SPEECH_REPOSITORY = Path(__file__).resolve().parents[2] / "speech_repository"
+SPEECH_DEMOS = {"qwen3-omni": "demo:tiny-qwen3-omni"}
 
 
 class DemoError(ValueError):
     """``--demo`` names no family's demo."""
+
+
+def demo_repositories(demo: str) -> list[Path]:
+    """The repositories a demo adds to the default ones."""
+    return [SPEECH_REPOSITORY] if demo in SPEECH_DEMOS else []
 
 
 def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
@@ -22,8 +33,11 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     from triton_omni.demo_models import DIFFUSION_DEMO
     from triton_omni.families import DEMOS, FAMILIES
 
+    if demo in SPEECH_DEMOS:
+        return {"ar": {"parameters": {"model": SPEECH_DEMOS[demo]}},
+                "speech": {"parameters": {"model": SPEECH_DEMOS[demo]}}}
     if demo not in DEMOS:
-        raise DemoError(f"--demo must be one of {', '.join(DEMOS)}, got {demo!r}")
+        raise DemoError(f"--demo must be one of {', '.join([*DEMOS, *SPEECH_DEMOS])}, got {demo!r}")
     if DEMOS[demo].model == DIFFUSION_DEMO:  # what model_repository/ serves already
         return {}
     [family] = [family for family in FAMILIES.values() if family.demo is DEMOS[demo]]

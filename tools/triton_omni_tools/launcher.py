@@ -39,7 +39,7 @@ from triton_omni.processes import identity
 from triton_omni_protocol import ADMIN_HEADER
 
 from triton_omni_tools import memory_plan, placement
-from triton_omni_tools.demos import demo_edits
+from triton_omni_tools.demos import demo_edits, demo_repositories
 from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
 from triton_omni_tools.reaper import Leftovers, Reaper, mapped_shared_memory, process_group, reap
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
@@ -314,7 +314,8 @@ class TritonServer:
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
         # What the server loads: the options' repositories, or their copies with the placement applied.
         try:
-            self.repositories = placement.place_repositories(options.model_repositories, options.placement,
+            self.repositories = placement.place_repositories(options.model_repositories
+                                                             + demo_repositories(options.demo), options.placement,
                                                              gpu_count(), self.run_dir / "repositories",
                                                              demo_edits(options.demo))
         except Exception:

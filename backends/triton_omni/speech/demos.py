@@ -57,6 +57,8 @@ def build_tiny_qwen3_omni(out: Path) -> None:
 
 def _config(vocab_size: int, ids: dict[str, int]) -> dict:
     mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 1, 1], "interleaved": True}
+    # the thinker's heads 64 wide: vLLM's CPU attention has no kernel for narrower ones (the ar stage serves it)
+    thinker_rope = mrope | {"mrope_section": [16, 8, 8]}
     markers = {"audio_token_id": ids["<|audio_pad|>"], "image_token_id": ids["<|image_pad|>"],
                "video_token_id": ids["<|video_pad|>"], "audio_start_token_id": ids["<|audio_start|>"],
                "vision_start_token_id": ids["<|vision_start|>"]}
@@ -66,9 +68,9 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
     return dict(
         thinker_config=dict(
             text_config=dict(vocab_size=vocab_size, hidden_size=THINKER_WIDTH, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_parameters=mrope,
-                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                             max_position_embeddings=1024, eos_token_id=ids["<|im_end|>"]),
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                             rope_parameters=thinker_rope, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, max_position_embeddings=1024, eos_token_id=ids["<|im_end|>"]),
             audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
                               d_model=16, output_dim=THINKER_WIDTH, downsample_hidden_size=8),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,

@@ -179,6 +179,13 @@ class StageMetrics:
             self.time_to_first_token = routed(family(
                 "omni_ar_time_to_first_token_seconds", "Time from receiving a generate request to its first token",
                 HISTOGRAM).Metric(labels=self.labels, buckets=TTFT_BUCKETS), submit)
+        if stage == "speech":
+            self.time_to_first_audio = routed(family(
+                "omni_speech_time_to_first_audio_seconds", "Time from receiving a speech request to its first audio",
+                HISTOGRAM).Metric(labels=self.labels, buckets=TTFT_BUCKETS), submit)
+            self.audio_seconds = routed(family(
+                "omni_speech_audio_seconds_total", "Seconds of audio the speech stage produced", COUNTER,
+            ).Metric(labels=self.labels), submit)
         self.batch_size = routed(family(f"omni_{stage}_batch_size", f"Requests per executed {stage} batch",
                                         HISTOGRAM).Metric(labels=self.labels, buckets=BATCH_BUCKETS),
                                  submit) if batched else None
