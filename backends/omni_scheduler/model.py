@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from triton_omni.aio import EventLoopThread
 from triton_omni.channel import Cancellations, ProgressListener
 from triton_omni.scheduler import (
+    AudioChunk,
     EmbedsBudget,
     EnhancedPrompt,
     ImageResult,
@@ -57,7 +58,8 @@ class TritonPythonModel:
         self.loop = EventLoopThread("omni-scheduler")
         self.progress = self.loop.run(ProgressListener().start())
         self.stages = TritonStages(settings.ar_model, settings.encoder_model, settings.diffusion_model,
-                                   self.progress, Cancellations())
+                                   self.progress, Cancellations(), speech_model=settings.speech_model,
+                                   speech_checkpoint=settings.speech_checkpoint)
         budget = self.loop.run(_in_loop(lambda: EmbedsBudget(settings.budget, embeds_gauge.set)))
         self.scheduler = OmniScheduler(self.stages, budget, settings.enhance)
 
@@ -111,6 +113,8 @@ def _event_response(event) -> pb_utils.InferenceResponse:
                     OUTPUTS.tensor("image_index", event.image_index)]
     elif isinstance(event, ImageResult):
         outputs += _media_outputs(torch.from_dlpack(event.image.to_dlpack()), [event.index], event.fps)
+    elif isinstance(event, AudioChunk):
+        outputs += _audio_outputs([event])
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
@@ -130,7 +134,18 @@ def _summary_response(events: list) -> pb_utils.InferenceResponse:
     if images:
         stacked = torch.cat([torch.from_dlpack(e.image.to_dlpack()) for e in images])
         outputs += _media_outputs(stacked, [e.index for e in images], images[0].fps)
+    audio = [e for e in events if isinstance(e, AudioChunk)]
+    if audio:
+        outputs += _audio_outputs(audio)
     return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def _audio_outputs(chunks: list[AudioChunk]) -> list:
+    """The chunks' samples one after another, their rate, and the codec frames they end."""
+    samples = [torch.from_dlpack(c.audio.to_dlpack()).reshape(-1) for c in chunks]
+    codes = [torch.from_dlpack(c.codes.to_dlpack()) for c in chunks]
+    return [OUTPUTS.tensor("audio", torch.cat(samples)), OUTPUTS.tensor("sample_rate", chunks[0].sample_rate),
+            OUTPUTS.tensor("audio_codes", torch.cat(codes, dim=1))]
 
 
 def _media_outputs(media: torch.Tensor, indices: list[int], fps: float | None) -> list:

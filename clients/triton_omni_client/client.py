@@ -68,6 +68,9 @@ class OmniEvent:
     image_index: list[int] | None = None  # which of num_images (images or videos)
     video: np.ndarray | None = None  # a video model's: [num_images, F, H, W, 3] uint8
     fps: float | None = None
+    audio: np.ndarray | None = None  # modalities with "audio": the next samples of the spoken reply, float32
+    sample_rate: int | None = None
+    audio_codes: np.ndarray | None = None  # the codec frames those samples end, [codebooks, frames]
 
     @classmethod
     def from_outputs(cls, get) -> OmniEvent:
@@ -83,7 +86,9 @@ class OmniEvent:
                    image=None if image is None else np.asarray(image, dtype=np.uint8),
                    image_index=None if index is None else [int(i) for i in np.ravel(index)],
                    video=None if video is None else np.asarray(video, dtype=np.uint8),
-                   fps=_first(get, "fps", float))
+                   fps=_first(get, "fps", float),
+                   audio=None if get("audio") is None else np.asarray(get("audio"), dtype=np.float32).reshape(-1),
+                   sample_rate=_first(get, "sample_rate", int), audio_codes=get("audio_codes"))
 
 
 def _media(model: str, values: list, names: tuple[str, ...]) -> list:
@@ -221,7 +226,9 @@ class OmniClient:
         false). ``options``: text options (max_tokens, temperature, top_p,
         top_k), image options (negative_prompt, num_inference_steps,
         guidance_scale, height, width; ``images``: input image files, for a family that reads them),
-        seed, num_images. ``timeout_s``
+        seed, num_images; with ``"audio"`` in ``modalities``, the speech options (``voice``, the
+        talker's ``talker_temperature``, ``talker_max_tokens``, ...: the protocol's SPEECH_OPTIONS),
+        and the events carry the audio as it streams. ``timeout_s``
         (gRPC): the longest wait for the next event, past which the request
         is cancelled and ``TimeoutError`` raised."""
         values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,

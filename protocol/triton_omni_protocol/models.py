@@ -9,6 +9,8 @@ the ensemble's configs against them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
 
 # -- ar (decoupled): Triton's vLLM backend's inputs, then one tensor per common
@@ -141,47 +143,6 @@ def diffusion_outputs() -> list[TensorSpec]:
     ]
 
 
-# -- omni (decoupled BLS scheduler)
-OMNI_INPUTS = [
-    TensorSpec("text_input", "TYPE_STRING", optional=False),
-    TensorSpec("modalities", "TYPE_STRING", dims=(-1,), kind="list"),
-    TensorSpec("enhance_prompt", "TYPE_BOOL"),
-    TensorSpec("stream", "TYPE_BOOL"),
-    TensorSpec("num_images", "TYPE_INT32"),
-    TensorSpec("parameters", "TYPE_STRING"),  # JSON: any option below, and the text options
-    # `parameters` under a name Triton's HTTP /generate does not reserve
-    TensorSpec("options", "TYPE_STRING"),
-    # text options (as `ar` takes them)
-    TensorSpec("max_tokens", "TYPE_INT32"),
-    TensorSpec("temperature", "TYPE_FP32"),
-    TensorSpec("top_p", "TYPE_FP32"),
-    TensorSpec("top_k", "TYPE_INT32"),
-    # the diffusion options (as `diffusion` takes them); `seed` seeds both stages
-    *DIFFUSION_OPTIONS,
-    # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
-    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
-]
-# A streamed response carries the outputs of one event; the non-streaming
-# response carries them all.
-OMNI_OUTPUTS = [
-    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("enhanced_prompt_delta", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("enhanced_prompt", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("stage", "TYPE_STRING", dims=(-1,)),
-    TensorSpec("step", "TYPE_INT32", dims=(-1,)),
-    TensorSpec("total_steps", "TYPE_INT32", dims=(-1,)),
-    TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [num_images, H, W, 3]
-    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),  # which of num_images (images or videos)
-    # The image's shape again: Triton's HTTP /generate flattens tensors to JSON lists.
-    TensorSpec("image_shape", "TYPE_INT32", dims=(4,)),
-    # A video model's answer in place of the image: [num_images, F, H, W, 3], its shape, its frame rate
-    TensorSpec("video", "TYPE_UINT8", dims=(-1, -1, -1, -1, 3)),
-    TensorSpec("video_shape", "TYPE_INT32", dims=(5,)),
-    TensorSpec("fps", "TYPE_FP32"),
-]
-
-
 # -- speech (decoupled): a thinker's reply spoken, the audio streamed in chunks as the talker makes
 # its codec frames (Qwen-Omni's talker and codec decoder; the thinker is `ar`'s model)
 SPEECH_INPUTS = [
@@ -205,6 +166,60 @@ SPEECH_OUTPUTS = [
     TensorSpec("sample_rate", "TYPE_INT32"),
     TensorSpec("codes", "TYPE_INT64", dims=(-1, -1)),  # [codebooks, frames]: the frames these samples end
     TensorSpec("finish_reason", "TYPE_STRING"),  # on the last response: stop (end of speech) or length
+]
+# The speech options as omni takes them: the talker's sampling prefixed `talker_` (the plain names are
+# the thinker's, `ar`'s), the voice and the chunking as they are.
+TALKER_PREFIX = "talker_"
+SPEECH_OPTIONS = [
+    replace(spec, name=spec.name if spec.name in ("voice", "chunk_frames") else TALKER_PREFIX + spec.name)
+    for spec in SPEECH_INPUTS if spec.name not in ("text_input", "reply_ids")
+]
+
+
+# -- omni (decoupled BLS scheduler)
+OMNI_INPUTS = [
+    TensorSpec("text_input", "TYPE_STRING", optional=False),
+    TensorSpec("modalities", "TYPE_STRING", dims=(-1,), kind="list"),
+    TensorSpec("enhance_prompt", "TYPE_BOOL"),
+    TensorSpec("stream", "TYPE_BOOL"),
+    TensorSpec("num_images", "TYPE_INT32"),
+    TensorSpec("parameters", "TYPE_STRING"),  # JSON: any option below, and the text options
+    # `parameters` under a name Triton's HTTP /generate does not reserve
+    TensorSpec("options", "TYPE_STRING"),
+    # text options (as `ar` takes them)
+    TensorSpec("max_tokens", "TYPE_INT32"),
+    TensorSpec("temperature", "TYPE_FP32"),
+    TensorSpec("top_p", "TYPE_FP32"),
+    TensorSpec("top_k", "TYPE_INT32"),
+    # the diffusion options (as `diffusion` takes them); `seed` seeds both stages
+    *DIFFUSION_OPTIONS,
+    # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
+    TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
+    # modalities with "audio": the reply spoken (the speech stage's options)
+    *SPEECH_OPTIONS,
+]
+# A streamed response carries the outputs of one event; the non-streaming
+# response carries them all.
+OMNI_OUTPUTS = [
+    TensorSpec("text_output", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("finish_reason", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("enhanced_prompt_delta", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("enhanced_prompt", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("stage", "TYPE_STRING", dims=(-1,)),
+    TensorSpec("step", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("total_steps", "TYPE_INT32", dims=(-1,)),
+    TensorSpec("image", "TYPE_UINT8", dims=(-1, -1, -1, 3)),  # [num_images, H, W, 3]
+    TensorSpec("image_index", "TYPE_INT32", dims=(-1,)),  # which of num_images (images or videos)
+    # The image's shape again: Triton's HTTP /generate flattens tensors to JSON lists.
+    TensorSpec("image_shape", "TYPE_INT32", dims=(4,)),
+    # A video model's answer in place of the image: [num_images, F, H, W, 3], its shape, its frame rate
+    TensorSpec("video", "TYPE_UINT8", dims=(-1, -1, -1, -1, 3)),
+    TensorSpec("video_shape", "TYPE_INT32", dims=(5,)),
+    TensorSpec("fps", "TYPE_FP32"),
+    # modalities with "audio": the next samples of the spoken reply, their rate, the codec frames they end
+    TensorSpec("audio", "TYPE_FP32", dims=(-1,)),
+    TensorSpec("sample_rate", "TYPE_INT32"),
+    TensorSpec("audio_codes", "TYPE_INT64", dims=(-1, -1)),
 ]
 
 

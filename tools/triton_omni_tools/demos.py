@@ -35,7 +35,8 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
 
     if demo in SPEECH_DEMOS:
         return {"ar": {"parameters": {"model": SPEECH_DEMOS[demo]}},
-                "speech": {"parameters": {"model": SPEECH_DEMOS[demo]}}}
+                "speech": {"parameters": {"model": SPEECH_DEMOS[demo]}},
+                "omni": {"parameters": {"speech_checkpoint": SPEECH_DEMOS[demo]}}}
     if demo not in DEMOS:
         raise DemoError(f"--demo must be one of {', '.join([*DEMOS, *SPEECH_DEMOS])}, got {demo!r}")
     if DEMOS[demo].model == DIFFUSION_DEMO:  # what model_repository/ serves already

@@ -3,6 +3,7 @@
 from triton_omni.scheduler.budget import BudgetConfig, EmbedsBudget
 from triton_omni.scheduler.request import OmniRequest, SchedulerLimits
 from triton_omni.scheduler.scheduler import (
+    AudioChunk,
     EnhanceConfig,
     EnhancedPrompt,
     Event,
@@ -14,6 +15,7 @@ from triton_omni.scheduler.scheduler import (
 )
 
 __all__ = [
+    "AudioChunk",
     "BudgetConfig",
     "EmbedsBudget",
     "EnhanceConfig",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_omni_protocol import DIFFUSION_OPTIONS
+from triton_omni_protocol import DIFFUSION_OPTIONS, SPEECH_OPTIONS, TALKER_PREFIX
 
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
@@ -29,12 +29,16 @@ from triton_omni.validation import (
     require,
 )
 
-# "image" and "video" both name the diffusion route; what comes back is what its model makes
-MODALITIES = ("text", "image", "video")
+# "image" and "video" both name the diffusion route; what comes back is what its model makes; "audio" the
+# thinker's reply spoken by the speech stage
+MODALITIES = ("text", "image", "video", "audio")
 # The diffusion options forwarded to the diffusion stage (the protocol's table), each converted to
 # (and bounded by) the type of the diffusion input it becomes.
 CONVERTERS = {"TYPE_STRING": as_str, "TYPE_INT32": as_int32, "TYPE_INT64": as_int, "TYPE_FP32": as_float}
 IMAGE_OPTIONS = {spec.name: CONVERTERS[spec.data_type] for spec in DIFFUSION_OPTIONS}
+# The speech options, each by the speech stage's name (the talker's sampling without its prefix).
+SPEECH_NAMES = {spec.name: spec.name.removeprefix(TALKER_PREFIX) for spec in SPEECH_OPTIONS}
+SPEECH_CONVERTERS = {spec.name: CONVERTERS[spec.data_type] for spec in SPEECH_OPTIONS}
 OWN_OPTIONS = {"modalities", "enhance_prompt", "num_images", "stream"}
 # Sampling keys `ar` takes that the omni text route cannot return the result of.
 TEXT_OPTIONS_REFUSED = {
@@ -60,10 +64,15 @@ class OmniRequest:
     text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
     images: list[bytes] = field(default_factory=list)  # input image files, for `diffusion` to decode and check
+    speech_options: dict[str, Any] = field(default_factory=dict)  # by the speech stage's names, for it to validate
 
     @property
     def wants_text(self) -> bool:
         return "text" in self.modalities
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
 
     @property
     def wants_image(self) -> bool:
@@ -122,6 +131,8 @@ class OmniRequest:
             text_options={k: v for k, v in values.items() if k in TEXT_OPTIONS},
             image_options={k: IMAGE_OPTIONS[k](k, v) for k, v in values.items() if k in IMAGE_OPTIONS},
             images=images,
+            speech_options={SPEECH_NAMES[k]: SPEECH_CONVERTERS[k](k, v) for k, v in values.items()
+                            if k in SPEECH_NAMES},
         )
 
     def image_options_for(self, index: int) -> dict[str, Any]:
@@ -135,7 +146,7 @@ class OmniRequest:
 def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
     for key in TEXT_OPTIONS_REFUSED.keys() & values.keys():
         raise RequestValidationError(key, TEXT_OPTIONS_REFUSED[key], values[key])
-    unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - TEXT_OPTIONS)
+    unknown = sorted(set(values) - OWN_OPTIONS - set(IMAGE_OPTIONS) - TEXT_OPTIONS - set(SPEECH_NAMES))
     if unknown:
         raise RequestValidationError(source, f"unknown key(s) {unknown}", values, show_value=False)
     return values

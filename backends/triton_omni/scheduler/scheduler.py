@@ -8,7 +8,12 @@ Routes come from the request, never from a flag in the code:
   then ``diffusion`` (several images concurrently);
 * ``enhance_prompt``: ``ar`` first rewrites the prompt for the image path
   (streamed as ``EnhancedPrompt`` deltas), then encode and diffuse;
-* ``["text", "image"]``: both branches at once, merged into one stream.
+* ``["text", "image"]``: both branches at once, merged into one stream;
+* ``["audio"]`` (with ``"text"`` or without): the prompt in the model's chat
+  template, ``ar`` (the thinker) streams the reply, then ``speech`` speaks
+  it, streaming audio chunks; the reply's text deltas are sent when
+  ``"text"`` is asked for too. The two stages overlap in time (the audio
+  streams while the talker speaks), which an ensemble cannot express.
 
 The scheduler yields events; the adapter turns them into responses.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from triton_omni.scheduler.budget import EmbedsBudget
@@ -30,6 +35,7 @@ from triton_omni.scheduler.request import OmniRequest
 class TextDelta:
     text: str
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by the audio route)
 
 
 @dataclass
@@ -53,7 +59,14 @@ class ImageResult:
     fps: float | None = None  # a video's frame rate; None for an image
 
 
-Event = TextDelta | EnhancedPrompt | Progress | ImageResult
+@dataclass
+class AudioChunk:
+    audio: Any  # the next samples of the spoken reply (whatever the stages adapter returns)
+    codes: Any  # the codec frames those samples end, [codebooks, frames]
+    sample_rate: int
+
+
+Event = TextDelta | EnhancedPrompt | Progress | ImageResult | AudioChunk
 
 
 # -- what the scheduler needs from the stages --------------------------------------
@@ -64,7 +77,14 @@ class Embeds(Protocol):
 
 
 class Stages(Protocol):
-    def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]: ...
+    def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False) -> AsyncIterator[TextDelta]:
+        ...
+
+    def chat_prompt(self, prompt: str) -> str:
+        """``prompt`` as the speaking model's user turn, in its chat template, ready for its reply."""
+        ...
+
+    def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]: ...
 
     async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
         """The prompt's embeddings and its negative side's (``negative_prompt`` None: absent);
@@ -98,7 +118,9 @@ class OmniScheduler:
         async def branches() -> None:
             try:
                 async with asyncio.TaskGroup() as group:
-                    if request.wants_text:
+                    if request.wants_audio:  # the text too, where it is asked for
+                        group.create_task(self._speech(request, events.put_nowait))
+                    elif request.wants_text:
                         group.create_task(self._text(request, events.put_nowait))
                     if request.wants_image:
                         group.create_task(self._images(request, events.put_nowait))
@@ -120,6 +142,16 @@ class OmniScheduler:
     async def _text(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         async for delta in self.stages.generate(request.prompt, request.text_options):
             emit(delta)
+
+    async def _speech(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
+        prompt = self.stages.chat_prompt(request.prompt)
+        reply: list[int] = []
+        async for delta in self.stages.generate(prompt, request.text_options, token_ids=True):
+            reply += delta.token_ids
+            if request.wants_text and (delta.text or delta.finish_reason):
+                emit(delta)
+        async for chunk in self.stages.speak(prompt, reply, request.speech_options):
+            emit(chunk)
 
     async def _images(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         prompt = await self._enhanced(request, emit) if request.enhance_prompt else request.prompt

@@ -22,6 +22,8 @@ class SchedulerSettings:
     ar_model: str
     encoder_model: str
     diffusion_model: str
+    speech_model: str
+    speech_checkpoint: str  # the speaking model's checkpoint, whose chat template the audio route renders
     limits: SchedulerLimits
     budget: BudgetConfig
     enhance: EnhanceConfig
@@ -34,6 +36,8 @@ def settings(model_config: dict) -> SchedulerSettings:
         ar_model=params.get("ar_model", "ar"),
         encoder_model=params.get("encoder_model", "ar_encoder"),
         diffusion_model=params.get("diffusion_model", "diffusion"),
+        speech_model=params.get("speech_model", "speech"),
+        speech_checkpoint=params.get("speech_checkpoint", ""),
         limits=SchedulerLimits(max_images=int(params.get("max_images", SchedulerLimits.max_images))),
         budget=BudgetConfig(
             max_bytes=int(params.get("max_embeds_bytes_in_flight", default_budget.max_bytes)),

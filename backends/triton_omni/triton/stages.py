@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
-from triton_omni_protocol import STATUS_NAMES, diffusion_inputs, parse_status
+from triton_omni_protocol import SPEECH_INPUTS, STATUS_NAMES, diffusion_inputs, parse_status
 
 from triton_omni.channel import (
     KEY_PARAMETER,
@@ -38,10 +38,11 @@ from triton_omni.channel import (
     new_id,
     restart_count,
 )
-from triton_omni.errors import StageError
-from triton_omni.scheduler import TextDelta
+from triton_omni.errors import RequestValidationError, StageError
+from triton_omni.scheduler import AudioChunk, TextDelta
 
 _SCALAR_TYPES = {spec.name: spec.numpy_dtype for spec in diffusion_inputs() if spec.kind == "scalar"}
+_SPEECH_TYPES = {spec.name: spec.numpy_dtype for spec in SPEECH_INPUTS if spec.kind == "scalar"}
 
 
 class TritonEmbeds:
@@ -66,21 +67,25 @@ class TritonEmbeds:
 class TritonStages:
     def __init__(self, ar_model: str, encoder_model: str, diffusion_model: str,
                  progress: ProgressListener, cancellations: Cancellations, max_threads: int = 256,
-                 restart_poll_s: float = 0.5):
-        self.models = {"ar": ar_model, "encoder": encoder_model, "diffusion": diffusion_model}
+                 restart_poll_s: float = 0.5, speech_model: str = "speech", speech_checkpoint: str = ""):
+        self.models = {"ar": ar_model, "encoder": encoder_model, "diffusion": diffusion_model,
+                       "speech": speech_model}
+        self.speech_checkpoint = speech_checkpoint
+        self._chat_template = None
         self.restart_poll_s = restart_poll_s
         self.progress = progress
         self.cancellations = cancellations
         self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="omni-bls")
 
-    async def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]:
+    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
+                       ) -> AsyncIterator[TextDelta]:
         key = new_id()
         request = pb_utils.InferenceRequest(
             model_name=self.models["ar"],
             inputs=[_text("text_input", prompt, batched=False), _bool("stream", True),
-                    _bool("return_finish_reason", True),
+                    _bool("return_finish_reason", True), _bool("return_token_ids", token_ids),
                     _text("sampling_parameters", json.dumps(options), batched=False)],
-            requested_output_names=["text_output", "finish_reason"],
+            requested_output_names=["text_output", "finish_reason", "token_ids"],
             parameters={KEY_PARAMETER: key},
         )
         model = self.models["ar"]
@@ -92,9 +97,49 @@ class TritonStages:
             if text is None:
                 continue  # the empty final response
             finish = pb_utils.get_output_tensor_by_name(response, "finish_reason")
-            delta = TextDelta(_string(text), _string(finish) if finish is not None else None)
-            if delta.text or delta.finish_reason:  # vLLM sends empty deltas for partial UTF-8 characters
+            ids = pb_utils.get_output_tensor_by_name(response, "token_ids")
+            delta = TextDelta(_string(text), _string(finish) if finish is not None else None,
+                              ids.as_numpy().reshape(-1).tolist() if ids is not None else [])
+            # vLLM sends empty deltas for partial UTF-8 characters (their tokens still count)
+            if delta.text or delta.finish_reason or delta.token_ids:
                 yield delta
+
+    def chat_prompt(self, prompt: str) -> str:
+        """The speaking model's chat template (read once), around ``prompt`` as the user's turn."""
+        if not self.speech_checkpoint:
+            raise RequestValidationError("modalities", "'audio' needs a model that speaks: this server's omni has "
+                                         "no speech stage (serve a speech demo, or set omni's speech_checkpoint)",
+                                         "audio")
+        if self._chat_template is None:
+            from pathlib import Path
+
+            from triton_omni.demo_models import resolve_model
+            from triton_omni.scheduler.chat import ChatTemplate
+
+            self._chat_template = ChatTemplate.of_model(Path(resolve_model(self.speech_checkpoint)))
+        return self._chat_template.render([{"role": "user", "content": prompt}])
+
+    async def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+        """The reply spoken by ``speech``, chunk by chunk as it streams them."""
+        key = new_id()
+        model = self.models["speech"]
+        inputs = [_text("text_input", prompt, batched=False),
+                  pb_utils.Tensor("reply_ids", np.array(reply_ids, dtype=np.int64))]
+        inputs += [_text(name, value, batched=False) if isinstance(value, str)
+                   else pb_utils.Tensor(name, np.array([value], dtype=_SPEECH_TYPES[name]))
+                   for name, value in options.items()]
+        request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
+                                            requested_output_names=["audio", "codes", "sample_rate"],
+                                            parameters={KEY_PARAMETER: key})
+        restarts = restart_count(model)
+        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
+        while (response := await self._exec(key, model, lambda: next(responses, None), restarts)) is not None:
+            _raise_if_error(model, response)
+            audio = pb_utils.get_output_tensor_by_name(response, "audio")
+            if audio is None:
+                continue  # the empty final response
+            rate = int(pb_utils.get_output_tensor_by_name(response, "sample_rate").as_numpy().reshape(-1)[0])
+            yield AudioChunk(audio, pb_utils.get_output_tensor_by_name(response, "codes"), rate)
 
     async def encode(self, prompt: str, negative_prompt: str | None,
                      images: list[bytes]) -> tuple[TritonEmbeds, TritonEmbeds]:
