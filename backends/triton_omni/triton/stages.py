@@ -91,7 +91,8 @@ class TritonStages:
         model = self.models["ar"]
         restarts = restart_count(model)  # read once per stream, not once per token
         responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
-        while (response := await self._exec(key, model, lambda: next(responses, None), restarts)) is not None:
+        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
+                                            rest=lambda: _drain(responses))) is not None:
             _raise_if_error(self.models["ar"], response)
             text = pb_utils.get_output_tensor_by_name(response, "text_output")
             if text is None:
@@ -133,7 +134,8 @@ class TritonStages:
                                             parameters={KEY_PARAMETER: key})
         restarts = restart_count(model)
         responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
-        while (response := await self._exec(key, model, lambda: next(responses, None), restarts)) is not None:
+        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
+                                            rest=lambda: _drain(responses))) is not None:
             _raise_if_error(model, response)
             audio = pb_utils.get_output_tensor_by_name(response, "audio")
             if audio is None:
@@ -193,12 +195,16 @@ class TritonStages:
             return pb_utils.get_output_tensor_by_name(response, "image"), None
         return video, float(pb_utils.get_output_tensor_by_name(response, "fps").as_numpy().reshape(-1)[0])
 
-    async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None) -> Any:
+    async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None,
+                    rest: Callable[[], None] | None = None) -> Any:
         """Run a blocking BLS call to ``model``. If the caller is cancelled
         meanwhile, the downstream request is flagged cancelled; the flag is
-        removed once the call has returned. If ``model`` restarts meanwhile
-        (its count moves from ``restarts``, read now if not given), the call
-        fails with UNAVAILABLE: its answer will never come."""
+        removed once the call has returned, and, for a stream (``rest``: read
+        the stream's remaining responses), once the stream has ended: its
+        next response may come before the stage has seen the flag. If
+        ``model`` restarts meanwhile (its count moves from ``restarts``, read
+        now if not given), the call fails with UNAVAILABLE: its answer will
+        never come."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, call)
         restarts = restart_count(model) if restarts is None else restarts
         try:
@@ -209,7 +215,15 @@ class TritonStages:
             return future.result()
         except asyncio.CancelledError:
             self.cancellations.cancel(key)
-            future.add_done_callback(lambda f: (f.exception(), self.cancellations.forget(key)))
+
+            def settle(done) -> None:
+                done.exception()
+                if rest is None:
+                    self.cancellations.forget(key)
+                else:
+                    self.pool.submit(lambda: (rest(), self.cancellations.forget(key)))
+
+            future.add_done_callback(settle)
             raise
 
     def close(self) -> None:
@@ -228,6 +242,12 @@ def _raise_if_error(model: str, response) -> None:
         code = getattr(error, "code", lambda: None)()
         status = next((n for n in STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
     raise StageError(model, status, message)
+
+
+def _drain(responses) -> None:
+    """Read a cancelled stream to its end (its last response: the stage's CANCELLED)."""
+    for _ in responses:
+        pass
 
 
 def _text(name: str, value: str, batched: bool):
