@@ -22,7 +22,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
-from tests.support.server import metric_value
+from tests.support.server import documented_metrics, metric_value
 
 PROMPT = "a red fox"
 THINKER = {"max_tokens": 8, "temperature": 0.0}
@@ -95,6 +95,10 @@ def test_omni_speaks_as_the_models_generate(speech_server):
     # audio alone: the same speech, no text events; another voice speaks as generate's other voice
     text, audio, _ = spoken(client.generate(PROMPT, modalities=["audio"], voice="chelsie", **THINKER, **TALKER))
     assert text == "" and np.abs(audio - other_voice).max() <= TOLERANCE
+    for name, kind in documented_metrics().items():  # the speech stage's metrics, served with counts
+        if name.startswith("omni_speech_") and kind != "gauge":
+            assert metric_value(speech_server, name + ("_count" if kind == "histogram" else ""),
+                                model="speech") > 0, name
 
 
 def test_the_speech_stage_streams_chunks_that_join_into_the_whole_decode(speech_server):

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_omni.scheduler import TextDelta
+from triton_omni.scheduler import AudioChunk, TextDelta
 
 
 @dataclass
@@ -39,11 +39,21 @@ class FakeStages:
                 self.cancelled.append(stage)
                 raise
 
-    async def generate(self, prompt: str, options: dict[str, Any]) -> AsyncIterator[TextDelta]:
+    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
+                       ) -> AsyncIterator[TextDelta]:
         await self._enter("generate", (prompt, options))
         for i, word in enumerate(self.words):
             await asyncio.sleep(0)
-            yield TextDelta(word, "length" if i == len(self.words) - 1 else None)
+            yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [])
+
+    def chat_prompt(self, prompt: str) -> str:
+        return f"<user>{prompt}<assistant>"
+
+    async def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+        await self._enter("speak", (prompt, reply_ids, options))
+        for chunk in range(self.steps):
+            await asyncio.sleep(0)
+            yield AudioChunk(f"samples {chunk}", f"codes {chunk}", 24000)
 
     async def encode(self, prompt: str, negative_prompt: str | None,
                      images: list[bytes]) -> tuple[FakeEmbeds, FakeEmbeds]:

@@ -45,7 +45,7 @@ def test_several_images_get_consecutive_seeds():
     ({}, "text_input"),
     ({"text_input": " "}, "text_input"),
     ({"text_input": "x", "modalities": []}, "modalities"),
-    ({"text_input": "x", "modalities": ["audio"]}, "modalities"),
+    ({"text_input": "x", "modalities": ["speech"]}, "modalities"),
     ({"text_input": "x", "modalities": ["text", "text"]}, "modalities"),
     ({"text_input": "x", "modalities": ["image", "video"]}, "modalities"),
     ({"text_input": "x", "parameters": '{"num_frames": "many"}'}, "num_frames"),
@@ -152,6 +152,23 @@ def test_text_route_streams_the_ar_deltas_only():
     assert [e.text for e in events] == list(stages.words)
     assert all(isinstance(e, TextDelta) for e in events)
     assert stages.calls == [("generate", ("x", {"max_tokens": "3"}))]
+
+
+@pytest.mark.parametrize("modalities", [["text", "audio"], ["audio"]])
+def test_the_audio_route_speaks_the_thinkers_reply_in_its_chat_template(modalities):
+    """The prompt in the chat template goes to ar, whose reply's token ids go to speech with its
+    options by the speech stage's names; the reply's text is sent only where text is asked for."""
+    from triton_omni.scheduler import AudioChunk, TextDelta
+
+    stages = FakeStages()
+    events = scheduled(stages, text_input="a fox", modalities=modalities, voice="ethan", talker_temperature=0.0,
+                       chunk_frames=4, max_tokens=3)
+    assert [e.text for e in events if isinstance(e, TextDelta)] == (list(stages.words) if "text" in modalities
+                                                                    else [])
+    assert [e.audio for e in events if isinstance(e, AudioChunk)] == [f"samples {i}" for i in range(stages.steps)]
+    assert stages.calls == [("generate", ("<user>a fox<assistant>", {"max_tokens": 3})),
+                            ("speak", ("<user>a fox<assistant>", [0, 1, 2],
+                                       {"voice": "ethan", "temperature": 0.0, "chunk_frames": 4}))]
 
 
 def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_progress():
