@@ -1,0 +1,116 @@
+"""The speech stage's runner on the tiny Qwen3-Omni, without a server: its streamed decode, its
+step batching and its sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+from triton_omni.demo_models import resolve_model
+from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+
+TALKER = {"temperature": 0.0, "max_tokens": 12, "min_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    runner = SpeechRunner(SpeechConfig(model="demo:tiny-qwen3-omni"))
+    yield runner
+    runner.close()
+
+
+@functools.cache
+def templated(prompt: str) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("demo:tiny-qwen3-omni"))
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def request(runner, prompt: str = "a red fox", reply: tuple[int, ...] = (40, 41, 42, 43, 3), **options):
+    return runner.parse({"text_input": templated(prompt), "reply_ids": list(reply), **(TALKER | options)})
+
+
+def speak(runner, *requests, steps: list | None = None) -> list[list]:
+    """Each request's chunks, the requests spoken together; ``steps``: the talker's step count at each
+    chunk of the first request."""
+    async def all_of():
+        chunks = [[] for _ in requests]
+
+        def keep(index):
+            def on_chunk(chunk):
+                chunks[index].append(chunk)
+                if index == 0 and steps is not None:
+                    steps.append(runner.batcher.steps)
+            return on_chunk
+
+        await asyncio.gather(*(runner.speak(r, keep(i)) for i, r in enumerate(requests)))
+        return chunks
+
+    return runner.loop.run(all_of())
+
+
+def joined(chunks) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([c.samples for c in chunks]), np.concatenate([c.codes for c in chunks], axis=1)
+
+
+def test_audio_leaves_before_the_talker_has_finished(runner):
+    """Two frames a chunk: the first chunk is decoded while the talker still speaks (fewer talker
+    steps behind it than behind the last), and the chunks join into the whole decode of the frames."""
+    steps: list[int] = []
+    [chunks] = speak(runner, request(runner, chunk_frames=2), steps=steps)
+    assert len(chunks) > 2 and steps[0] < steps[-1]
+    audio, codes = joined(chunks)
+    whole = runner.decoder.decode(torch.from_numpy(codes)).numpy()
+    assert audio.shape == whole.shape and np.abs(audio - whole).max() < 1e-5
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("frames", [1, 5])
+def test_a_streamed_decode_equals_the_whole_one_where_the_models_own_chunking_does_not(runner, frames):
+    codes = torch.randint(0, 32, (runner.talker.groups, 40), generator=torch.Generator().manual_seed(frames))
+    whole = runner.decoder.decode(codes)
+    stream = runner.decoder.stream()
+    streamed = torch.cat([stream.add(codes[:, i:i + frames]) for i in range(0, codes.shape[1], frames)])
+    assert streamed.shape == whole.shape and float((streamed - whole).abs().max()) < 1e-5
+    with torch.no_grad():
+        own = runner.decoder.model.chunked_decode(codes[None], chunk_size=frames, left_context_size=25).flatten()
+    assert own.shape != whole.shape  # each of its chunks loses samples at its edge
+
+
+def test_utterances_spoken_together_equal_each_alone(runner):
+    first, second = request(runner), request(runner, "a small boat", (50, 51, 3), voice="chelsie")
+    alone = [joined(speak(runner, r)[0]) for r in (first, second)]
+    runner.batcher.max_rows_seen = 0
+    together = [joined(chunks) for chunks in speak(runner, first, second)]
+    assert runner.batcher.max_rows_seen == 2
+    for (audio, codes), (audio_alone, codes_alone) in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(codes, codes_alone)
+        assert np.abs(audio - audio_alone).max() < 1e-5
+    assert not np.array_equal(alone[0][1], alone[1][1][:, :alone[0][1].shape[1]])  # the inputs matter
+
+
+def test_a_seed_repeats_its_speech_and_another_seed_changes_it(runner):
+    sampled = {"temperature": 0.9, "top_k": 50}
+    first, again, other = (joined(speak(runner, request(runner, seed=seed, **sampled))[0])[1]
+                           for seed in (1, 1, 2))
+    np.testing.assert_array_equal(first, again)
+    assert first.shape != other.shape or not np.array_equal(first, other)
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"voice": "nobody"}, "voice"),
+    ({"reply_ids": []}, "reply_ids"),
+    ({"text_input": " "}, "text_input"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"min_tokens": 20}, "min_tokens"),
+])
+def test_bad_requests_name_their_field(runner, values, field):
+    from triton_omni.errors import RequestValidationError
+
+    with pytest.raises(RequestValidationError) as error:
+        runner.parse({"text_input": templated("a fox"), "reply_ids": [3], **TALKER, **values})
+    assert error.value.parameter == field
