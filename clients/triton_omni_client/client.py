@@ -516,9 +516,17 @@ def omni_inputs(client_module, values: dict[str, Any]) -> list:
             tensor = client_module.InferInput(name, [1], SCALAR_INPUTS[name].wire_type)
             tensor.set_data_from_numpy(SCALAR_INPUTS[name].scalar(value))
             inputs.append(tensor)
+        elif isinstance(value, np.ndarray) and value.dtype != np.object_:  # a numeric tensor as it is
+            tensor = client_module.InferInput(name, list(value.shape), _WIRE_TYPES[value.dtype])
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
         else:
             inputs.append(_bytes_input(client_module, name, [value] if isinstance(value, str) else value))
     return inputs
+
+
+_WIRE_TYPES = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+               np.dtype(np.uint8): "UINT8", np.dtype(np.bool_): "BOOL"}
 
 
 def _as_text(value: Any) -> str:

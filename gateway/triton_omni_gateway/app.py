@@ -18,6 +18,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from triton_omni_gateway.audio import (
+    MEDIA_TYPES,
+    SPEECH_MODEL,
+    Voices,
+    encoded,
+    no_speech_model,
+    speak,
+    spoken_chat,
+    sse,
+)
+from triton_omni_gateway.audio import whole as whole_audio
 from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
 from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
@@ -25,6 +36,7 @@ from triton_omni_gateway.requests import (
     ChatRequest,
     CompletionRequest,
     ImageRequest,
+    SpeechRequest,
     parse,
     parse_edit,
     parse_video_form,
@@ -191,7 +203,54 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if error.param == "model" and model not in await triton.models():
                 raise model_not_found(body.model) from None
             raise
+        if body.speaks:
+            return await spoken_response(request, body, prompt, model)
         return await text_response(request, body, chat_endpoint(body), prompt, model, adapter)
+
+    async def spoken_response(request: Request, body: ChatRequest, prompt: str, model: str):
+        if SPEECH_MODEL not in await triton.models():
+            raise no_speech_model(body.model)
+        answer = spoken_chat(triton, model, prompt, body.sampling(), body.audio.voice, body.audio.format, body.stream,
+                             body.talker.values() if body.talker else {})
+        if not body.stream:
+            return await unless_disconnected(request, answer)
+        return StreamingResponse(await answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/audio/speech")
+    async def create_speech(request: Request):
+        """``input`` spoken: the file whole, or streamed as it is made (``stream_format``: the bytes as
+        they come, or ``sse`` events)."""
+        body = await body_of(request, SpeechRequest)
+        if body.model not in await triton.models():
+            raise no_speech_model(body.model)
+        tokenizer = await templates.tokenizer(body.model)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": body.input}], tokenize=False,
+                                               add_generation_prompt=True)
+        reply = tokenizer(body.input, add_special_tokens=False)["input_ids"] + [
+            tokenizer.convert_tokens_to_ids("<|im_end|>")]  # the end of the reply, as a thinker ends it
+        chunks = speak(triton, prompt, reply, body.voice, body.model, body.talker.values() if body.talker else None)
+        media_type = MEDIA_TYPES[body.response_format]
+        if body.stream_format is None:
+            return Response(await unless_disconnected(request, whole_audio(chunks, body.response_format)),
+                            media_type=media_type)
+        stream = encoded(chunks, body.response_format)
+        first_bytes = await anext(stream)  # a refused request is a 4xx, not a broken stream
+
+        async def replayed():
+            yield first_bytes
+            async for data in stream:
+                yield data
+
+        if body.stream_format == "sse":
+            return StreamingResponse(sse(replayed()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
+        return StreamingResponse(replayed(), media_type=media_type, background=BackgroundTask(stream.aclose))
+
+    @app.get("/v1/audio/voices")
+    async def voices(request: Request):
+        """The speech model's own voices (its talker's speakers)."""
+        authorize(request, settings.key)
+        return {"voices": Voices(templates.paths.get(SPEECH_MODEL)).names()}
 
     @app.post("/v1/completions")
     async def complete(request: Request):

@@ -113,9 +113,34 @@ class Message(_Body):
         return self.content or ""
 
 
+class TalkerOptions(_Body):
+    """This gateway's extension: the talker's sampling (the speech model's own defaults otherwise)."""
+
+    temperature: Annotated[Number, Field(ge=0)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
+    max_tokens: Annotated[Int32, Field(ge=1)] | None = None
+    min_tokens: Annotated[Int32, Field(ge=0)] | None = None
+    seed: Seed | None = None
+
+    def values(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class ChatAudio(_Body):
+    """``audio`` of a chat request: the reply spoken in ``voice``, encoded as ``format``."""
+
+    voice: StrictStr
+    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"]
+
+
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[Int32, Field(ge=1)] | None = None
+    modalities: Annotated[list[Literal["text", "audio"]], Field(min_length=1)] | None = None
+    audio: ChatAudio | None = None
+    talker: TalkerOptions | None = None  # this gateway's extension
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
@@ -133,6 +158,56 @@ class ChatRequest(_Sampling):
         """The messages as a chat template reads them (``developer`` is OpenAI's newer ``system``)."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+    @property
+    def speaks(self) -> bool:
+        """Whether the reply is spoken too (OpenAI's ``modalities: ["text", "audio"]`` with ``audio``)."""
+        if self.modalities is None or "audio" not in self.modalities:
+            if self.audio is not None:
+                raise invalid("audio", "needs modalities [\"text\", \"audio\"]")
+            return False
+        if self.audio is None:
+            raise invalid("audio", "is required with modalities \"audio\": {\"voice\": ..., \"format\": ...}")
+        if self.n != 1:
+            raise invalid("n", "a spoken reply is one completion")
+        if self.stream and self.audio.format != "pcm16":
+            raise invalid("audio.format", "a streamed reply's audio is pcm16 (as OpenAI streams it)")
+        return True
+
+
+class SpeechRequest(_Body):
+    """``/v1/audio/speech``: ``input`` spoken by the model's talker."""
+
+    model: StrictStr = "speech"
+    input: Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+    voice: StrictStr
+    response_format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm"] = "mp3"
+    speed: Number | None = None
+    instructions: StrictStr | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+    talker: TalkerOptions | None = None  # this gateway's extension
+
+    @field_validator("input")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be text to speak, not blank")
+        return value
+
+    @field_validator("speed")
+    @classmethod
+    def _model_pace(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise ValueError("is not supported: the model speaks at its own pace (1.0)")
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _no_instructions(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("are not supported by this model's talker")
+        return value
 
 
 class CompletionRequest(_Sampling):

@@ -20,10 +20,10 @@ class ChatTemplates:
         self._loaded: dict[str, asyncio.Future] = {}
 
     async def render(self, model: str, messages: list[dict[str, str]]) -> str:
-        tokenizer = await self._tokenizer(model)
+        tokenizer = await self.tokenizer(model)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    async def _tokenizer(self, model: str):
+    async def tokenizer(self, model: str):
         if model not in self.paths:
             raise OpenAIError(400, f"model '{model}' has no chat template here: the gateway knows the templates of "
                               f"{sorted(self.paths) or 'no model'} (--tokenizer MODEL=PATH); /v1/completions "

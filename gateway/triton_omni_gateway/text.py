@@ -43,22 +43,24 @@ class Delta:
     logprobs: list[list[dict] | None]
     finish_reasons: list[str] | None
     prompt_tokens: int | None
+    token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by a spoken reply)
 
 
-def ar_values(prompt: str, sampling: dict[str, Any]) -> dict[str, Any]:
+def ar_values(prompt: str, sampling: dict[str, Any], token_ids: bool = False) -> dict[str, Any]:
     """The ``ar`` model's inputs for one streamed request."""
     return {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
-            "return_logprobs": "logprobs" in sampling}
+            "return_logprobs": "logprobs" in sampling, "return_token_ids": token_ids}
 
 
-async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
+async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any],
+                 token_ids: bool = False) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
     finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
     # aclosing: closing this generator closes Triton's stream, which cancels the request in the model
     # (an `async for` left early does not close what it iterates)
-    async with aclosing(triton.stream(model, ar_values(prompt, sampling), finished)) as results:
+    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids), finished)) as results:
         async for result in results:
             found = outputs(result)
             texts = found.get("text_output", [])
@@ -66,7 +68,8 @@ async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, An
             yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
                         logprobs=[json.loads(v) for v in logprobs] if logprobs else [None] * len(texts),
                         finish_reasons=found.get("finish_reason"),
-                        prompt_tokens=(found.get("num_input_tokens") or [0])[0])
+                        prompt_tokens=(found.get("num_input_tokens") or [0])[0],
+                        token_ids=found.get("token_ids") or [])
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:

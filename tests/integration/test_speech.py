@@ -8,18 +8,25 @@ the tolerance can fail)."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
+import json
 import queue
 import time
+import urllib.request
 from pathlib import Path
 
+import av
 import numpy as np
+import openai
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 from triton_omni.demo_models import resolve_model
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
 from tests.support.server import documented_metrics, metric_value
@@ -32,11 +39,19 @@ TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is abo
 
 @pytest.fixture(scope="module")
 def speech_server(tmp_path_factory):
+    """The server, and the OpenAI gateway in front of it as `serve` starts it (``server.openai``)."""
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             model_control_mode="explicit", demo="qwen3-omni", load_models=["ar", "speech", "omni"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     with TritonServer(options) as server:
-        yield server
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories))
+        gateway.start()
+        try:
+            server.gateway_url = f"http://{gateway.url}"
+            server.openai = openai.OpenAI(base_url=f"{server.gateway_url}/v1", api_key="unused")
+            yield server
+        finally:
+            gateway.stop()
 
 
 @functools.cache
@@ -212,3 +227,82 @@ def test_audio_from_a_server_that_cannot_speak_is_refused_by_name(server):
     with pytest.raises(OmniError) as error:
         list(OmniClient(server.grpc_url).generate(PROMPT, modalities=["text", "audio"], max_tokens=4))
     assert error.value.status == "INVALID_ARG" and "`modalities`" in str(error.value)
+
+
+# the talker's options through the gateway (its extension), greedy as the reference
+GATEWAY_TALKER = {"temperature": 0.0, "max_tokens": TALKER["talker_max_tokens"],
+                  "min_tokens": TALKER["talker_min_tokens"]}
+PCM16 = 1 / 32767  # a sample's step in 16-bit PCM
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767
+
+
+def test_the_gateway_speaks_a_chat_as_the_models_generate(speech_server):
+    """``/v1/chat/completions`` with ``modalities: ["text", "audio"]`` through the ``openai`` SDK:
+    the transcript is generate's text and the audio its waveform (to 16-bit PCM's step), whole (a WAV
+    in ``message.audio``) and streamed (``delta.audio``: the transcript, then pcm16 data)."""
+    _, reply, _, wav = reference()
+    chat = {"model": "ar", "messages": [{"role": "user", "content": PROMPT}], "modalities": ["text", "audio"],
+            "max_tokens": THINKER["max_tokens"], "temperature": 0.0, "extra_body": {"talker": GATEWAY_TALKER}}
+    answer = speech_server.openai.chat.completions.create(audio={"voice": "ethan", "format": "wav"}, **chat)
+    audio = answer.choices[0].message.audio
+    assert audio.transcript == reply and audio.id and audio.expires_at > time.time()
+    with av.open(io.BytesIO(base64.b64decode(audio.data))) as container:
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+        assert container.streams.audio[0].rate == 24000
+    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+
+    transcript, data = "", b""
+    for chunk in speech_server.openai.chat.completions.create(audio={"voice": "ethan", "format": "pcm16"},
+                                                             stream=True, **chat):
+        if chunk.choices and chunk.choices[0].delta.audio is not None:
+            transcript += chunk.choices[0].delta.audio.transcript or ""
+            data += base64.b64decode(chunk.choices[0].delta.audio.data or "")
+    assert transcript == reply and np.abs(pcm16(data) - wav).max() <= TOLERANCE + PCM16
+
+
+def test_the_speech_endpoint_speaks_its_input_in_every_format(speech_server):
+    """``/v1/audio/speech``: the WAV whole, its samples streamed as raw PCM and as server-sent events
+    (the same bytes), and the encoded formats PyAV decodes to the same length of audio."""
+    client = speech_server.openai
+    speech = {"model": "speech", "input": "a red fox", "voice": "chelsie", "extra_body": {"talker": GATEWAY_TALKER}}
+    wav = client.audio.speech.create(response_format="wav", **speech).content
+    assert wav[:4] == b"RIFF" and len(wav) > 44
+    samples = pcm16(wav[44:])
+    with client.audio.speech.with_streaming_response.create(
+            response_format="pcm", **(speech | {"extra_body": {"talker": GATEWAY_TALKER, "stream_format": "audio"}})
+    ) as streamed:
+        assert streamed.headers["content-type"] == "audio/pcm"
+        assert b"".join(streamed.iter_bytes()) == wav[44:]
+    with client.audio.speech.with_streaming_response.create(
+            response_format="pcm", **(speech | {"extra_body": {"talker": GATEWAY_TALKER, "stream_format": "sse"}})
+    ) as events:
+        pieces = [json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: ")]
+    assert pieces[-1]["type"] == "speech.audio.done"
+    assert b"".join(base64.b64decode(p["audio"]) for p in pieces[:-1]) == wav[44:]
+    for format in ("mp3", "flac", "opus", "aac"):
+        encoded = client.audio.speech.create(response_format=format, **speech).content
+        with av.open(io.BytesIO(encoded)) as container:
+            frames = [frame for frame in container.decode(audio=0)]
+        seconds = sum(frame.samples for frame in frames) / frames[0].sample_rate
+        assert abs(seconds - len(samples) / 24000) < 0.1, format
+    voices = json.loads(urllib.request.urlopen(f"{speech_server.gateway_url}/v1/audio/voices").read())
+    assert voices == {"voices": ["chelsie", "ethan"]}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"voice": "nobody"}, "voice"),
+    ({"speed": 1.5}, "speed"),
+    ({"input": " "}, "input"),
+    ({"response_format": "ogg"}, "response_format"),
+    ({"model": "ar_encoder"}, "model"),
+])
+def test_the_speech_endpoint_names_what_it_refuses(speech_server, body, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        speech_server.openai.audio.speech.create(**({"model": "speech", "input": "hi", "voice": "ethan"} | body))
+    assert error.value.body["param"] == param
+    assert speech_server.openai.audio.speech.create(model="speech", input="hi", voice="ethan",
+                                                    response_format="wav").content[:4] == b"RIFF"

@@ -28,10 +28,12 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "TRITON_OMNI_API_KEY"  # the gateway's own variable (triton_omni_gateway.app)
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # its workers' shared metrics folder (triton_omni_gateway.__main__)
 TEXT_BACKEND = "omni_ar"
+SPEECH_BACKEND = "omni_speech"
 
 
 def text_model_tokenizers(repositories: list[Path]) -> dict[str, str]:
-    """Each text-generation model (``omni_ar``, not in encode mode) -> where its tokenizer is."""
+    """Each text-generation model (``omni_ar``, not in encode mode) and speech model (``omni_speech``)
+    -> where its tokenizer is."""
     from triton_omni.demo_models import resolve_model
 
     found = {}
@@ -39,7 +41,8 @@ def text_model_tokenizers(repositories: list[Path]) -> dict[str, str]:
         for config_path in sorted(repository.glob("*/config.pbtxt")):
             config = load_config(config_path)
             parameters = {key: value.string_value for key, value in config.parameters.items()}
-            if config.backend == TEXT_BACKEND and parameters.get("mode", "generate") == "generate" \
+            speaks = config.backend == SPEECH_BACKEND  # /v1/audio/speech reads its tokenizer
+            if (speaks or config.backend == TEXT_BACKEND and parameters.get("mode", "generate") == "generate") \
                     and "model" in parameters:
                 found[config.name or config_path.parent.name] = resolve_model(parameters["model"])
     return found

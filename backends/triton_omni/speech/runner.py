@@ -114,7 +114,7 @@ class SpeechRunner:
                         continue
                 final = item is None
                 if pending or final:
-                    codes = torch.tensor(pending, dtype=torch.long).T.reshape(self.talker.groups, -1)
+                    codes = torch.tensor(pending, dtype=torch.long).reshape(-1, self.talker.groups).T.contiguous()
                     samples = await loop.run_in_executor(self._codec, self._decode, stream, codes)
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
