@@ -306,3 +306,23 @@ def test_the_speech_endpoint_names_what_it_refuses(speech_server, body, param):
     assert error.value.body["param"] == param
     assert speech_server.openai.audio.speech.create(model="speech", input="hi", voice="ethan",
                                                     response_format="wav").content[:4] == b"RIFF"
+
+
+def test_the_cli_writes_the_spoken_reply(speech_server, tmp_path):
+    """`omni-triton generate --modalities text,audio --out reply.wav`: the reply's text on stdout, its
+    waveform in the WAV (generate's, to 16-bit PCM's step)."""
+    import subprocess
+    import sys
+    import wave
+
+    _, reply, _, expected = reference()
+    talker = [f"--param={key}={value}" for key, value in TALKER.items()]
+    done = subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate", PROMPT, "--url",
+                           speech_server.grpc_url, "--modalities", "text,audio", "--out", str(tmp_path / "reply.wav"),
+                           "--max-tokens", str(THINKER["max_tokens"]), "--param=temperature=0", *talker],
+                          check=True, capture_output=True, text=True)
+    assert done.stdout.startswith(reply) and "wrote" in done.stdout
+    with wave.open(str(tmp_path / "reply.wav")) as file:
+        assert file.getframerate() == 24000
+        samples = pcm16(file.readframes(file.getnframes()))
+    assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16

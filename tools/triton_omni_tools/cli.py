@@ -66,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_param_option(text, "any vLLM sampling key, e.g. --param top_p=0.9 --param stop='[\"\\n\"]'")
     text.set_defaults(run=_generate_text)
 
-    omni = commands.add_parser("generate", help="text and/or images through the `omni` scheduler")
+    omni = commands.add_parser("generate", help="text, images or speech through the `omni` scheduler")
     omni.add_argument("prompt")
-    omni.add_argument("--modalities", default="text", help="comma-separated: text, image, or text,image")
+    omni.add_argument("--modalities", default="text",
+                      help="comma-separated: text, image, text,image, or audio, text,audio (a spoken reply)")
     omni.add_argument("--enhance-prompt", action="store_true", help="let the AR model rewrite the image prompt")
-    omni.add_argument("--out", type=Path, help="PNG file for the image (image_1.png, ... for several)")
+    omni.add_argument("--out", type=Path, help="PNG file for the image (image_1.png, ... for several); with audio, "
+                      "the WAV file of the spoken reply")
+    omni.add_argument("--voice", help="with audio: one of the speaking model's voices (default: the model's)")
     omni.add_argument("--url", help="gRPC address; default localhost:8001")
     omni.add_argument("--model", default="omni")
     omni.add_argument("--max-tokens", type=int)
@@ -295,11 +298,17 @@ def _generate(args) -> int:
     from triton_omni_client import InputValueError, OmniClient, OmniError
 
     modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
-    if "image" in modalities and args.out is None:
-        print("error: --out is required for the image modality", file=sys.stderr)
+    if ("image" in modalities or "audio" in modalities) and args.out is None:
+        print(f"error: --out is required for the {'audio' if 'audio' in modalities else 'image'} modality",
+              file=sys.stderr)
         return 2
-    options = _diffusion_options(args) | {k: getattr(args, k) for k in ("max_tokens", "num_images")
+    if "audio" in modalities and ("image" in modalities or args.out.suffix.lower() != ".wav"):
+        print("error: with audio, --out is the spoken reply's .wav file (ask for images in another request)",
+              file=sys.stderr)
+        return 2
+    options = _diffusion_options(args) | {k: getattr(args, k) for k in ("max_tokens", "num_images", "voice")
                                           if getattr(args, k) is not None}
+    audio: list = []  # the spoken reply's chunks, and its rate
     bars: dict[int, tqdm] = {}
     written = []
     # A bar as wide as the terminal wraps to a new line at every redraw in some terminals (tmux).
@@ -326,6 +335,8 @@ def _generate(args) -> int:
             if event.image is not None:
                 for index, pixels in zip(event.image_index, event.image, strict=True):
                     written.append(_save_png(pixels, _image_path(args.out, index, options.get("num_images", 1))))
+            if event.audio is not None:
+                audio.append((event.audio, event.sample_rate))
     except (OmniError, InputValueError) as exc:  # a value its input cannot hold: named, not sent
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -334,9 +345,26 @@ def _generate(args) -> int:
             bar.close()
     if text_open:
         print()
+    if audio:
+        written.append(_save_wav([samples for samples, _ in audio], audio[0][1], args.out))
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _save_wav(chunks: list, rate: int, path: Path) -> Path:
+    """The chunks' samples (float32 in [-1, 1]) as a 16-bit mono WAV file."""
+    import wave
+
+    import numpy as np
+
+    pcm = (np.clip(np.concatenate(chunks), -1.0, 1.0) * 32767.0).round().astype("<i2")
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(rate)
+        file.writeframes(pcm.tobytes())
+    return path
 
 
 def _image_path(out: Path, index: int, count: int) -> Path:
