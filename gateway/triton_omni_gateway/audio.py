@@ -134,10 +134,11 @@ async def encoded(chunks: AsyncIterator[tuple[np.ndarray, int]], format: str) ->
 
 
 async def whole(chunks: AsyncIterator[tuple[np.ndarray, int]], format: str) -> bytes:
-    samples, rate = [], 24000
+    samples, rates = [], [24000]
     async for chunk, rate in chunks:
         samples.append(chunk)
-    encoder = Encoder(format, rate)
+        rates.append(rate)
+    encoder = Encoder(format, rates[-1])
     return await asyncio.to_thread(lambda: encoder.add(np.concatenate(samples) if samples else np.zeros(0))
                                    + encoder.close())
 

@@ -42,7 +42,7 @@ def text_model_tokenizers(repositories: list[Path]) -> dict[str, str]:
             config = load_config(config_path)
             parameters = {key: value.string_value for key, value in config.parameters.items()}
             speaks = config.backend == SPEECH_BACKEND  # /v1/audio/speech reads its tokenizer
-            if (speaks or config.backend == TEXT_BACKEND and parameters.get("mode", "generate") == "generate") \
+            if (speaks or (config.backend == TEXT_BACKEND and parameters.get("mode", "generate") == "generate")) \
                     and "model" in parameters:
                 found[config.name or config_path.parent.name] = resolve_model(parameters["model"])
     return found

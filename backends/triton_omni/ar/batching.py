@@ -85,33 +85,38 @@ class Sequence:
             self.emit(exc)
 
 
-class StepBatcher:
-    """Decodes the running sequences together, one step at a time, on its own thread."""
+class ContinuousBatch:
+    """The loop that continuous batching shares (the transformers engine's, the talker's): on its own
+    thread, it admits the pending sequences (each prefilled alone, then stacked onto the running
+    batch's ``PaddedCache``), steps the running ones together, and drops those that end. A failed step
+    fails the sequences in it, not the loop. Subclasses give ``_join``, ``_step`` and ``_leave``, and
+    call ``_start`` once built; a sequence has ``options`` (its seed), ``generator``, ``fail``, ``finish``."""
 
-    def __init__(self, model, device: torch.device, max_num_seqs: int, adapter_rows=None):
-        """``adapter_rows``: the model's ``AdapterRows`` where it has LoRA adapters (each row its own)."""
-        self.model = model
-        self.adapter_rows = adapter_rows
+    name = "omni-batch"
+
+    def __init__(self, device: torch.device, max_num_seqs: int):
         self.device = device
         self.max_num_seqs = max_num_seqs
-        self.generator = torch.Generator(device=device)  # for unseeded requests
+        self.generator = torch.Generator(device=device)  # for unseeded sequences
         self.generator.seed()
-        self._pending: collections.deque[Sequence] = collections.deque()
+        self._pending: collections.deque = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self.rows: list[Sequence] = []
+        self.rows: list = []
         self._cache = PaddedCache()
-        self.max_rows_seen = 0  # the most rows decoded together (tests read it)
-        self._thread = threading.Thread(target=self._run, name="omni-ar-batcher", daemon=True)
+        self.max_rows_seen = 0  # the most rows stepped together (tests read it)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def _start(self) -> None:
         self._thread.start()
 
-    def submit(self, sequence: Sequence) -> None:
+    def submit(self, sequence) -> None:
         if sequence.options.seed is not None:
             sequence.generator = torch.Generator(device=self.device)
             sequence.generator.manual_seed(sequence.options.seed)
         with self._wake:
             if self._stopping:
-                raise RuntimeError("the transformers engine is shutting down")
+                raise RuntimeError(f"{self.name} is shutting down")
             self._pending.append(sequence)
             self._wake.notify()
 
@@ -120,8 +125,6 @@ class StepBatcher:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=60)
-
-    # -- the worker thread --------------------------------------------------------
 
     def _run(self) -> None:
         while True:
@@ -135,32 +138,58 @@ class StepBatcher:
             try:
                 with torch.inference_mode():
                     for sequence in joining:
+                        if sequence.cancelled:
+                            sequence.finish("abort")
+                            continue
                         self._join(sequence)
+                        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
                     self._leave()
                     if self.rows:
                         self._step()
                         self._leave()
-            except BaseException as exc:  # a failed forward pass fails the sequences in it, not the engine
-                logger.exception("transformers engine step failed")
+            except BaseException as exc:  # a failed forward pass fails the sequences in it, not the loop
+                logger.exception("%s: a step failed", self.name)
                 for sequence in self.rows + joining:
                     sequence.fail(exc)
-                self.rows = []
-                self._cache.clear()
+                self._reset()
         for sequence in self.rows + list(self._pending):
             sequence.finish("abort")
 
+    def _reset(self) -> None:
+        """Forget every running row (after a failed step)."""
+        self.rows = []
+        self._cache.clear()
+
+    def _join(self, sequence) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _leave(self) -> None:
+        raise NotImplementedError
+
+
+class StepBatcher(ContinuousBatch):
+    """Decodes the running sequences together, one step at a time, on its own thread."""
+
+    name = "omni-ar-batcher"
+
+    def __init__(self, model, device: torch.device, max_num_seqs: int, adapter_rows=None):
+        """``adapter_rows``: the model's ``AdapterRows`` where it has LoRA adapters (each row its own)."""
+        super().__init__(device, max_num_seqs)
+        self.model = model
+        self.adapter_rows = adapter_rows
+        self._start()
+
     def _join(self, sequence: Sequence) -> None:
         """Prefill alone, sample the first token, and stack the cache onto the batch's."""
-        if sequence.cancelled:
-            sequence.finish("abort")
-            return
         cache = DynamicCache()
         input_ids = torch.tensor([sequence.prompt_ids], device=self.device)
         with self._adapted([sequence]):
             out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
-        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])
 
     def _step(self) -> None:

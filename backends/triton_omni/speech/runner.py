@@ -17,7 +17,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,7 @@ class SpeechConfig:
     dtype: str = "auto"  # bfloat16 on a GPU, float32 on a CPU
     max_num_seqs: int = 64  # utterances spoken together
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
-    limits: SpeechLimits = SpeechLimits()
+    limits: SpeechLimits = field(default_factory=SpeechLimits)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -26,7 +26,6 @@ onto the batch's (``PaddedCache``), and leaves when it ends or is cancelled.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from triton_omni.ar.batching import PaddedCache, sample
+from triton_omni.ar.batching import ContinuousBatch, sample
 from triton_omni.ar.sampling import SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,8 @@ class Qwen3Talker:
         """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
         user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn."""
         cfg = self.config
-        user = [i for i in range(len(prompt_ids)) if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
+        user = [i for i in range(len(prompt_ids))
+                if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
         start = max(i for i in range(len(prompt_ids) - 1)
                     if prompt_ids[i] == cfg.im_start_token_id and prompt_ids[i + 1] == cfg.assistant_token_id)
         assistant = self._project((prompt_ids + reply_ids)[start:])
@@ -120,7 +120,7 @@ class Utterance:
 
     prompt: TalkerPrompt
     options: SamplingOptions
-    emit: Callable[[list[int] | None | BaseException], None]
+    emit: Callable[[list[int] | BaseException | None], None]
     output_ids: list[int] = field(default_factory=list)  # first codes drawn (penalised, as generate's ids)
     prompt_ids: list[int] = field(default_factory=list)  # none: the penalty reads the codes drawn only
     generator: torch.Generator | None = None
@@ -147,77 +147,31 @@ class Utterance:
             self.emit(exc)
 
 
-class TalkerBatcher:
+class TalkerBatcher(ContinuousBatch):
     """Speaks the running utterances together, one step at a time, on its own thread."""
 
+    name = "omni-talker"
+
     def __init__(self, talker: Qwen3Talker, max_num_seqs: int):
+        super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
-        self.device = talker.device
-        self.max_num_seqs = max_num_seqs
-        self.generator = torch.Generator(device=self.device)  # for unseeded utterances
-        self.generator.seed()
         self._pad = talker.pad
-        self._pending: collections.deque[Utterance] = collections.deque()
-        self._wake = threading.Condition()
-        self._stopping = False
-        self.rows: list[Utterance] = []
-        self._cache = PaddedCache()
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self._positions: list[int] = []  # each row's next position
         self._steps: list[int] = []  # each row's steps since its prefill (its next trailing state)
-        self.max_rows_seen = 0  # the most utterances spoken together (tests read it)
-        self.steps = 0  # forward passes run (the counters the cancellation tests read)
-        self._thread = threading.Thread(target=self._run, name="omni-talker", daemon=True)
-        self._thread.start()
+        self.steps = 0  # forward passes run (the tests read it)
+        self._start()
 
     def submit(self, utterance: Utterance) -> None:
         utterance.stop_ids = [self.talker.eos]
-        if utterance.options.seed is not None:
-            utterance.generator = torch.Generator(device=self.device)
-            utterance.generator.manual_seed(utterance.options.seed)
-        with self._wake:
-            if self._stopping:
-                raise RuntimeError("the talker is shutting down")
-            self._pending.append(utterance)
-            self._wake.notify()
+        super().submit(utterance)
 
-    def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(timeout=60)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._pending or self.rows or self._stopping):
-                    self._wake.wait()
-                if self._stopping:
-                    break
-                joining = [self._pending.popleft()
-                           for _ in range(min(len(self._pending), self.max_num_seqs - len(self.rows)))]
-            try:
-                with torch.inference_mode():
-                    for utterance in joining:
-                        self._join(utterance)
-                    self._leave()
-                    if self.rows:
-                        self._step()
-                        self._leave()
-            except BaseException as exc:  # a failed step fails the utterances in it, not the stage
-                logger.exception("talker step failed")
-                for utterance in self.rows + joining:
-                    utterance.fail(exc)
-                self.rows, self._positions, self._steps, self._hidden = [], [], [], None
-                self._cache.clear()
-        for utterance in self.rows + list(self._pending):
-            utterance.finish("abort")
+    def _reset(self) -> None:
+        super()._reset()
+        self._positions, self._steps, self._hidden = [], [], None
 
     def _join(self, utterance: Utterance) -> None:
-        if utterance.cancelled:
-            utterance.finish("abort")
-            return
         cache = DynamicCache()
         embeds = utterance.prompt.embeds[None]
         length = embeds.shape[1]
@@ -227,7 +181,6 @@ class TalkerBatcher:
         self.rows.append(utterance)
         self._positions.append(length)
         self._steps.append(0)
-        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         last = out.hidden_states[-1][:, -1:]  # the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept([utterance], self.model.codec_head(out.last_hidden_state[:, -1]))
