@@ -128,6 +128,10 @@ def test_the_speech_stage_streams_chunks_that_join_into_the_whole_decode(speech_
     assert len(chunks) == -(-codes.shape[1] // 3) and chunks[-1]["finish_reason"] == "length"
     np.testing.assert_array_equal(np.concatenate([c["codes"] for c in chunks], axis=1), codes)
     assert np.abs(audio - wav).max() <= TOLERANCE
+    # a chunk size the frames fill exactly: the last response holds no samples, only the finish reason
+    exact = speak_directly(speech_server.grpc_url, templated, _ar_reply_ids(speech_server.grpc_url, templated),
+                           chunk_frames=codes.shape[1])
+    assert [len(c["audio"]) for c in exact] == [len(wav), 0] and exact[-1]["finish_reason"] == "length"
     with torch.no_grad():
         whole_chunks = omni.code2wav.chunked_decode(torch.from_numpy(codes)[None], chunk_size=3).flatten().numpy()
     assert len(whole_chunks) != len(wav)  # the model's own chunking cuts samples at each boundary

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import SPEECH_INPUTS, SPEECH_OUTPUTS
 
@@ -33,9 +33,11 @@ def runner_config(model_config: dict, args: dict) -> tuple[SpeechConfig, Placeme
 
 
 def chunk_response(chunk: AudioChunk, sample_rate: int):
-    outputs = [OUTPUTS.tensor("audio", torch.from_numpy(chunk.samples)),
+    """One chunk's response. NumPy arrays, not DLPack: the last chunk may hold no samples (its frames
+    all sent), and Triton takes no zero-size DLPack tensor."""
+    outputs = [pb_utils.Tensor("audio", np.ascontiguousarray(chunk.samples, dtype=np.float32)),
                OUTPUTS.tensor("sample_rate", sample_rate),
-               OUTPUTS.tensor("codes", torch.from_numpy(chunk.codes))]
+               pb_utils.Tensor("codes", np.ascontiguousarray(chunk.codes, dtype=np.int64))]
     if chunk.finish_reason is not None:
         outputs.append(OUTPUTS.tensor("finish_reason", [chunk.finish_reason]))
     return pb_utils.InferenceResponse(output_tensors=outputs)

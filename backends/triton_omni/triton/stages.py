@@ -138,8 +138,8 @@ class TritonStages:
                                             rest=lambda: _drain(responses))) is not None:
             _raise_if_error(model, response)
             audio = pb_utils.get_output_tensor_by_name(response, "audio")
-            if audio is None:
-                continue  # the empty final response
+            if audio is None or audio.as_numpy().size == 0:
+                continue  # the empty final response, or a last chunk whose frames were all sent
             rate = int(pb_utils.get_output_tensor_by_name(response, "sample_rate").as_numpy().reshape(-1)[0])
             yield AudioChunk(audio, pb_utils.get_output_tensor_by_name(response, "codes"), rate)
 

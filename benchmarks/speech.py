@@ -1,0 +1,164 @@
+"""Spoken replies through ``omni`` (``ar``'s thinker, then ``speech``'s talker and ``code2wav``),
+against the model's own ``generate(..., return_audio=True)`` at concurrency 1 (the direct side).
+
+The workload is issue 74's: prompts of about ``--prompt-tokens`` tokens, ``--text-tokens`` tokens of
+reply (the thinker's end of text held off, so every reply is as long), and the talker run to a fixed
+``--audio-seconds`` of audio (its end of speech held off the same way). Printed per concurrency:
+
+- time to first audio: from sending the request to its first audio chunk (the direct side's whole
+  call: ``generate`` returns its waveform at the end);
+- real-time factor: a request's time over the seconds of audio it made (below 1: faster than
+  real time), its median;
+- requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1.
+
+On this host's CPU with the tiny demo (``--model demo:tiny-qwen3-omni``, the default) it only shows
+the benchmark works; the figures are a GPU's, with a checkpoint at the real shapes (``--model``).
+
+    python benchmarks/speech.py [--model PATH] [--concurrency 1,64] [--requests 64] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from triton_omni_client import OmniClient
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+FRAMES_PER_SECOND = 12.5  # Qwen3-Omni's codec frames a second of audio (24 kHz / 1920 samples)
+SAMPLE_RATE = 24000
+
+
+def prompts(tokenizer, count: int, tokens: int) -> list[str]:
+    """``count`` different prompts of about ``tokens`` tokens, words drawn from the vocabulary."""
+    rng = np.random.default_rng(0)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:2000] or ["word"]
+    return [" ".join(rng.choice(words, size=tokens)) for _ in range(count)]
+
+
+def omni_values(prompt: str, args) -> dict:
+    frames = int(args.audio_seconds * FRAMES_PER_SECOND)
+    return {"text_input": prompt, "modalities": ["audio"], "stream": True, "max_tokens": args.text_tokens,
+            "parameters": {"min_tokens": args.text_tokens, "temperature": 0.0},
+            "talker_max_tokens": frames, "talker_min_tokens": frames, "talker_temperature": 0.9,
+            "talker_seed": 1, "chunk_frames": args.chunk_frames}
+
+
+def one(url: str, prompt: str, args) -> dict:
+    """One request (``OmniClient``: a gRPC stream to its final response): its time to first audio,
+    its whole time, its seconds of audio."""
+    values = omni_values(prompt, args)
+    started = time.perf_counter()
+    first, samples = None, 0
+    for event in OmniClient(url).generate(values.pop("text_input"), **values):
+        if event.audio is not None and event.audio.size:
+            first = first or time.perf_counter() - started
+            samples += event.audio.size
+    return {"ttfa": first, "seconds": time.perf_counter() - started, "audio_s": samples / SAMPLE_RATE}
+
+
+async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> dict:
+    """``len(texts)`` requests, ``concurrency`` at a time (closed loop), each on a thread of its own."""
+    queue = list(texts)
+    results = []
+
+    async def worker():
+        while queue:
+            results.append(await asyncio.to_thread(one, url, queue.pop(), args))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summary(results, time.perf_counter() - started)
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    return {"requests": len(results), "requests_per_s": len(results) / wall,
+            "ttfa_ms": 1000 * statistics.median(r["ttfa"] for r in results),
+            "rtf": statistics.median(r["seconds"] / r["audio_s"] for r in results if r["audio_s"]),
+            "audio_s": statistics.median(r["audio_s"] for r in results)}
+
+
+def direct(model_path: str, texts: list[str], args) -> dict:
+    """The model's own generate, one request at a time: its waveform comes at the end."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    frames = int(args.audio_seconds * FRAMES_PER_SECOND)
+    results = []
+    started = time.perf_counter()
+    for text in texts:
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=False)
+        inputs = tokenizer(templated, return_tensors="pt").to(device)
+        begun = time.perf_counter()
+        with torch.no_grad():
+            _, wav = model.generate(**inputs, thinker_max_new_tokens=args.text_tokens,
+                                    thinker_min_new_tokens=args.text_tokens, thinker_do_sample=False,
+                                    talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,
+                                    thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        seconds = time.perf_counter() - begun
+        results.append({"ttfa": seconds, "seconds": seconds, "audio_s": wav.numel() / SAMPLE_RATE})
+    return summary(results, time.perf_counter() - started)
+
+
+def serve(model: str) -> TritonServer:
+    from triton_omni_tools.demos import SPEECH_DEMOS
+
+    demo = next((name for name, checkpoint in SPEECH_DEMOS.items() if checkpoint == model), None)
+    if demo is None:
+        raise SystemExit(f"--model {model!r}: give a speech demo's ({sorted(SPEECH_DEMOS.values())}); a real "
+                         "checkpoint is set in speech_repository/ and model_repository/ (docs/models.md)")
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_control_mode="explicit", demo=demo, load_models=["ar", "speech", "omni"],
+                            log_file=Path(".cache/bench/speech-tritonserver.log"))
+    options.log_file.parent.mkdir(parents=True, exist_ok=True)
+    return TritonServer(options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo:tiny-qwen3-omni")
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated")
+    parser.add_argument("--requests", type=int, default=8, help="per concurrency (at least the concurrency)")
+    parser.add_argument("--direct-requests", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--text-tokens", type=int, default=100)
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
+    parser.add_argument("--chunk-frames", type=int, default=8)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+    from triton_omni.demo_models import resolve_model
+
+    path = resolve_model(args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    texts = prompts(AutoTokenizer.from_pretrained(path), max(args.requests, *levels), args.prompt_tokens)
+    figures: dict = {"workload": vars(args), "triton": {}}
+    with serve(args.model) as server:
+        asyncio.run(at_concurrency(server.grpc_url, texts[:1], 1, args))  # warm-up
+        for level in levels:
+            figures["triton"][level] = asyncio.run(at_concurrency(server.grpc_url, texts[:max(args.requests, level)],
+                                                                  level, args))
+            print(f"Triton, concurrency {level}: {json.dumps(figures['triton'][level])}", flush=True)
+    figures["direct"] = direct(path, texts[:args.direct_requests], args)
+    print(f"direct (generate, concurrency 1): {json.dumps(figures['direct'])}")
+    if 1 in figures["triton"]:
+        alone = figures["triton"][1]
+        print(f"Triton / direct at concurrency 1: time to first audio {alone['ttfa_ms'] / figures['direct']['ttfa_ms']:.3f}"
+              f", real-time factor {alone['rtf'] / figures['direct']['rtf']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
