@@ -42,7 +42,7 @@ def prompts(tokenizer, count: int, tokens: int) -> list[str]:
 
 
 def omni_values(prompt: str, args) -> dict:
-    frames = int(args.audio_seconds * FRAMES_PER_SECOND)
+    frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1  # the talker's last code makes no frame
     return {"text_input": prompt, "modalities": ["audio"], "stream": True, "max_tokens": args.text_tokens,
             "parameters": {"min_tokens": args.text_tokens, "temperature": 0.0},
             "talker_max_tokens": frames, "talker_min_tokens": frames, "talker_temperature": 0.9,
@@ -92,7 +92,7 @@ def direct(model_path: str, texts: list[str], args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    frames = int(args.audio_seconds * FRAMES_PER_SECOND)
+    frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1
     results = []
     started = time.perf_counter()
     for text in texts:
@@ -103,7 +103,7 @@ def direct(model_path: str, texts: list[str], args) -> dict:
         with torch.no_grad():
             _, wav = model.generate(**inputs, thinker_max_new_tokens=args.text_tokens,
                                     thinker_min_new_tokens=args.text_tokens, thinker_do_sample=False,
-                                    talker_max_new_tokens=frames + 1, talker_min_new_tokens=frames + 1,
+                                    talker_max_new_tokens=frames, talker_min_new_tokens=frames,
                                     thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
         seconds = time.perf_counter() - begun
         results.append({"ttfa": seconds, "seconds": seconds, "audio_s": wav.numel() / SAMPLE_RATE})
