@@ -207,6 +207,23 @@ def test_the_speech_stage_refuses_an_empty_reply_and_prompt(speech_server):
             _stream(speech_server.grpc_url, "speech", **(base | values))
 
 
+def test_a_client_that_leaves_while_the_thinker_writes_stops_it_before_any_speech(speech_server):
+    client = OmniClient(speech_server.grpc_url)
+    counted = lambda model: metric_value(speech_server, f"omni_{'ar' if model == 'ar' else 'speech'}_requests_total",  # noqa: E731
+                                         model=model)
+    thinker_cancelled = metric_value(speech_server, "omni_ar_requests_total", model="ar", outcome="cancelled")
+    spoken = counted("speech")
+    events = client.generate(PROMPT, modalities=["text", "audio"], max_tokens=800, temperature=0.0,
+                             parameters={"min_tokens": 800, "ignore_eos": True}, **TALKER)
+    next(e for e in events if e.text)
+    events.close()
+    deadline = time.monotonic() + 30
+    while metric_value(speech_server, "omni_ar_requests_total", model="ar", outcome="cancelled") == thinker_cancelled:
+        assert time.monotonic() < deadline, "the thinker never saw the cancellation"
+        time.sleep(0.2)
+    assert counted("speech") == spoken  # the talker was never asked
+
+
 def test_a_client_that_leaves_mid_speech_stops_the_talker(speech_server):
     """A long utterance (the end of speech held off), left after its first audio: the speech stage
     counts the request cancelled, and its audio stops growing (the talker dropped it)."""
