@@ -154,8 +154,9 @@ def main() -> None:
     print(f"direct (generate, concurrency 1): {json.dumps(figures['direct'])}")
     if 1 in figures["triton"]:
         alone = figures["triton"][1]
-        print(f"Triton / direct at concurrency 1: time to first audio {alone['ttfa_ms'] / figures['direct']['ttfa_ms']:.3f}"
-              f", real-time factor {alone['rtf'] / figures['direct']['rtf']:.3f}")
+        ratios = {name: alone[name] / figures["direct"][name] for name in ("ttfa_ms", "rtf")}
+        print(f"Triton / direct at concurrency 1: time to first audio {ratios['ttfa_ms']:.3f}, "
+              f"real-time factor {ratios['rtf']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 
