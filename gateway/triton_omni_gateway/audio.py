@@ -134,11 +134,11 @@ async def encoded(chunks: AsyncIterator[tuple[np.ndarray, int]], format: str) ->
 
 
 async def whole(chunks: AsyncIterator[tuple[np.ndarray, int]], format: str) -> bytes:
-    samples, rates = [], [24000]
-    async for chunk, rate in chunks:
+    samples, rate = [], 24000
+    async for chunk, chunk_rate in chunks:
         samples.append(chunk)
-        rates.append(rate)
-    encoder = Encoder(format, rates[-1])
+        rate = chunk_rate
+    encoder = Encoder(format, rate)
     return await asyncio.to_thread(lambda: encoder.add(np.concatenate(samples) if samples else np.zeros(0))
                                    + encoder.close())
 

@@ -89,8 +89,9 @@ class ContinuousBatch:
     """The loop that continuous batching shares (the transformers engine's, the talker's): on its own
     thread, it admits the pending sequences (each prefilled alone, then stacked onto the running
     batch's ``PaddedCache``), steps the running ones together, and drops those that end. A failed step
-    fails the sequences in it, not the loop. Subclasses give ``_join``, ``_step`` and ``_leave``, and
-    call ``_start`` once built; a sequence has ``options`` (its seed), ``generator``, ``fail``, ``finish``."""
+    fails the sequences in it, not the loop. Subclasses give ``_join`` and ``_step`` (``_keep`` and
+    ``_reset`` where they keep state of their own per row), and call ``_start`` once built; a sequence
+    has ``options`` (its seed), ``generator``, ``cancelled``, ``fail``, ``finish``."""
 
     name = "omni-batch"
 
@@ -160,13 +161,24 @@ class ContinuousBatch:
         self.rows = []
         self._cache.clear()
 
+    def _leave(self) -> None:
+        """Drop finished and cancelled rows, and the padding no row needs any more."""
+        for sequence in self.rows:
+            if sequence.cancelled:
+                sequence.finish("abort")
+        keep = [i for i, sequence in enumerate(self.rows) if not sequence.done]
+        if len(keep) < len(self.rows):
+            self._cache.keep(keep)
+            self._keep(keep)
+            self.rows = [self.rows[i] for i in keep]
+
+    def _keep(self, rows: list[int]) -> None:
+        """Keep a subclass's per-row state of these rows only (``_leave``)."""
+
     def _join(self, sequence) -> None:
         raise NotImplementedError
 
     def _step(self) -> None:
-        raise NotImplementedError
-
-    def _leave(self) -> None:
         raise NotImplementedError
 
 
@@ -209,16 +221,6 @@ class StepBatcher(ContinuousBatch):
         if self.adapter_rows is None:
             return contextlib.nullcontext()
         return self.adapter_rows.bind([sequence.lora for sequence in rows], self.device)
-
-    def _leave(self) -> None:
-        """Drop finished and cancelled rows, and the padding no row needs any more."""
-        for sequence in self.rows:
-            if sequence.cancelled:
-                sequence.finish("abort")
-        keep = [i for i, sequence in enumerate(self.rows) if not sequence.done]
-        if len(keep) < len(self.rows):
-            self._cache.keep(keep)
-            self.rows = [self.rows[i] for i in keep]
 
 
 class PaddedCache:

@@ -158,8 +158,6 @@ class TalkerBatcher(ContinuousBatch):
         self.model = talker.talker
         self._pad = talker.pad
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
-        self._positions: list[int] = []  # each row's next position
-        self._steps: list[int] = []  # each row's steps since its prefill (its next trailing state)
         self.steps = 0  # forward passes run (the tests read it)
         self._start()
 
@@ -169,7 +167,10 @@ class TalkerBatcher(ContinuousBatch):
 
     def _reset(self) -> None:
         super()._reset()
-        self._positions, self._steps, self._hidden = [], [], None
+        self._hidden = None
+
+    def _keep(self, rows: list[int]) -> None:
+        self._hidden = self._hidden.index_select(0, torch.tensor(rows, device=self.device)) if rows else None
 
     def _join(self, utterance: Utterance) -> None:
         cache = DynamicCache()
@@ -179,8 +180,6 @@ class TalkerBatcher(ContinuousBatch):
                                output_hidden_states=True)
         self._cache.add(cache, length)
         self.rows.append(utterance)
-        self._positions.append(length)
-        self._steps.append(0)
         last = out.hidden_states[-1][:, -1:]  # the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept([utterance], self.model.codec_head(out.last_hidden_state[:, -1]))
@@ -202,17 +201,17 @@ class TalkerBatcher(ContinuousBatch):
         residual, residual_embeds = self._predict_residuals(self._hidden, first_embeds, rows)
         for utterance, codes in zip(rows, residual.tolist(), strict=True):
             utterance.emit([utterance.output_ids[-1], *codes])
-        inputs = first_embeds + residual_embeds
+        # a row's steps since its prefill: one code drawn at the prefill, one at each step since
+        steps = [len(u.output_ids) - 1 for u in rows]
         trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
-                    for u, s in zip(rows, self._steps, strict=True)]
-        inputs = inputs + torch.stack(trailing)[:, None]
-        positions = torch.tensor(self._positions, device=self.device)[None, :, None].expand(3, -1, -1)
+                    for u, s in zip(rows, steps, strict=True)]
+        inputs = first_embeds + residual_embeds + torch.stack(trailing)[:, None]
+        positions = torch.tensor([len(u.prompt.embeds) + s for u, s in zip(rows, steps, strict=True)],
+                                 device=self.device)[None, :, None].expand(3, -1, -1)
         mask = self._cache.extend()
         out = self.model.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                past_key_values=self._cache.cache, use_cache=True, output_hidden_states=True)
         self.steps += 1
-        self._positions = [p + 1 for p in self._positions]
-        self._steps = [s + 1 for s in self._steps]
         self._hidden = out.hidden_states[-1][:, -1:]
         self._accept(rows, self.model.codec_head(out.last_hidden_state[:, -1]))
 
@@ -234,19 +233,6 @@ class TalkerBatcher(ContinuousBatch):
             inputs = predictor.get_input_embeddings()[group](code)[:, None]
             total = total + inputs
         return torch.stack(codes, dim=1), total
-
-    def _leave(self) -> None:
-        for utterance in self.rows:
-            if utterance.cancelled:
-                utterance.finish("abort")
-        keep = [i for i, utterance in enumerate(self.rows) if not utterance.done]
-        if len(keep) < len(self.rows):
-            self._cache.keep(keep)
-            index = torch.tensor(keep, device=self.device, dtype=torch.long)
-            self._hidden = self._hidden.index_select(0, index) if keep else None
-            self.rows = [self.rows[i] for i in keep]
-            self._positions = [self._positions[i] for i in keep]
-            self._steps = [self._steps[i] for i in keep]
 
 
 @dataclass

@@ -88,12 +88,7 @@ class TritonStages:
             requested_output_names=["text_output", "finish_reason", "token_ids"],
             parameters={KEY_PARAMETER: key},
         )
-        model = self.models["ar"]
-        restarts = restart_count(model)  # read once per stream, not once per token
-        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
-        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda: _drain(responses))) is not None:
-            _raise_if_error(self.models["ar"], response)
+        async for response in self._stream(key, self.models["ar"], request):
             text = pb_utils.get_output_tensor_by_name(response, "text_output")
             if text is None:
                 continue  # the empty final response
@@ -132,11 +127,7 @@ class TritonStages:
         request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
                                             requested_output_names=["audio", "codes", "sample_rate"],
                                             parameters={KEY_PARAMETER: key})
-        restarts = restart_count(model)
-        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
-        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda: _drain(responses))) is not None:
-            _raise_if_error(model, response)
+        async for response in self._stream(key, model, request):
             audio = pb_utils.get_output_tensor_by_name(response, "audio")
             if audio is None or audio.as_numpy().size == 0:
                 continue  # the empty final response, or a last chunk whose frames were all sent
@@ -194,6 +185,16 @@ class TritonStages:
         if video is None:
             return pb_utils.get_output_tensor_by_name(response, "image"), None
         return video, float(pb_utils.get_output_tensor_by_name(response, "fps").as_numpy().reshape(-1)[0])
+
+    async def _stream(self, key: str, model: str, request) -> AsyncIterator[Any]:
+        """A decoupled request's responses, each stage error raised (``StageError``); cancelled, the
+        request is flagged until its stream ends (``_exec``)."""
+        restarts = restart_count(model)  # read once per stream, not once per response
+        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
+        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
+                                            rest=lambda: _drain(responses))) is not None:
+            _raise_if_error(model, response)
+            yield response
 
     async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None,
                     rest: Callable[[], None] | None = None) -> Any:
