@@ -137,11 +137,25 @@ def test_the_cli_writes_the_frames_and_an_mp4_of_them(wan_server, tmp_path):
     expected = reference("wan", PROMPT, **OPTIONS)
     for suffix in (".npy", ".mp4"):
         subprocess.run([*cli, "--out", str(tmp_path / f"video{suffix}")], check=True)
-    assert levels_apart(np.load(tmp_path / "video.npy"), expected) <= 1
+    served = np.load(tmp_path / "video.npy")
+    assert levels_apart(served, expected) <= 1
     frames, fps = decode_mp4((tmp_path / "video.mp4").read_bytes())
-    assert frames.shape == expected.shape and fps == 16.0
-    error = np.mean((frames.astype(float) - expected) ** 2)
-    print(f"MP4 (H.264, crf 18) against the served frames: PSNR {10 * np.log10(255 ** 2 / error):.1f} dB")
+    assert frames.shape == expected.shape and fps == 16.0 and same_encoding(frames, served)
+    print(f"MP4 (H.264, crf 18) against the served frames: PSNR {psnr(frames, served):.1f} dB")
+
+
+def same_encoding(decoded: np.ndarray, frames: np.ndarray) -> bool:
+    """Whether ``decoded`` is these frames through our encoder, told apart from another video's
+    MP4. Not byte for byte: x264's macroblock tree reads memory it has not written on some inputs
+    (these noise-like frames among them: a heap filled with other bytes first changes its output),
+    so two encodes of one video differ a little. Measured on these frames: two encodes 43 to 46 dB
+    apart, the encode of another seed's or prompt's frames 34 to 35 dB (and the raw frames of
+    another seed 32 dB from these: a floor on the PSNR against the frames alone would not tell)."""
+    return decoded.shape == frames.shape and psnr(decoded, decode_mp4(encode_mp4(frames, 16.0))[0]) >= 40.0
+
+
+def psnr(decoded: np.ndarray, frames: np.ndarray) -> float:
+    return float(10 * np.log10(255 ** 2 / np.mean((decoded.astype(float) - frames) ** 2)))
 
 
 MAX_JOBS = 4
@@ -168,10 +182,11 @@ def test_openai_videos_give_the_pipelines_frames_and_their_mp4(videos_api):
     assert (video.status, video.size, video.seconds, video.progress) == ("completed", "32x32", "0.25", 100)
     frames = np.load(io.BytesIO(videos_api.videos.download_content(video.id, variant="frames").content))
     assert levels_apart(frames, reference("wan", PROMPT, **OPTIONS)) <= 1
-    mp4, fps = decode_mp4(videos_api.videos.download_content(video.id).content)
-    assert fps == 16.0 and np.array_equal(mp4, decode_mp4(encode_mp4(frames, fps))[0])  # the encoder's, as is
-    error = np.mean((mp4.astype(float) - frames) ** 2)
-    print(f"/v1/videos MP4 against the raw frames: PSNR {10 * np.log10(255 ** 2 / error):.1f} dB")
+    served = videos_api.videos.download_content(video.id).content
+    assert videos_api.videos.download_content(video.id).content == served  # encoded once, kept
+    mp4, fps = decode_mp4(served)
+    assert fps == 16.0 and same_encoding(mp4, frames)
+    print(f"/v1/videos MP4 against the raw frames: PSNR {psnr(mp4, frames):.1f} dB")
     thumbnail = videos_api.videos.download_content(video.id, variant="thumbnail").content
     assert thumbnail.startswith(b"\x89PNG")
     assert video.id in [listed.id for listed in videos_api.videos.list()]
