@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="which GPUs a stage uses (repeatable): diffusion=0,1 (an instance on each), "
                             "diffusion=allx2, ar=tp:0,1 (one vLLM engine, tensor parallel), ar=0x3:shared (three "
                             "instances in front of one vLLM engine); docs/gpu.md")
+    serve.add_argument("--remote", action="append", default=[], metavar="MODEL=HOST:PORT",
+                       help="a stage served by another Triton server (repeatable): ar_encoder=encoder-pool:8001, or "
+                            "dns:///NAME:PORT to balance over every address NAME resolves to; docs/operations.md")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
     # No argparse choices: the names are the families' (triton_omni.families), whose import loads torch.
@@ -256,7 +259,7 @@ def _serve(args) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
-        placement=args.place, demo=args.demo, openai_port=args.openai_port,
+        placement=args.place, remote=args.remote, demo=args.demo, openai_port=args.openai_port,
         api_key=args.api_key, openai_workers=args.openai_workers or _gateway_workers(args.demo, default_workers()),
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())

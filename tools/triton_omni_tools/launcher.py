@@ -79,6 +79,8 @@ class ServerOptions:
     # Which GPUs each stage uses, ``STAGE=GPUS[xN]`` or ``STAGE=tp:GPUS`` (placement.py): the
     # server then loads a copy of the repositories with those instance groups.
     placement: list[str] = field(default_factory=list)
+    # Stages served by another Triton server, ``MODEL=HOST:PORT`` (remote.py): forwarded by name.
+    remote: list[str] = field(default_factory=list)
     # The demo models' family (demos.py): "sd", "qwen-image" or "z-image".
     demo: str = "sd"
     # `serve` also runs the OpenAI-compatible gateway on this port (gateway.py); 0: no gateway.
@@ -314,10 +316,13 @@ class TritonServer:
         self.admin_key = options.admin_key or os.environ.get("TRITON_OMNI_ADMIN_KEY") or secrets.token_hex(16)
         # What the server loads: the options' repositories, or their copies with the placement applied.
         try:
-            self.repositories = placement.place_repositories(options.model_repositories
-                                                             + demo_repositories(options.demo), options.placement,
-                                                             gpu_count(), self.run_dir / "repositories",
-                                                             demo_edits(options.demo))
+            from triton_omni_tools.remote import remote_edits
+            from triton_omni_tools.repository import merge_edits
+
+            repositories = options.model_repositories + demo_repositories(options.demo)
+            edits = merge_edits(demo_edits(options.demo), remote_edits(options.remote, repositories))
+            self.repositories = placement.place_repositories(repositories, options.placement, gpu_count(),
+                                                             self.run_dir / "repositories", edits)
         except Exception:
             self._remove_run_dir()
             raise

@@ -30,7 +30,7 @@ def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = No
                 max_batch_size: int | None = None, max_queue_delay_us: int | None = None,
                 preferred_batch_size: list[int] | None = None,
                 instance_group: list[dict[str, Any]] | None = None, decoupled: bool | None = None,
-                media: str | None = None) -> None:
+                media: str | None = None, backend: str | None = None) -> None:
     """Change ``path`` in place.
 
     ``parameters``: a string sets the model parameter; a dict is merged into
@@ -40,6 +40,8 @@ def edit_config(path: Path, *, parameters: dict[str, ParameterValue] | None = No
     ``video`` and ``fps`` (a video family's outputs) instead.
     """
     config = load_config(path)
+    if backend is not None:
+        config.backend = backend
     for key, value in (parameters or {}).items():
         if isinstance(value, dict):
             current = config.parameters[key].string_value
