@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 # gRPC codes of a server that is not there (down, restarting, or its address not resolving):
 # the call never reached a model, so it is safe to send again
 _UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+# what a server that is stopping (a pod scaled in) answers once it has begun unloading its models
+_DRAINING = "has no available versions"
 
 
 class RemoteError(Exception):
@@ -84,7 +86,7 @@ class RemoteStage:
                 result = self.client.infer(self.config.model, tensors, outputs=wanted,
                                            client_timeout=self.config.timeout_s)
             except InferenceServerException as error:
-                if str(error.status()) not in _UNREACHABLE:
+                if str(error.status()) not in _UNREACHABLE and _DRAINING not in (error.message() or ""):
                     raise self._remote_error(error) from None
                 if attempt == self.config.retries:
                     self.counters["unreachable"] += 1

@@ -2,7 +2,8 @@
 wired to the other: the front forwards exactly the models the stage pods load, to the stage
 Service's name and gRPC port, through a headless Service (every pod's address, for round robin);
 each pool has its PodDisruptionBudget and an autoscaler on a metric the adapter's rules serve and
-the stages export; the probes and the grace period are the single-server manifest's."""
+the stages export; the probes are the single-server manifest's, and each grace period covers the
+launcher's stop (the stage pool's longer drain of its denoising included)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from triton_omni_tools.launcher import STOP_TIMEOUT_S
+from triton_omni_tools.launcher import EXIT_TIMEOUT_S, UNLOAD_S
 from triton_omni_tools.remote import parse
 
 from tests.support.probes import container as single_server_container
@@ -81,13 +82,18 @@ def test_the_autoscalers_metrics_are_served_by_the_adapter_and_exported_by_the_s
         assert name in served and f"| `{name}` | gauge |" in metrics
 
 
+def test_the_stage_pool_drains_longer_than_a_denoising_request():
+    assert int(flag_values(container("stages")["args"], "--exit-timeout-secs")[0]) >= 60
+
+
 @pytest.mark.parametrize("component", ["stages", "front"])
-def test_probes_shared_memory_and_grace_are_the_single_server_manifests(component):
+def test_probes_shared_memory_and_grace_cover_the_launchers_stop(component):
     pod = of_pool("Deployment", component)["spec"]["template"]["spec"]
     ours, single = container(component), single_server_container()
     for probe in ("startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
         assert ours[probe] == single[probe], probe
     pause = int(ours["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] > pause + STOP_TIMEOUT_S
+    drain = int(next(iter(flag_values(ours["args"], "--exit-timeout-secs")), EXIT_TIMEOUT_S))
+    assert pod["terminationGracePeriodSeconds"] > pause + drain + UNLOAD_S  # the launcher's stop, all of it
     assert {m["mountPath"] for m in ours["volumeMounts"]} == {"/dev/shm"}
     assert ours["args"][:6] == ["omni-triton", "serve", "--server", "system", "--bind", "0.0.0.0"]

@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--remote", action="append", default=[], metavar="MODEL=HOST:PORT",
                        help="a stage served by another Triton server (repeatable): ar_encoder=encoder-pool:8001, or "
                             "dns:///NAME:PORT to balance over every address NAME resolves to; docs/operations.md")
+    serve.add_argument("--exit-timeout-secs", type=int, default=None, metavar="S",
+                       help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish (new ones "
+                            "are refused meanwhile); 15 by default. A pod's grace period must cover it "
+                            "(docs/operations.md)")
     serve.add_argument("--no-supervise", action="store_true",
                        help="do not restart a model whose stub died (docs/operations.md)")
     # No argparse choices: the names are the families' (triton_omni.families), whose import loads torch.
@@ -251,7 +255,7 @@ def _gateway_workers(demo: str, default: int) -> int:
 
 def _serve(args) -> int:
     from triton_omni_tools.gateway import default_workers
-    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, serve
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, EXIT_TIMEOUT_S, ServerOptions, serve
     from triton_omni_tools.restarts import RestartPolicy
 
     options = ServerOptions(
@@ -260,6 +264,7 @@ def _serve(args) -> int:
         log_verbose=args.log_verbose, model_control_mode=args.model_control_mode,
         load_models=args.load_model, server=args.server, bind=args.bind, supervise=not args.no_supervise,
         placement=args.place, remote=args.remote, demo=args.demo, openai_port=args.openai_port,
+        exit_timeout_s=EXIT_TIMEOUT_S if args.exit_timeout_secs is None else args.exit_timeout_secs,
         api_key=args.api_key, openai_workers=args.openai_workers or _gateway_workers(args.demo, default_workers()),
     )
     return serve(options, restarts=None if args.no_restart else RestartPolicy())

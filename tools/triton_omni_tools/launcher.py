@@ -55,6 +55,13 @@ SYSTEM_SERVER = Path("/opt/tritonserver")
 ServerChoice = Literal["auto", "embedded", "system"]
 
 
+# Stopping: Triton stops taking requests and gives those in flight this long to finish
+# (--exit-timeout-secs, ServerOptions.exit_timeout_s), then unloads the models; whatever is
+# left UNLOAD_S after that is killed. A container's grace period must cover both
+# (deploy/kubernetes.yaml; a DiT pool that drains longer, deploy/pools).
+EXIT_TIMEOUT_S = 15
+
+
 @dataclass
 class ServerOptions:
     model_repositories: list[Path] = field(default_factory=lambda: list(DEFAULT_REPOSITORIES))
@@ -79,6 +86,8 @@ class ServerOptions:
     # Which GPUs each stage uses, ``STAGE=GPUS[xN]`` or ``STAGE=tp:GPUS`` (placement.py): the
     # server then loads a copy of the repositories with those instance groups.
     placement: list[str] = field(default_factory=list)
+    # How long requests in flight may take to finish once the server is told to stop.
+    exit_timeout_s: int = EXIT_TIMEOUT_S
     # Stages served by another Triton server, ``MODEL=HOST:PORT`` (remote.py): forwarded by name.
     remote: list[str] = field(default_factory=list)
     # The demo models' family (demos.py): "sd", "qwen-image" or "z-image".
@@ -102,14 +111,11 @@ class ServerInstall:
 
 # Triton's APIs that change or expose the server beyond inference: restricted by default.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
-# Stopping: Triton stops taking requests and gives those in flight this long to finish
-# (--exit-timeout-secs), then unloads the models; whatever is left after STOP_TIMEOUT_S
-# is killed. A container's grace period must cover both (deploy/kubernetes.yaml).
-EXIT_TIMEOUT_S = 15
 # How long Triton waits for a new stub process to answer (its default is 30 s). On a busy host
 # (another server loading beside it, two cores) a stub's start took longer, and the model failed to load.
 STUB_TIMEOUT_S = 120
-STOP_TIMEOUT_S = 30.0
+UNLOAD_S = 15.0
+STOP_TIMEOUT_S = EXIT_TIMEOUT_S + UNLOAD_S
 # A start whose tritonserver crashes (these signals) before it is ready is tried again, this many times in all.
 STARTUP_ATTEMPTS = 3
 STARTUP_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
@@ -367,7 +373,7 @@ class TritonServer:
             f"--metrics-port={opts.metrics_port}",
             f"--log-verbose={opts.log_verbose}",
             f"--model-control-mode={mode}",
-            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            f"--exit-timeout-secs={opts.exit_timeout_s}",
             f"--http-address={opts.bind}",
             f"--grpc-address={opts.bind}",
             f"--metrics-address={opts.bind}",
@@ -484,9 +490,12 @@ class TritonServer:
             return ""
         return f"; see {log_file}\n" + startup_report(log_file.read_text(errors="replace"))
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGINT (Triton's graceful shutdown), then SIGKILL for whatever of the
-        process group is left: stubs and vLLM engine processes included."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGINT (Triton's graceful shutdown: requests in flight get ``exit_timeout_s`` to finish,
+        new ones are refused), then, ``timeout_s`` later (that plus the models' unloading by
+        default), SIGKILL for whatever of the process group is left: stubs and vLLM engine
+        processes included."""
+        timeout_s = self.options.exit_timeout_s + UNLOAD_S if timeout_s is None else timeout_s
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.process is not None:

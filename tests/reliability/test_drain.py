@@ -1,0 +1,60 @@
+"""A server told to stop (what a pod scaled in gets: SIGTERM, which `serve` turns into Triton's
+graceful stop) finishes the request it holds, its denoising steps included, within its exit
+timeout, and is not ready meanwhile (the Service takes the pod out). A request that reaches it
+during the drain is either served (Triton 2.51 takes it until it starts unloading the model) or
+refused as the model being gone (NOT_FOUND), which a front's forwarder sends to another replica."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+from tests.support.server import metric_value
+
+LONG = {"num_inference_steps": 40, "height": 32, "width": 32, "guidance_scale": 7.5, "seed": 1}
+
+
+def ready(server: TritonServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def test_a_stopping_server_finishes_the_denoising_it_holds(tmp_path):
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_control_mode="explicit", load_models=["ar_encoder", "diffusion"],
+                            exit_timeout_s=120, log_file=tmp_path / "tritonserver.log")
+    server = TritonServer(options).start()
+    try:
+        client = OmniClient(server.grpc_url)
+        embeds = client.encode("a red fox")
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(client.generate_image, prompt_embeds=embeds, **LONG)
+            deadline = time.monotonic() + 60
+            while metric_value(server, "omni_diffusion_requests_in_flight", model="diffusion") < 1:
+                assert time.monotonic() < deadline, "the request never reached the model"
+                time.sleep(0.05)
+            started = time.monotonic()
+            stopping = pool.submit(server.stop)
+            while ready(server):
+                assert time.monotonic() - started < 10, "still ready after it was told to stop"
+                time.sleep(0.05)
+            try:
+                late = client.generate_image(prompt_embeds=embeds, **LONG | {"num_inference_steps": 1})
+                assert late.shape == (32, 32, 3)
+            except OmniError as refused:
+                assert refused.status == "NOT_FOUND" and "no available versions" in str(refused), refused
+            image = held.result(timeout=150)  # in flight when the stop began: finished, not cut short
+            print(f"held request finished {time.monotonic() - started:.1f} s into the drain")
+            assert stopping.result(timeout=150) == 0  # a clean exit, nothing killed
+    finally:
+        server.stop()
+    assert image.shape == (32, 32, 3) and np.ptp(image) > 0
