@@ -1,0 +1,42 @@
+"""``RemoteStage`` against a real gRPC channel to a port nobody listens on: bounded retries, then a
+typed UNAVAILABLE naming the stage and its address; a remote stage's own errors keep their status;
+a config it cannot use is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from triton_omni.remote import RemoteConfig, RemoteError, RemoteStage
+from triton_omni_tools.launcher import free_port
+from tritonclient.utils import InferenceServerException
+
+
+def test_an_unreachable_server_is_retried_then_unavailable_naming_the_stage():
+    address = f"127.0.0.1:{free_port()}"
+    stage = RemoteStage(RemoteConfig(address, "ar_encoder", timeout_s=5, retries=2, backoff_s=0.01), "ar_encoder")
+    try:
+        with pytest.raises(RemoteError) as error:
+            stage.infer({"text_input": np.array([[b"a red fox"]], dtype=np.object_)}, ["prompt_embeds"])
+    finally:
+        stage.close()
+    assert error.value.status == "UNAVAILABLE"
+    assert f"remote stage ar_encoder (its server at {address}) unreachable after 3 attempts" in str(error.value)
+    assert stage.counters == {"calls": 1, "retries": 2, "unreachable": 1}
+
+
+@pytest.mark.parametrize(("message", "code", "status"), [
+    ("[INVALID_ARG] invalid `height`: must be a multiple of 16", "StatusCode.INTERNAL", "INVALID_ARG"),
+    ("in ensemble 'text_to_image', [UNAVAILABLE] over budget", "StatusCode.INTERNAL", "UNAVAILABLE"),
+    ("unexpected shape for input 'seed'", "StatusCode.INVALID_ARGUMENT", "INVALID_ARG"),
+    ("too many", "StatusCode.RESOURCE_EXHAUSTED", "INTERNAL"),  # not one of the protocol's names
+])
+def test_a_remote_stages_own_error_keeps_its_status(message, code, status):
+    error = RemoteStage._remote_error(InferenceServerException(msg=message, status=code))
+    assert error.status == status and "[" + status + "]" not in str(error)
+
+
+def test_a_config_it_cannot_use_is_refused_by_name():
+    with pytest.raises(ValueError, match="remote_url"):
+        RemoteConfig(" ", "ar_encoder")
+    with pytest.raises(ValueError, match="remote_retries"):
+        RemoteConfig("host:1", "ar_encoder", retries=-1)
