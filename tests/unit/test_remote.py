@@ -1,12 +1,13 @@
 """``RemoteStage`` against a real gRPC channel to a port nobody listens on: bounded retries, then a
 typed UNAVAILABLE naming the stage and its address; a remote stage's own errors keep their status;
-a config it cannot use is refused by name."""
+a config it cannot use, and a stage `serve --remote` cannot forward, are refused by name."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from triton_omni.remote import RemoteConfig, RemoteError, RemoteStage
+from triton_omni_tools.cli import main
 from triton_omni_tools.launcher import free_port
 from tritonclient.utils import InferenceServerException
 
@@ -40,3 +41,10 @@ def test_a_config_it_cannot_use_is_refused_by_name():
         RemoteConfig(" ", "ar_encoder")
     with pytest.raises(ValueError, match="remote_retries"):
         RemoteConfig("host:1", "ar_encoder", retries=-1)
+
+
+def test_serve_refuses_a_stage_that_streams_by_name(capsys):
+    assert main(["serve", "--remote", "ar=127.0.0.1:1"]) == 2
+    assert "--remote 'ar=127.0.0.1:1': model 'ar' streams its answers" in capsys.readouterr().err
+    assert main(["serve", "--remote", "ar_encoder"]) == 2
+    assert "MODEL=HOST:PORT" in capsys.readouterr().err

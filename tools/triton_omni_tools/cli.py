@@ -177,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     from triton_omni_tools.demos import DemoError
     from triton_omni_tools.memory_plan import MemoryPlanError
     from triton_omni_tools.placement import PlacementError
+    from triton_omni_tools.remote import RemoteSpecError
 
     try:
         return args.run(args)
-    except (PlacementError, MemoryPlanError, DemoError) as exc:  # what the server cannot serve, said plainly
+    # what the server cannot serve, said plainly
+    except (PlacementError, MemoryPlanError, DemoError, RemoteSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
