@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale
 import triton_python_backend_utils as pb_utils
+from triton_omni.channel import Cancellations
 from triton_omni.remote import RemoteConfig, RemoteError, RemoteStage
 from triton_omni.triton import ar_io, diffusion_io
 from triton_omni.triton.errors import triton_error
-from triton_omni.triton.params import model_parameters
+from triton_omni.triton.params import channel_ids, model_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni_protocol import tag_status
 
@@ -47,6 +49,7 @@ class TritonPythonModel:
         self.outputs = [output["name"] for output in model_config.get("output", [])]
         self.remote = RemoteStage(config, self.model_name)
         self.responses = ResponseThread()
+        self.cancellations = Cancellations()  # omni's flags for the requests it sent
         self.pool = ThreadPoolExecutor(max_workers=int(params.get("remote_max_in_flight", "64")),
                                        thread_name_prefix="omni-remote")
         logger.info("model %s: forwarded to model %s at %s", self.model_name, config.model, config.url)
@@ -56,12 +59,16 @@ class TritonPythonModel:
             # read now: the request's tensors are released when execute returns
             inputs = {tensor.name(): np.array(tensor.as_numpy()) for tensor in request.inputs()}
             outputs = list(request.requested_output_names()) or self.outputs
-            self.pool.submit(self._forward, request.get_response_sender(), inputs, outputs)
+            key, _ = channel_ids(request)
+            sender, cancelled = request.get_response_sender(), threading.Event()
+            # the client's cancellation, or omni's for a request it sent, cancels the remote call
+            self.responses.watch(sender, cancelled.set, lambda key=key: self.cancellations.is_cancelled(key))
+            self.pool.submit(self._forward, sender, inputs, outputs, cancelled)
         return None
 
-    def _forward(self, sender, inputs, outputs) -> None:
+    def _forward(self, sender, inputs, outputs, cancelled: threading.Event) -> None:
         try:
-            answer = self.remote.infer(inputs, outputs)
+            answer = self.remote.infer(inputs, outputs, cancelled.is_set)
             response = pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(name, array) for name, array in answer.items()])
         except RemoteError as error:
@@ -70,6 +77,7 @@ class TritonPythonModel:
                                            getattr(pb_utils.TritonError, error.status)))
         except Exception as error:  # a request fails alone, and says why
             response = pb_utils.InferenceResponse(error=triton_error(error, f"model '{self.model_name}'"))
+        self.responses.unwatch(sender)
         self.responses.send(sender, response, final=True)
 
     def finalize(self):

@@ -16,7 +16,9 @@ Python backend: the adapter turns these arrays into its tensors.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 # gRPC codes of a server that is not there (down, restarting, or its address not resolving):
 # the call never reached a model, so it is safe to send again
 _UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+CANCEL_POLL_S = 0.1  # how often a running call looks at its request's cancellation
 # what a server that is stopping (a pod scaled in) answers once it has begun unloading its models
 _DRAINING = "has no available versions"
 
@@ -67,10 +70,13 @@ class RemoteStage:
             config.url, channel_args=[("grpc.lb_policy_name", "round_robin"),
                                       ("grpc.initial_reconnect_backoff_ms", 200),
                                       ("grpc.max_reconnect_backoff_ms", 2000)])
-        self.counters = {"calls": 0, "retries": 0, "unreachable": 0}
+        self.counters = {"calls": 0, "retries": 0, "unreachable": 0, "cancelled": 0}
 
-    def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        """The remote model's answer to ``inputs``: ``outputs`` that it produced, by name."""
+    def infer(self, inputs: dict[str, np.ndarray], outputs: list[str],
+              cancelled: Callable[[], bool] | None = None) -> dict[str, np.ndarray]:
+        """The remote model's answer to ``inputs``: ``outputs`` that it produced, by name. Once
+        ``cancelled()`` says so, the remote call is cancelled too (the stage there drops the
+        request, a diffusion at its next step) and this raises ``CANCELLED``."""
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
         tensors = []
@@ -83,8 +89,7 @@ class RemoteStage:
         delay = self.config.backoff_s
         for attempt in range(self.config.retries + 1):
             try:
-                result = self.client.infer(self.config.model, tensors, outputs=wanted,
-                                           client_timeout=self.config.timeout_s)
+                result = self._call(tensors, wanted, cancelled)
             except InferenceServerException as error:
                 if str(error.status()) not in _UNREACHABLE and _DRAINING not in (error.message() or ""):
                     raise self._remote_error(error) from None
@@ -101,6 +106,25 @@ class RemoteStage:
             else:
                 return {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
         raise AssertionError("unreachable")
+
+    def _call(self, tensors: list, wanted: list, cancelled: Callable[[], bool] | None):
+        """One call, watched for ``cancelled`` while it runs."""
+        done, answer = threading.Event(), {}
+
+        def callback(result, error) -> None:
+            answer.update(result=result, error=error)
+            done.set()
+
+        call = self.client.async_infer(self.config.model, tensors, callback, outputs=wanted,
+                                       client_timeout=self.config.timeout_s)
+        while not done.wait(CANCEL_POLL_S):
+            if cancelled is not None and cancelled():
+                call.cancel()
+                self.counters["cancelled"] += 1
+                raise RemoteError("CANCELLED", "request cancelled")
+        if answer["error"] is not None:
+            raise answer["error"]
+        return answer["result"]
 
     @staticmethod
     def _remote_error(error) -> RemoteError:

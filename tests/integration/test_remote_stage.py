@@ -1,7 +1,8 @@
 """Stages on another server (`serve --remote ar_encoder=HOST:PORT --remote diffusion=HOST:PORT`):
 two servers on this machine, the front one's `ar_encoder` and `diffusion` forwarding to the stage
 server's (which serves only those). `omni`, the `text_to_image` ensemble and direct calls give the
-one-server answers (the suite's shared server's) bit for bit; the stage server killed under load,
+one-server answers (the suite's shared server's) bit for bit; a cancelled request is cancelled over
+there; the stage server killed under load,
 every request either succeeds or fails with a typed UNAVAILABLE naming the stage, none hangs;
 started again on its address, the front serves the next request."""
 
@@ -16,9 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import omni_inputs
 from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
 from triton_omni_tools.remote import RemoteSpecError, remote_edits
+
+from tests.support.server import metric_value
 
 MODELS = ["ar_encoder", "diffusion", "text_to_image", "omni"]
 REMOTE = ["ar_encoder", "diffusion"]  # the stage server's
@@ -76,6 +81,35 @@ def test_the_remote_stages_own_errors_pass_through_typed(servers):
     assert client.encode(PROMPT).shape[0] > 0  # and the next request served
 
 
+def test_a_cancelled_request_is_cancelled_on_the_stage_server(servers):
+    """omni's client leaves mid-denoising: the forwarder cancels its call, and the stage server's
+    diffusion drops the request at its next step."""
+    stages = servers["stages"]
+    count = lambda outcome: metric_value(stages, "omni_diffusion_requests_total",  # noqa: E731
+                                         model="diffusion", outcome=outcome)
+    steps = lambda: metric_value(stages, "omni_diffusion_steps_total", model="diffusion")  # noqa: E731
+    cancelled_before, started = count("cancelled"), steps()
+    client = grpcclient.InferenceServerClient(servers["front"].grpc_url)
+    client.start_stream(callback=lambda result, error: None)
+    # 100 steps at 128x128: seconds here, far longer than the cancel takes to arrive
+    client.async_stream_infer("omni", omni_inputs(grpcclient, {
+        "text_input": "a long walk", "modalities": ["image"], "stream": True, "num_inference_steps": 100,
+        "height": 128, "width": 128}))
+    deadline = time.monotonic() + 120
+    while steps() < started + 2:  # denoising over there
+        assert time.monotonic() < deadline, "the request never reached the stage server's diffusion"
+        time.sleep(0.1)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while count("cancelled") < cancelled_before + 1:
+        assert time.monotonic() < deadline, "the stage server's diffusion request was never cancelled"
+        time.sleep(0.1)
+    settled = steps()
+    time.sleep(1.0)
+    assert steps() == settled and steps() - started < 100, "steps still running over there after the cancel"
+
+
 def test_a_stage_that_streams_cannot_be_remote():
     with pytest.raises(RemoteSpecError, match="'ar' streams its answers"):
         remote_edits(["ar=127.0.0.1:1"], list(DEFAULT_REPOSITORIES))
@@ -88,7 +122,7 @@ def test_a_stage_that_streams_cannot_be_remote():
 def test_the_stage_server_killed_under_load_fails_requests_typed_and_none_hangs(servers):
     url = servers["front"].grpc_url
     embeds = OmniClient(url).encode(PROMPT)
-    stop = threading.Event()
+    stop, served = threading.Event(), threading.Semaphore(0)  # released once per request that succeeded
 
     def load(worker: int) -> list[str]:
         """Requests one after another until told to stop: each one's outcome."""
@@ -97,6 +131,7 @@ def test_the_stage_server_killed_under_load_fails_requests_typed_and_none_hangs(
             try:
                 client.generate_image(f"{PROMPT} {worker} {len(outcomes)}", model="text_to_image", **OPTIONS)
                 outcomes.append("ok")
+                served.release()
             except OmniError as error:
                 assert error.status == "UNAVAILABLE" and "remote stage" in str(error), error
                 outcomes.append("unavailable")
@@ -105,7 +140,8 @@ def test_the_stage_server_killed_under_load_fails_requests_typed_and_none_hangs(
     stages = servers["stages"]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(load, worker) for worker in range(4)]
-        time.sleep(2.0)
+        for _ in range(2):  # under way: requests served before the kill, whatever the host's speed
+            assert served.acquire(timeout=120), "no request succeeded before the kill"
         os.killpg(stages.process.pid, signal.SIGKILL)
         time.sleep(4.0)  # past the retries' 1.5 s: requests sent while it is down fail too
         stop.set()
