@@ -22,7 +22,7 @@ def test_an_unreachable_server_is_retried_then_unavailable_naming_the_stage():
         stage.close()
     assert error.value.status == "UNAVAILABLE"
     assert f"remote stage ar_encoder (its server at {address}) unreachable after 3 attempts" in str(error.value)
-    assert stage.counters == {"calls": 1, "retries": 2, "unreachable": 1}
+    assert stage.counters == {"calls": 1, "retries": 2, "unreachable": 1, "cancelled": 0}
 
 
 @pytest.mark.parametrize(("message", "code", "status"), [
