@@ -50,8 +50,8 @@ def test_a_stopping_server_finishes_the_denoising_it_holds(tmp_path):
             try:
                 late = client.generate_image(prompt_embeds=embeds, **LONG | {"num_inference_steps": 1})
                 assert late.shape == (32, 32, 3)
-            except OmniError as refused:
-                assert refused.status == "NOT_FOUND" and "no available versions" in str(refused), refused
+            except OmniError as refused:  # the model unloading; or, the drain over, the server gone
+                assert refused.status in ("NOT_FOUND", "UNAVAILABLE"), refused
             image = held.result(timeout=150)  # in flight when the stop began: finished, not cut short
             print(f"held request finished {time.monotonic() - started:.1f} s into the drain")
             assert stopping.result(timeout=150) == 0  # a clean exit, nothing killed
