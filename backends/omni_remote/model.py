@@ -20,12 +20,11 @@ import numpy as np
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale
 import triton_python_backend_utils as pb_utils
 from triton_omni.channel import Cancellations
-from triton_omni.remote import RemoteConfig, RemoteError, RemoteStage
+from triton_omni.remote import RemoteConfig, RemoteStage
 from triton_omni.triton import ar_io, diffusion_io
 from triton_omni.triton.errors import triton_error
 from triton_omni.triton.params import channel_ids, model_parameters
 from triton_omni.triton.responses import ResponseThread
-from triton_omni_protocol import tag_status
 
 logger = logging.getLogger("omni_remote")
 
@@ -71,11 +70,7 @@ class TritonPythonModel:
             answer = self.remote.infer(inputs, outputs, cancelled.is_set)
             response = pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(name, array) for name, array in answer.items()])
-        except RemoteError as error:
-            response = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(tag_status(error.status, str(error)),
-                                           getattr(pb_utils.TritonError, error.status)))
-        except Exception as error:  # a request fails alone, and says why
+        except Exception as error:  # a request fails alone, and says why (a RemoteError with the remote's status)
             response = pb_utils.InferenceResponse(error=triton_error(error, f"model '{self.model_name}'"))
         self.responses.unwatch(sender)
         self.responses.send(sender, response, final=True)

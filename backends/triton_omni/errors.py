@@ -51,6 +51,15 @@ class StageError(Exception):
         super().__init__(f"{stage}: {message}")
 
 
+class RemoteError(Exception):
+    """A stage on another server (``remote.py``) failed a forwarded request: ``status`` is the one
+    its caller gets (one of the protocol's names), the message as the stage there wrote it."""
+
+    def __init__(self, status: str, message: str):
+        self.status = status
+        super().__init__(message)
+
+
 def _short_repr(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

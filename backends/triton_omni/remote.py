@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 from triton_omni_protocol import STATUS_NAMES, parse_status
 
+from triton_omni.errors import RemoteError
+
 logger = logging.getLogger(__name__)
 
 # gRPC codes of a server that is not there (down, restarting, or its address not resolving):
@@ -32,14 +34,6 @@ _UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 CANCEL_POLL_S = 0.1  # how often a running call looks at its request's cancellation
 # what a server that is stopping (a pod scaled in) answers once it has begun unloading its models
 _DRAINING = "has no available versions"
-
-
-class RemoteError(Exception):
-    """A remote call's failure, with the status its caller gets (one of the protocol's names)."""
-
-    def __init__(self, status: str, message: str):
-        self.status = status
-        super().__init__(message)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from triton_omni.remote import RemoteConfig, RemoteError, RemoteStage
+from triton_omni.errors import RemoteError
+from triton_omni.remote import RemoteConfig, RemoteStage
 from triton_omni_tools.cli import main
 from triton_omni_tools.launcher import free_port
 from tritonclient.utils import InferenceServerException

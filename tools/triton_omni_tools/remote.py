@@ -34,10 +34,10 @@ def remote_edits(specs: list[str], repositories: list[Path]) -> dict[str, dict[s
     edits: dict[str, dict[str, Any]] = {}
     for spec in specs:
         model, address = parse(spec)
-        found = [Path(r) / model / "config.pbtxt" for r in repositories if (Path(r) / model / "config.pbtxt").exists()]
-        if not found:
+        found = next((path for r in repositories if (path := Path(r) / model / "config.pbtxt").exists()), None)
+        if found is None:
             raise RemoteSpecError(f"--remote {spec!r}: no model {model!r} in this server's repositories")
-        config = load_config(found[0])
+        config = load_config(found)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
         one_answer = (config.backend == "omni_ar" and parameters.get("mode") == "encode") or (
             config.backend == "omni_diffusion" and not config.model_transaction_policy.decoupled)

@@ -15,7 +15,13 @@ import logging
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import tag_status
 
-from triton_omni.errors import RequestCancelledError, RequestRejectedError, RequestValidationError, StageError
+from triton_omni.errors import (
+    RemoteError,
+    RequestCancelledError,
+    RequestRejectedError,
+    RequestValidationError,
+    StageError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ def triton_error(exc: BaseException, context: str) -> pb_utils.TritonError:
         return _tagged(str(exc), "UNAVAILABLE")
     if isinstance(exc, RequestCancelledError):
         return _tagged("request cancelled", "CANCELLED")
-    if isinstance(exc, StageError):  # a downstream stage's own code and message
+    if isinstance(exc, StageError | RemoteError):  # a downstream or remote stage's own code and message
         return _tagged(str(exc), exc.status)
     logger.error("Internal error in %s", context, exc_info=exc)
     return _tagged(f"internal error in {context}: {type(exc).__name__}: {exc}"[:500], "INTERNAL")
