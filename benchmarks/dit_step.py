@@ -20,6 +20,12 @@ dense bf16 peak), for each attention kernel listed (``auto``: the one a served m
     python benchmarks/dit_step.py --family qwen-image --preset realistic --size 1024 --rows 1,4
     python benchmarks/dit_step.py --family z-image --preset realistic --size 512 --quantization fp8
     python benchmarks/dit_step.py --family qwen-image --preset realistic --attention-backend native,auto
+    python benchmarks/dit_step.py --family qwen-image --preset realistic --quantization fp8 --modes eager --profile 25
+
+``--profile N``: after each mode's timing, one more forward under ``torch.profiler``, and its N
+kernels that took the most device time, with each kind's share of the forward (matmuls, attention,
+FP8's own casts and scales, norms, the rest): where the time of a forward goes, and what the
+quantization itself costs.
 """
 
 from __future__ import annotations
@@ -108,6 +114,43 @@ def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.d
     return (time.perf_counter() - started) / repeats
 
 
+KINDS = (  # a kernel's kind, by its name (first match): what the profile's shares are of
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "sm90_", "cutlass", "nvjet", "scaled_mm", "xmma", "matmul", "addmm", "aten::mm", "bmm")),
+    ("fp8 casts and scales", ("float8", "fp8", "e4m3", "amax", "quant", "abs_", "reciprocal", "clamp")),
+    ("norms", ("norm",)),
+)
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, marks in KINDS if any(mark in name for mark in marks)), "the rest")
+
+
+def profile_forward(network, args, kwargs, mode: str, top: int, device: torch.device) -> None:
+    """One forward under the profiler (after ``time_forward``'s warm-up): its top kernels (on a CPU,
+    its top operators) and each kind's share of the device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        network(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+    spent = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [(e.key, getattr(e, spent), e.count) for e in prof.key_averages() if getattr(e, spent) > 0]
+    total = sum(us for _, us, _ in kernels) or 1.0
+    shares: dict[str, float] = {}
+    for name, us, _ in kernels:
+        shares[kind_of(name)] = shares.get(kind_of(name), 0.0) + us
+    print(f"  profile of one forward ({mode}): {total / 1e3:.2f} ms of kernels; "
+          + ", ".join(f"{kind} {us / total:.1%}" for kind, us in sorted(shares.items(), key=lambda s: -s[1])))
+    for name, us, count in sorted(kernels, key=lambda k: -k[1])[:top]:
+        print(f"  {us / 1e3:>9.3f} ms {us / total:>6.1%} {count:>5}x  {kind_of(name):<21} {name[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(MODELS), required=True)
@@ -118,6 +161,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each mode, profile one forward and print its N costliest kernels")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     logging.getLogger("triton_omni").setLevel(logging.INFO)  # what `auto` timed
@@ -149,12 +194,14 @@ def main() -> None:
                     continue  # CUDA graphs need a GPU
                 graphs = set_mode(network, mode)
                 s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
-                if graphs is not None:
-                    graphs.remove()
                 baseline = baseline or s
                 mfu = f"{flops / s / peak:.1%}" if peak else "-"
                 print(f"{rows:>4} {attention:>14} {mode:>28} {s * 1e3:>11.2f} {s / baseline:>8.3f} {mfu:>6}",
                       flush=True)
+                if args.profile:  # before the graphs are removed: the forward as timed
+                    profile_forward(network, call_args, call_kwargs, mode, args.profile, device)
+                if graphs is not None:
+                    graphs.remove()
                 points.append({"rows": rows, "attention": attention, "mode": mode, "seconds": s,
                                "ratio_to_first": s / baseline, "mfu": flops / s / peak if peak else None})
     if args.json:
