@@ -3,19 +3,22 @@ temporary folder, outlives the suite's servers and the processes that made it.
 
 Checked once, after every other session-scoped fixture has stopped its servers (this one is set up
 first, so it is torn down last): a leftover fails the run as an error in the last test's teardown,
-naming the files. An entry some live process still uses is not a leftover (the pytest process's own
-multiprocessing objects, alive until it exits; another server running beside the suite): a file it
-maps, a folder named in its environment (a server's run folder, the gateway's metrics folder), a
-folder named after it (``processes.server_folder``)."""
+naming the files. A tritonserver this process started and never stopped is a leftover too: its
+files are in use while it runs, and the reaper only takes it down after pytest exits. An entry some
+live process still uses is not a leftover (the pytest process's own multiprocessing objects, alive
+until it exits; another server running beside the suite): a file it maps, a folder named in its
+environment (a server's run folder, the gateway's metrics folder), a folder named after it
+(``processes.server_folder``)."""
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 from pathlib import Path
 
 import pytest
-from triton_omni.processes import identity_alive
+from triton_omni.processes import identity_alive, parents
 from triton_omni_tools.reaper import SHM, mapped_shared_memory
 
 PROJECT_TEMP_PREFIX = "triton-omni-"  # run folders, engine seats, the gateway's metrics folder
@@ -43,10 +46,24 @@ def in_use(entries: set[Path]) -> set[Path]:
     return used
 
 
+def servers_still_running() -> list[int]:
+    """The tritonserver processes this pytest started (its children) that still run."""
+    running = []
+    for pid in (pid for pid, parent in parents().items() if parent == os.getpid()):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        if stat.startswith(f"{pid} (tritonserver) ") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            running.append(pid)
+    return running
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind():
     before = made_here()
     yield
+    assert not servers_still_running(), f"servers the suite started and never stopped: {servers_still_running()}"
     new = made_here() - before
     left = new - in_use(new)
     assert not left, f"the suite left these behind: {sorted(map(str, left))}"
