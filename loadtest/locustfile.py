@@ -18,6 +18,9 @@ Settings come from environment variables (defaults in brackets):
   OMNI_STEPS         diffusion steps per image [4]
   OMNI_MAX_TOKENS    tokens per text request [16]
   OMNI_TIMEOUT_S     a request's deadline, in seconds [none]
+  OMNI_RAMP          phases of USERS@SECONDS, e.g. 2@20,60@40,2@40: the users held at each
+                     count for that long, then the run ends (a load shape; --users and
+                     --run-time are then ignored) [none: a flat load]
 
     make loadtest                        # starts the embedded server, CSVs in .cache/loadtest/
     .venv/bin/locust -f loadtest/locustfile.py --host http://localhost:8000   # web UI
@@ -37,7 +40,7 @@ from grpc.experimental import gevent as grpc_gevent
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
 import tritonclient.grpc as grpcclient  # noqa: E402
-from locust import FastHttpUser, User, between, events, task  # noqa: E402
+from locust import FastHttpUser, LoadTestShape, User, between, events, task  # noqa: E402
 from triton_omni_client.client import batched_inputs, omni_inputs, stream_infer  # noqa: E402
 
 GRPC_URL = os.environ.get("OMNI_GRPC_URL", "localhost:8001")
@@ -50,6 +53,30 @@ PROMPTS = (Path(os.environ["OMNI_PROMPTS"]).read_text().split("\n") if os.enviro
     "a sailing boat on a calm sea", "an old library with tall windows", "a city street in the rain",
 ])
 PROMPTS = [p for p in PROMPTS if p.strip()]
+
+
+def ramp_phases(spec: str) -> list[tuple[int, float]]:
+    """``"2@20,60@40"`` -> [(2, 20.0), (60, 40.0)]: users, seconds held."""
+    phases = []
+    for phase in spec.split(","):
+        users, _, seconds = phase.partition("@")
+        phases.append((int(users), float(seconds)))
+    return phases
+
+
+if os.environ.get("OMNI_RAMP"):
+    class Ramp(LoadTestShape):
+        """The users of OMNI_RAMP's phases in turn (all spawned at once), then the end of the run."""
+
+        phases = ramp_phases(os.environ["OMNI_RAMP"])
+
+        def tick(self):
+            elapsed = self.get_run_time()
+            for users, seconds in self.phases:
+                if elapsed < seconds:
+                    return users, max(users, 1)
+                elapsed -= seconds
+            return None
 
 
 @events.quit.add_listener
@@ -102,8 +129,8 @@ class HttpOmniUser(FastHttpUser):
 
 
 def _expect(response, key: str) -> None:
-    if response.status_code != 200:
-        response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+    if response.status_code != 200:  # 0: no response at all (a timeout, a refused connection): no text
+        response.failure(f"HTTP {response.status_code}: {(response.text or repr(response.error))[:200]}")
     elif key not in response.json():
         response.failure(f"no {key!r} in the response")
 
