@@ -2,10 +2,12 @@
 graceful stop) finishes the request it holds, its denoising steps included, within its exit
 timeout, and is not ready meanwhile (the Service takes the pod out). A request that reaches it
 during the drain is either served (Triton 2.51 takes it until it starts unloading the model) or
-refused as the model being gone (NOT_FOUND), which a front's forwarder sends to another replica."""
+refused as the model being gone (NOT_FOUND), which a front's forwarder sends to another replica:
+with two replicas behind one address, every request of a load goes on succeeding while one leaves."""
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,3 +60,60 @@ def test_a_stopping_server_finishes_the_denoising_it_holds(tmp_path):
     finally:
         server.stop()
     assert image.shape == (32, 32, 3) and np.ptp(image) > 0
+
+
+def served_by(server: TritonServer) -> float:
+    return metric_value(server, "nv_inference_request_success", model="diffusion")
+
+
+def test_a_replica_scaled_in_under_load_is_routed_around(tmp_path):
+    """Two replicas of a stage behind one address, as a headless Service's pods are: one is stopped
+    (scaled in) while a front forwards a steady load to them. What it refuses while it unloads, or
+    can no longer be reached for, the front's forwarder sends to the other: every request succeeds,
+    and the other replica serves on."""
+    def replica(name: str) -> ServerOptions:
+        return ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                             model_control_mode="explicit", load_models=["diffusion"],
+                             log_file=tmp_path / f"{name}.log")
+
+    with ThreadPoolExecutor(2) as pool:  # both start at once: a start is most of this test's time
+        leaving, staying = pool.map(lambda options: TritonServer(options).start(), [replica("a"), replica("b")])
+    front = None
+    try:
+        # gRPC's list of addresses (IP literals), balanced round robin as a headless Service's are
+        address = "ipv4:" + ",".join(f"127.0.0.1:{s.options.grpc_port}" for s in (leaving, staying))
+        front = TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                           model_control_mode="explicit", load_models=["diffusion"],
+                                           remote=[f"diffusion={address}"], log_file=tmp_path / "front.log")).start()
+        embeds = np.random.default_rng(0).standard_normal((7, 128)).astype(np.float32)
+        stop, served = threading.Event(), threading.Semaphore(0)
+
+        def load() -> list[str]:
+            outcomes, client = [], OmniClient(front.grpc_url)
+            while not stop.is_set():
+                try:
+                    client.generate_image(prompt_embeds=embeds, num_inference_steps=4, height=32, width=32, seed=1)
+                    outcomes.append("ok")
+                    served.release()
+                except OmniError as error:
+                    outcomes.append(f"{error.status}: {error}")
+            return outcomes
+
+        with ThreadPoolExecutor(3) as pool:
+            workers = [pool.submit(load) for _ in range(3)]
+            try:
+                for _ in range(4):
+                    assert served.acquire(timeout=120), "no request served before the scale-in"
+                leaving.stop()  # SIGINT: Triton's drain, then the models unload and the server exits
+                before, deadline = served_by(staying), time.monotonic() + 120
+                while served_by(staying) < before + 4:  # the load goes on, on the replica left
+                    assert time.monotonic() < deadline, "the replica left served nothing after the scale-in"
+                    time.sleep(0.2)
+            finally:
+                stop.set()  # the workers end whatever happened
+            outcomes = [outcome for worker in workers for outcome in worker.result(timeout=120)]
+        assert set(outcomes) == {"ok"}, [outcome for outcome in outcomes if outcome != "ok"]
+    finally:
+        for server in (front, leaving, staying):
+            if server is not None:
+                server.stop()
