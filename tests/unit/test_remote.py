@@ -10,6 +10,7 @@ from triton_omni.errors import RemoteError
 from triton_omni.remote import RemoteConfig, RemoteStage
 from triton_omni_tools.cli import main
 from triton_omni_tools.launcher import free_port
+from triton_omni_tools.remote import RemoteSpecError, parse
 from tritonclient.utils import InferenceServerException
 
 
@@ -49,3 +50,17 @@ def test_serve_refuses_a_stage_that_streams_by_name(capsys):
     assert "--remote 'ar=127.0.0.1:1': model 'ar' streams its answers" in capsys.readouterr().err
     assert main(["serve", "--remote", "ar_encoder"]) == 2
     assert "MODEL=HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("address", ["stages:9001", "127.0.0.1:9001", "dns:///triton-omni-stages:8001",
+                                     "ipv4:127.0.0.1:9001,127.0.0.1:9002", "ipv6:[::1]:9001"])
+def test_the_addresses_grpc_takes_are_taken(address):
+    assert parse(f"diffusion={address}") == ("diffusion", address)
+
+
+@pytest.mark.parametrize("address", ["stages", "stages:port", "stages:99999", "ipv4:localhost:9001",
+                                     "ipv4:127.0.0.1", "ipv4:"])
+def test_an_address_grpc_would_refuse_is_refused_at_start(address):
+    """gRPC checks a target only when the first call opens the channel (and answers UNKNOWN then)."""
+    with pytest.raises(RemoteSpecError, match="is not a gRPC address"):
+        parse(f"diffusion={address}")

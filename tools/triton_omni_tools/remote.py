@@ -20,11 +20,40 @@ class RemoteSpecError(ValueError):
     pass
 
 
+ADDRESS_FORMS = "HOST:PORT, dns:///NAME:PORT, or ipv4:IP:PORT,IP:PORT,..."
+
+
 def parse(spec: str) -> tuple[str, str]:
     model, sep, address = spec.partition("=")
     if not sep or not model.strip() or not address.strip():
         raise RemoteSpecError(f"--remote must be MODEL=HOST:PORT (e.g. ar_encoder=encoder-pool:8001), got {spec!r}")
-    return model.strip(), address.strip()
+    address = address.strip()
+    if not valid_address(address):  # gRPC would only say so at the first request, as UNKNOWN
+        raise RemoteSpecError(f"--remote {spec!r}: {address!r} is not a gRPC address ({ADDRESS_FORMS})")
+    return model.strip(), address
+
+
+def valid_address(address: str) -> bool:
+    """A target gRPC's channel takes: ``host:port``, a resolver's URI (``dns:///name:port``), or
+    ``ipv4:``/``ipv6:`` followed by IP literals with their ports (several replicas, round robin)."""
+    scheme, _, rest = address.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return bool(rest) and all(_ip_with_port(entry) for entry in rest.split(","))
+    if scheme in ("dns", "unix", "unix-abstract") and rest:
+        return True
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _ip_with_port(entry: str) -> bool:
+    import ipaddress
+
+    host, _, port = entry.rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return port.isdigit() and 0 < int(port) < 65536
 
 
 def remote_edits(specs: list[str], repositories: list[Path]) -> dict[str, dict[str, Any]]:
