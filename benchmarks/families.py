@@ -70,7 +70,9 @@ real weights lose).
 Every row prints the MFU of both sides: the family's FLOPs per image (``Family.forward_flops``: the
 DiT's blocks, per forward pass, times the passes of its steps) over the latency, as a fraction of the
 GPU's dense bf16 peak (``gpu_peaks.PEAK_BF16``; FP8's peak is twice that, but
-the fraction stays bf16's so that the rows compare).
+the fraction stays bf16's so that the rows compare). Beside it, the least time an image can take on
+the GPU (the served linear layers at their type's dense peak, FP8's with ``--quantization fp8``,
+attention at bf16's) and Triton's latency as a fraction of it: how far is left.
 
 ``--gather-us N``: Triton gathers the requests that arrive within N µs into one ``execute`` (no
 ``preferred_batch_size``), so that requests sent together start at the same step; each request then
@@ -100,7 +102,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from gpu_peaks import device_name, peak_bf16
+from gpu_peaks import device_name, limit_seconds, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.steps import to_pixels
 from triton_omni.families import family_of
@@ -263,16 +265,16 @@ def pooled_size(pipeline) -> int:
 
 
 WARM_UP_STEPS = 2
-def flops_per_image(pipeline, requests: Requests) -> int:
-    """The DiT's FLOPs for one request's image: every step's passes (the prompt's, and the
-    negative's where it guides), each ``Family.forward_flops``; an edit's input image's tokens
-    are part of the sequence."""
+def flop_parts_per_image(pipeline, requests: Requests) -> tuple[int, int]:
+    """The DiT's FLOPs for one request's image, (linear layers', attention's): every step's passes
+    (the prompt's, and the negative's where it guides), each ``Family.forward_flop_parts``; an
+    edit's input image's tokens are part of the sequence."""
     family, setup = family_of(pipeline), requests.setup
     image = family.image_tokens(*setup.shape, setup.frames or 1) * (2 if requests.image is not None else 1)
-    per_step = family.forward_flops(image, setup.tokens)
+    passes = [family.forward_flop_parts(image, setup.tokens)]
     if requests.guided:
-        per_step += family.forward_flops(image, setup.negative_tokens or setup.tokens * 3 // 4)
-    return setup.steps * per_step
+        passes.append(family.forward_flop_parts(image, setup.negative_tokens or setup.tokens * 3 // 4))
+    return setup.steps * sum(p[0] for p in passes), setup.steps * sum(p[1] for p in passes)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -449,7 +451,10 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
         pipeline.transformer.compile_repeated_blocks()
     requests = Requests(family, setup, hidden_size(pipeline), end_to_end, pooled_size(pipeline),
                         (kernels or {}).get("embeds_dtype", "float32"))
-    flops = flops_per_image(pipeline, requests)
+    linear_flops, attention_flops = flop_parts_per_image(pipeline, requests)
+    flops = linear_flops + attention_flops
+    # the least time an image can take: the served linear layers at their type's peak, attention at bf16's
+    limit_s = limit_seconds(linear_flops, attention_flops, device_name(), (kernels or {}).get("quantization") == "fp8")
     direct = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels}
     again = {c: measure_direct(pipeline, requests, c, rounds, device, dtype) for c in levels} if aa else {}
     del pipeline
@@ -477,6 +482,7 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
         peak = peak_bf16(device_name())
         for side in ("direct", "triton"):
             points[-1][side]["mfu"] = c * flops / points[-1][side]["latency_s"] / peak if peak else None
+        points[-1]["triton"]["of_limit"] = c * limit_s / points[-1]["triton"]["latency_s"] if limit_s else None
         if c in again:  # the A/A: the direct side against itself
             points[-1] |= {"aa_latency_ratio": again[c][0]["latency_s"] / d["latency_s"],
                            "aa_throughput_ratio": again[c][0]["images_per_s"] / d["images_per_s"]}
@@ -484,7 +490,8 @@ def run(family: str, preset: str, rounds: int, concurrency: tuple[int, ...] | No
             "compile": {"triton": compile, "direct": compile_direct}, "exact_batching": exact_batching,
             "end_to_end": end_to_end, "shared_memory": shared_memory, "kernels": kernels or {},
             "gather_us": gather_us,
-            "tflop_per_image": flops / 1e12,
+            "tflop_per_image": flops / 1e12, "attention_tflop_per_image": attention_flops / 1e12,
+            "limit_s_per_image": limit_s,
             "date": time.strftime("%Y-%m-%d"), "points": points}
 
 
@@ -504,6 +511,12 @@ def report(result: dict) -> None:
           f"{''.join(f', server {k} {v}' for k, v in result.get('kernels', {}).items())}{window}")
     if "tflop_per_image" in result:
         print(f"the DiT's work per image: {result['tflop_per_image']:.1f} TFLOP (MFU: of the GPU's dense bf16 peak)")
+    if result.get("limit_s_per_image"):
+        fp8 = result.get("kernels", {}).get("quantization") == "fp8"
+        print(f"its least time on this GPU: {result['limit_s_per_image']:.3f} s an image ({'FP8' if fp8 else 'bf16'} "
+              f"linear layers at their dense peak, the {result['attention_tflop_per_image']:.1f} TFLOP of attention "
+              "at bf16's); Triton's latency against it: " + ", ".join(
+                  f"{p['triton']['of_limit']:.1%} at concurrency {p['concurrency']}" for p in result["points"]))
     print(f"{'conc':>4} {'direct s':>9} {'triton s':>9} {'latency t/d':>12} {'img/s direct':>13} "
           f"{'img/s triton':>13} {'throughput t/d':>15} {'MFU d':>6} {'MFU t':>6} {'image diff: max':>16} "
           f"{'mean':>6} {'PSNR dB':>8}")

@@ -2,6 +2,8 @@
 the GPU's peak) against PyTorch's FLOP counter on a real forward pass of its tiny pipeline: equal,
 block by block summed (attention through SDPA's math kernel, whose matmuls the counter sees)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,6 +59,20 @@ def test_qwen_image_at_its_real_shape_is_about_seventy_teraflop_a_forward():
                                          tokenizer=None))
     flops = family.forward_flops(image_tokens=64 * 64, text_tokens=200)
     assert 68e12 < flops < 74e12
+    # about 12.6 TFLOP of it attention over the 4,296 joint tokens: 60 blocks x 4 x 4296² x 3072
+    linear, attention = family.forward_flop_parts(image_tokens=64 * 64, text_tokens=200)
+    assert linear + attention == flops and attention == 60 * 4 * (64 * 64 + 200) ** 2 * 3072
+
+
+def test_a_forwards_least_time_takes_fp8_only_for_its_linear_layers(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    from gpu_peaks import limit_seconds
+
+    bf16 = limit_seconds(989e12, 989e12, "NVIDIA H200", fp8=False)
+    fp8 = limit_seconds(989e12, 989e12, "NVIDIA H200", fp8=True)
+    assert bf16 == pytest.approx(2.0) and fp8 == pytest.approx(1.5)
+    assert limit_seconds(1.0, 1.0, "NVIDIA A100-SXM4-80GB", fp8=True) is None  # no FP8 there
+    assert limit_seconds(1.0, 1.0, "CPU (x86_64)", fp8=False) is None
 
 
 def test_wan_2_1_1_3b_at_its_real_shape_is_about_280_teraflop_a_forward():

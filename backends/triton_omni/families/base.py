@@ -317,6 +317,11 @@ class Family:
         rows (``forward_flops`` of the network, with this family's streams)."""
         return forward_flops(self.network, self.flop_streams, self.attention_streams, image_tokens, text_tokens, rows)
 
+    def forward_flop_parts(self, image_tokens: int, text_tokens: int, rows: int = 1) -> tuple[int, int]:
+        """``forward_flops`` as (linear layers', attention's)."""
+        return forward_flop_parts(self.network, self.flop_streams, self.attention_streams, image_tokens, text_tokens,
+                                  rows)
+
     @staticmethod
     def sequence_parallel_plan(transformer: Any) -> tuple[dict, int] | None:
         """Our context-parallel plan for a transformer diffusers ships none for, and the multiple
@@ -334,25 +339,32 @@ def forward_flops(network: torch.nn.Module, streams, attention_streams, image_to
     forward at the real shapes. A cross-attention ("cross": Wan's, the image's tokens reading the
     text's) is 4 x image x text x (heads x head size). The MFU the benchmarks print divides this
     by the GPU's peak."""
+    return sum(forward_flop_parts(network, streams, attention_streams, image_tokens, text_tokens, rows))
+
+
+def forward_flop_parts(network: torch.nn.Module, streams, attention_streams, image_tokens: int,
+                       text_tokens: int, rows: int = 1) -> tuple[int, int]:
+    """``forward_flops`` as (linear layers', attention's): FP8 speeds up only the first, so a
+    forward's lower bound takes each at its own peak."""
     tokens = {"image": image_tokens, "text": text_tokens, "joint": image_tokens + text_tokens, "row": 1}
 
     def stream(name: str, table, default: str = "joint") -> str:
         return next((kind for pattern, kind in table if fnmatch.fnmatchcase(name, pattern)), default)
 
-    total = 0
+    linear = attention = 0
     for block_name, block in network.named_modules():
         if type(block).__name__ not in getattr(network, "_repeated_blocks", ()):
             continue
         for name, module in block.named_modules(prefix=block_name):
             if isinstance(module, torch.nn.Linear):
-                total += 2 * module.in_features * module.out_features * tokens[stream(name, streams)]
+                linear += 2 * module.in_features * module.out_features * tokens[stream(name, streams)]
             elif hasattr(module, "heads") and hasattr(module, "inner_dim"):  # diffusers' attention
                 kind = stream(name, attention_streams)
                 if kind == "cross":
-                    total += 4 * image_tokens * text_tokens * module.inner_dim
+                    attention += 4 * image_tokens * text_tokens * module.inner_dim
                 else:
-                    total += 4 * tokens[kind] * tokens[kind] * module.inner_dim
-    return total * rows
+                    attention += 4 * tokens[kind] * tokens[kind] * module.inner_dim
+    return linear * rows, attention * rows
 
 
 # -- what the step adapters share ------------------------------------------------------------
