@@ -105,6 +105,10 @@ def judge(times: list[float], values: list[float], target: float) -> Verdict:
                    sum(tail) / len(tail))
 
 
+def at(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
 def users_over_time(history: Path) -> list[tuple[float, int]]:
     """Locust's user count by unix time, from its ``_stats_history.csv`` (one row a second)."""
     with history.open() as f:
@@ -188,10 +192,6 @@ def main() -> int:
     for rule in wanted:
         verdict = judge(times, series[rule.metric], rule.target)
         ok &= verdict.crossed_and_back
-
-        def at(s: float | None) -> str:
-            return "-" if s is None else f"{s:.1f} s"
-
         print(f"{rule.autoscaler:<20}{rule.metric:<36}{rule.target:>7g}{verdict.highest:>9.1f}"
               f"{at(verdict.first_above_s):>12}{at(verdict.last_above_s):>8}{verdict.settled:>11.2f}  "
               f"{'yes' if verdict.crossed_and_back else 'NO'}")

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from triton_omni.processes import identity_alive, parents
+from triton_omni.processes import alive, identity_alive, parents
 from triton_omni_tools.reaper import SHM, mapped_shared_memory
 
 PROJECT_TEMP_PREFIX = "triton-omni-"  # run folders, engine seats, the gateway's metrics folder
@@ -48,22 +48,22 @@ def in_use(entries: set[Path]) -> set[Path]:
 
 def servers_still_running() -> list[int]:
     """The tritonserver processes this pytest started (its children) that still run."""
-    running = []
-    for pid in (pid for pid, parent in parents().items() if parent == os.getpid()):
+    def name(pid: int) -> str:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            return Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
-            continue  # gone meanwhile
-        if stat.startswith(f"{pid} (tritonserver) ") and stat.rsplit(")", 1)[1].split()[0] != "Z":
-            running.append(pid)
-    return running
+            return ""  # gone meanwhile
+
+    return [pid for pid, parent in parents().items()
+            if parent == os.getpid() and alive(pid) and name(pid) == "tritonserver"]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind():
     before = made_here()
     yield
-    assert not servers_still_running(), f"servers the suite started and never stopped: {servers_still_running()}"
+    running = servers_still_running()
+    assert not running, f"servers the suite started and never stopped: {running}"
     new = made_here() - before
     left = new - in_use(new)
     assert not left, f"the suite left these behind: {sorted(map(str, left))}"

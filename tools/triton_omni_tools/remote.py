@@ -38,22 +38,23 @@ def valid_address(address: str) -> bool:
     ``ipv4:``/``ipv6:`` followed by IP literals with their ports (several replicas, round robin)."""
     scheme, _, rest = address.partition(":")
     if scheme in ("ipv4", "ipv6"):
-        return bool(rest) and all(_ip_with_port(entry) for entry in rest.split(","))
+        return bool(rest) and all(_host_and_port(entry, ip=True) for entry in rest.split(","))
     if scheme in ("dns", "unix", "unix-abstract") and rest:
         return True
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    return _host_and_port(address)
 
 
-def _ip_with_port(entry: str) -> bool:
+def _host_and_port(entry: str, ip: bool = False) -> bool:
+    """``host:port`` with a port in range; with ``ip``, the host an IP literal (``[...]`` for IPv6)."""
     import ipaddress
 
     host, _, port = entry.rpartition(":")
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return port.isdigit() and 0 < int(port) < 65536
+    if ip:
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return False
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def remote_edits(specs: list[str], repositories: list[Path]) -> dict[str, dict[str, Any]]:
