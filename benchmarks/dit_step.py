@@ -40,7 +40,7 @@ import torch
 from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
-from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, resolve_attention
+from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, installed_kernel, resolve_attention
 from triton_omni.families import family_of
 
 MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein"}
@@ -191,6 +191,7 @@ def main() -> None:
         flops = family.forward_flops(family.image_tokens(size, size), text, rows)
         baseline = None
         for attention in attentions:
+            installed_kernel(attention)
             network.set_attention_backend(attention)
             for mode in args.modes.split(","):
                 if mode == "graphs" and device.type != "cuda":

@@ -5,6 +5,9 @@ step batching): what serving different adapters in one batch costs, and what loa
   (ranks spread over ``--ranks``), against the same requests without one: images/s with over
   without (the issue's target: at least 0.85). Beside it, the host against itself: the requests
   without adapters measured twice (A/A), same rounds.
+* **one adapter for all**: the same requests all with one adapter (a step-distillation adapter
+  that every user runs), against none: with ``--fuse`` (``lora_fuse``) it runs fused into copies
+  of the weights, and should cost nothing (the issue's target: at least 0.98).
 * **first use**: one request whose adapter is not on the device yet (read from its file and
   copied in first), over the same request once it is: its extra latency.
 * **loading under load**: requests without an adapter, ``--concurrency`` in flight, while
@@ -17,6 +20,7 @@ them. Random weights make the images meaningless, not the time.
 
     .venv/bin/python benchmarks/lora.py                                   # CPU, the tiny Qwen-Image
     python benchmarks/lora.py --preset realistic --steps 10               # GPU: Qwen-Image 1024²
+    python benchmarks/lora.py --preset realistic --steps 10 --fuse --compile
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ def main() -> None:
     parser.add_argument("--load-seconds", type=float, default=0,
                         help="each window of the loading-under-load measure (0: 12 steps alone per request)")
     parser.add_argument("--compile", action="store_true", help="compile: blocks (and count the graphs)")
+    parser.add_argument("--fuse", action="store_true", help="lora_fuse: a shared adapter runs fused")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     model, size, guidance = SETUPS[(args.family, args.preset)]
@@ -147,19 +152,21 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="omni-lora-"))
     config = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", batching="step",
                   batch_size=count, exact_batching=False, limits={"max_size": max(1024, size)},
-                  compile="blocks" if args.compile else "off")
+                  compile="blocks" if args.compile else "off", lora_fuse=args.fuse)
     sources = write_adapters(shapes_of(model), folder, ranks)
     runner = DiffusionRunner(DiffusionRunnerConfig(model, lora_adapters=sources, max_loras=count + 1, **config))
     names = list(sources)
     every, fresh = names[:count], names[count:]
     try:
         # warm-up: the adapters loaded, kernels chosen (and compiled, for each batch size to come)
-        for loras in (every, [None] * count, [None] * (count - 1), every[:1], [None]):
+        shared_loras = every[:1] * count
+        for loras in (every, shared_loras, [None] * count, [None] * (count - 1), every[:1], [None]):
             burst(runner, loras, size, 2, guidance)
-        plain, again, adapted = [], [], []
+        plain, again, adapted, shared = [], [], [], []
         for _ in range(args.rounds):
             plain.append(count / burst(runner, [None] * count, size, args.steps, guidance))
             adapted.append(count / burst(runner, every, size, args.steps, guidance))
+            shared.append(count / burst(runner, shared_loras, size, args.steps, guidance))
             again.append(count / burst(runner, [None] * count, size, args.steps, guidance))
         graphs = compiled_graphs()
         first = burst(runner, [fresh[0]], size, args.steps, guidance)  # read, copied in, run
@@ -185,9 +192,10 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if cuda else "CPU"
     result = {
         "family": args.family, "preset": args.preset, "device": device, "size": size, "steps": args.steps,
-        "concurrency": count, "ranks": ranks[:count], "compile": args.compile,
-        "images_per_s": {"plain": plain, "adapters": adapted, "plain_again": again},
+        "concurrency": count, "ranks": ranks[:count], "compile": args.compile, "fuse": args.fuse,
+        "images_per_s": {"plain": plain, "adapters": adapted, "shared": shared, "plain_again": again},
         "throughput_ratio": statistics.median(a / p for a, p in zip(adapted, plain, strict=True)),
+        "shared_ratio": statistics.median(a / p for a, p in zip(shared, plain, strict=True)),
         "aa_ratio": statistics.median(a / p for a, p in zip(again, plain, strict=True)),
         "first_use_s": first, "resident_s": loaded, "first_use_extra_s": first - loaded, "load_s": load_s,
         "graphs_after_warm_up": graphs if args.compile else None,
@@ -197,6 +205,8 @@ def main() -> None:
           f"{device}, {count} requests at once, ranks {ranks[:count]}{', compile: blocks' if args.compile else ''}")
     print(f"  images/s, {count} adapters over none: {result['throughput_ratio']:.3f}  (A/A, none over none: "
           f"{result['aa_ratio']:.3f}; rounds {[round(a / p, 3) for a, p in zip(adapted, plain, strict=True)]})")
+    print(f"  images/s, one adapter (rank {ranks[0]}) for all over none{' (lora_fuse)' if args.fuse else ''}: "
+          f"{result['shared_ratio']:.3f}  (rounds {[round(a / p, 3) for a, p in zip(shared, plain, strict=True)]})")
     print(f"  first use of an adapter: {first:.3f} s against {loaded:.3f} s resident ({first - loaded:+.3f} s); "
           f"a load alone (read, to the device, into a slot): {load_s:.3f} s")
     print(f"  p99 of requests without one while adapters load: {result['p99_loading_s']:.3f} s against "

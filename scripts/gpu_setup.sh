@@ -7,6 +7,8 @@
 #   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1), torchao
 #              (quantization: fp8), and
 #              perf_analyzer.tar.xz (Triton's load generator, for runs against a server on this host)
+#   .attn1-2   FlashAttention-4 and its CuTe DSL compiler (that wheel in two parts, kept in the venv
+#              until both are there)
 #   .vllm1-3   vLLM 0.24.0's wheel tree, stripped, in three parts (kept in the venv until all are there)
 #   .vllm4     the wheels vLLM needs that the host lacks
 set -euo pipefail
@@ -21,7 +23,7 @@ if [ ! -x "$venv/bin/python" ]; then
   printf '%s\n' "$PWD/protocol" "$PWD/backends" "$PWD/clients" "$PWD/gateway" "$PWD/tools" "$PWD" > "$site/omni.pth"
 fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for dir in .offline .offline2 .vllm4; do
+for dir in .offline .offline2 .attn1 .attn2 .vllm4; do
   if compgen -G "$dir/*.whl" > /dev/null; then
     "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$dir"/*.whl
   fi
@@ -36,6 +38,16 @@ if [ -f .offline2/perf_analyzer.tar.xz ] && [ -d "$site/nvidia_pytriton.libs" ] 
   mkdir -p "$perf"
   tar xJf .offline2/perf_analyzer.tar.xz -C "$perf"
   scripts/install_perf.sh "$venv"  # the libcudart link and the wrapper, .gpuvenv/bin/perf_analyzer
+fi
+attn=$venv/attn-parts
+mkdir -p "$attn"
+for i in 1 2; do
+  if compgen -G ".attn$i/part0*" > /dev/null; then cp .attn$i/part0* .attn$i/name* "$attn/" 2>/dev/null || true; fi
+done
+if [ -f "$attn/part00" ] && [ -f "$attn/part01" ] && [ -f "$attn/name" ]; then
+  cat "$attn/part00" "$attn/part01" > "$attn/$(cat "$attn/name")"
+  "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$attn/$(cat "$attn/name")"
+  rm -rf "$attn"
 fi
 parts=$venv/vllm-parts
 mkdir -p "$parts"

@@ -12,6 +12,8 @@
 #              and uvicorn and httpx for the OpenAI gateway (~60 MB)
 #   .offline2  scipy 1.14.1 (the host's scipy needs NumPy 2, Triton 2.51's stub NumPy 1), torchao
 #              (the DiT's FP8), and perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~55 MB)
+#   .attn1-2   FlashAttention-4 (attention_backend flash_4_hub, Hopper and Blackwell): flash-attn-4,
+#              its CuTe DSL compiler for CUDA 13 (one 92 MB wheel, split in two) and what it imports
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
 #              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
 #              for other Pythons, as tar.xz in three ~45 MB parts
@@ -48,6 +50,15 @@ wheels .offline2 aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict p
 # perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)
 scripts/fetch_perf_analyzer.sh "$tmp/perf" && tar cJf "$tmp/perf_analyzer.tar.xz" -C "$tmp/perf" bin lib
 mv "$tmp/perf_analyzer.tar.xz" .offline2/
+# FlashAttention-4: diffusers' flash_4_hub runs it from the package (kernels: the Hub client diffusers
+# checks for; nothing is downloaded). The compiler's wheel goes in two parts, each folder under 64 MB.
+mkdir -p .attn1 .attn2 "$tmp/attn"
+wheels .attn1 flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+  nvidia-cutlass-dsl-libs-core==4.8.1 quack-kernels==0.6.5 torch-c-dlpack-ext einops kernels==0.17.2
+wheels .attn2 "cuda-bindings>=13,<14" cuda-pathfinder "apache-tvm-ffi>=0.1.11,<0.2"
+wheels "$tmp/attn" nvidia-cutlass-dsl-libs-cu13==4.8.1
+(cd "$tmp/attn" && split -n 2 -d nvidia_cutlass_dsl_libs_cu13-*.whl part && ls nvidia_cutlass_dsl_libs_cu13-*.whl > name)
+cp "$tmp/attn/part00" "$tmp/attn/name" .attn1/ && cp "$tmp/attn/part01" .attn2/
 
 if [ "$with_vllm" = 1 ]; then
   wheels "$tmp" vllm==0.24.0
@@ -66,4 +77,4 @@ if [ "$with_vllm" = 1 ]; then
     msgspec openai openai-harmony opentelemetry-api partial-json-parser pybase64 pydantic pydantic-core pyzmq \
     setproctitle sniffio starlette typing-inspection xgrammar httpx2 httpcore2 truststore
 fi
-du -sh .offline .offline2 .vllm[1-4] 2>/dev/null || true
+du -sh .offline .offline2 .attn1 .attn2 .vllm[1-4] 2>/dev/null || true

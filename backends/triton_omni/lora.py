@@ -19,6 +19,16 @@ shapes never depend on which adapters are loaded, so ``compile: blocks``
 compiles a block once for any mix of them: loading an adapter copies its
 factors into a slot's existing tensors.
 
+A step-distillation adapter is often used by every request of a server. With
+``lora_fuse`` on, a pass whose rows all run one adapter at one scale runs
+each layer on a fused copy of its weight (``W + scale * scaling * B @ A``,
+as diffusers' ``fuse_lora`` computes it), made when that adapter and scale
+first run alone and kept until another pair does: the pass then costs what
+a pass without adapters costs. A pass that mixes adapters runs the factors
+as above, beside the fused copy, which the base weight never becomes: a row
+without an adapter stays the base layer's bit for bit, however often the
+server switches. The copy costs one more weight per adapted layer.
+
 What an adapter means is diffusers' and PEFT's. A diffusion adapter's files
 are read by the pipeline class's own ``lora_state_dict`` (which converts the
 community formats), and its rank and alpha per layer by the ``LoraConfig``
@@ -172,15 +182,26 @@ class AdapterRows:
     """Whose rows a forward pass runs: each row's slot and scale (one entry: every row's), read by
     every ``LoraLinear``. None: no row has an adapter."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse: Callable[[tuple[int, float]], None] | None = None) -> None:
         self.slots: torch.Tensor | None = None  # [rows] int64
         self.scales: torch.Tensor | None = None  # [rows] float32: 0 for a row without an adapter
+        # fuse((slot, scale)): the layers' fused weights made that pair's (None: lora_fuse off)
+        self.fuse = fuse
+        self.fused = False  # this pass runs the fused weights (a bool: compiled code guards on it)
 
     @contextlib.contextmanager
     def bind(self, rows: list[tuple[int, float] | None], device: torch.device) -> Iterator[None]:
         """A forward pass whose row ``i`` uses ``rows[i]`` ((slot, scale), or None)."""
         if all(row is None for row in rows):
             yield
+            return
+        if len(set(rows)) == 1 and self.fuse is not None:  # one adapter for all, fused into the weights
+            self.fuse(rows[0])
+            self.fused = True
+            try:
+                yield
+            finally:
+                self.fused = False
             return
         if len(set(rows)) == 1:  # one adapter for all: one entry, which fits any leading dimension
             rows = rows[:1]
@@ -215,8 +236,11 @@ class LoraLinear(torch.nn.Module):
         self.register_buffer("lora_a", weight.new_zeros(slots, rank, base.in_features), persistent=False)
         self.register_buffer("lora_b", weight.new_zeros(slots, base.out_features, rank), persistent=False)
         self.register_buffer("scaling", torch.zeros(slots, device=weight.device), persistent=False)
+        self.register_buffer("fused_weight", None, persistent=False)  # made at the first fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows.fused:
+            return torch.nn.functional.linear(x, self.fused_weight, self.base.bias)
         out = self.base(x)
         slots, scales = self.rows.slots, self.rows.scales
         if slots is None:
@@ -230,6 +254,15 @@ class LoraLinear(torch.nn.Module):
                           self.lora_b.index_select(0, slots).transpose(1, 2))
         weight = (scales * self.scaling.index_select(0, slots)).to(delta.dtype)
         return out + (delta * weight.view(n, 1, 1)).reshape(out.shape).to(out.dtype)
+
+    def fuse(self, slot: int, scale: float) -> None:
+        """``fused_weight``: the base weight with ``slot``'s adapter at ``scale`` added, in float32
+        then rounded once, as diffusers' ``fuse_lora`` adds it."""
+        weight = self.base.weight
+        delta = (scale * self.scaling[slot]) * (self.lora_b[slot].float() @ self.lora_a[slot].float())
+        if self.fused_weight is None:
+            self.fused_weight = torch.empty_like(weight)
+        self.fused_weight.copy_(weight.float() + delta)
 
     def install(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
         """An adapter's factors into ``slot`` (None: the adapter leaves this layer out)."""
@@ -257,10 +290,11 @@ class Adapters:
 
     def __init__(self, network: torch.nn.Module, read: Reader, sources: dict[str, str], max_loaded: int,
                  flattened: tuple[str, ...] = (), run: Callable[[Callable[[], None]], None] = lambda fn: fn(),
-                 on_event: Callable[[str, str], None] | None = None):
+                 on_event: Callable[[str, str], None] | None = None, fuse: bool = False):
         """``read(name, source)``: an adapter's weights (``read_pipeline_adapter``,
         ``read_peft_adapter``); ``run(fn)``: ``fn`` on the model's torch thread, returning when it is
-        done; ``on_event(event, adapter)``: each ``request``, ``load`` and ``eviction`` (the metrics)."""
+        done; ``on_event(event, adapter)``: each ``request``, ``load`` and ``eviction`` (the metrics);
+        ``fuse``: a pass whose rows share one adapter runs it fused (``lora_fuse``, module docstring)."""
         if not sources:
             raise ValueError("no LoRA adapters configured")
         if max_loaded < 1:
@@ -276,7 +310,8 @@ class Adapters:
                     raise AdapterError(f"LoRA adapter {name!r} targets {layer}, whose input holds every request's "
                                        "tokens at once: adapters per request cannot apply there")
                 ranks[layer] = max(ranks.get(layer, 0), a.shape[0])
-        self.rows = AdapterRows()
+        self.rows = AdapterRows(self._fuse if fuse else None)
+        self._fused: tuple[int, float] | None = None  # the (slot, scale) the fused weights hold
         self.layers = self._wrap(ranks, min(max_loaded, len(sources)))
         self.slots = [_Slot() for _ in range(min(max_loaded, len(sources)))]
         self._lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recent first
@@ -347,7 +382,7 @@ class Adapters:
             factors = {layer: (a.to(self.device, self.dtype), b.to(self.device, self.dtype), scaling)
                        for layer, (a, b, scaling) in weights.layers.items()}
             slot = self._free_slot()
-            self.run(lambda: [layer.install(slot, factors.get(name_)) for name_, layer in self.layers.items()])
+            self.run(lambda: self._install(slot, factors))
             with self._lock:
                 self.slots[slot].name = name
                 self._lru[name] = slot
@@ -357,6 +392,23 @@ class Adapters:
         finally:
             with self._lock:
                 self._loading.pop(name, None)
+
+    def _install(self, slot: int, factors: dict) -> None:
+        """On the torch thread: ``factors`` into ``slot`` of every layer (a fused copy of the adapter
+        that held it is stale now)."""
+        for name, layer in self.layers.items():
+            layer.install(slot, factors.get(name))
+        if self._fused is not None and self._fused[0] == slot:
+            self._fused = None
+
+    def _fuse(self, pair: tuple[int, float]) -> None:
+        """On the torch thread, before a pass whose rows all run ``pair`` (slot, scale): every
+        layer's fused weight made that pair's, unless it already is."""
+        if self._fused != pair:
+            for layer in self.layers.values():
+                layer.fuse(*pair)
+            self._fused = pair
+            logger.debug("LoRA: slot %d at scale %g fused into %d layers' copies", pair[0], pair[1], len(self.layers))
 
     def _free_slot(self) -> int:
         """An empty slot, or the least recently used unpinned one, emptied (waits while all are pinned)."""

@@ -1,7 +1,7 @@
 """What a DiT runs on (kernels.py), at a real shape (Z-Image's 6 B DiT, random weights, bf16) on a
 GPU with FP8 tensor cores: ``quantization: fp8`` against bf16 with the same request, the attention
-kernel ``auto`` chooses against PyTorch's SDPA, and a compiled runner's memory (its DiT's blocks and
-its VAE's decoder) given back when it closes (twice over: a reload finds its GPU as the first load
+kernel ``auto`` chooses and FlashAttention-4 against PyTorch's SDPA, and a compiled runner's memory (its DiT's
+blocks and its VAE's decoder) given back when it closes (twice over: a reload finds its GPU as the first load
 did); the VAE's spread group norms against PyTorch's, both measured from a float32 decode. GPU only
 (docs/gpu.md)."""
 
@@ -69,6 +69,23 @@ def test_the_attention_kernel_auto_chooses_gives_sdpas_image():
     difference = (chosen.int() - native.int()).abs()
     print(f"auto against SDPA: max {int(difference.max())}, mean {float(difference.float().mean()):.3f}")
     assert float(difference.float().mean()) <= 1.0
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] not in (9, 10), reason="FlashAttention-4: Hopper, Blackwell")
+def test_flash_attention_4_gives_sdpas_image_compiled_too():
+    """``flash_4_hub`` runs the installed flash-attn-4 package (the GPU pack carries it), eager and
+    under ``compile: blocks`` (its custom op inside each block's graph); another seed's image is far
+    past the tolerance."""
+    pytest.importorskip("flash_attn.cute")
+    native, other = images([3, 5], attention_backend="native")
+    [flash] = images([3], attention_backend="flash_4_hub")
+    [compiled] = images([3], attention_backend="flash_4_hub", compile="blocks")
+    for name, image in (("eager", flash), ("compile: blocks", compiled)):
+        difference = (image.int() - native.int()).abs()
+        print(f"flash_4_hub {name} against SDPA: max {int(difference.max())}, "
+              f"mean {float(difference.float().mean()):.3f}, PSNR {psnr(image, native):.1f} dB")
+        assert float(difference.float().mean()) <= 1.0
+    assert psnr(flash, native) > psnr(other, native) + 10
 
 
 def test_closing_a_compiled_runner_gives_its_gpu_memory_back():

@@ -6,6 +6,7 @@ group norm (``group_norm``) against PyTorch's on every layout a VAE gives it."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,16 @@ def test_a_kernel_that_takes_no_mask_serves_only_a_family_whose_passes_never_pad
     assert resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=False) == "_native_flash"
     with pytest.raises(ValueError, match=r"attention_backend '_native_flash'.*attn_mask"):
         resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=True)
+
+
+def test_flash_attention_4_is_refused_by_the_package_it_needs_where_that_is_missing():
+    """Diffusers would fetch that kernel from the Hub; this project runs it only from the installed
+    flash-attn-4 package (tests/gpu runs it), and says so where the package is absent."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn-4 is installed here")
+    with pytest.raises(ValueError, match=r"attention_backend 'flash_4_hub'.*flash-attn-4 package, which is not "
+                                         r"installed here \(pip install flash-attn-4\)"):
+        resolve_attention("flash_4_hub", torch.device("cpu"), torch.float32, 2, 16)
 
 
 @pytest.mark.parametrize(("settings", "message"), [

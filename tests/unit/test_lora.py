@@ -3,7 +3,7 @@ different adapters and scales share one step batch, and each image equals the fa
 with ``load_lora_weights(...)`` and ``set_adapters([name], [scale])`` for that request alone; a
 request without one equals the same batch on a model with no adapters, bit for bit. An adapter
 moves the tiny demo's image by tens of levels and its scale by several (so the tolerance of one
-level can fail). The step cache's smaller batches keep each row's adapter; ``compile: blocks``
+level can fail); with ``lora_fuse`` a batch sharing one adapter runs it fused. The step cache's smaller batches keep each row's adapter; ``compile: blocks``
 compiles once for any mix of adapters. Bad adapters fail the model's load naming the adapter
 and the layer; bad requests are refused naming their field. Adapters beyond ``max_loras`` take
 the least recently used free slot."""
@@ -167,6 +167,37 @@ def test_a_two_expert_models_adapters_come_as_pairs_and_each_expert_runs_its_hal
         runner("wan", {"pair": pair})
 
 
+@pytest.mark.parametrize("family", ["qwen-image", "wan"])
+def test_a_shared_adapter_runs_fused_and_every_image_stays_the_pipelines(family, adapters):
+    """``lora_fuse``: a step batch whose requests all run one adapter at one scale runs it fused into
+    copies of the weights (a new pair refuses the stale copy, and so does another adapter loaded
+    into its slot); a mixed batch runs the factors; a request without an adapter stays the base
+    model's bit for bit after all of it. One slot: ``b`` evicts ``a``, which comes back."""
+    sources = {"a": adapters[family]["a"], "b": adapters[family]["b"]}
+    plan = [[("a", 0.8)] * 3, [("a", 1.5)] * 2, [("b", None)] * 2, [("a", None)] * 2,
+            [("a", 0.8), (None, None), ("a", 0.8)]]
+    model = runner(family, sources, max_loras=1, lora_fuse=True)
+    try:
+        served, fused = [], []
+        for batch in plan:
+            served.append(images(model, [request(7, lora, scale) for lora, scale in batch]))
+            fused.append(model.adapters._fused)
+    finally:
+        model.close()
+    assert fused[:4] == [(0, 0.8), (0, 1.5), (0, 1.0), (0, 1.0)]  # one slot: the last, a's after b's
+    for batch, images_ in zip(plan, served, strict=True):
+        for (lora, scale), image in zip(batch, images_, strict=True):
+            expected = reference(family, sources.get(lora), 1.0 if scale is None else scale, 7)
+            assert levels_apart(image, expected) <= 1, (lora, scale)
+    assert levels_apart(served[0][0], served[1][0]) > 5  # the scale reached the fused weights
+    plain = runner(family, None)
+    try:
+        unadapted = images(plain, [request(7) for _ in plan[-1]])
+    finally:
+        plain.close()
+    assert (served[-1][1] == unadapted[1]).all()
+
+
 def test_request_batching_runs_a_group_with_its_adapter(adapters):
     sources = adapters["z-image"]
     model = runner("z-image", sources, batching="request", max_loras=1)
@@ -251,6 +282,8 @@ def test_configuration_is_checked_at_load(adapters):
         runner("qwen-image", adapters["qwen-image"], max_loras=0)
     with pytest.raises(ValueError, match="not with a parallel mode"):
         runner("qwen-image", adapters["qwen-image"], cfg_device="cpu")
+    with pytest.raises(ValueError, match="lora_fuse: this model has no lora_adapters"):
+        runner("qwen-image", None, lora_fuse=True)
     assert parse_sources('{"a": "x/y"}') == {"a": "x/y"}
     pair = '{"a": {"transformer": "h", "transformer_2": "l"}}'
     assert parse_sources(pair) == {"a": {"transformer": "h", "transformer_2": "l"}}
@@ -259,9 +292,11 @@ def test_configuration_is_checked_at_load(adapters):
             parse_sources(text)
 
 
-def test_compiled_blocks_compile_once_for_any_mix_of_adapters(adapters, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True], ids=["factors", "fused"])
+def test_compiled_blocks_compile_once_for_any_mix_of_adapters(adapters, monkeypatch, fuse):
     """Warmed up with no adapter, one for every row and a mix, the blocks take new mixes, another
-    scale and a newly loaded adapter without compiling again, and give the eager images."""
+    scale and a newly loaded adapter without compiling again, and give the eager images; fused or
+    not, the shared adapter's passes included."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -270,7 +305,7 @@ def test_compiled_blocks_compile_once_for_any_mix_of_adapters(adapters, monkeypa
     warm_up = [[request(7)], [request(7, "a")], [request(7, "a"), request(8), request(9, "b", 0.5)]]
     later = [[request(7, "b")], [request(7, "b", 1.2), request(8, "a")],
              [request(7, "c", 0.7), request(8, "a"), request(9), request(10, "b")]]
-    compiled = runner("qwen-image", sources, max_loras=3, compile="blocks")
+    compiled = runner("qwen-image", sources, max_loras=3, compile="blocks", lora_fuse=fuse)
     try:
         for batch in warm_up:
             images(compiled, batch)

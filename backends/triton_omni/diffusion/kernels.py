@@ -15,6 +15,11 @@
   The unmasked call is what decides for most families: their passes never pad (Qwen-Image's group
   requests by text length, FLUX's encoders pad to a fixed length), and a kernel that takes no mask
   (flash) must not lose to a masked call it never meets.
+  FlashAttention-4 (``flash_4_hub``) is one of the candidates where its pip package
+  (``flash-attn-4``: CuTe DSL kernels for Hopper and Blackwell, compiled at first use) is
+  installed: diffusers fetches that kernel from the Hugging Face Hub, which an offline GPU host
+  cannot reach, so ``installed_kernel`` hands diffusers the package's function instead, as a
+  PyTorch custom op that ``compile: blocks`` keeps whole in its graph.
 - The VAE's group norms (on a GPU, unless ``exact_batching: pipeline`` keeps every kernel the
   pipeline's): ``group_norm``, the same arithmetic spread over the whole GPU.
 """
@@ -32,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "fp8")
 # diffusers' names of the kernels `auto` tries, in the order of a tie: PyTorch's own first
-ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3", "sage")
+ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3", "sage",
+                        "flash_4_hub")
+# diffusers' Hub-fetched backends whose kernel a pip package installs: backend -> (package, module, function)
+INSTALLED_KERNELS = {"flash_4_hub": ("flash-attn-4", "flash_attn.cute", "flash_attn_func")}
 # torch._scaled_mm's operands: both sizes of an FP8 weight must be multiples of 16
 FP8_ALIGNMENT = 16
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
@@ -75,6 +83,7 @@ class NetworkKernels:
             logger.info("quantization fp8: %d linear layers of the %s blocks (kept as they were: %s)", count,
                         ", ".join(self.fp8.blocks), ", ".join(self.fp8.kept) or "none")
         if self.attention not in (None, "native"):
+            installed_kernel(self.attention)
             network.set_attention_backend(self.attention)
 
 
@@ -230,6 +239,7 @@ def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Excep
 
     try:
         backend = AttentionBackendName(name)
+        installed_kernel(name)
         _check_attention_backend_requirements(backend)
         for call in calls:
             out = dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
@@ -248,3 +258,44 @@ def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Excep
         return start.elapsed_time(end) / 1e3 / rounds
     except Exception as exc:  # a kernel this host lacks, or one that refuses masks: not a candidate
         return exc
+
+
+def installed_kernel(backend: str) -> None:
+    """For a backend of ``INSTALLED_KERNELS``: diffusers' registry of Hub kernels given the installed
+    package's function (wrapped as a custom op), so that diffusers runs it and downloads nothing.
+    Raises ImportError naming the package where it is not installed; other backends: nothing."""
+    if backend not in INSTALLED_KERNELS:
+        return
+    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
+
+    config = _HUB_KERNELS_REGISTRY[AttentionBackendName(backend)]
+    if config.kernel_fn is None:
+        config.kernel_fn = _flash_attention_4_op()
+
+
+@functools.cache
+def _flash_attention_4_op():
+    """FlashAttention-4's forward as ``triton_omni::flash_attention_4``: torch.compile sees one op
+    with a known output (the query's shape, the value's head size) instead of tracing the CuTe DSL
+    launcher, which would break each compiled block's graph at its attention."""
+    package, module, function = INSTALLED_KERNELS["flash_4_hub"]
+    try:
+        attention = getattr(__import__(module, fromlist=[function]), function)
+    except ImportError as exc:
+        raise ImportError(f"flash_4_hub runs the {package} package, which is not installed here "
+                          f"(pip install {package}): {exc}") from None
+
+    @torch.library.custom_op("triton_omni::flash_attention_4", mutates_args=())
+    def flash_attention_4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
+                          causal: bool) -> torch.Tensor:
+        out = attention(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    @flash_attention_4.register_fake
+    def _(q, k, v, softmax_scale, causal):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    def kernel_fn(q, k, v, softmax_scale=None, causal=False):  # the call diffusers' flash_4_hub makes
+        return flash_attention_4(q, k, v, softmax_scale, causal)
+
+    return kernel_fn

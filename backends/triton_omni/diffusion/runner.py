@@ -124,6 +124,8 @@ class DiffusionRunnerConfig:
     # LoRA adapters a request may name (lora.py): name -> folder, file or hub id; and how many stay on the device
     lora_adapters: dict[str, str | dict[str, str]] = field(default_factory=dict)
     max_loras: int = 4
+    # a pass whose requests all run one adapter at one scale runs it fused into copies of the weights (lora.py)
+    lora_fuse: bool = False
     # "fp8": the DiT's block layers in float8 (kernels.py); fp8_kept: layers left in bf16 (None: the family's)
     quantization: str = "none"
     fp8_kept: tuple[str, ...] | None = None
@@ -156,6 +158,8 @@ class DiffusionRunnerConfig:
         if self.quantization != "none" and self.lora_adapters:
             raise ValueError(f"model parameter quantization {self.quantization!r}: not with lora_adapters (an "
                              "adapter's factors are added to the bf16 layers they wrap)")
+        if self.lora_fuse and not self.lora_adapters:
+            raise ValueError("model parameter lora_fuse: this model has no lora_adapters to fuse")
         if self.lora_adapters and (self.sp_devices or self.cfg_device is not None):
             raise ValueError("model parameter lora_adapters: not with a parallel mode (its workers hold the "
                              "transformer without the adapters)")
@@ -302,7 +306,7 @@ class DiffusionRunner:
             flattened = tuple(f"{component}.{layer}" for component in named for layer in flattened)
         self.adapters = self._on_torch_thread(lambda: Adapters(
             network, read, c.lora_adapters, c.max_loras, flattened, run=self._on_torch_thread,
-            on_event=self._on_lora))
+            on_event=self._on_lora, fuse=c.lora_fuse))
         if self.steps is not None:
             self.steps.adapter.lora_rows = self.adapters.rows
 
