@@ -102,6 +102,9 @@ def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
         # It starts beside the unit tests, sharing a CI machine's two cores: about 400 s here, and past
         # the default 600 s once on CI.
         startup_timeout_s=1200,
+        # Its log's longest quiet spell while loading is under a minute even then: a load silent for
+        # four is hung (once on CI, 17 minutes with one model never reported loaded), and is started again
+        startup_stall_s=240,
     )
     return TritonServer(options).start(), log_file
 

@@ -5,7 +5,8 @@ tritonserver crashes before it is ready is retried; one that fails for good is n
 
 The server here is a real tritonserver with a small Python-backend model (``engine``) that does what a
 vLLM engine does at load: it spawns a child process and makes a multiprocessing semaphore and a shared
-memory segment (``sem.mp-*``, ``psm_*``), and a load record like the batched stages' (balance.py). The
+memory segment (``sem.mp-*``, ``psm_*``), and a load record like the batched stages' (balance.py); once,
+where told, it aborts the server or never finishes loading. The
 same checks on a GPU, with GPU memory, are in tests/gpu/test_nothing_left_behind.py."""
 
 from __future__ import annotations
@@ -45,12 +46,19 @@ class TritonPythonModel:
             crash_once.unlink()
             os.kill(os.getppid(), signal.SIGABRT)
             return
+        hang_once = Path(__file__).parent / "hang-once"
+        if hang_once.exists():  # a load that never ends, once: the launcher must start the server again
+            hang_once.unlink()
+            self.never_loads()
         context = multiprocessing.get_context("spawn")
         self.lock = context.Lock()  # a named semaphore in /dev/shm (sem.mp-*) under spawn
         self.segment = multiprocessing.shared_memory.SharedMemory(create=True, size=1 << 20)  # psm_*
         self.core = context.Process(target=time.sleep, args=(3600,), daemon=True)  # stands for an engine core
         self.core.start()
         self.loads = InstanceLoads("engine", args["model_instance_name"], instances=2)
+
+    def never_loads(self):
+        time.sleep(3600)
 
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int64))])
@@ -66,15 +74,18 @@ output [{ name: "PID", data_type: TYPE_INT64, dims: [1] }]
 instance_group [{ kind: KIND_CPU, count: 2 }]
 '''
 
-def engine_repository(folder: Path, crash_once: bool = False) -> Path:
+def engine_repository(folder: Path, crash_once: bool = False, hang_once: bool = False) -> Path:
     """With ``crash_once``, one instance, whose first load aborts the server (a second instance's
-    stub could outlive the server it started under)."""
+    stub could outlive the server it started under); with ``hang_once``, one whose first load
+    never ends."""
     model = folder / "engine"
     (model / "1").mkdir(parents=True)
     (model / "1" / "model.py").write_text(ENGINE_MODEL)
-    (model / "config.pbtxt").write_text(ENGINE_CONFIG.replace("count: 2", "count: 1") if crash_once else ENGINE_CONFIG)
-    if crash_once:
-        (model / "1" / "crash-once").touch()
+    alone = crash_once or hang_once
+    (model / "config.pbtxt").write_text(ENGINE_CONFIG.replace("count: 2", "count: 1") if alone else ENGINE_CONFIG)
+    for marker, wanted in (("crash-once", crash_once), ("hang-once", hang_once)):
+        if wanted:
+            (model / "1" / marker).touch()
     return folder
 
 
@@ -135,6 +146,25 @@ def test_a_server_that_crashes_while_starting_is_started_again(tmp_path):
     with TritonServer(options) as server:
         assert server.startup_retries == 1
         assert "start attempt 2 of 3" in log_file.read_text(errors="replace")
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            assert client.is_model_ready("engine")
+        pgid = server.process.pid
+    assert_group_gone(pgid)
+
+
+def test_a_start_whose_load_hangs_writes_the_stubs_stacks_and_is_started_again(tmp_path):
+    """The first start's model never finishes loading and the log stays silent: past
+    ``startup_stall_s`` the stub writes its stacks into the log (where it hung: ``never_loads``), and
+    the server is started again, and serves."""
+    log_file = tmp_path / "tritonserver.log"
+    options = ServerOptions(model_repositories=[engine_repository(tmp_path / "repo", hang_once=True)],
+                            http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=log_file,
+                            startup_stall_s=6)
+    with TritonServer(options) as server:
+        assert server.startup_retries == 1
+        log = log_file.read_text(errors="replace")
+        first = log.split("start attempt 2 of 3")[0]
+        assert "in never_loads" in first and "in initialize" in first, first[-3000:]
         with httpclient.InferenceServerClient(server.http_url) as client:
             assert client.is_model_ready("engine")
         pgid = server.process.pid

@@ -31,7 +31,8 @@ def diffusion_alone(tmp_path_factory, parameters: dict[str, str]):
     copy_model(PROJECT_ROOT / "model_repository", "diffusion", repository, parameters=parameters)
     triton = TritonServer(ServerOptions(model_repositories=[repository], http_port=free_port(),
                                         grpc_port=free_port(), metrics_port=free_port(),
-                                        log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log")).start()
+                                        log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log",
+                                        startup_stall_s=240)).start()
     pgid = triton.process.pid
     yield triton
     triton.stop()

@@ -78,6 +78,20 @@ def test_a_kernel_that_takes_no_mask_serves_only_a_family_whose_passes_never_pad
         resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=True)
 
 
+@pytest.mark.parametrize(("model", "frames"), [("demo:tiny-qwen-image", 0), ("demo:tiny-wan", 21)])
+def test_auto_times_the_kernels_over_a_typical_requests_tokens(model, frames):
+    """A 1024² image's patches and 256 prompt tokens; a video's 81 frames (21 latent) at 832x480 (the
+    kernels rank otherwise there: on an H200 FlashAttention-4 won at Wan 2.1's 32,760 tokens and
+    lost at an image's)."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(model))
+    try:
+        side = runner.family.size_multiple()
+        expected = frames * (480 // side) * (832 // side) if frames else (1024 // side) ** 2 + 256
+        assert runner.family.attention_tokens() == expected
+    finally:
+        runner.close()
+
+
 def test_flash_attention_4_is_refused_by_the_package_it_needs_where_that_is_missing():
     """Diffusers would fetch that kernel from the Hub; this project runs it only from the installed
     flash-attn-4 package (tests/gpu runs it), and says so where the package is absent."""

@@ -1,12 +1,12 @@
 """LoRA adapters per request (``lora.py``), on each DiT family's tiny demo and the CPU: requests with
-different adapters and scales share one step batch, and each image equals the family's pipeline
-with ``load_lora_weights(...)`` and ``set_adapters([name], [scale])`` for that request alone; a
-request without one equals the same batch on a model with no adapters, bit for bit. An adapter
-moves the tiny demo's image by tens of levels and its scale by several (so the tolerance of one
-level can fail); with ``lora_fuse`` a batch sharing one adapter runs it fused. The step cache's smaller batches keep each row's adapter; ``compile: blocks``
-compiles once for any mix of adapters. Bad adapters fail the model's load naming the adapter
-and the layer; bad requests are refused naming their field. Adapters beyond ``max_loras`` take
-the least recently used free slot."""
+different adapters and scales share one step batch, and each image equals the family's pipeline with
+``load_lora_weights(...)`` and ``set_adapters([name], [scale])`` for that request alone; a request
+without one equals the same batch on a model with no adapters, bit for bit. An adapter moves the
+tiny demo's image by tens of levels and its scale by several (so the tolerance of one level can
+fail); with ``lora_fuse`` a batch sharing one adapter runs it fused. The step cache's smaller
+batches keep each row's adapter; ``compile: blocks`` compiles once for any mix of adapters. Bad
+adapters fail the model's load naming the adapter and the layer; bad requests are refused naming
+their field. Adapters beyond ``max_loras`` take the least recently used free slot."""
 
 from __future__ import annotations
 

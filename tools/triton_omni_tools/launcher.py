@@ -73,6 +73,9 @@ class ServerOptions:
     load_models: list[str] = field(default_factory=list)
     server: ServerChoice = "auto"
     startup_timeout_s: float = 600.0
+    # With a log file: a start whose log stays silent this long while models load is taken as hung
+    # (start(): each stub's stacks into the log, then another start); None: never.
+    startup_stall_s: float | None = 900.0
     log_file: Path | None = None  # server output goes here instead of the console
     extra_args: list[str] = field(default_factory=list)
     # Loopback unless told otherwise (the Docker image binds 0.0.0.0).
@@ -116,8 +119,12 @@ RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 STUB_TIMEOUT_S = 120
 UNLOAD_S = 15.0
 STOP_TIMEOUT_S = EXIT_TIMEOUT_S + UNLOAD_S
-# A start whose tritonserver crashes (these signals) before it is ready is tried again, this many times in all.
+# A start whose tritonserver crashes (these signals) or hangs before it is ready is tried again, this many
+# times in all.
 STARTUP_ATTEMPTS = 3
+# What a stub of this project does on this signal: every thread's stack to its stderr, the server's log
+# (triton_omni.triton, through faulthandler), without stopping.
+STACKS_SIGNAL = signal.SIGUSR1
 STARTUP_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 
 
@@ -295,12 +302,34 @@ def vllm_gpu_env() -> dict[str, str]:
 def startup_report(log: str) -> str:
     """The models that failed to load (with Triton's reason) and those still loading, from a server's log."""
     failed = re.findall(r"\"failed to load '([^']+)' version \d+: ([^\n]*)\"", log)
-    ended = {*re.findall(r"\"successfully loaded '([^']+)'", log), *(name for name, _ in failed)}
-    loading = [name for name in dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log)) if name not in ended]
+    loading = still_loading(log)
     lines = [f"failed to load {name}: {reason}" for name, reason in failed]
     if loading:
         lines.append(f"still loading: {', '.join(loading)}")
     return "\n".join(lines or ["no model failed or was still loading"])
+
+
+def still_loading(log: str) -> list[str]:
+    """The models a server's log says it began loading and never loaded nor failed to."""
+    failed = re.findall(r"\"failed to load '([^']+)' version \d+:", log)
+    ended = {*re.findall(r"\"successfully loaded '([^']+)'", log), *failed}
+    return [name for name in dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log)) if name not in ended]
+
+
+class _Silence:
+    """How long a log file has not grown; ``too_long`` past ``limit_s`` (never without a file or a limit)."""
+
+    def __init__(self, log_file: Path | None, limit_s: float | None):
+        self.log_file, self.limit_s = log_file, limit_s
+        self._size, self._since = -1, time.monotonic()
+
+    def too_long(self) -> bool:
+        if self.log_file is None or self.limit_s is None:
+            return False
+        size = self.log_file.stat().st_size if self.log_file.exists() else 0
+        if size != self._size:
+            self._size, self._since = size, time.monotonic()
+        return time.monotonic() - self._since > self.limit_s
 
 
 class TritonServer:
@@ -403,11 +432,16 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         """Start tritonserver and wait until it is ready; a server that crashes while starting
-        (``STARTUP_CRASHES``) is started again, at most ``STARTUP_ATTEMPTS`` times in all.
+        (``STARTUP_CRASHES``), or whose load hangs (its log silent for ``startup_stall_s``), is
+        started again, at most ``STARTUP_ATTEMPTS`` times in all.
 
         Why: Triton 2.51 now and then aborts while loading Python-backend models
         (``boost::interprocess::lock_exception``, an intermittent failure in
-        Triton's own tracker), and nothing else would retry a start. A start
+        Triton's own tracker), and nothing else would retry a start. A load once
+        stopped for good with every stub's runner built (one model of fifteen never
+        reported loaded, its log silent for 17 minutes): a hung start has each stub
+        of the models still loading write its threads' stacks into the log first, so
+        that the log says where it stopped. A start
         that fails for a reason that will not change is not retried: a memory
         plan that does not fit (refused before launching), a model that fails
         to load or a bad flag (Triton exits with an error status), a timeout."""
@@ -469,10 +503,16 @@ class TritonServer:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
+        silence = _Silence(self.options.log_file, self.options.startup_stall_s)
         while time.monotonic() < deadline:
             if (code := self.process.poll()) is not None:
                 failure = ServerCrashedAtStartup if -code in STARTUP_CRASHES else RuntimeError
                 raise failure(f"tritonserver {describe_exit(code)} during startup" + self._startup_report())
+            if silence.too_long():
+                self._dump_stacks_of_loading_stubs()
+                raise ServerHungAtStartup(f"tritonserver's load made no progress for {silence.limit_s:.0f} s (its "
+                                          "log silent; the stacks of the stubs still loading are in it)"
+                                          + self._startup_report())
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -482,6 +522,21 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {self.options.startup_timeout_s:.0f} s"
                            + self._startup_report())
+
+    def _dump_stacks_of_loading_stubs(self, wait_s: float = 2.0) -> None:
+        """Each stub of a model still loading writes its threads' stacks into the log (``STACKS_SIGNAL``)."""
+        log_file = self.options.log_file
+        loading = still_loading(log_file.read_text(errors="replace")) if log_file and log_file.exists() else []
+        for pid in process_group(self.process.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"triton_python_backend_stub" in argv[0] and any(
+                    f"/{name}/".encode() in argv[1] for name in loading):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, STACKS_SIGNAL)
+        time.sleep(wait_s)
 
     def _startup_report(self) -> str:
         """Where the log is and what its models were doing: a CI run shows only the exception."""
@@ -529,6 +584,10 @@ class TritonServer:
 
 class ServerCrashedAtStartup(RuntimeError):
     """tritonserver died of a crash (``STARTUP_CRASHES``) before it was ready: worth another start."""
+
+
+class ServerHungAtStartup(ServerCrashedAtStartup):
+    """tritonserver's load made no progress for ``startup_stall_s``: taken down, worth another start."""
 
 
 def _reap_children_of_the_server() -> None:

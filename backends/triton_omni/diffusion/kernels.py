@@ -165,11 +165,12 @@ def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
 
 
 def resolve_attention(backend: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
-                      masked: bool = False) -> str:
+                      masked: bool = False, tokens: int = 4096 + 256) -> str:
     """The attention kernel to set: ``backend``, checked on this host, or for ``auto`` the fastest
-    this host runs on the network's heads (``choose_attention``). ``masked``: the network's calls
-    may pass a padding mask, so the kernel must take one."""
-    calls = _ProbeCall.all_of(device, dtype, heads, head_dim, masked)
+    this host runs on the network's heads over ``tokens`` (``choose_attention``; the family's
+    ``attention_tokens``). ``masked``: the network's calls may pass a padding mask, so the kernel
+    must take one."""
+    calls = _ProbeCall.all_of(device, dtype, heads, head_dim, masked, tokens)
     if backend == "auto":
         return choose_attention(calls)
     error = _probe(backend, calls, rounds=0)
@@ -196,9 +197,9 @@ def choose_attention(calls: list[_ProbeCall]) -> str:
 
 @dataclass(frozen=True)
 class _ProbeCall:
-    """A call every kernel is tried on: two rows of the network's heads, 4096 image and 256 text
-    tokens (a 1024² image's share in these DiTs), optionally with the second row's padded keys
-    masked out (its prompt shorter), and PyTorch's SDPA's output for it."""
+    """A call every kernel is tried on: two rows of the network's heads over ``tokens`` (a typical
+    request's: a 1024² image's 4096 and 256 text tokens; a video's far more), optionally with the
+    second row's padded keys masked out (its prompt shorter), and PyTorch's SDPA's output for it."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -208,15 +209,17 @@ class _ProbeCall:
 
     @classmethod
     def all_of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int,
-               masked: bool) -> list[_ProbeCall]:
+               masked: bool, tokens: int = 4096 + 256) -> list[_ProbeCall]:
         """The unmasked call, and the masked one where the network may pass a mask."""
-        return [cls.of(device, dtype, heads, head_dim, mask) for mask in ((False, True) if masked else (False,))]
+        masks = (False, True) if masked else (False,)
+        return [cls.of(device, dtype, heads, head_dim, mask, tokens) for mask in masks]
 
     @classmethod
-    def of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, masked: bool) -> _ProbeCall:
+    def of(cls, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, masked: bool,
+           tokens: int = 4096 + 256) -> _ProbeCall:
         from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-        tokens = 4096 + 256 if device.type == "cuda" else 64
+        tokens = tokens if device.type == "cuda" else 64
         generator = torch.Generator(device).manual_seed(0)
         q, k, v = (torch.randn(2, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
                    for _ in range(3))

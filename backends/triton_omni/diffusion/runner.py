@@ -351,8 +351,10 @@ class DiffusionRunner:
         attention = None  # sequence parallel keeps diffusers' own (its config refuses another)
         if self.sequence_parallel is None:
             heads, head_dim = self.family.attention_shape()
+            tokens = self.family.attention_tokens()
             attention = self._on_torch_thread(lambda: resolve_attention(c.attention_backend, self.device, self.dtype,
-                                                                        heads, head_dim, self.family.attention_masked))
+                                                                        heads, head_dim, self.family.attention_masked,
+                                                                        tokens))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
         return NetworkKernels(plan, attention)
 

@@ -306,6 +306,15 @@ class Family:
         config = self.network.config
         return int(config.num_attention_heads), int(config.attention_head_dim)
 
+    def attention_tokens(self) -> int:
+        """The tokens of one request's attention call at a typical output, which ``attention_backend:
+        auto`` times the kernels on: a 1024² image and 256 text tokens; a video's 832x480 frames at
+        its pipeline's default count (32,760 for Wan 2.1, where the kernels rank otherwise than at
+        an image's few thousand)."""
+        if self.output.video:
+            return self.image_tokens(480, 832, self.output.default_frames)
+        return self.image_tokens(1024, 1024) + 256
+
     def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
         """The DiT's image tokens for an output of this size (its patches; a video's, of every
         latent frame)."""

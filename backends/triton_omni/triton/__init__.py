@@ -6,6 +6,7 @@ fake ``pb_utils``). One tensor<->value mapping, one error mapping, one
 response thread, one metrics helper, shared by every stage.
 """
 
+import faulthandler
 import locale
 import logging
 import os
@@ -27,6 +28,10 @@ if signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:
         import ctypes
 
         ctypes.CDLL(None).signal(signal.SIGCHLD, signal.SIG_DFL)
+
+# A stub whose model's load hangs is asked for its threads' stacks (the launcher's STACKS_SIGNAL):
+# they go to its stderr, the server's log, and the stub goes on.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 # Every stage logs the same way; TRITON_OMNI_LOG_LEVEL=DEBUG adds, e.g.,
 # the diffusion backend's per-batch timing.
