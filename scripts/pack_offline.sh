@@ -73,7 +73,7 @@ if [ "$with_vllm" = 1 ]; then
   mkdir -p .vllm4
   # What AsyncLLM's import and an engine start need beyond a torch host's packages
   # (llguidance 1.7 is not on PyPI; 1.6.1 imports).
-  wheels .vllm4 annotated-types apache-tvm-ffi blake3 cachetools cbor2 "fastapi<0.137" ijson jiter llguidance \
+  wheels .vllm4 annotated-types "apache-tvm-ffi<0.2" blake3 cachetools cbor2 "fastapi<0.137" ijson jiter llguidance \
     msgspec openai openai-harmony opentelemetry-api partial-json-parser pybase64 pydantic pydantic-core pyzmq \
     setproctitle sniffio starlette typing-inspection xgrammar httpx2 httpcore2 truststore
 fi

@@ -190,8 +190,10 @@ class AdapterRows:
         self.fused = False  # this pass runs the fused weights (a bool: compiled code guards on it)
 
     @contextlib.contextmanager
-    def bind(self, rows: list[tuple[int, float] | None], device: torch.device) -> Iterator[None]:
-        """A forward pass whose row ``i`` uses ``rows[i]`` ((slot, scale), or None)."""
+    def bind(self, rows: list[tuple[int, float] | None], device: torch.device,
+             size: int | None = None) -> Iterator[None]:
+        """A forward pass whose row ``i`` uses ``rows[i]`` ((slot, scale), or None), padded to
+        ``size`` rows (padding takes whatever keeps the pass cheapest: its output is thrown away)."""
         if all(row is None for row in rows):
             yield
             return
@@ -203,8 +205,8 @@ class AdapterRows:
             finally:
                 self.fused = False
             return
-        if len(set(rows)) == 1:  # one adapter for all: one entry, which fits any leading dimension
-            rows = rows[:1]
+        # one adapter for all: one entry, which fits any leading dimension; else a row each, padding none
+        rows = rows[:1] if len(set(rows)) == 1 else rows + [None] * ((size or len(rows)) - len(rows))
         slots = [row[0] if row else 0 for row in rows]
         scales = [row[1] if row else 0.0 for row in rows]
         self.slots = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
@@ -236,7 +238,7 @@ class LoraLinear(torch.nn.Module):
         self.register_buffer("lora_a", weight.new_zeros(slots, rank, base.in_features), persistent=False)
         self.register_buffer("lora_b", weight.new_zeros(slots, base.out_features, rank), persistent=False)
         self.register_buffer("scaling", torch.zeros(slots, device=weight.device), persistent=False)
-        self.register_buffer("fused_weight", None, persistent=False)  # made at the first fuse
+        self.register_buffer("fused_weight", None, persistent=False)  # lora_fuse's copy (Adapters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows.fused:
@@ -258,11 +260,8 @@ class LoraLinear(torch.nn.Module):
     def fuse(self, slot: int, scale: float) -> None:
         """``fused_weight``: the base weight with ``slot``'s adapter at ``scale`` added, in float32
         then rounded once, as diffusers' ``fuse_lora`` adds it."""
-        weight = self.base.weight
         delta = (scale * self.scaling[slot]) * (self.lora_b[slot].float() @ self.lora_a[slot].float())
-        if self.fused_weight is None:
-            self.fused_weight = torch.empty_like(weight)
-        self.fused_weight.copy_(weight.float() + delta)
+        self.fused_weight.copy_(self.base.weight.float() + delta)
 
     def install(self, slot: int, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
         """An adapter's factors into ``slot`` (None: the adapter leaves this layer out)."""
@@ -313,6 +312,9 @@ class Adapters:
         self.rows = AdapterRows(self._fuse if fuse else None)
         self._fused: tuple[int, float] | None = None  # the (slot, scale) the fused weights hold
         self.layers = self._wrap(ranks, min(max_loaded, len(sources)))
+        if fuse:  # at load, where the memory plan sees them, not at the first shared pass
+            for layer in self.layers.values():
+                layer.fused_weight = torch.empty_like(layer.base.weight)
         self.slots = [_Slot() for _ in range(min(max_loaded, len(sources)))]
         self._lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recent first
         self._loading: dict[str, Future] = {}
@@ -405,6 +407,7 @@ class Adapters:
         """On the torch thread, before a pass whose rows all run ``pair`` (slot, scale): every
         layer's fused weight made that pair's, unless it already is."""
         if self._fused != pair:
+            self._fused = None  # a fuse that fails halfway leaves no pair named
             for layer in self.layers.values():
                 layer.fuse(*pair)
             self._fused = pair

@@ -284,6 +284,9 @@ def test_configuration_is_checked_at_load(adapters):
         runner("qwen-image", adapters["qwen-image"], cfg_device="cpu")
     with pytest.raises(ValueError, match="lora_fuse: this model has no lora_adapters"):
         runner("qwen-image", None, lora_fuse=True)
+    with pytest.raises(ValueError, match="lora_fuse needs exact_batching false"):
+        DiffusionRunner(DiffusionRunnerConfig(DEMO_PIPELINES["qwen-image"], lora_adapters=adapters["qwen-image"],
+                                              lora_fuse=True))
     assert parse_sources('{"a": "x/y"}') == {"a": "x/y"}
     pair = '{"a": {"transformer": "h", "transformer_2": "l"}}'
     assert parse_sources(pair) == {"a": {"transformer": "h", "transformer_2": "l"}}
@@ -313,6 +316,9 @@ def test_compiled_blocks_compile_once_for_any_mix_of_adapters(adapters, monkeypa
         assert graphs > 0
         served = [images(compiled, batch) for batch in later]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompile for another mix, scale or adapter
+        if fuse:  # three rows padded to a bucket of four still share one adapter: fused
+            images(compiled, [request(7, "a", 0.5), request(8, "a", 0.5), request(9, "a", 0.5)])
+            assert compiled.adapters._fused is not None and compiled.adapters._fused[1] == 0.5
     finally:
         compiled.close()
     eager = runner("qwen-image", sources, max_loras=3)

@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -43,7 +44,7 @@ from triton_omni_tools.demos import demo_edits, demo_repositories
 from triton_omni_tools.gateway import API_KEY_ENV, Gateway, text_model_tokenizers
 from triton_omni_tools.reaper import Leftovers, Reaper, mapped_shared_memory, process_group, reap
 from triton_omni_tools.restarts import RestartPolicy, describe_exit, died_abnormally
-from triton_omni_tools.supervisor import RepositoryApi, Supervisor
+from triton_omni_tools.supervisor import RepositoryApi, Supervisor, server_stubs
 
 logger = logging.getLogger(__name__)
 
@@ -316,20 +317,31 @@ def still_loading(log: str) -> list[str]:
     return [name for name in dict.fromkeys(re.findall(r'"loading: ([^:"]+):\d+"', log)) if name not in ended]
 
 
-class _Silence:
-    """How long a log file has not grown; ``too_long`` past ``limit_s`` (never without a file or a limit)."""
+# A load whose stubs use less CPU than this (cores, on average) while its log is silent makes no progress:
+# a deadlocked stub uses almost none, a silent compile or build at least one core.
+BUSY_CORES = 0.05
 
-    def __init__(self, log_file: Path | None, limit_s: float | None):
-        self.log_file, self.limit_s = log_file, limit_s
-        self._size, self._since = -1, time.monotonic()
+
+class _Silence:
+    """How long a load has made no progress: its log has not grown and ``cpu_seconds()`` (the CPU time
+    of the stubs still loading) has risen by less than ``BUSY_CORES``; ``too_long`` past ``limit_s``
+    (never without a file or a limit)."""
+
+    def __init__(self, log_file: Path | None, limit_s: float | None, cpu_seconds: Callable[[], float]):
+        self.log_file, self.limit_s, self.cpu_seconds = log_file, limit_s, cpu_seconds
+        self._size, self._cpu = -1, 0.0
+        self._since = self._checked = time.monotonic()
 
     def too_long(self) -> bool:
         if self.log_file is None or self.limit_s is None:
             return False
+        now = time.monotonic()
         size = self.log_file.stat().st_size if self.log_file.exists() else 0
-        if size != self._size:
-            self._size, self._since = size, time.monotonic()
-        return time.monotonic() - self._since > self.limit_s
+        cpu = self.cpu_seconds() if size == self._size else self._cpu
+        if size != self._size or cpu - self._cpu >= BUSY_CORES * (now - self._checked):
+            self._since = now
+        self._size, self._cpu, self._checked = size, cpu, now
+        return now - self._since > self.limit_s
 
 
 class TritonServer:
@@ -340,6 +352,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.supervisor: Supervisor | None = None
         self._log = None
+        self._log_start = 0  # where this start attempt's lines begin in the log
         self._segments: set[Path] = set()  # /dev/shm files its processes map (mapped_shared_memory)
         self.reaper: Reaper | None = None
         self._identity = ""  # the server process's (processes.identity), which names its stubs' folders
@@ -482,6 +495,7 @@ class TritonServer:
             self.options.log_file.parent.mkdir(parents=True, exist_ok=True)
             # A retry appends: the crash that caused it stays in the log.
             output = self._log = open(self.options.log_file, "wb" if attempt == 1 else "ab")  # noqa: SIM115
+            self._log_start = output.tell()
             if attempt > 1:
                 output.write(f"\n--- triton-omni: start attempt {attempt} of {STARTUP_ATTEMPTS} ---\n".encode())
                 output.flush()
@@ -503,7 +517,7 @@ class TritonServer:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         url = f"http://{self.http_url}/v2/health/ready"
-        silence = _Silence(self.options.log_file, self.options.startup_stall_s)
+        silence = _Silence(self.options.log_file, self.options.startup_stall_s, self._loading_stubs_cpu_seconds)
         while time.monotonic() < deadline:
             if (code := self.process.poll()) is not None:
                 failure = ServerCrashedAtStartup if -code in STARTUP_CRASHES else RuntimeError
@@ -525,25 +539,32 @@ class TritonServer:
 
     def _dump_stacks_of_loading_stubs(self, wait_s: float = 2.0) -> None:
         """Each stub of a model still loading writes its threads' stacks into the log (``STACKS_SIGNAL``)."""
-        log_file = self.options.log_file
-        loading = still_loading(log_file.read_text(errors="replace")) if log_file and log_file.exists() else []
-        for pid in process_group(self.process.pid):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"triton_python_backend_stub" in argv[0] and any(
-                    f"/{name}/".encode() in argv[1] for name in loading):
+        loading = set(still_loading(self._attempt_log()))
+        for stub in server_stubs(self.process.pid):
+            if stub.model in loading:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, STACKS_SIGNAL)
+                    os.kill(stub.pid, STACKS_SIGNAL)
         time.sleep(wait_s)
+
+    def _loading_stubs_cpu_seconds(self) -> float:
+        loading = set(still_loading(self._attempt_log()))
+        return sum(stub.cpu_s for stub in server_stubs(self.process.pid) if stub.model in loading)
+
+    def _attempt_log(self) -> str:
+        """This start attempt's part of the log (a retry appends to the same file)."""
+        log_file = self.options.log_file
+        if log_file is None or not log_file.exists():
+            return ""
+        with open(log_file, "rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")
 
     def _startup_report(self) -> str:
         """Where the log is and what its models were doing: a CI run shows only the exception."""
         log_file = self.options.log_file
         if log_file is None or not log_file.exists():
             return ""
-        return f"; see {log_file}\n" + startup_report(log_file.read_text(errors="replace"))
+        return f"; see {log_file}\n" + startup_report(self._attempt_log())
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGINT (Triton's graceful shutdown: requests in flight get ``exit_timeout_s`` to finish,
@@ -574,6 +595,7 @@ class TritonServer:
         if self._log:
             self._log.close()
             self._log = None
+        self._log_start = 0  # where this start attempt's lines begin in the log
 
     def __enter__(self) -> TritonServer:
         return self.start()

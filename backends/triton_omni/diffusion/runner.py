@@ -160,6 +160,9 @@ class DiffusionRunnerConfig:
                              "adapter's factors are added to the bf16 layers they wrap)")
         if self.lora_fuse and not self.lora_adapters:
             raise ValueError("model parameter lora_fuse: this model has no lora_adapters to fuse")
+        if self.lora_fuse and self.exact_mode != "false":
+            raise ValueError("model parameter lora_fuse needs exact_batching false: a fused adapter's image is "
+                             "within a level of the unfused one, so a request's image would depend on its company")
         if self.lora_adapters and (self.sp_devices or self.cfg_device is not None):
             raise ValueError("model parameter lora_adapters: not with a parallel mode (its workers hold the "
                              "transformer without the adapters)")

@@ -411,10 +411,10 @@ class StepAdapter:
         self.lora_rows = None  # the model's AdapterRows (lora.py), set by the runner where it has adapters
         self.input_latents = InputLatents()  # an edit's input images, encoded once for every request giving them
 
-    def adapted(self, rows: list) -> contextlib.AbstractContextManager:
+    def adapted(self, rows: list, size: int | None = None) -> contextlib.AbstractContextManager:
         """Around a forward pass whose row ``i`` runs ``rows[i]``'s adapter (a job's ``lora``: (slot,
-        scale), or None: none, as a padding row)."""
-        return contextlib.nullcontext() if self.lora_rows is None else self.lora_rows.bind(rows, self.device)
+        scale), or None: none), padded to ``size`` rows (whose output is thrown away)."""
+        return contextlib.nullcontext() if self.lora_rows is None else self.lora_rows.bind(rows, self.device, size)
 
     def group(self, job) -> tuple:
         raise NotImplementedError
@@ -563,7 +563,7 @@ class TwoPassStepAdapter(FlowStepAdapter):
                  branch: str) -> torch.Tensor:
         kwargs, rows = self._pass(jobs, embeds, pad_to, branch)
         with self.cached(rows, network), \
-                self.adapted([job.lora for job in jobs] + [None] * (len(rows) - len(jobs))):
+                self.adapted([job.lora for job in jobs], len(rows)):
             return network(**kwargs)[0][: len(jobs)]
 
     def networks_of(self, jobs: list) -> list[tuple[torch.nn.Module, list]]:

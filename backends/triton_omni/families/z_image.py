@@ -72,7 +72,7 @@ class ZImageSteps(FlowStepAdapter):
         size = pad_to(n)
         owners = [job.cache and job.cache["all"] for job in jobs + guided]
         with self.cached(owners + [None] * (size - n)), \
-                self.adapted([job.lora for job in jobs + guided] + [None] * (size - n)):
+                self.adapted([job.lora for job in jobs + guided], size):
             out = self.pipeline.transformer([x[0].unsqueeze(1) for x in pad_rows(latents, size)],
                                             torch.cat(pad_rows(timesteps, size)), pad_rows(embeds, size),
                                             return_dict=False)[0][:n]
