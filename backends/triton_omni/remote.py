@@ -34,6 +34,8 @@ _UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 CANCEL_POLL_S = 0.1  # how often a running call looks at its request's cancellation
 # what a server that is stopping (a pod scaled in) answers once it has begun unloading its models
 _DRAINING = "has no available versions"
+DRAINING_REFUSALS = 20  # such answers sent elsewhere at once, before they count as unreachable attempts
+DRAINING_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,22 @@ class RemoteStage:
             tensors.append(tensor)
         wanted = [self._grpc.InferRequestedOutput(name) for name in outputs]
         self.counters["calls"] += 1
-        delay = self.config.backoff_s
-        for attempt in range(self.config.retries + 1):
+        delay, attempt, refusals = self.config.backoff_s, 0, 0
+        while True:
             try:
                 result = self._call(tensors, wanted, cancelled)
             except InferenceServerException as error:
-                if str(error.status()) not in _UNREACHABLE and _DRAINING not in (error.message() or ""):
+                draining = _DRAINING in (error.message() or "")
+                if str(error.status()) not in _UNREACHABLE and not draining:
                     raise self._remote_error(error) from None
+                if draining and refusals < DRAINING_REFUSALS:
+                    # A replica that is unloading answers at once, and round robin sends the next call to
+                    # another; the calls of other requests move it too, so one request can meet the
+                    # leaving replica several times running (seen with 3 clients over 2 replicas)
+                    refusals += 1
+                    self.counters["retries"] += 1
+                    time.sleep(DRAINING_PAUSE_S)
+                    continue
                 if attempt == self.config.retries:
                     self.counters["unreachable"] += 1
                     raise RemoteError("UNAVAILABLE", f"remote stage {self.stage} (its server at {self.config.url}) "
@@ -97,9 +108,9 @@ class RemoteStage:
                                error.status(), delay)
                 time.sleep(delay)
                 delay *= 2
+                attempt += 1
             else:
                 return {name: array for name in outputs if (array := result.as_numpy(name)) is not None}
-        raise AssertionError("unreachable")
 
     def _call(self, tensors: list, wanted: list, cancelled: Callable[[], bool] | None):
         """One call, watched for ``cancelled`` while it runs."""
