@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from gpu_peaks import device_name, peak_bf16
-from triton_omni.diffusion.kernels import ATTENTION_CANDIDATES, installed_kernel
+from triton_omni.diffusion.kernels import ATTENTION_CANDIDATES, usable_backend
 
 # name -> (tokens, heads, head size): one request's call at the family's realistic setting
 SHAPES = {
@@ -34,16 +34,10 @@ SHAPES = {
 def time_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reference: torch.Tensor,
               repeats: int) -> tuple[float, float] | Exception:
     """(seconds per call, the largest difference from SDPA's output), or why it cannot run."""
-    from diffusers.models.attention_dispatch import (
-        AttentionBackendName,
-        _check_attention_backend_requirements,
-        dispatch_attention_fn,
-    )
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     try:
-        backend = AttentionBackendName(name)
-        installed_kernel(name)
-        _check_attention_backend_requirements(backend)
+        backend = usable_backend(name)
         out = dispatch_attention_fn(q, k, v, backend=backend)  # the first call compiles, where a kernel is JIT
         difference = float((out.float() - reference.float()).abs().max())
         for _ in range(3):

@@ -234,16 +234,10 @@ class _ProbeCall:
 def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Exception:
     """Seconds per round of ``calls`` with backend ``name`` (each output checked against PyTorch's
     SDPA's), or the exception that says why it cannot run here."""
-    from diffusers.models.attention_dispatch import (
-        AttentionBackendName,
-        _check_attention_backend_requirements,
-        dispatch_attention_fn,
-    )
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     try:
-        backend = AttentionBackendName(name)
-        installed_kernel(name)
-        _check_attention_backend_requirements(backend)
+        backend = usable_backend(name)
         for call in calls:
             out = dispatch_attention_fn(call.q, call.k, call.v, attn_mask=call.mask, backend=backend)
             if not torch.allclose(out.float(), call.reference.float(), atol=2e-2, rtol=2e-2):
@@ -261,6 +255,17 @@ def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Excep
         return start.elapsed_time(end) / 1e3 / rounds
     except Exception as exc:  # a kernel this host lacks, or one that refuses masks: not a candidate
         return exc
+
+
+def usable_backend(name: str):
+    """diffusers' backend ``name``, its kernel installed where this project provides it
+    (``installed_kernel``) and its requirements checked; raises why this host cannot run it."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    backend = AttentionBackendName(name)
+    installed_kernel(name)
+    _check_attention_backend_requirements(backend)
+    return backend
 
 
 def installed_kernel(backend: str) -> None:
