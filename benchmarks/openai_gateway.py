@@ -29,9 +29,12 @@ steps are minutes a round). The input image is a 1024² PNG either way.
 through `/v1/videos` as the `openai` SDK's `create_and_poll` and
 `download_content` use it (create the job, poll it, fetch the MP4) against
 `tritonclient.grpc.aio`'s `infer` of the same video (the raw frames).
-`--preset tiny` serves the tiny Wan demo (32², 5 frames, 2 steps); for a
-real model give `--grpc-url` and `--openai-url` of a server that serves one
-(`--video-size`, `--video-frames`, `--video-steps` set the work).
+`--preset tiny` serves the tiny Wan demo (32², 5 frames, 2 steps); `realistic`
+Wan 2.1 T2V-1.3B's DiT and VAE and UMT5-XXL's encoder at their real shapes
+(random weights; the encoder folder, about 11 GB, built into the cache on first
+use) at the model card's 832x480 and 81 frames, 10 steps by default; or give
+`--grpc-url` and `--openai-url` of a server that serves one (`--video-size`,
+`--video-frames`, `--video-steps` set the work).
 
 `--aa` runs the direct side against itself: the spread of those ratios is
 the finest difference this host can resolve.
@@ -43,6 +46,7 @@ By default it starts its own server and gateway (the demo models); give
     .venv/bin/python benchmarks/openai_gateway.py --json .cache/openai-gateway.json
     python benchmarks/openai_gateway.py --edits --preset realistic [--aa]      # GPU: Qwen-Image-Edit's edits
     python benchmarks/openai_gateway.py --videos [--aa]                          # the tiny Wan demo
+    python benchmarks/openai_gateway.py --videos --preset realistic --rounds 2 --video-requests 4 [--aa]  # GPU
 """
 
 from __future__ import annotations
@@ -303,7 +307,8 @@ async def compare(workload, concurrency: int, requests: int, rounds: int, aa: bo
 
 
 async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
-    options = {"num_inference_steps": args.steps, "height": args.size, "width": args.size, "seed": 1,
+    width, height = args.size if isinstance(args.size, tuple) else (args.size, args.size)
+    options = {"num_inference_steps": args.steps, "height": height, "width": width, "seed": 1,
                "guidance_scale": args.guidance}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with aioclient.InferenceServerClient(grpc_url) as grpc, \
@@ -327,6 +332,12 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
         finally:
             if chat_http is not http:
                 await chat_http.session.close()
+
+
+def video_size(text: str) -> tuple[int, int]:
+    """``--video-size``: ``WIDTHxHEIGHT``, or one side of a square."""
+    width, _, height = text.partition("x")
+    return int(width), int(height or width)
 
 
 def rendered_prompt(tokenizer_path: str) -> str:
@@ -361,19 +372,29 @@ REALISTIC_EDITS = {
                                   "dtype": "bfloat16", "engine": "transformers", "gpu_memory_utilization": "0.25"}},
 }
 
+# --videos --preset realistic: Wan 2.1 T2V-1.3B and UMT5-XXL at their real shapes, on one GPU
+REALISTIC_VIDEOS = {
+    "diffusion": {"parameters": {"model": "demo:realistic-wan2.1-1.3b", "dtype": "bfloat16",
+                                 "gpu_memory_utilization": "0.60", "max_rows": "4"}},
+    "ar_encoder": {"parameters": {"model": "demo:realistic-wan-encoder", "recipe": "wan", "dtype": "bfloat16",
+                                  "gpu_memory_utilization": "0.20"}},
+    "text_to_image": {"media": "video"},
+}
+REALISTIC = {"edits": REALISTIC_EDITS, "videos": REALISTIC_VIDEOS}
+
 
 @contextlib.contextmanager
-def edits_server(preset: str, workers: int):
-    """The edit models (or another demo's: ``preset`` names it) on a server of this run's own, and a
-    gateway in front of it."""
+def edits_server(preset: str, workers: int, workload: str = "edits"):
+    """The edit models, or Wan's with ``workload`` videos (or another demo's: ``preset`` names it),
+    on a server of this run's own, and a gateway in front of it."""
     from triton_omni.demo_models import resolve_model
     from triton_omni_tools.repository import copy_repositories
 
     with tempfile.TemporaryDirectory() as tmp:
         if preset == "realistic":
-            resolve_model(REALISTIC_EDITS["ar_encoder"]["parameters"]["model"])  # built before the server needs the GPU
-            extra = {"model_repositories": copy_repositories(DEFAULT_REPOSITORIES, Path(tmp) / "repos",
-                                                             REALISTIC_EDITS),
+            edits = REALISTIC[workload]
+            resolve_model(edits["ar_encoder"]["parameters"]["model"])  # built before the server needs the GPU
+            extra = {"model_repositories": copy_repositories(DEFAULT_REPOSITORIES, Path(tmp) / "repos", edits),
                      # Triton's pool for GPU tensors between the stages: an edit's embeddings are about 20 MB
                      # (its image's vision tokens), and the default 64 MB held three of 16 in flight
                      "extra_args": ["--cuda-memory-pool-byte-size=0:1073741824"]}
@@ -436,9 +457,10 @@ def main() -> None:
                            "instead of the images and chat workloads (a gateway of one process: jobs live in it)")
     parser.add_argument("--video-concurrency", type=int, default=4)
     parser.add_argument("--video-requests", type=int, default=8, help="per side and round")
-    parser.add_argument("--video-size", type=int, help="--videos: each side in pixels (default: 32 on the tiny "
-                        "demo)")
-    parser.add_argument("--video-frames", type=int, default=5, help="--videos: frames per video")
+    parser.add_argument("--video-size", help="--videos: WIDTHxHEIGHT or a square's side (default: 32 on the tiny "
+                        "demo, 832x480 on the realistic one)")
+    parser.add_argument("--video-frames", type=int, help="--videos: frames per video (default: 5 on the tiny "
+                        "demo, 81 on the realistic one)")
     parser.add_argument("--video-steps", type=int, help="--videos: steps per video (default: 2 on the tiny demo)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -446,10 +468,12 @@ def main() -> None:
     args.steps, args.size, args.guidance, args.tokens = preset.steps, preset.size, preset.guidance, preset.max_tokens
     if args.edits:  # true CFG needs a negative prompt: 4 is the edit pipeline's scale, here without one
         args.steps, args.size, args.guidance = (2, 32, 4.0) if args.preset == "tiny" else (args.edit_steps, 1024, 4.0)
-    if args.videos:  # Wan's CFG at its model card's 5
-        args.steps, args.size, args.guidance = args.video_steps or 2, args.video_size or 32, 5.0
-        if args.preset != "tiny" and not args.grpc_url:
-            parser.error("--videos serves the tiny Wan demo; for a real model give --grpc-url and --openai-url")
+    if args.videos:  # Wan's CFG at its model card's 5; realistic: its 480p (832x480, 81 frames)
+        realistic = args.preset == "realistic"
+        args.steps = args.video_steps or (10 if realistic else 2)
+        args.size = video_size(args.video_size or ("832x480" if realistic else "32"))
+        args.video_frames = args.video_frames or (81 if realistic else 5)
+        args.guidance = 5.0
         args.workers = 1  # a gateway of several processes answers /v1/videos with a 501
 
     with contextlib.suppress(ImportError):  # the clients' loop: uvloop where installed, as the gateway's is
@@ -459,8 +483,9 @@ def main() -> None:
     if args.grpc_url:
         results = asyncio.run(run(args.grpc_url, args.openai_url, args))
     elif args.edits or args.videos:
-        demo = "wan" if args.videos else args.preset if args.preset == "realistic" else "qwen-image-edit"
-        with edits_server(demo, args.workers) as (grpc_url, openai_url, _, gateway_pid):
+        demo = args.preset if args.preset == "realistic" else "wan" if args.videos else "qwen-image-edit"
+        workload = "videos" if args.videos else "edits"
+        with edits_server(demo, args.workers, workload) as (grpc_url, openai_url, _, gateway_pid):
             args.gateway_pid = args.gateway_pid or gateway_pid
             results = asyncio.run(run(grpc_url, openai_url, args))
     else:

@@ -9,6 +9,7 @@ says which part to work on (diagnostic, GPU; the same request as ``families.py``
 
     python benchmarks/request_breakdown.py --family qwen-image --compile --quantization fp8
     python benchmarks/request_breakdown.py --family z-image --compile --cuda-graphs false
+    python benchmarks/request_breakdown.py --family wan --compile --attention-backend flash_4_hub --rounds 1
     .venv/bin/python benchmarks/request_breakdown.py --family qwen-image --preset tiny      # CPU: wall clock only
 """
 
@@ -58,8 +59,7 @@ class Spans:
 def request_values(requests: Requests, index: int) -> dict:
     setup = requests.setup
     values = {"prompt_embeds": torch.from_numpy(requests.prompt(index)), "seed": requests.seed(index),
-              "num_inference_steps": setup.steps, "height": setup.size, "width": setup.size,
-              "guidance_scale": setup.guidance}
+              "num_inference_steps": setup.steps, "guidance_scale": setup.guidance} | setup.sized()
     if requests.guided:
         values["negative_prompt_embeds"] = torch.from_numpy(requests.negative(index))
     if requests.pooled_size:
@@ -113,7 +113,7 @@ def main() -> None:
         if cuda:
             spans.wrap(runner.family.network, "forward", "forward")
             spans.wrap(pipeline.vae, "decode", "decode")
-        print(f"{setup.model} {setup.size}², {setup.steps} steps, guidance {setup.guidance}, compile {args.compile}, "
+        print(f"{setup.model} {setup.sized()}, {setup.steps} steps, guidance {setup.guidance}, compile {args.compile}, "
               f"{args.quantization}, CUDA graphs {args.cuda_graphs}, attention {args.attention_backend}")
         for i in range(args.rounds):
             spans.clear()

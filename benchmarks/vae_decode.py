@@ -3,6 +3,11 @@
 by side in one process, at the real shapes (random weights): FLUX.1's ``AutoencoderKL`` (also
 Z-Image's) and FLUX.2's ``AutoencoderKLFlux2``.
 
+``--vae wan`` times Wan's video VAE instead (``AutoencoderKLWan``, float32 as its model card and
+the served pipeline load it; 81 frames at 832x480): it has no group norms, so its second column is
+the same decode with cuDNN's benchmark mode (each convolution's fastest algorithm, timed at its
+first call of a shape), and the error column is the distance from PyTorch's default decode.
+
 For each batch size it prints the milliseconds of one decode each way and their ratio, the time
 per image, and how far each bf16 image is from the float32 decode of the same latents (mean
 difference in levels of 255): the spread group norm only reorders sums, so it must be no further.
@@ -10,6 +15,7 @@ Decoding each image alone (what step batching does with spread group norms) cost
 per image.
 
     python benchmarks/vae_decode.py                               # GPU: 1024², batches 1, 2, 4
+    python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2   # GPU: a Wan 2.1 video's decode
     .venv/bin/python benchmarks/vae_decode.py --size 64 --rounds 1   # CPU: a quick check
 """
 
@@ -30,7 +36,13 @@ def flux2_vae():
     return AutoencoderKLFlux2()
 
 
-VAES = {"flux1": flux1_vae, "flux2": flux2_vae}
+def wan_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan()
+
+
+VAES = {"flux1": flux1_vae, "flux2": flux2_vae, "wan": wan_vae}
 
 
 def timed_decode(vae, latents: torch.Tensor, rounds: int) -> tuple[float, torch.Tensor]:
@@ -58,9 +70,12 @@ def pytorchs_group_norms(vae) -> None:
         module.__dict__.pop("forward", None)  # spread_group_norms's instance attribute
 
 
-def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype) -> None:
+def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype,
+        frames: int) -> None:
     with built_as(device, torch.float32):
         vae = VAES[name]().eval()
+    if name == "wan":
+        return run_video(vae, size, frames, batches, rounds, device)
     side = size // 8  # both VAEs upsample 8x
     for batch in batches:
         generator = torch.Generator(device).manual_seed(batch)
@@ -78,10 +93,29 @@ def run(name: str, size: int, batches: list[int], rounds: int, device: torch.dev
               f"{errors[0]:9.3f} {errors[1]:9.3f}", flush=True)
 
 
+def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, device: torch.device) -> None:
+    """Wan's decode in float32, PyTorch's defaults against cuDNN's benchmark mode."""
+    width, height = (832, 480) if size == 1024 else (size, size)
+    shape = (vae.config.z_dim, (frames - 1) // 4 + 1, height // 8, width // 8)
+    print("wan: its columns 'spread' are cuDNN's benchmark mode, 'err sp' its distance from the default decode")
+    for batch in batches:
+        generator = torch.Generator(device).manual_seed(batch)
+        latents = torch.randn(batch, *shape, device=device, generator=generator)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False):
+            native_s, native = timed_decode(vae, latents, rounds)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+            tuned_s, tuned = timed_decode(vae, latents, rounds)
+        print(f"{'wan':6s} {f'{width}x{height}x{frames}':>13s} {batch:5d} {native_s * 1e3:10.2f} "
+              f"{tuned_s * 1e3:10.2f} {tuned_s / native_s:7.3f} {native_s * 1e3 / batch:10.2f} "
+              f"{tuned_s * 1e3 / batch:10.2f} {0.0:9.3f} {float((tuned - native).abs().mean()):9.3f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vae", default="flux1,flux2", help="comma-separated: flux1, flux2")
-    parser.add_argument("--size", type=int, default=1024, help="the image's side in pixels")
+    parser.add_argument("--vae", default="flux1,flux2", help="comma-separated: flux1, flux2, wan")
+    parser.add_argument("--size", type=int, default=1024,
+                        help="the image's side in pixels (wan: 1024 for its 832x480, else a square)")
+    parser.add_argument("--frames", type=int, default=81, help="wan: the video's frames")
     parser.add_argument("--batch", default="1,2,4", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args(argv)
@@ -94,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'vae':6s} {'size':>5s} {'batch':>5s} {'pytorch':>10s} {'spread':>10s} {'s/p':>7s} "
           f"{'pytorch/im':>10s} {'spread/im':>10s} {'err pt':>9s} {'err sp':>9s}")
     for name in args.vae.split(","):
-        run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype)
+        run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype, args.frames)
 
 
 if __name__ == "__main__":

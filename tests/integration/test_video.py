@@ -15,6 +15,7 @@ route and as `/v1/videos`' `input_reference`, against `WanImageToVideoPipeline`.
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import time
@@ -272,6 +273,21 @@ def test_deleting_a_running_job_stops_its_denoising(videos_api, wan_server):
     wait(lambda: count("cancelled") == cancelled + 1 and in_flight() == 0,  # dropped at its next step
          "the deleted job's request was never cancelled")
     assert metric_value(wan_server, "omni_diffusion_steps_total", model="diffusion") - steps < 100
+
+
+def test_the_benchmark_measures_videos_through_the_gateway_against_grpc(videos_api, wan_server, tmp_path):
+    """``benchmarks/openai_gateway.py --videos`` against this server and gateway: both sides made
+    videos and the report has its shape, never a ratio (docs/benchmarks.md quotes the GPU figure)."""
+    out_file = tmp_path / "videos.json"
+    command = [sys.executable, str(PROJECT_ROOT / "benchmarks" / "openai_gateway.py"), "--videos",
+               "--grpc-url", wan_server.grpc_url, "--openai-url", str(videos_api.base_url).removesuffix("/v1/"),
+               "--rounds", "1", "--video-concurrency", "2", "--video-requests", "2", "--video-size", "32x48",
+               "--json", str(out_file)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [videos] = json.loads(out_file.read_text())["results"]
+    assert (videos["workload"], videos["unit"]) == ("videos", "videos/s")
+    assert videos["gateway"] > 0 and videos["direct"] > 0
 
 
 # -- Wan 2.2 TI2V (`serve --demo wan2.2`): a prompt and a first image --------------------------------

@@ -240,6 +240,33 @@ def flow_scheduler(flow_shift: float = 3.0):
     return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=flow_shift)
 
 
+# UMT5-XXL, every Wan pipeline's text encoder (google/umt5-xxl's config.json)
+UMT5_XXL_SHAPE = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+                  "vocab_size": 256384, "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32}
+
+
+def build_realistic_encoder(out: Path) -> None:
+    """Wan's text encoder alone at UMT5-XXL's shape (random weights, bf16, about 5.7 B parameters)
+    with the tiny demos' tokenizer (its ids are a part of UMT5's vocabulary), as a pipeline folder:
+    ``ar_encoder``'s model beside the in-memory realistic DiT, so that a prompt is served end to
+    end (``/v1/videos``). Built on a GPU where there is one, saved as safetensors (about 11 GB)."""
+    import json
+
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer, built_as
+
+    tokenizer = build_tokenizer(out / "tokenizer", AR_SHAPE["vocab_size"], max_length=MAX_TOKENS, eos_after=True)
+    with built_as("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16):
+        encoder = UMT5EncoderModel(UMT5Config(
+            **UMT5_XXL_SHAPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")).eval()
+    encoder.save_pretrained(out / "text_encoder")
+    (out / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}, indent=2))
+
+
 # Wan 2.1 T2V's DiTs (their config.json): 1.3B and 14B
 SHAPES = {"1.3b": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
           "14b": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}}
@@ -292,6 +319,7 @@ class Wan(Family):
     output = Output("video", fps=FPS, default_frames=81, max_side=1280)
     images_in_latents = True  # a first image (Wan 2.2) is a latent frame, or channels beside the noise
     demo = Demo("wan", "tiny-wan", build_tiny)
+    demo_folders: ClassVar[dict] = {"realistic-wan-encoder": build_realistic_encoder}
     realistic: ClassVar[dict] = {"demo:realistic-wan2.1-1.3b": build_realistic,
                                  "demo:realistic-wan2.1-14b": build_realistic_14b}
 
