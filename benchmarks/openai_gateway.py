@@ -46,7 +46,7 @@ By default it starts its own server and gateway (the demo models); give
     .venv/bin/python benchmarks/openai_gateway.py --json .cache/openai-gateway.json
     python benchmarks/openai_gateway.py --edits --preset realistic [--aa]      # GPU: Qwen-Image-Edit's edits
     python benchmarks/openai_gateway.py --videos [--aa]                          # the tiny Wan demo
-    python benchmarks/openai_gateway.py --videos --preset realistic --rounds 2 --video-requests 4 [--aa]  # GPU
+    python benchmarks/openai_gateway.py --videos --preset realistic --rounds 2 --video-requests 4 --with-aa  # GPU
 """
 
 from __future__ import annotations
@@ -313,14 +313,17 @@ async def run(grpc_url: str, openai_url: str, args) -> list[dict]:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with aioclient.InferenceServerClient(grpc_url) as grpc, \
             httpx.AsyncClient(base_url=openai_url, timeout=600, limits=limits) as http:
+        async def measured(workload, concurrency: int, requests: int) -> list[dict]:
+            """The comparison, and with --with-aa the host's A/A after it (same rounds, requests, warm-up)."""
+            modes = [False, True] if args.with_aa else [args.aa]
+            return [await compare(workload, concurrency, requests, args.rounds, aa, args.gateway_pid) for aa in modes]
+
         if args.edits:
-            edits = Edits(grpc, http, options, edit_picture())
-            return [await compare(edits, args.image_concurrency, args.image_requests, args.rounds, args.aa,
-                                  args.gateway_pid)]
+            return await measured(Edits(grpc, http, options, edit_picture()), args.image_concurrency,
+                                  args.image_requests)
         if args.videos:
-            videos = Videos(grpc, http, options | {"num_frames": args.video_frames})
-            return [await compare(videos, args.video_concurrency, args.video_requests, args.rounds, args.aa,
-                                  args.gateway_pid)]
+            return await measured(Videos(grpc, http, options | {"num_frames": args.video_frames}),
+                                  args.video_concurrency, args.video_requests)
         prompt = rendered_prompt(args.tokenizer)
         chat_http = AiohttpClient(openai_url) if args.http_client == "aiohttp" else http
         images, chat = Images(grpc, http, options), Chat(grpc, chat_http, prompt, args.tokens, args.direct_outputs)
@@ -447,6 +450,8 @@ def main() -> None:
     parser.add_argument("--direct-outputs", choices=["gateway", "minimal"], default="gateway",
                         help="chat's direct side asks the model for the gateway's very outputs (the same request), "
                         "or for the text and token count only")
+    parser.add_argument("--with-aa", action="store_true", help="--edits, --videos: the comparison, then the "
+                        "A/A on the same server with the same rounds, requests and warm-up")
     parser.add_argument("--aa", action="store_true", help="direct against direct: the spread this host "
                         "shows with no gateway at all (run it first on a new host)")
     workloads = parser.add_mutually_exclusive_group()

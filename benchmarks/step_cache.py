@@ -13,6 +13,11 @@ residuals change differently from step to step, and so do its skips.
     .venv/bin/python benchmarks/step_cache.py --family qwen-image                      # CPU, tiny pipelines
     python benchmarks/step_cache.py --family qwen-image --preset realistic --threshold 0.1   # GPU
     python benchmarks/step_cache.py --family qwen-image-edit --preset realistic --threshold 0.1  # an edit of 1024²
+    python benchmarks/step_cache.py --family flux1-dev --preset realistic --threshold 0.1 --compile --quantization fp8
+
+``--compile``, ``--quantization fp8`` and ``--attention-backend`` serve the DiT as ``diffusion``'s
+parameters of those names do (the uncached requests replay its CUDA graphs; a cached step's passes,
+which decide per request, run the compiled blocks without them).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
+from triton_omni.families import Guidance
 from triton_omni_tools.bench.presets import edit_picture
 
 SETUPS = {  # (model, size, steps, guidance): as benchmarks/families.py
@@ -34,6 +40,8 @@ SETUPS = {  # (model, size, steps, guidance): as benchmarks/families.py
     ("z-image", "realistic"): ("demo:realistic-z-image", 1024, 8, 0.0),
     ("qwen-image-edit", "tiny"): ("demo:tiny-qwen-image-edit", 32, 10, 4.0),
     ("qwen-image-edit", "realistic"): ("demo:realistic-qwen-image-edit", 1024, 50, 4.0),
+    ("flux1-dev", "tiny"): ("demo:tiny-flux1-dev", 32, 10, 3.5),
+    ("flux1-dev", "realistic"): ("demo:realistic-flux1-dev", 1024, 28, 3.5),
 }
 TOKENS = 64
 EDITS = {"demo:tiny-qwen-image-edit", "demo:realistic-qwen-image-edit"}  # every request edits an input image
@@ -47,7 +55,10 @@ def request(runner: DiffusionRunner, index: int, size: int, steps: int, guidance
               "step_cache": step_cache}
     if runner.config.model in EDITS:
         values["images"] = [edit_picture()]
-    if guidance > 0:
+    family = runner.family
+    if family.pooled_size():  # FLUX.1: CLIP's pooled vector beside the sequence
+        values["pooled_prompt_embeds"] = torch.randn(family.pooled_size(), generator=generator)
+    if guidance > 0 and family.capabilities.guidance is not Guidance.DISTILLED:  # distilled: no negative
         values["negative_prompt_embeds"] = torch.randn(TOKENS * 3 // 4, hidden, generator=generator) * 0.5
     return runner.parse(values)
 
@@ -87,6 +98,9 @@ def main() -> None:
     parser.add_argument("--method", default="first_block", help="the step cache's method (step_cache.py)")
     parser.add_argument("--threshold", type=float, help="its threshold (default: the method's)")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated")
+    parser.add_argument("--compile", action="store_true", help="compile: blocks (the DiT's)")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     setup = SETUPS[(args.family, args.preset)]
@@ -95,14 +109,17 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     runner = DiffusionRunner(DiffusionRunnerConfig(
         setup[0], device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", batching="step",
-        batch_size=max(levels), exact_batching=False, limits={"max_size": max(1024, setup[1])}))
+        batch_size=max(levels), exact_batching=False, limits={"max_size": max(1024, setup[1])},
+        compile="blocks" if args.compile else "off", quantization=args.quantization,
+        attention_backend=args.attention_backend))
     try:
         points = [measure(runner, c, setup, method) for c in levels]
     finally:
         runner.close()
     device = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"{args.family} ({args.preset}: {setup[1]}², {setup[2]} steps, guidance {setup[3]}), step cache {method}, "
-          f"on {device}")
+          f"on {device}; compile {'blocks' if args.compile else 'off'}, {args.quantization}, attention "
+          f"{args.attention_backend}")
     print(f"{'conc':>4} {'off s':>9} {'on s':>9} {'speed-up':>9} {'min PSNR dB':>12} {'max mean |diff|':>16}  "
           "steps skipped per request")
     for p in points:

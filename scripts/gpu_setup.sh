@@ -7,6 +7,7 @@
 #   .offline2  scipy==1.14.1 (the host's scipy needs NumPy 2; the 2.51 stub needs NumPy 1), torchao
 #              (quantization: fp8), and
 #              perf_analyzer.tar.xz (Triton's load generator, for runs against a server on this host)
+#   .gateway   the OpenAI gateway's FastAPI and pydantic, and PyAV (/v1/videos' MP4)
 #   .attn1-2   FlashAttention-4 and its CuTe DSL compiler (that wheel in two parts, kept in the venv
 #              until both are there)
 #   .vllm1-3   vLLM 0.24.0's wheel tree, stripped, in three parts (kept in the venv until all are there)
@@ -23,7 +24,7 @@ if [ ! -x "$venv/bin/python" ]; then
   printf '%s\n' "$PWD/protocol" "$PWD/backends" "$PWD/clients" "$PWD/gateway" "$PWD/tools" "$PWD" > "$site/omni.pth"
 fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-for dir in .offline .offline2 .attn1 .attn2 .vllm4; do
+for dir in .offline .offline2 .gateway .attn1 .attn2 .vllm4; do
   if compgen -G "$dir/*.whl" > /dev/null; then
     "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$dir"/*.whl
   fi

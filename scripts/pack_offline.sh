@@ -14,6 +14,8 @@
 #              (the DiT's FP8), and perf_analyzer (from the tritonclient 2.51 wheel) with libb64 (~55 MB)
 #   .attn1-2   FlashAttention-4 (attention_backend flash_4_hub, Hopper and Blackwell): flash-attn-4,
 #              its CuTe DSL compiler for CUDA 13 (one 92 MB wheel, split in two) and what it imports
+#   .gateway   the OpenAI gateway's FastAPI, Starlette, pydantic and form parser, and PyAV (a video's
+#              MP4, /v1/videos) (~45 MB)
 #   .vllm1-3   vLLM 0.24.0 (built for torch 2.11 / CUDA 13), its wheel tree stripped of the
 #              FlashAttention-2 kernels (Hopper uses FA3), the vllm-rs binary, and extensions
 #              for other Pythons, as tar.xz in three ~45 MB parts
@@ -41,10 +43,13 @@ wheels "$tmp" nvidia-pytriton==0.7.0
 mv "$tmp/tritonserver.tar.xz" .offline/
 wheels .offline diffusers tritonclient==2.73.0 python-rapidjson numpy==1.26.4 pillow importlib_metadata zipp
 wheels .offline peft accelerate  # LoRA adapters: diffusers reads them through PEFT
-# the OpenAI gateway's server and the benchmark's HTTP client (FastAPI, Starlette and pydantic come with .vllm4)
+# the OpenAI gateway's server and the benchmark's HTTP client
 wheels .offline uvicorn h11 click httpx httpcore anyio idna certifi prometheus_client annotated-doc
 wheels .offline2 scipy==1.14.1 uvloop httptools  # uvicorn's fast event loop and HTTP parser, for the gateway
 wheels .offline2 torchao==0.18.0  # `quantization: fp8` (float8 row-wise; 0.18 wants torch 2.11 or later)
+mkdir -p .gateway  # FastAPI and pydantic at vLLM's pins (.vllm4 has them too), PyAV for /v1/videos
+wheels .gateway "fastapi<0.137" starlette pydantic pydantic-core typing-inspection annotated-types python-multipart \
+  av
 # aiohttp, the benchmark's other HTTP client (`openai_gateway.py --http-client aiohttp`, AIPerf's)
 wheels .offline2 aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 # perf_analyzer, as scripts/install_perf.sh installs it (for runs against a server on the GPU host)
@@ -77,4 +82,4 @@ if [ "$with_vllm" = 1 ]; then
     msgspec openai openai-harmony opentelemetry-api partial-json-parser pybase64 pydantic pydantic-core pyzmq \
     setproctitle sniffio starlette typing-inspection xgrammar httpx2 httpcore2 truststore
 fi
-du -sh .offline .offline2 .attn1 .attn2 .vllm[1-4] 2>/dev/null || true
+du -sh .offline .offline2 .gateway .attn1 .attn2 .vllm[1-4] 2>/dev/null || true
