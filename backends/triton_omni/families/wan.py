@@ -262,9 +262,12 @@ def build_realistic_encoder(out: Path) -> None:
             **UMT5_XXL_SHAPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             decoder_start_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")).eval()
     encoder.save_pretrained(out / "text_encoder")
+    flow_scheduler().save_pretrained(out / "scheduler")  # the pipeline loads with one
     (out / "model_index.json").write_text(json.dumps({
         "_class_name": "WanPipeline", "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}, indent=2))
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "transformer": [None, None], "vae": [None, None]},
+        indent=2))
 
 
 # Wan 2.1 T2V's DiTs (their config.json): 1.3B and 14B
