@@ -378,7 +378,7 @@ REALISTIC_EDITS = {
 # --videos --preset realistic: Wan 2.1 T2V-1.3B and UMT5-XXL at their real shapes, on one GPU
 REALISTIC_VIDEOS = {
     "diffusion": {"parameters": {"model": "demo:realistic-wan2.1-1.3b", "dtype": "bfloat16",
-                                 "gpu_memory_utilization": "0.60", "max_rows": "4"}},
+                                 "gpu_memory_utilization": "0.60", "limits": {"max_size": 1280}, "max_rows": "4"}},
     "ar_encoder": {"parameters": {"model": "demo:realistic-wan-encoder", "recipe": "wan", "dtype": "bfloat16",
                                   "gpu_memory_utilization": "0.20"}},
     "text_to_image": {"media": "video"},
