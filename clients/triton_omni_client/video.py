@@ -13,21 +13,29 @@ from fractions import Fraction
 import numpy as np
 
 CRF = 18  # x264's constant rate factor: 18 is "visually lossless" in its documentation (0 is lossless)
+# x264's speed preset. At one CRF every preset aims at the same quality; a slower one searches more
+# to spend fewer bytes. A served video waits for its encode (an 81-frame 480p video is seconds of
+# CPU at x264's default, "medium"): "veryfast" encodes it several times faster, for files about a
+# fifth larger on smooth content (benchmarks/video_encode.py prints both on this host).
+PRESET = "veryfast"
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 
 
-def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF) -> bytes:
+def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF, preset: str = PRESET) -> bytes:
     """``frames`` ``[F, H, W, 3]`` uint8 (even H and W: yuv420p halves the chroma) as an MP4 file
-    played at ``fps``."""
+    played at ``fps``, at x264's ``crf`` and speed ``preset``."""
     import av
 
     _, height, width, channels = frames.shape
     if channels != 3 or height % 2 or width % 2:
         raise ValueError(f"frames must be [F, H, W, 3] with even H and W, got {list(frames.shape)}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of x264's: {', '.join(PRESETS)}; got {preset!r}")
     out = io.BytesIO()
     with av.open(out, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": str(crf)}
+        stream.options = {"crf": str(crf), "preset": preset}
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # what the encoder still holds

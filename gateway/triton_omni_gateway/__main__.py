@@ -14,6 +14,7 @@ import os
 import tempfile
 
 import uvicorn
+from triton_omni_client.video import PRESET, PRESETS
 
 from triton_omni_gateway.app import API_KEY_ENV, SETTINGS_ENV, GatewaySettings, create_app
 
@@ -45,11 +46,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="/v1/videos: jobs held at once, running and finished (a finished video is kept until "
                         "deleted or --video-keep-s after it ends)")
     parser.add_argument("--video-keep-s", type=float, default=3600.0, metavar="S")
+    parser.add_argument("--video-preset", choices=PRESETS, default=PRESET,
+                        help=f"/v1/videos: x264's speed preset for the MP4s (default {PRESET}: a client waits for the "
+                        "encode; slower presets make smaller files of the same quality)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
     settings = GatewaySettings(triton_url=args.triton_url, api_key=args.api_key, tokenizers=dict(args.tokenizer),
                                png_compress_level=args.png_compress_level, workers=max(1, args.workers),
-                               max_video_jobs=args.max_video_jobs, video_keep_s=args.video_keep_s)
+                               max_video_jobs=args.max_video_jobs, video_keep_s=args.video_keep_s,
+                               video_preset=args.video_preset)
     server = {"host": args.host, "port": args.port, "log_level": "warning", "access_log": False}
     if args.workers <= 1:
         uvicorn.run(create_app(settings), **server)

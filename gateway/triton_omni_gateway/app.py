@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from triton_omni_client.video import PRESET, PRESETS
 
 from triton_omni_gateway.audio import (
     MEDIA_TYPES,
@@ -65,10 +66,13 @@ class GatewaySettings:
     workers: int = 1  # the processes answering (``--workers``): video jobs need one, whose memory holds them
     max_video_jobs: int = 32  # /v1/videos: jobs held at once (running and finished)
     video_keep_s: float = 3600.0  # a finished video is kept this long (or until deleted)
+    video_preset: str = PRESET  # x264's speed preset for the MP4s (triton_omni_client.video: why this one)
 
     def __post_init__(self):
         if not 0 <= self.png_compress_level <= 9:
             raise ValueError(f"png_compress_level must be 0 to 9, got {self.png_compress_level}")
+        if self.video_preset not in PRESETS:
+            raise ValueError(f"video_preset must be one of x264's: {', '.join(PRESETS)}; got {self.video_preset!r}")
 
     @property
     def key(self) -> str | None:
@@ -83,7 +87,7 @@ def app_from_environment() -> FastAPI:
 def create_app(settings: GatewaySettings) -> FastAPI:
     triton = Triton(settings.triton_url)
     images = ImageModels(triton, settings.png_compress_level)
-    videos = VideoJobs(images, settings.max_video_jobs, settings.video_keep_s)
+    videos = VideoJobs(images, settings.max_video_jobs, settings.video_keep_s, settings.video_preset)
     templates = ChatTemplates(settings.tokenizers)
     metrics = GatewayMetrics()
 

@@ -3,7 +3,8 @@
 
 A job is a task on the gateway's event loop that asks Triton for the video and keeps its frames;
 ``create`` answers at once (``queued``), the client polls ``retrieve`` (the ``openai`` SDK's
-``create_and_poll``) and fetches ``content``: an MP4 (H.264, encoded once, at the first fetch), its
+``create_and_poll``) and fetches ``content``: an MP4 (H.264, encoded once, from the moment the
+frames arrive, so that the encode runs while the client is between polls), its
 first frame as a PNG (``thumbnail``), or the frames as served, losslessly (``frames``: a NumPy
 ``.npy`` file, this gateway's extension). Jobs live in this process's memory: at most ``max_jobs``
 at once, and a finished one is kept for ``keep_s`` after it ends (or until deleted); a restart
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from triton_omni_client.video import encode_mp4
+from triton_omni_client.video import PRESET, encode_mp4
 
 from triton_omni_gateway.errors import OpenAIError
 from triton_omni_gateway.images import ImageModels, png_bytes
@@ -55,7 +56,7 @@ class VideoJob:
     error: dict | None = None
     frames: np.ndarray | None = None  # [F, H, W, 3] uint8, once completed
     fps: float | None = None
-    mp4: asyncio.Future | None = None  # its MP4's bytes: encoded at the first fetch, once
+    mp4: asyncio.Future | None = None  # its MP4's bytes: encoded once, as the frames arrive
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def body(self) -> dict[str, Any]:
@@ -67,9 +68,9 @@ class VideoJob:
 
 
 class VideoJobs:
-    def __init__(self, images: ImageModels, max_jobs: int = 32, keep_s: float = 3600.0):
+    def __init__(self, images: ImageModels, max_jobs: int = 32, keep_s: float = 3600.0, preset: str = PRESET):
         self.images, self.triton = images, images.triton
-        self.max_jobs, self.keep_s = max_jobs, keep_s
+        self.max_jobs, self.keep_s, self.preset = max_jobs, keep_s, preset
         self._jobs: dict[str, VideoJob] = {}  # in creation order
 
     async def create(self, request: VideoRequest) -> dict:
@@ -129,8 +130,6 @@ class VideoJobs:
                               param="video_id", code="video_not_ready")
         # each off the event loop: an 81-frame video is about 100 MB of pixels
         if variant == "video":
-            if job.mp4 is None:
-                job.mp4 = asyncio.ensure_future(asyncio.to_thread(encode_mp4, job.frames, job.fps))  # encoded once
             return await asyncio.shield(job.mp4), "video/mp4"
         if variant == "thumbnail":
             return await asyncio.to_thread(png_bytes, job.frames[0], self.images.png_compress_level), "image/png"
@@ -162,6 +161,7 @@ class VideoJobs:
             count, height, width, _ = frames.shape
             job.size, job.seconds = f"{width}x{height}", f"{(count - 1) / fps:g}"
             job.frames, job.fps, job.progress = frames, fps, 100
+            job.mp4 = asyncio.ensure_future(asyncio.to_thread(encode_mp4, frames, fps, preset=self.preset))
             self._end(job, "completed")
         except OpenAIError as error:
             error = _in_video_terms(error)

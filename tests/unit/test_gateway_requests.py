@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from triton_omni_client import OmniError
+from triton_omni_client.video import decode_mp4, encode_mp4
 from triton_omni_gateway.__main__ import main
 from triton_omni_gateway.app import GatewaySettings
 from triton_omni_gateway.errors import OpenAIError, from_triton
@@ -170,3 +171,23 @@ def test_a_png_level_outside_zlibs_is_refused_by_name():
         GatewaySettings(png_compress_level=10)
     with pytest.raises(SystemExit):
         main(["--png-compress-level", "10"])
+
+
+def test_an_x264_preset_that_is_not_one_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"video_preset must be one of x264's: ultrafast, .*; got 'quick'"):
+        GatewaySettings(video_preset="quick")
+    with pytest.raises(SystemExit):
+        main(["--video-preset", "quick"])
+    with pytest.raises(ValueError, match="preset must be one of x264's"):
+        encode_mp4(np.zeros((1, 16, 16, 3), np.uint8), 16.0, preset="quick")
+
+
+@pytest.mark.parametrize("preset", ["ultrafast", "veryfast", "medium"])
+def test_every_preset_encodes_the_same_frames_near_alike(preset):
+    """The preset trades the encoder's search for bytes, not the frames: each decodes near its source."""
+    y, x = np.mgrid[0:32, 0:48]
+    frames = np.stack([np.stack([(x * 5 + t * 8) % 256, (y * 7) % 256, ((x + y) * 3) % 256], -1)
+                       for t in range(5)]).astype(np.uint8)
+    decoded, fps = decode_mp4(encode_mp4(frames, 16.0, preset=preset))
+    assert fps == 16.0 and decoded.shape == frames.shape
+    assert np.abs(decoded.astype(float) - frames).mean() < 4.0
