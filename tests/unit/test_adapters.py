@@ -215,9 +215,12 @@ def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn
             self.cancelled = cancelled
 
         def is_cancelled(self):
+            polls_started.append(time.monotonic())
             threading.Event().wait(0.004)  # a round trip to a busy server
             self.polls += 1
             return self.cancelled
+
+    polls_started: list[float] = []
 
     thread = ResponseThread(poll_s=10.0)  # rounds driven by hand below
     thread.stop()
@@ -226,9 +229,12 @@ def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn
     noticed = threading.Event()
     for sender in senders:
         thread.watch(sender, on_cancel=noticed.set if sender.cancelled else lambda: None)
-    started = time.monotonic()
     thread._poll_cancellations()
-    assert time.monotonic() - started < 0.05 * responses.POLL_SHARE + 0.02
+    # no poll begins after the round's budget, counted from before its first poll (the last one begun
+    # may end after it: a wait on a loaded host's timer lasts longer than asked, so the round's own
+    # length, once asserted here, failed under load and proved nothing)
+    first, *later = polls_started
+    assert all(at - first < 0.05 * responses.POLL_SHARE for at in later)
     assert 1 <= sum(s.polls for s in senders) < len(senders)
     for _ in range(len(senders)):
         if noticed.is_set():
