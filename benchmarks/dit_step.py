@@ -21,6 +21,7 @@ dense bf16 peak), for each attention kernel listed (``auto``: the one a served m
     python benchmarks/dit_step.py --family z-image --preset realistic --size 512 --quantization fp8
     python benchmarks/dit_step.py --family qwen-image --preset realistic --attention-backend native,auto
     python benchmarks/dit_step.py --family qwen-image --preset realistic --quantization fp8 --modes eager --profile 25
+    python benchmarks/dit_step.py --family wan --preset realistic --modes default --profile 25   # 832x480, 81 frames
 
 ``--profile N``: after each mode's timing, one more forward under ``torch.profiler``, and its N
 kernels that took the most device time, with each kind's share of the forward (matmuls, attention,
@@ -43,31 +44,38 @@ from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, installed_kernel, resolve_attention
 from triton_omni.families import family_of
 
-MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein"}
+MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein",
+          "wan": "wan"}
+REALISTIC_NAMES = {"wan": "wan2.1-1.3b"}  # where the realistic demo's name is not the tiny one's
 MODES = ("eager", "default", "graphs", "reduce-overhead", "max-autotune-no-cudagraphs")
 TEXT_TOKENS = 128
 
 
 def pipeline_of(family: str, preset: str, device: torch.device, dtype: torch.dtype):
-    name = f"demo:{'realistic' if preset == 'realistic' else 'tiny'}-{MODELS[family]}"
     if preset == "realistic":
+        name = f"demo:realistic-{REALISTIC_NAMES.get(family, MODELS[family])}"
         return build_in_memory(name, device, dtype)
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(resolve_model(name), torch_dtype=dtype).to(device)
+    return DiffusionPipeline.from_pretrained(resolve_model(f"demo:tiny-{MODELS[family]}"), torch_dtype=dtype).to(device)
 
 
-def captured_forward(pipeline, family, rows: int, size: int, device: torch.device, dtype: torch.dtype):
-    """(args, kwargs, text tokens) of the DiT's first forward in an unguided pipeline call."""
+def captured_forward(pipeline, family, rows: int, shape: tuple[int, int, int], device: torch.device,
+                     dtype: torch.dtype):
+    """(args, kwargs, text tokens) of the DiT's first forward in an unguided pipeline call at
+    ``shape`` (height, width, frames: a video's; 1 for an image). A prompt is as many text tokens
+    as its pipeline pads to (Wan: 512), else ``TEXT_TOKENS``."""
     captured: dict = {}
 
     def hook(module, args, kwargs):
         captured.setdefault("call", (args, kwargs))
 
-    embeds = torch.randn(rows, TEXT_TOKENS, family.hidden_size(), device=device, dtype=dtype) * 0.5
-    kwargs = {"prompt_embeds": embeds, "guidance_scale": 1.0}
+    height, width, frames = shape
+    text = family.recipe.padded_to or TEXT_TOKENS
+    embeds = torch.randn(rows, text, family.hidden_size(), device=device, dtype=dtype) * 0.5
+    kwargs = {"prompt_embeds": embeds, "guidance_scale": 1.0} | ({"num_frames": frames} if family.output.video else {})
     if family.name == "qwen_image":
-        kwargs["prompt_embeds_mask"] = torch.ones(rows, TEXT_TOKENS, dtype=torch.long, device=device)
+        kwargs["prompt_embeds_mask"] = torch.ones(rows, text, dtype=torch.long, device=device)
     elif family.name == "flux1":
         kwargs["pooled_prompt_embeds"] = torch.randn(rows, family.pooled_size(), device=device, dtype=dtype)
     elif family.name == "z_image":
@@ -75,10 +83,10 @@ def captured_forward(pipeline, family, rows: int, size: int, device: torch.devic
     handle = family.network.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.inference_mode():
-            pipeline(num_inference_steps=1, height=size, width=size, output_type="latent", **kwargs)
+            pipeline(num_inference_steps=1, height=height, width=width, output_type="latent", **kwargs)
     finally:
         handle.remove()
-    return (*captured["call"], TEXT_TOKENS)
+    return (*captured["call"], text)
 
 
 def set_mode(network: torch.nn.Module, mode: str) -> GraphedDenoiser | None:
@@ -158,7 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(MODELS), required=True)
     parser.add_argument("--preset", choices=["tiny", "realistic"], default="tiny")
-    parser.add_argument("--size", type=int, help="image side (default: 1024 realistic, 32 tiny)")
+    parser.add_argument("--size", help="image side, or WIDTHxHEIGHT (default: 1024 realistic, 32 tiny; a "
+                        "video: 832x480 realistic)")
+    parser.add_argument("--frames", type=int, help="a video's frames (default: its pipeline's, 5 tiny)")
     parser.add_argument("--rows", default="1", help="comma-separated batch sizes")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=10)
@@ -172,9 +182,13 @@ def main() -> None:
     logging.basicConfig(format="%(message)s")
     device = torch.device("cuda" if args.preset == "realistic" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    size = args.size or (1024 if args.preset == "realistic" else 32)
     pipeline = pipeline_of(args.family, args.preset, device, dtype)
     family = family_of(pipeline)
+    realistic, video = args.preset == "realistic", family.output.video
+    default_size = "832x480" if realistic and video else "1024" if realistic else "32"
+    width, _, height = (args.size or default_size).partition("x")
+    frames = (args.frames or (family.output.default_frames if realistic else 5)) if video else 1
+    shape = (int(height or width), int(width), frames)
     network = family.network
     heads, head_dim = family.attention_shape()
     attentions = list(dict.fromkeys(resolve_attention(name, device, dtype, heads, head_dim, family.attention_masked)
@@ -182,13 +196,14 @@ def main() -> None:
     plan = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept) if args.quantization == "fp8" else None
     NetworkKernels(plan).apply(network)
     peak = peak_bf16(device_name())
-    print(f"{args.family} ({args.preset}) {size}², on {device_name()}, {dtype}, quantization {args.quantization}, "
-          f"{TEXT_TOKENS} text tokens")
+    print(f"{args.family} ({args.preset}) {shape[1]}x{shape[0]}" + (f", {frames} frames" if video else "")
+          + f", on {device_name()}, {dtype}, quantization {args.quantization}, "
+          f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
     print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
     points = []
     for rows in (int(r) for r in args.rows.split(",")):
-        call_args, call_kwargs, text = captured_forward(pipeline, family, rows, size, device, dtype)
-        flops = family.forward_flops(family.image_tokens(size, size), text, rows)
+        call_args, call_kwargs, text = captured_forward(pipeline, family, rows, shape, device, dtype)
+        flops = family.forward_flops(family.image_tokens(*shape), text, rows)
         baseline = None
         for attention in attentions:
             installed_kernel(attention)
@@ -209,7 +224,7 @@ def main() -> None:
                 points.append({"rows": rows, "attention": attention, "mode": mode, "seconds": s,
                                "ratio_to_first": s / baseline, "mfu": flops / s / peak if peak else None})
     if args.json:
-        Path(args.json).write_text(json.dumps({"family": args.family, "preset": args.preset, "size": size,
+        Path(args.json).write_text(json.dumps({"family": args.family, "preset": args.preset, "shape": shape,
                                                "quantization": args.quantization,
                                                "device": device_name(), "date": time.strftime("%Y-%m-%d"),
                                                "points": points}, indent=2))
