@@ -23,4 +23,4 @@ def test_scaling_bench_measures_diffusion_with_its_counters(tmp_path):
     # the stubs' CPU in the window: diffusion's did the denoising; ar_encoder's (loaded for the embeddings) idled
     cores = point["stub_cores"]
     assert set(cores) == {"ar_encoder", "diffusion"}
-    assert cores["diffusion"] > 0.1 and cores["diffusion"] > cores["ar_encoder"]
+    assert cores["diffusion"] > cores["ar_encoder"] >= 0  # not a fixed share: a loaded host gives less

@@ -4,7 +4,6 @@ mapping, the response thread's final-response and failure paths."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -140,10 +139,11 @@ def test_streamed_responses_still_queued_merge_into_one():
     def chunk(text: str, final: bool = False) -> ArResponse:
         return ArResponse([text], [1], 3, [None], [None], ["length"] if final else None, final)
 
-    release = threading.Event()
+    release, sending = threading.Event(), threading.Event()
 
     class SlowSender(FakeSender):
         def send(self, response, flags=0):
+            sending.set()
             release.wait(5)  # the IPC of the first send takes a while
             super().send(response, flags)
 
@@ -152,7 +152,8 @@ def test_streamed_responses_still_queued_merge_into_one():
     for i, text in enumerate(["a", "b", "c", "d"]):
         thread.send_streamed(sender, chunk(text, final=i == 3), final=i == 3, merge=ArResponse.then,
                              build=lambda r: (r.texts, r.num_output_tokens, r.finish_reasons))
-        threading.Event().wait(0.02)  # the first one is being sent by now
+        if i == 0:  # the first one is being sent before the others queue (however late the thread runs)
+            assert sending.wait(5)
     release.set()
     assert sender.done.wait(5)
     thread.stop()
@@ -215,12 +216,9 @@ def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn
             self.cancelled = cancelled
 
         def is_cancelled(self):
-            polls_started.append(time.monotonic())
             threading.Event().wait(0.004)  # a round trip to a busy server
             self.polls += 1
             return self.cancelled
-
-    polls_started: list[float] = []
 
     thread = ResponseThread(poll_s=10.0)  # rounds driven by hand below
     thread.stop()
@@ -230,12 +228,11 @@ def test_cancellation_polls_take_a_bounded_share_and_reach_every_request_in_turn
     for sender in senders:
         thread.watch(sender, on_cancel=noticed.set if sender.cancelled else lambda: None)
     thread._poll_cancellations()
-    # no poll begins after the round's budget, counted from before its first poll (the last one begun
-    # may end after it: a wait on a loaded host's timer lasts longer than asked, so the round's own
-    # length, once asserted here, failed under load and proved nothing)
-    first, *later = polls_started
-    assert all(at - first < 0.05 * responses.POLL_SHARE for at in later)
-    assert 1 <= sum(s.polls for s in senders) < len(senders)
+    # each poll lasts at least 4 ms, so a round that stops at its 10 ms budget begins at most three,
+    # however slow the host (the round's length, once asserted here, failed under load: a loaded
+    # host's 4 ms waits last longer than asked)
+    budget_s, poll_s = 0.05 * responses.POLL_SHARE, 0.004
+    assert 1 <= sum(s.polls for s in senders) <= 1 + int(budget_s / poll_s)
     for _ in range(len(senders)):
         if noticed.is_set():
             break

@@ -331,8 +331,8 @@ class StepEngine:
             return
         self._running.setdefault(job.group(), []).append(job)
 
-    def _next_group(self) -> list[StepJob] | None:
-        """The group to step next, by ``group_order``."""
+    def _next_group(self, now: float | None = None) -> list[StepJob] | None:
+        """The group to step next, by ``group_order`` (``now``: the clock ``most_behind`` reads)."""
         keys = [key for key, jobs in self._running.items() if jobs]
         if not keys:
             return None
@@ -340,7 +340,8 @@ class StepEngine:
             return self._running[keys[next(self._turn) % len(keys)]]
         if self.group_order == "most_behind":
             self.costs.update()
-            now, cost = time.monotonic(), self.costs.of({key: self._running[key][0].pixels() for key in keys})
+            now = time.monotonic() if now is None else now
+            cost = self.costs.of({key: self._running[key][0].pixels() for key in keys})
             return self._running[max(keys, key=lambda k: max(job.behind(now, cost[k]) for job in self._running[k]))]
         starved = [key for key in keys if self._passed.get(key, 0) >= STARVE_AFTER]
         chosen = starved[0] if starved else min(keys, key=lambda k: min(job.work_left() for job in self._running[k]))
