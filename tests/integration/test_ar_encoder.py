@@ -94,8 +94,9 @@ def test_dynamic_batching_merges_concurrent_requests(http_url):
     while (inferences := counts()[0]) - inferences_before < 32 and time.monotonic() < deadline:
         time.sleep(0.05)
     inferences, executions = counts()
-    assert inferences - inferences_before == 32
-    assert executions - executions_before < 32, "no request was batched with another"
+    # a straggler of an earlier test counted after `settled` adds to both counts alike
+    assert inferences - inferences_before >= 32
+    assert executions - executions_before < inferences - inferences_before, "no request was batched with another"
 
 
 def test_engines_agree(grpc_url):

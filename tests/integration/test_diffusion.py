@@ -133,7 +133,8 @@ def test_request_batching_batches(http_url):
     deadline = time.monotonic() + 30
     while (after := counts())[0] < before[0] + 8 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert after[0] - before[0] == 8 and after[1] - before[1] < 8
+    # a straggler of an earlier test counted after `settled` adds to both counts alike
+    assert after[0] - before[0] >= 8 and after[1] - before[1] < after[0] - before[0]
 
 
 def test_step_batching_shares_steps(server):
