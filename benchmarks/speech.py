@@ -11,18 +11,23 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   real time), its median;
 - requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1.
 
-On this host's CPU with the tiny demo (``--model demo:tiny-qwen3-omni``, the default) it only shows
-the benchmark works; the figures are a GPU's, with a checkpoint at the real shapes (``--model``).
+On this host's CPU with the tiny demo (``--preset tiny``, the default) it only shows the benchmark
+works; the figures are a GPU's, with ``--preset realistic``: Qwen3-Omni-30B-A3B at its real shapes
+with random weights (``demo:realistic-qwen3-omni``), the thinker on vLLM (which draws its weights
+itself, ``load_format: dummy``: they are never written to disk), the direct side's whole model built
+in memory.
 
-    python benchmarks/speech.py [--model PATH] [--concurrency 1,64] [--requests 64] [--json OUT]
+    python benchmarks/speech.py [--preset realistic] [--concurrency 1,64] [--requests 64] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,8 +95,13 @@ def direct(model_path: str, texts: list[str], args) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    if args.preset == "realistic":  # its thinker's weights are not on disk
+        from triton_omni.speech.demos import build_qwen3_omni_in_memory
+
+        model = build_qwen3_omni_in_memory(Path(model_path), device)
+    else:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
     frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1
     results = []
     started = time.perf_counter()
@@ -110,26 +120,45 @@ def direct(model_path: str, texts: list[str], args) -> dict:
     return summary(results, time.perf_counter() - started)
 
 
-def serve(model: str) -> TritonServer:
-    from triton_omni_tools.demos import SPEECH_DEMOS
+# --preset realistic: the thinker's 31 B on vLLM (61 GB in bf16) and its KV cache, the talker and
+# code2wav (7.7 GB) beside it, on one GPU
+REALISTIC_MODEL = "demo:realistic-qwen3-omni"
+REALISTIC = {
+    "ar": {"parameters": {"model": REALISTIC_MODEL, "engine": "vllm", "dtype": "bfloat16",
+                          "gpu_memory_utilization": "0.70", "engine_args": {"load_format": "dummy"}}},
+    "speech": {"parameters": {"model": REALISTIC_MODEL}},
+    "omni": {"parameters": {"speech_checkpoint": REALISTIC_MODEL}},
+}
 
-    demo = next((name for name, checkpoint in SPEECH_DEMOS.items() if checkpoint == model), None)
-    if demo is None:
-        raise SystemExit(f"--model {model!r}: give a speech demo's ({sorted(SPEECH_DEMOS.values())}); a real "
-                         "checkpoint is set in speech_repository/ and model_repository/ (docs/models.md)")
-    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control_mode="explicit", demo=demo, load_models=["ar", "speech", "omni"],
-                            log_file=Path(".cache/bench/speech-tritonserver.log"))
-    options.log_file.parent.mkdir(parents=True, exist_ok=True)
-    return TritonServer(options)
+
+@contextlib.contextmanager
+def serve(preset: str):
+    """``ar``, ``speech`` and ``omni`` serving the preset's model, on a server of this run's own."""
+    from triton_omni_tools.demos import SPEECH_REPOSITORY
+    from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
+    from triton_omni_tools.repository import copy_repositories
+
+    log = Path(".cache/bench/speech-tritonserver.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if preset == "realistic":
+            where = {"model_repositories": copy_repositories([*DEFAULT_REPOSITORIES, SPEECH_REPOSITORY],
+                                                             Path(tmp) / "repos", REALISTIC)}
+        else:
+            where = {"demo": "qwen3-omni"}
+        with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                        model_control_mode="explicit", load_models=["ar", "speech", "omni"],
+                                        log_file=log, **where)) as server:
+            yield server
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="demo:tiny-qwen3-omni")
-    parser.add_argument("--concurrency", default="1,4", help="comma-separated")
+    parser.add_argument("--preset", choices=("tiny", "realistic"), default="tiny",
+                        help="tiny: the CPU demo; realistic: Qwen3-Omni-30B-A3B's shapes, on a GPU")
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated; none: no Triton side")
     parser.add_argument("--requests", type=int, default=8, help="per concurrency (at least the concurrency)")
-    parser.add_argument("--direct-requests", type=int, default=2)
+    parser.add_argument("--direct-requests", type=int, default=2, help="0: no direct side")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--text-tokens", type=int, default=100)
     parser.add_argument("--audio-seconds", type=float, default=10.0)
@@ -140,19 +169,24 @@ def main() -> None:
     from transformers import AutoTokenizer
     from triton_omni.demo_models import resolve_model
 
-    path = resolve_model(args.model)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    texts = prompts(AutoTokenizer.from_pretrained(path), max(args.requests, *levels), args.prompt_tokens)
-    figures: dict = {"workload": vars(args), "triton": {}}
-    with serve(args.model) as server:
-        asyncio.run(at_concurrency(server.grpc_url, texts[:1], 1, args))  # warm-up
-        for level in levels:
-            figures["triton"][level] = asyncio.run(at_concurrency(server.grpc_url, texts[:max(args.requests, level)],
-                                                                  level, args))
-            print(f"Triton, concurrency {level}: {json.dumps(figures['triton'][level])}", flush=True)
-    figures["direct"] = direct(path, texts[:args.direct_requests], args)
-    print(f"direct (generate, concurrency 1): {json.dumps(figures['direct'])}")
-    if 1 in figures["triton"]:
+    path = resolve_model(REALISTIC_MODEL if args.preset == "realistic" else "demo:tiny-qwen3-omni")
+    levels = [] if args.concurrency == "none" else [int(c) for c in args.concurrency.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = prompts(tokenizer, max(args.requests, args.direct_requests, *levels), args.prompt_tokens)
+    figures: dict = {"workload": vars(args), "prompt_tokens": statistics.median(len(tokenizer(t)["input_ids"])
+                                                                               for t in texts), "triton": {}}
+    print(f"prompts of {figures['prompt_tokens']:.0f} tokens (median)", flush=True)
+    if levels:
+        with serve(args.preset) as server:
+            asyncio.run(at_concurrency(server.grpc_url, texts[:1], 1, args))  # warm-up
+            for level in levels:
+                figures["triton"][level] = asyncio.run(
+                    at_concurrency(server.grpc_url, texts[:max(args.requests, level)], level, args))
+                print(f"Triton, concurrency {level}: {json.dumps(figures['triton'][level])}", flush=True)
+    if args.direct_requests:
+        figures["direct"] = direct(path, texts[:args.direct_requests], args)
+        print(f"direct (generate, concurrency 1): {json.dumps(figures['direct'])}")
+    if 1 in figures["triton"] and "direct" in figures:
         alone = figures["triton"][1]
         ratios = {name: alone[name] / figures["direct"][name] for name in ("ttfa_ms", "rtf")}
         print(f"Triton / direct at concurrency 1: time to first audio {ratios['ttfa_ms']:.3f}, "

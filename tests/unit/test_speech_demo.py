@@ -61,3 +61,26 @@ def test_the_demo_speaks_the_same_twice_and_each_input_moves_its_waveform(demo):
              "voice": apart(wav, speak(demo, voice=1)[1]),
              "seed": apart(speak(demo, seed=1)[1], speak(demo, seed=2)[1])}
     assert all(peak > 0.1 for peak in moved.values()), moved
+
+
+def test_the_realistic_builder_writes_what_the_speech_stage_and_the_thinker_load(tmp_path):
+    """``demo:realistic-qwen3-omni``'s builder, run at the tiny shapes (the real ones are 35 B
+    parameters, for a GPU): its folder holds the speech stage's parts and nothing more of the
+    thinker than its embedding table; the speech stage loads them strictly, the thinker's causal
+    LM folder is taken from it, and the whole model built in memory has the saved parts' shapes."""
+    from transformers import AutoConfig
+    from triton_omni.ar.language_model import language_model
+    from triton_omni.speech.demos import build_qwen3_omni_in_memory, build_realistic_qwen3_omni
+    from triton_omni.speech.runner import load_qwen3_speech
+
+    build_realistic_qwen3_omni(tmp_path, shape={})
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == \
+        ["code2wav.safetensors", "talker.safetensors", "thinker.safetensors"]
+    talker, code2wav, embedding = load_qwen3_speech(tmp_path, AutoConfig.from_pretrained(tmp_path),
+                                                    torch.device("cpu"), torch.float32)
+    assert (language_model(tmp_path, tmp_path) / "config.json").exists()
+    model = build_qwen3_omni_in_memory(tmp_path, "cpu")
+    assert {k: v.shape for k, v in model.talker.state_dict().items()} == \
+        {k: v.shape for k, v in talker.state_dict().items()}
+    assert model.thinker.model.embed_tokens.weight.shape == embedding.weight.shape
+    assert all(torch.isfinite(p).all() for p in model.talker.parameters())  # its experts drawn, not torch.empty

@@ -13,6 +13,7 @@ own ``generate`` is the reference for the speech routes.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 THINKER_WIDTH, TALKER_WIDTH = 32, 16
@@ -31,17 +32,13 @@ def build_tiny_qwen3_omni(out: Path) -> None:
     import torch
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    from triton_omni.demo_models import AR_SHAPE, CHAT_TEMPLATE, amplify, build_tokenizer
+    from triton_omni.demo_models import amplify
 
-    tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*MARKERS, "<|im_start|>", "<|im_end|>")}
-    for role in ("system", "user", "assistant"):
-        [ids[role]] = tokenizer.encode(role, add_special_tokens=False)  # one token each, or the talker misreads
-    assert tokenizer.chat_template == CHAT_TEMPLATE
+    tokenizer, ids = _qwen3_tokenizer(out)
     config = Qwen3OmniMoeConfig(**_config(len(tokenizer), ids))
     torch.manual_seed(0)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
-    _initialise_talker_experts(model)
+    initialise_talker_experts(model.talker)
     # At random init the talker is blind to its conditioning (greedy codes the same for any prompt or
     # voice) and the decoder nearly silent (about 3e-7): the talker's layers scaled by 3 and the
     # decoder's convolutions by 6, another prompt, voice or seed moves the waveform by more than half
@@ -98,17 +95,134 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
         assistant_token_id=ids["assistant"])
 
 
-def _initialise_talker_experts(model) -> None:
+def _qwen3_tokenizer(out: Path):
+    """The offline tokenizer with Qwen3-Omni's markers, saved in ``out``, and the ids the config names."""
+    from triton_omni.demo_models import AR_SHAPE, CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*MARKERS, "<|im_start|>", "<|im_end|>")}
+    for role in ("system", "user", "assistant"):
+        [ids[role]] = tokenizer.encode(role, add_special_tokens=False)  # one token each, or the talker misreads
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    return tokenizer, ids
+
+
+def initialise_talker_experts(talker) -> None:
     """transformers (5.19) initialises the thinker's MoE experts but leaves the talker's as
     ``torch.empty``: memory's leftovers, another model in every process. Drawn here, from the seed."""
     import torch
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
 
     with torch.no_grad():
-        for module in model.talker.modules():
+        for module in talker.modules():
             if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
                 module.gate_up_proj.normal_(0.0, 0.02)
                 module.down_proj.normal_(0.0, 0.02)
+
+
+_REAL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20], "interleaved": True}
+# Qwen3-Omni-30B-A3B-Instruct's shapes and codec ids, as its config.json gives them (the thinker's token
+# ids stay the offline tokenizer's: _config's)
+QWEN3_OMNI_30B_A3B = dict(
+    thinker_config=dict(
+        text_config=dict(vocab_size=152064, hidden_size=2048, intermediate_size=768, num_hidden_layers=48,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                         num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=65536,
+                         rope_parameters=_REAL_ROPE),
+        audio_config=dict(num_mel_bins=128, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
+                          d_model=1280, output_dim=2048, downsample_hidden_size=480, n_window=50,
+                          n_window_infer=800, conv_chunksize=500, max_source_positions=1500),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24])),
+    talker_config=dict(
+        text_config=dict(vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
+                         num_attention_heads=16, num_key_value_heads=2, head_dim=128, num_experts=128,
+                         num_experts_per_tok=6, moe_intermediate_size=384, shared_expert_intermediate_size=768,
+                         max_position_embeddings=65536, rope_parameters=_REAL_ROPE),
+        code_predictor_config=dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
+                                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
+                                   max_position_embeddings=32768),
+        num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24, codec_pad_id=2148, codec_bos_id=2149,
+        codec_eos_token_id=2150, codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
+        speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303}),
+    code2wav_config=dict(codebook_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=16, num_quantizers=16, sliding_window=72,
+                         decoder_dim=1536, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
+                         max_position_embeddings=8000))
+
+
+def build_realistic_qwen3_omni(out: Path, shape: dict = QWEN3_OMNI_30B_A3B) -> None:
+    """Qwen3-Omni-30B-A3B at its real shapes (``shape``: another's), random weights, for GPU
+    benchmarks. Saved: the config, the offline tokenizer, and what the speech stage loads (the
+    talker, ``code2wav`` and the thinker's embedding table: 3.7 B parameters, 7.4 GB in bf16). The
+    thinker's other 30 B are not saved (a GPU host's disk may not hold them): ``ar`` serves them with
+    vLLM's ``load_format: dummy``, which draws them itself, and a direct comparison builds the whole
+    model in memory (``build_qwen3_omni_in_memory``)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    tokenizer, ids = _qwen3_tokenizer(out)
+    config = Qwen3OmniMoeConfig(**_merged(_config(len(tokenizer), ids), shape))
+    config.save_pretrained(out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device), _default_dtype(torch.bfloat16):
+        talker = Qwen3OmniMoeTalkerForConditionalGeneration(config.talker_config)
+        initialise_talker_experts(talker)
+        code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
+        text = config.thinker_config.text_config
+        embedding = torch.nn.Embedding(text.vocab_size, text.hidden_size)
+    for prefix, module in (("talker.", talker), ("code2wav.", code2wav), ("thinker.model.embed_tokens.", embedding)):
+        tensors = {prefix + name: tensor.contiguous().cpu() for name, tensor in module.state_dict().items()}
+        save_file(tensors, str(out / f"{prefix.split('.')[0]}.safetensors"), metadata={"format": "pt"})
+    del talker, code2wav, embedding, tensors
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the process that built it goes on to measure (benchmarks/speech.py)
+
+
+def build_qwen3_omni_in_memory(folder: Path, device: str):
+    """The whole model of a ``build_realistic_qwen3_omni`` folder on ``device`` in bf16, its weights
+    drawn at random (its own generate, the direct side of a benchmark)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.device(device), _default_dtype(torch.bfloat16):
+        model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+        initialise_talker_experts(model.talker)
+    model.code2wav.float()  # as load_qwen3_speech and the model's generate run it
+    model.thinker.generation_config.pad_token_id = AutoTokenizer.from_pretrained(folder).pad_token_id
+    return model
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """``base`` with ``changes`` written over it, nested dicts merged key by key."""
+    merged = dict(base)
+    for key, value in changes.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict) and key != "speaker_id"
+        merged[key] = _merged(base[key], value) if both else value
+    return merged
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    """``torch``'s default dtype for the modules built inside (a 30 B model built in float32 first
+    would need twice its memory)."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 # Qwen2.5-Omni's markers (its processor's names) and a voice's marker each
@@ -189,4 +303,5 @@ def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
 
 
 # ``demo:<name>`` -> its builder (``demo_models.resolve_model``)
-SPEECH_DEMOS = {"tiny-qwen3-omni": build_tiny_qwen3_omni, "tiny-qwen2.5-omni": build_tiny_qwen2_5_omni}
+SPEECH_DEMOS = {"tiny-qwen3-omni": build_tiny_qwen3_omni, "tiny-qwen2.5-omni": build_tiny_qwen2_5_omni,
+                "realistic-qwen3-omni": build_realistic_qwen3_omni}
