@@ -82,5 +82,7 @@ def test_the_realistic_builder_writes_what_the_speech_stage_and_the_thinker_load
     model = build_qwen3_omni_in_memory(tmp_path, "cpu")
     assert {k: v.shape for k, v in model.talker.state_dict().items()} == \
         {k: v.shape for k, v in talker.state_dict().items()}
+    assert {k: v.shape for k, v in model.code2wav.state_dict().items()} == \
+        {k: v.shape for k, v in code2wav.state_dict().items()}
     assert model.thinker.model.embed_tokens.weight.shape == embedding.weight.shape
     assert all(torch.isfinite(p).all() for p in model.talker.parameters())  # its experts drawn, not torch.empty

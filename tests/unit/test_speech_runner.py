@@ -4,7 +4,9 @@ step batching and its sampling."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import threading
 
 import numpy as np
 import pytest
@@ -57,11 +59,40 @@ def joined(chunks) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([c.samples for c in chunks]), np.concatenate([c.codes for c in chunks], axis=1)
 
 
+@contextlib.contextmanager
+def talker_held(runner, until: threading.Event, after_steps: int = 0):
+    """The talker's steps past ``after_steps`` wait for ``until`` (at most 30 s): what a test
+    needs to have happened meanwhile does, however slowly this host runs the other threads."""
+    batcher = runner.batcher
+    step = batcher._step
+
+    def held():
+        if batcher.steps >= after_steps:
+            until.wait(timeout=30)
+        step()
+
+    batcher._step = held
+    try:
+        yield
+    finally:
+        del batcher._step
+
+
 def test_audio_leaves_before_the_talker_has_finished(runner):
     """Two frames a chunk: the first chunk is decoded while the talker still speaks (fewer talker
-    steps behind it than behind the last), and the chunks join into the whole decode of the frames."""
-    steps: list[int] = []
-    [chunks] = speak(runner, request(runner, chunk_frames=2), steps=steps)
+    steps behind it than behind the last), and the chunks join into the whole decode of the frames.
+    The talker waits after 4 steps until a chunk is out: were decoding to wait for the end of speech,
+    no chunk would come, and after 30 s the first would come behind every step."""
+    first_chunk = threading.Event()
+
+    class Steps(list):  # speak() appends the talker's step count at each chunk
+        def append(self, value):
+            super().append(value)
+            first_chunk.set()
+
+    steps = Steps()
+    with talker_held(runner, first_chunk, after_steps=4):
+        [chunks] = speak(runner, request(runner, chunk_frames=2), steps=steps)
     assert len(chunks) > 2 and steps[0] < steps[-1]
     audio, codes = joined(chunks)
     whole = runner.decoder.decode(torch.from_numpy(codes)).numpy()
@@ -85,7 +116,21 @@ def test_utterances_spoken_together_equal_each_alone(runner):
     first, second = request(runner), request(runner, "a small boat", (50, 51, 3), voice="chelsie")
     alone = [joined(speak(runner, r)[0]) for r in (first, second)]
     runner.batcher.max_rows_seen = 0
-    together = [joined(chunks) for chunks in speak(runner, first, second)]
+    both_in, submitted = threading.Event(), []
+    submit = runner.batcher.submit
+
+    def counted(utterance):  # the second's prompt is built after the first is in: the talker waits for it
+        submit(utterance)
+        submitted.append(utterance)
+        if len(submitted) == 2:
+            both_in.set()
+
+    runner.batcher.submit = counted
+    try:
+        with talker_held(runner, both_in):
+            together = [joined(chunks) for chunks in speak(runner, first, second)]
+    finally:
+        del runner.batcher.submit
     assert runner.batcher.max_rows_seen == 2
     for (audio, codes), (audio_alone, codes_alone) in zip(together, alone, strict=True):
         np.testing.assert_array_equal(codes, codes_alone)

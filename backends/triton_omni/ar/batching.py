@@ -283,6 +283,13 @@ def _left_pad(cache: DynamicCache, mask: torch.Tensor, width: int) -> torch.Tens
 def sample(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> list[int]:
     """One token per row, each with its row's options (vLLM's order: penalties,
     min_tokens, then temperature, top-k, top-p, min-p) and its own generator."""
+    return sample_on_device(logits, rows, shared).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> torch.Tensor:
+    """``sample``'s tokens left on the logits' device: the host does not wait for the GPU, so a
+    caller that feeds them to the next pass (the talker's code predictor, 15 draws a frame) queues
+    that pass at once."""
     logits = logits.float()
     for i, sequence in enumerate(rows):
         _penalise(logits[i], sequence)
@@ -291,28 +298,26 @@ def sample(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) 
     if sampled:
         picks = _sample_rows(logits[sampled], [rows[i] for i in sampled], shared)
         tokens[sampled] = picks
-    return tokens.tolist()
+    return tokens
 
 
 def _penalise(row: torch.Tensor, sequence: Sequence) -> None:
     options = sequence.options
     if options.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(sequence.prompt_ids) | set(sequence.output_ids)), dtype=torch.long,
-                            device=row.device)
+        seen = _to_device(sorted(set(sequence.prompt_ids) | set(sequence.output_ids)), torch.long, row.device)
         scores = row[seen]
         row[seen] = torch.where(scores > 0, scores / options.repetition_penalty,
                                 scores * options.repetition_penalty)
     if len(sequence.output_ids) < options.min_tokens and sequence.stop_ids:
-        row[sequence.stop_ids] = float("-inf")
+        row[_to_device(sequence.stop_ids, torch.long, row.device)] = float("-inf")
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([s.options.temperature for s in rows], device=device)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([s.options.top_k or vocab for s in rows], device=device)
-    top_p = torch.tensor([s.options.top_p for s in rows], device=device)
-    min_p = torch.tensor([s.options.min_p for s in rows], device=device)
+    temperature, top_k, top_p, min_p = _to_device(
+        [[s.options.temperature, s.options.top_k or vocab, s.options.top_p, s.options.min_p] for s in rows],
+        torch.float32, device).T
     ordered, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
     probs = ordered.softmax(dim=-1)
     ranks = torch.arange(vocab, device=device)[None, :]
@@ -320,8 +325,23 @@ def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Gener
         | (probs < min_p[:, None] * probs[:, :1])
     drop[:, 0] = False  # the most likely token always stays
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    picks = [torch.multinomial(probs[i], 1, generator=s.generator or shared) for i, s in enumerate(rows)]
+    picks = [_draw(probs[i], s.generator or shared) for i, s in enumerate(rows)]
     return order.gather(1, torch.stack(picks)).squeeze(1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator=generator)``, the same draw from the same generator
+    state (its one-sample path: the argmax of ``probs`` over exponential noise), without the two
+    checks of ``probs`` it reads back to the host: on a GPU each is a sync, once per row and draw."""
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of ``values`` on ``device``, copied without waiting for the work queued there
+    (``torch.tensor(values, device=...)`` waits for the stream: a step's sampling would then sync
+    the host with the GPU once per row)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 # -- text ------------------------------------------------------------------------------

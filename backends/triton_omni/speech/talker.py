@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from triton_omni.ar.batching import ContinuousBatch, sample
+from triton_omni.ar.batching import ContinuousBatch, sample, sample_on_device
 from triton_omni.ar.sampling import SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,12 @@ class Qwen3Talker:
         self.voices: dict[str, int] = {name.lower(): int(code) for name, code in codec.speaker_id.items()}
         self.eos = codec.codec_eos_token_id
         vocab = codec.text_config.vocab_size
-        # generate's suppress_tokens: the 1024 special codes at the top of the vocabulary, but the end of speech
-        self.suppressed = [code for code in range(vocab - 1024, vocab) if code != self.eos]
-        self.groups = codec.num_code_groups
         self.device = next(talker.parameters()).device
+        # generate's suppress_tokens: the 1024 special codes at the top of the vocabulary, but the end of
+        # speech (on the device once: a list as an index is copied there at every step)
+        self.suppressed = torch.tensor([code for code in range(vocab - 1024, vocab) if code != self.eos],
+                                       device=self.device)
+        self.groups = codec.num_code_groups
 
     def _project(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, device=self.device)
@@ -228,7 +230,7 @@ class TalkerBatcher(ContinuousBatch):
         for group in range(self.talker.groups - 1):
             out = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True)
             logits = predictor.lm_head[group](out.last_hidden_state[:, -1])
-            code = torch.tensor(sample(logits, draws, self.generator), device=self.device)
+            code = sample_on_device(logits, draws, self.generator)  # read once the frame is whole
             codes.append(code)
             inputs = predictor.get_input_embeddings()[group](code)[:, None]
             total = total + inputs
