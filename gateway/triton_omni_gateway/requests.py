@@ -26,6 +26,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from triton_omni_protocol import DIFFUSION_OPTIONS, VIDEO_OPTIONS
 
@@ -102,9 +103,17 @@ class TextPart(_Body):
     text: StrictStr
 
 
+class OtherPart(BaseModel):
+    """A content part of OpenAI's other kinds: known, so that a request carrying one is refused by
+    name (``ChatRequest``) rather than told its content should have been a string."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "input_file", "refusal"]
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | OtherPart] | None = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -143,6 +152,15 @@ class ChatRequest(_Sampling):
     talker: TalkerOptions | None = None  # this gateway's extension
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> ChatRequest:
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, OtherPart):
+                    raise invalid(f"messages.{i}.content.{j}.type", f"{part.type!r} parts are not read by the "
+                                  "models this gateway serves: a message's content is text")
+        return self
 
     def sampling(self) -> dict[str, Any]:
         values = super().sampling()
@@ -410,8 +428,10 @@ def _form_value(name: str, text: str) -> Any:
 
 
 def _union_member(part: int | str) -> bool:
-    """Pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``): not a field."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+    """Pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``, a model's class
+    name): not a field (this API's fields are lower case)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
+                                      or part[:1].isupper())
 
 
 def parse(kind: type[_Body], raw: bytes) -> Any:
@@ -427,7 +447,9 @@ def parse(kind: type[_Body], raw: bytes) -> Any:
     try:
         return kind.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
+        # a union names each member's error: the one that got furthest into the value says what is wrong
+        # (a content part missing its text, not that the content should have been a string)
+        first = max(error.errors(), key=lambda e: len([part for part in e["loc"] if not _union_member(part)]))
         param = ".".join(str(part) for part in first["loc"] if not _union_member(part)) or None
         reason = "unknown field (not part of this API)" if first["type"] == "extra_forbidden" else first["msg"]
         shown = "" if first["type"] in ("missing", "extra_forbidden") else f", got {first.get('input')!r:.80}"

@@ -51,6 +51,20 @@ def test_errors_name_the_field_without_pydantic_s_union_members():
     assert refused(ImageRequest, b"\xff").code == "invalid_json"
 
 
+@pytest.mark.parametrize(("part", "param", "says"), [
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "messages.0.content.1.type",
+     "'input_audio' parts are not read"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}, "messages.0.content.1.type",
+     "'image_url' parts are not read"),
+    ({"type": "text"}, "messages.0.content.1.text", "Field required"),
+    ({"type": "video"}, "messages.0.content.1.type", "Input should be 'text'"),
+])
+def test_a_content_part_the_models_do_not_read_is_refused_by_its_own_name(part, param, says):
+    """Not "the content should have been a string": the part at fault, and why."""
+    error = refused(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+    assert error.param == param and says in error.message
+
+
 def test_image_size_seeds_and_guidance():
     request = parse(ImageRequest, b'{"prompt": "a", "size": "64x32", "seed": 5, "true_cfg_scale": 4}')
     options = _options(request)
