@@ -128,3 +128,19 @@ def test_min_tokens_holds_off_the_stop_token(engine):
     opts = options(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=6)
     _, tokens, _ = asyncio.run(generate(engine, PROMPTS[0], opts, "m"))
     assert tokens >= 6
+
+
+def test_a_draw_is_torch_multinomial_s_own_without_reading_back():
+    """``_draw`` stands in for ``torch.multinomial(probs, 1, generator=...)`` (which reads the
+    probabilities back to the host to check them): the same token from the same generator state,
+    over distributions with zeros, and the generators left in the same state."""
+    from triton_omni.ar.batching import _draw
+
+    for seed in range(50):
+        probs = torch.rand(300, generator=torch.Generator().manual_seed(1000 + seed))
+        probs[probs < 0.6] = 0
+        probs /= probs.sum()
+        theirs, ours = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            assert torch.equal(_draw(probs, ours), torch.multinomial(probs, 1, generator=theirs))
+        assert torch.equal(ours.get_state(), theirs.get_state())
