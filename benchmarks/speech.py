@@ -17,7 +17,7 @@ with random weights (``demo:realistic-qwen3-omni``), the thinker on vLLM (which 
 itself, ``load_format: dummy``: they are never written to disk), the direct side's whole model built
 in memory.
 
-    python benchmarks/speech.py [--preset realistic] [--concurrency 1,64] [--requests 64] [--json OUT]
+    python benchmarks/speech.py [--preset realistic] [--concurrency 1,64] [--requests 4] [--json OUT]
 """
 
 from __future__ import annotations
