@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 from triton_omni.demo_models import build_all
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 
+from tests.support.host_syncs import no_host_syncs
+
 TOLERANCE = 1
 
 
@@ -101,28 +103,8 @@ def test_the_engine_thread_never_waits_for_the_gpu(steps):
                              "height": 64, "width": 64}) for i in range(n)]
 
     steps.run(embedded(3))  # the same buckets met first: graphs captured (a capture synchronises)
-    engine, failures = steps.steps, []
-
-    def checked(work):
-        def run(*args):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return work(*args)
-            except RuntimeError as exc:
-                failures.append(exc)
-                raise
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return run
-
-    names = ("_start", "_advance", "_finish")
-    for name in names:
-        setattr(engine, name, checked(getattr(engine, name)))
-    try:
+    with no_host_syncs(steps.steps, "_start", "_advance", "_finish") as failures:
         images = steps.run(embedded(3))
-    finally:
-        for name in names:
-            delattr(engine, name)
     assert not failures, failures[0]
     assert all(isinstance(image, torch.Tensor) and image.dtype == torch.uint8 for image in images), images
 
@@ -131,27 +113,14 @@ def test_most_behind_times_steps_on_the_gpu_without_waiting():
     """``group_order: most_behind`` learns what a step alone costs each group from CUDA events,
     read once the GPU has passed them: choosing the next group never waits for the GPU."""
     r = runner(batch_size=4, group_order="most_behind")
-    engine, failures = r.steps, []
-    choose = engine._next_group
-
-    def checked():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return choose()
-        except RuntimeError as exc:
-            failures.append(exc)
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
+    engine = r.steps
     try:
         for size in (64, 64, 32, 32):  # each size alone, twice: graphs captured, then timed steps
             r.run([r.parse({"prompt": "a red fox", "seed": 1, "num_inference_steps": 6, "height": size,
                             "width": size})])
-        engine._next_group = checked
-        r.run([r.parse({"prompt": "a red fox", "seed": 2, "num_inference_steps": 6, "height": size,
-                        "width": size}) for size in (32, 64)])
-        del engine._next_group
+        with no_host_syncs(engine, "_next_group") as failures:
+            r.run([r.parse({"prompt": "a red fox", "seed": 2, "num_inference_steps": 6, "height": size,
+                            "width": size}) for size in (32, 64)])
         engine.costs.update()
         costs = dict(engine.costs.seconds)
     finally:

@@ -9,6 +9,8 @@ from transformers import AutoTokenizer
 from triton_omni.demo_models import resolve_model
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 
+from tests.support.host_syncs import no_host_syncs
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 DEMO = "demo:tiny-qwen3-omni"
@@ -53,24 +55,7 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     utterance) queue their work without a host sync; the frame is read once it is whole."""
     gpu = runners["cuda:0"]
     spoken(gpu, sampled)  # warm: the first run's allocations and lazy inits may synchronise
-    batcher, failures = gpu.batcher, []
-    predict = batcher._predict_residuals
-
-    def checked(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return predict(*args)
-        except RuntimeError as exc:
-            failures.append(exc)
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    batcher._predict_residuals = checked
-    try:
+    with no_host_syncs(gpu.batcher, "_predict_residuals") as failures:
         chunks = spoken(gpu, sampled)
-    finally:
-        del batcher._predict_residuals
     assert not failures, failures[0]
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
-

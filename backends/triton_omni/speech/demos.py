@@ -13,7 +13,6 @@ own ``generate`` is the reference for the speech routes.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 THINKER_WIDTH, TALKER_WIDTH = 32, 16
@@ -167,12 +166,13 @@ def build_realistic_qwen3_omni(out: Path, shape: dict = QWEN3_OMNI_30B_A3B) -> N
         Qwen3OmniMoeTalkerForConditionalGeneration,
     )
 
+    from triton_omni.demo_models import built_as
+
     tokenizer, ids = _qwen3_tokenizer(out)
     config = Qwen3OmniMoeConfig(**_merged(_config(len(tokenizer), ids), shape))
     config.save_pretrained(out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    with torch.device(device), _default_dtype(torch.bfloat16):
+    with built_as(device, torch.bfloat16):  # a 30 B model built in float32 first would need twice its memory
         talker = Qwen3OmniMoeTalkerForConditionalGeneration(config.talker_config)
         initialise_talker_experts(talker)
         code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
@@ -192,9 +192,10 @@ def build_qwen3_omni_in_memory(folder: Path, device: str):
     import torch
     from transformers import AutoConfig, AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
+    from triton_omni.demo_models import built_as
+
     config = AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    with torch.device(device), _default_dtype(torch.bfloat16):
+    with built_as(device, torch.bfloat16):
         model = Qwen3OmniMoeForConditionalGeneration(config).eval()
         initialise_talker_experts(model.talker)
     model.code2wav.float()  # as load_qwen3_speech and the model's generate run it
@@ -203,26 +204,13 @@ def build_qwen3_omni_in_memory(folder: Path, device: str):
 
 
 def _merged(base: dict, changes: dict) -> dict:
-    """``base`` with ``changes`` written over it, nested dicts merged key by key."""
+    """``base`` with ``changes`` written over it, nested dicts merged key by key (but the voices,
+    ``speaker_id``: another model's replace the tiny demo's)."""
     merged = dict(base)
     for key, value in changes.items():
         both = isinstance(value, dict) and isinstance(base.get(key), dict) and key != "speaker_id"
         merged[key] = _merged(base[key], value) if both else value
     return merged
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    """``torch``'s default dtype for the modules built inside (a 30 B model built in float32 first
-    would need twice its memory)."""
-    import torch
-
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 # Qwen2.5-Omni's markers (its processor's names) and a voice's marker each
