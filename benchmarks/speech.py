@@ -40,10 +40,14 @@ SAMPLE_RATE = 24000
 
 
 def prompts(tokenizer, count: int, tokens: int) -> list[str]:
-    """``count`` different prompts of about ``tokens`` tokens, words drawn from the vocabulary."""
+    """``count`` different prompts of about ``tokens`` tokens, words drawn from the vocabulary.
+
+    Cut at the token count, not the word count: a vocabulary entry written after a space is
+    often several tokens (100 such words are about 400 tokens in Qwen3-Omni's tokenizer)."""
     rng = np.random.default_rng(0)
     words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:2000] or ["word"]
-    return [" ".join(rng.choice(words, size=tokens)) for _ in range(count)]
+    texts = (" ".join(rng.choice(words, size=tokens)) for _ in range(count))
+    return [tokenizer.decode(tokenizer(text)["input_ids"][:tokens]) for text in texts]
 
 
 def omni_values(prompt: str, args) -> dict:

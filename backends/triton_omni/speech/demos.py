@@ -170,7 +170,8 @@ def build_realistic_qwen3_omni(out: Path, shape: dict = QWEN3_OMNI_30B_A3B) -> N
 
     tokenizer, ids = _qwen3_tokenizer(out)
     config = Qwen3OmniMoeConfig(**_merged(_config(len(tokenizer), ids), shape))
-    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]  # what is_omni and vLLM read; a bare config saves none
+    # what is_omni and vLLM read; a config built from its class saves none
+    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     config.save_pretrained(out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with built_as(device, torch.bfloat16):  # a 30 B model built in float32 first would need twice its memory
