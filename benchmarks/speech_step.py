@@ -1,0 +1,177 @@
+"""Where a spoken reply's time goes in the speech stage: the talker's step batch and the decoder.
+
+``benchmarks/speech.py`` measures the whole chain through ``omni``; this runs the speech stage's
+own parts in one process, with no server, so each part's cost per step is seen apart:
+
+- a step of ``TalkerBatcher`` at each batch size (``--rows``): the whole step as the stage runs
+  it (nothing synchronised: the rate it reaches), then the same steps with the device
+  synchronised around each part, split into the code predictor (15 small passes and draws a
+  frame), the first code's draw (penalties and sampling) and the rest (the talker's forward);
+- ``code2wav``'s streamed decode of a chunk of ``--chunk-frames`` frames, one stream at a time as
+  the runner decodes them;
+- from those, the real-time factor the stage alone allows at each batch size: a frame is
+  1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once.
+
+Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
+or the tiny demo's on this host's CPU (it only shows the benchmark works).
+
+    python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+FRAMES_PER_SECOND = 12.5
+
+
+class Timers:
+    """Seconds per named part, the device synchronised around each call (``wrap``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+        self.enabled = False
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return inner(*args, **kwargs)
+            self.sync()
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            self.sync()
+            self.seconds[part].append(time.perf_counter() - started)
+            return result
+
+        setattr(owner, name, timed)
+
+
+def utterances(talker, tokenizer, rows: int, frames: int, reply_tokens: int):
+    """``rows`` utterances of a reply of ``reply_tokens`` tokens, each held to ``frames`` frames,
+    sampled as the model's talker samples (its defaults), each with a seed of its own."""
+    from triton_omni.ar.sampling import SamplingOptions
+    from triton_omni.speech.talker import TALKER_DEFAULTS, Utterance
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}],
+                                           add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    reply = tokenizer("a reply the thinker wrote, " * (reply_tokens // 4 + 1))["input_ids"][:reply_tokens]
+    options = {k: v for k, v in TALKER_DEFAULTS.items() if k != "max_tokens"}
+    made = []
+    for row in range(rows):
+        sampling = SamplingOptions(**options, max_tokens=frames, min_tokens=frames, seed=row)
+        made.append(Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling, lambda item: None))
+    return made
+
+
+def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int, reply_tokens: int) -> dict:
+    """``rows`` utterances spoken together for ``steps`` steps: ms a step free-running, then with
+    each part timed."""
+    figures = {}
+    for timed in (False, True):
+        made = utterances(talker, tokenizer, rows, steps + 2, reply_tokens)
+        frames = [0]
+        for utterance in made:
+            utterance.emit = lambda item, frames=frames: frames.__setitem__(0, frames[0] + (type(item) is list))
+        start_steps = batcher.steps
+        for utterance in made:
+            batcher.submit(utterance)
+        while batcher.steps - start_steps < 2:  # joined and stepping: the prefills are not steps
+            time.sleep(0.001)
+        timers.enabled, timers.seconds = timed, defaultdict(list)
+        first, started = batcher.steps, time.perf_counter()
+        while not all(u.done for u in made):
+            time.sleep(0.001)
+        ran = batcher.steps - first
+        timers.enabled = False
+        elapsed = time.perf_counter() - started
+        if not timed:
+            figures["step_ms"] = 1000 * elapsed / max(ran, 1)
+        else:
+            parts = {part: 1000 * statistics.median(values) for part, values in timers.seconds.items()}
+            parts["talker forward and the rest"] = parts["step"] - parts["code predictor"] - parts["first code draw"]
+            figures["parts_ms (synchronised)"] = parts
+    return figures
+
+
+def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, repeats: int = 6) -> float:
+    """ms for one streamed chunk of ``chunk_frames`` frames (after the first, which has no lookback)."""
+    size = decoder.model.config.codebook_size
+    codes = torch.randint(0, size, (groups, chunk_frames * (repeats + 1)), generator=torch.Generator().manual_seed(1))
+    stream = decoder.stream()
+    times = []
+    for i in range(repeats + 1):
+        timers.sync()
+        started = time.perf_counter()
+        stream.add(codes[:, i * chunk_frames:(i + 1) * chunk_frames])
+        timers.sync()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=("tiny", "realistic"), default="tiny")
+    parser.add_argument("--rows", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per batch size")
+    parser.add_argument("--reply-tokens", type=int, default=100)
+    parser.add_argument("--chunk-frames", type=int, default=8)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    from transformers import AutoConfig, AutoTokenizer
+    from triton_omni.demo_models import resolve_model
+    from triton_omni.speech.codec import StreamingCode2Wav
+    from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech
+    from triton_omni.speech.talker import Qwen3Talker, TalkerBatcher
+
+    folder = Path(resolve_model("demo:realistic-qwen3-omni" if args.preset == "realistic" else "demo:tiny-qwen3-omni"))
+    device = torch.device("cuda" if args.preset == "realistic" else "cpu")
+    config = AutoConfig.from_pretrained(folder)
+    dtype = SpeechConfig(device=str(device)).torch_dtype()
+    model, code2wav, embedding = load_qwen3_speech(folder, config, device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    talker = Qwen3Talker(model, embedding, config)
+    talker.default_voice = "ethan" if "ethan" in talker.voices else next(iter(talker.voices))
+    levels = [int(r) for r in args.rows.split(",")]
+    batcher = TalkerBatcher(talker, max(levels))
+    timers = Timers(device)
+    timers.wrap(batcher, "_step", "step")
+    timers.wrap(batcher, "_predict_residuals", "code predictor")
+    timers.wrap(batcher, "_accept", "first code draw")
+    decoder = StreamingCode2Wav(code2wav)
+    figures: dict = {"workload": vars(args), "rows": {}}
+    try:
+        step_batch(batcher, talker, tokenizer, timers, 1, 4, args.reply_tokens)  # warm-up
+        chunk = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers)
+        figures["chunk_decode_ms"] = chunk
+        print(f"code2wav: {chunk:.1f} ms a chunk of {args.chunk_frames} frames", flush=True)
+        for rows in levels:
+            found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
+            # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames decodes for each row
+            per_second = found["step_ms"] * FRAMES_PER_SECOND + rows * chunk * FRAMES_PER_SECOND / args.chunk_frames
+            found["rtf_floor"] = per_second / 1000
+            figures["rows"][rows] = found
+            print(f"{rows} rows: {json.dumps(found)}", flush=True)
+    finally:
+        batcher.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()

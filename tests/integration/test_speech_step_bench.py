@@ -1,0 +1,27 @@
+"""``benchmarks/speech_step.py`` on CPU with the tiny Qwen3-Omni: the talker's step batch at
+two sizes, each step split into its parts, and the decoder's chunk. The report's shape is
+checked, never a figure: docs/benchmarks.md quotes the GPU's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
+    out_file = tmp_path / "speech_step.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speech_step.py"), "--rows", "1,3",
+                             "--steps", "4", "--json", str(out_file)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out_file.read_text())
+    assert report["chunk_decode_ms"] > 0
+    assert set(report["rows"]) == {"1", "3"}
+    for found in report["rows"].values():
+        parts = found["parts_ms (synchronised)"]
+        assert found["step_ms"] > 0 and found["rtf_floor"] > 0
+        assert parts["step"] >= parts["code predictor"] > 0 and parts["first code draw"] > 0
