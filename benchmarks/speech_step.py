@@ -10,7 +10,9 @@ own parts in one process, with no server, so each part's cost per step is seen a
 - ``code2wav``'s streamed decode of a chunk of ``--chunk-frames`` frames, one stream at a time as
   the runner decodes them;
 - from those, the real-time factor the stage alone allows at each batch size: a frame is
-  1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once.
+  1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once;
+- on a GPU, all of it with the code predictor's CUDA graphs (the stage's default) and without,
+  and the ratio of their steps.
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -84,18 +87,25 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
     figures = {}
     for timed in (False, True):
         made = utterances(talker, tokenizer, rows, steps + 2, reply_tokens)
-        frames = [0]
+        # woken by the batcher's thread, not polling it: a thread that polls takes the GIL from the
+        # batcher's every time it wakes, and the steps would measure that
+        stepping, ended, left = threading.Event(), threading.Event(), [rows]
+
+        def emit(item, left=left, stepping=stepping, ended=ended):
+            stepping.set()
+            if item is None or isinstance(item, BaseException):
+                left[0] -= 1
+                if not left[0]:
+                    ended.set()
+
         for utterance in made:
-            utterance.emit = lambda item, frames=frames: frames.__setitem__(0, frames[0] + (type(item) is list))
-        start_steps = batcher.steps
+            utterance.emit = emit
         for utterance in made:
             batcher.submit(utterance)
-        while batcher.steps - start_steps < 2:  # joined and stepping: the prefills are not steps
-            time.sleep(0.001)
+        stepping.wait()  # a first frame: every row has joined (the prefills are not steps)
         timers.enabled, timers.seconds = timed, defaultdict(list)
         first, started = batcher.steps, time.perf_counter()
-        while not all(u.done for u in made):
-            time.sleep(0.001)
+        ended.wait()
         ran = batcher.steps - first
         timers.enabled = False
         elapsed = time.perf_counter() - started
@@ -148,27 +158,34 @@ def main() -> None:
     talker = Qwen3Talker(model, embedding, config)
     talker.default_voice = "ethan" if "ethan" in talker.voices else next(iter(talker.voices))
     levels = [int(r) for r in args.rows.split(",")]
-    batcher = TalkerBatcher(talker, max(levels))
-    timers = Timers(device)
-    timers.wrap(batcher, "_step", "step")
-    timers.wrap(batcher, "_predict_residuals", "code predictor")
-    timers.wrap(batcher, "_accept", "first code draw")
     decoder = StreamingCode2Wav(code2wav)
-    figures: dict = {"workload": vars(args), "rows": {}}
-    try:
-        step_batch(batcher, talker, tokenizer, timers, 1, 4, args.reply_tokens)  # warm-up
-        chunk = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers)
-        figures["chunk_decode_ms"] = chunk
-        print(f"code2wav: {chunk:.1f} ms a chunk of {args.chunk_frames} frames", flush=True)
+    timers = Timers(device)
+    chunk = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers)
+    figures: dict = {"workload": vars(args), "chunk_decode_ms": chunk, "modes": {}}
+    print(f"code2wav: {chunk:.1f} ms a chunk of {args.chunk_frames} frames", flush=True)
+    # the code predictor as CUDA graphs (the stage's default on a GPU) and eager, side by side
+    for graphs in ([True, False] if device.type == "cuda" else [False]):
+        mode = "cuda graphs" if graphs else "eager"
+        batcher = TalkerBatcher(talker, max(levels), cuda_graphs=graphs)
+        timers.wrap(batcher, "_step", "step")
+        timers.wrap(batcher, "_predict_residuals", "code predictor")
+        timers.wrap(batcher, "_accept", "first code draw")
+        figures["modes"][mode] = {}
+        try:
+            step_batch(batcher, talker, tokenizer, timers, 1, 4, args.reply_tokens)  # warm-up
+            for rows in levels:
+                found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
+                # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames decodes for each row
+                per_second = found["step_ms"] * FRAMES_PER_SECOND + rows * chunk * FRAMES_PER_SECOND / args.chunk_frames
+                found["rtf_floor"] = per_second / 1000
+                figures["modes"][mode][rows] = found
+                print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)
+        finally:
+            batcher.stop()
+    if len(figures["modes"]) == 2:
         for rows in levels:
-            found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
-            # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames decodes for each row
-            per_second = found["step_ms"] * FRAMES_PER_SECOND + rows * chunk * FRAMES_PER_SECOND / args.chunk_frames
-            found["rtf_floor"] = per_second / 1000
-            figures["rows"][rows] = found
-            print(f"{rows} rows: {json.dumps(found)}", flush=True)
-    finally:
-        batcher.stop()
+            ratio = figures["modes"]["cuda graphs"][rows]["step_ms"] / figures["modes"]["eager"][rows]["step_ms"]
+            print(f"{rows} rows: a step with the predictor's CUDA graphs / eager: {ratio:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

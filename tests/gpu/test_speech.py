@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 from triton_omni.demo_models import resolve_model
+from triton_omni.speech.predictor_graphs import PredictorFrame
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+from triton_omni.speech.talker import _PREDICTOR_SAMPLED
 
 from tests.support.host_syncs import no_host_syncs
 
@@ -16,13 +18,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 DEMO = "demo:tiny-qwen3-omni"
 
 
-def spoken(runner: SpeechRunner, sampled: bool) -> list:
+def spoken(runner: SpeechRunner, sampled: bool, chunk_frames: int = 4) -> list:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEMO))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "a red fox"}], add_generation_prompt=True,
                                            tokenize=False)
     options = {"temperature": 0.9, "seed": 3} if sampled else {"temperature": 0.0}
     request = runner.parse({"text_input": prompt, "reply_ids": [40, 41, 42, 43, 3], "max_tokens": 12,
-                            "min_tokens": 12, **options})
+                            "min_tokens": 12, "chunk_frames": chunk_frames, **options})
     chunks: list = []
 
     async def speak():
@@ -34,11 +36,15 @@ def spoken(runner: SpeechRunner, sampled: bool) -> list:
 
 @pytest.fixture(scope="module")
 def runners():
+    # cuDNN's convolutions run in TF32 unless told not to (PyTorch's default): code2wav's samples would
+    # then differ from the CPU's by about 1e-4 of full scale, the precision mode's, not the decoder's
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
     made = {device: SpeechRunner(SpeechConfig(model=DEMO, device=device, dtype="float32"))
             for device in ("cpu", "cuda:0")}
     yield made
     for runner in made.values():
         runner.close()
+    torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_the_talker_speaks_on_the_gpu_the_codes_it_speaks_on_the_cpu(runners):
@@ -55,7 +61,36 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     utterance) queue their work without a host sync; the frame is read once it is whole."""
     gpu = runners["cuda:0"]
     spoken(gpu, sampled)  # warm: the first run's allocations and lazy inits may synchronise
+    # the sync debug mode is the process's: one chunk, decoded (and read back) once the talker is done,
+    # so that the codec thread's read of its samples is not taken for the predictor's
     with no_host_syncs(gpu.batcher, "_predict_residuals") as failures:
-        chunks = spoken(gpu, sampled)
+        chunks = spoken(gpu, sampled, chunk_frames=64)
     assert not failures, failures[0]
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
+
+
+def test_the_predictors_cuda_graph_replays_its_frame(runners):
+    """The captured frame (3 rows replay the graph of 4) draws what the same frame run eagerly
+    draws, given the same noise: one call of each sampled row's generator."""
+    gpu = runners["cuda:0"]
+    predictor = gpu.batcher.model.code_predictor
+    assert gpu.batcher.graphs is not None
+    greedy = [True, False, False]
+    torch.manual_seed(0)
+    hidden, first = (torch.randn(3, 1, predictor.config.hidden_size, device="cuda") for _ in range(2))
+
+    def generators():
+        return [torch.Generator("cuda").manual_seed(seed) for seed in range(3)]
+
+    codes, total = gpu.batcher.graphs(hidden, first, greedy, generators())
+    sampled = _PREDICTOR_SAMPLED
+    frame = PredictorFrame(predictor, gpu.talker.groups, 4,
+                           [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p])
+    frame.hidden[:3], frame.first[:3] = hidden, first
+    frame.greedy[:] = torch.tensor([*greedy, True])
+    for row, generator in enumerate(generators()):
+        if not greedy[row]:
+            frame.noise[row].exponential_(1, generator=generator)
+    eager_codes, eager_total = frame.run()
+    assert codes.tolist() == eager_codes[:3].tolist()
+    torch.testing.assert_close(total, eager_total[:3])

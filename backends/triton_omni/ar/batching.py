@@ -293,11 +293,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[Sequence], shared: torch.G
     logits = logits.float()
     for i, sequence in enumerate(rows):
         _penalise(logits[i], sequence)
-    tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(rows) if s.options.temperature > 0]
-    if sampled:
-        picks = _sample_rows(logits[sampled], [rows[i] for i in sampled], shared)
-        tokens[sampled] = picks
+    if len(sampled) == len(rows):
+        return _sample_rows(logits, rows, shared)
+    tokens = logits.argmax(dim=-1)
+    if sampled:  # indexed by a tensor already on the device: a list index is copied there and waited for
+        index = _to_device(sampled, torch.long, logits.device)
+        tokens[index] = _sample_rows(logits.index_select(0, index), [rows[i] for i in sampled], shared)
     return tokens
 
 
@@ -315,18 +317,26 @@ def _penalise(row: torch.Tensor, sequence: Sequence) -> None:
 def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> torch.Tensor:
     device = logits.device
     vocab = logits.shape[-1]
-    temperature, top_k, top_p, min_p = _to_device(
+    params = _to_device(
         [[s.options.temperature, s.options.top_k or vocab, s.options.top_p, s.options.min_p] for s in rows],
-        torch.float32, device).T
+        torch.float32, device)
+    probs, order = filtered_probs(logits, params)
+    picks = [_draw(probs[i], s.generator or shared) for i, s in enumerate(rows)]
+    return order.gather(1, torch.stack(picks)).squeeze(1)
+
+
+def filtered_probs(logits: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities after its temperature, top-k, top-p and min-p (``params``' columns,
+    one row of them per row of ``logits``), sorted from the most likely, and the order that sorted
+    them. Tensor work only, so a CUDA graph may hold it (the talker's code predictor's)."""
+    temperature, top_k, top_p, min_p = params.T
     ordered, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
     probs = ordered.softmax(dim=-1)
-    ranks = torch.arange(vocab, device=device)[None, :]
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = (ranks >= top_k[:, None]) | (probs.cumsum(dim=-1) - probs > top_p[:, None]) \
         | (probs < min_p[:, None] * probs[:, :1])
     drop[:, 0] = False  # the most likely token always stays
-    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    picks = [_draw(probs[i], s.generator or shared) for i, s in enumerate(rows)]
-    return order.gather(1, torch.stack(picks)).squeeze(1)
+    return ordered.masked_fill(drop, float("-inf")).softmax(dim=-1), order
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -42,6 +42,7 @@ class SpeechConfig:
     dtype: str = "auto"  # bfloat16 on a GPU, float32 on a CPU
     max_num_seqs: int = 64  # utterances spoken together
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
+    cuda_graphs: bool = True  # on a GPU, the code predictor's frame as a CUDA graph
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
     def torch_dtype(self) -> torch.dtype:
@@ -74,7 +75,7 @@ class SpeechRunner:
         self.decoder = StreamingCode2Wav(code2wav)
         self.voices = self.talker.voices
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
-        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs)
+        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs)
         self.loop = EventLoopThread(name="omni-speech")
         # one decode at a time: a GPU runs them in order anyway, a CPU has the talker's thread beside it
         self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")

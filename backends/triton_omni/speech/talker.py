@@ -154,11 +154,20 @@ class TalkerBatcher(ContinuousBatch):
 
     name = "omni-talker"
 
-    def __init__(self, talker: Qwen3Talker, max_num_seqs: int):
+    def __init__(self, talker: Qwen3Talker, max_num_seqs: int, cuda_graphs: bool = True):
+        """``cuda_graphs``: on a GPU, the code predictor's frame replayed as a CUDA graph
+        (``predictor_graphs.py``); eager otherwise."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
         self._pad = talker.pad
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            from triton_omni.speech.predictor_graphs import PredictorGraphs
+
+            sampled = _PREDICTOR_SAMPLED
+            self.graphs = PredictorGraphs(self.model.code_predictor, talker.groups, max_num_seqs,
+                                          [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p])
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self._start()
@@ -221,6 +230,9 @@ class TalkerBatcher(ContinuousBatch):
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """The code predictor for every row at once: codebooks 1.. of each frame, and the
         sum of their embeddings (what the talker reads next, with the first code's)."""
+        if self.graphs is not None:
+            return self.graphs(hidden, first_embeds, [u.options.temperature == 0 for u in rows],
+                               [u.generator or self.generator for u in rows])
         predictor = self.model.code_predictor
         draws = [_Draw(_PREDICTOR_SAMPLED if u.options.temperature > 0 else _PREDICTOR_GREEDY, u.generator)
                  for u in rows]

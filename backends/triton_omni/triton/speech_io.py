@@ -28,7 +28,8 @@ def runner_config(model_config: dict, args: dict) -> tuple[SpeechConfig, Placeme
     config = SpeechConfig(model=params.get("model", SpeechConfig.model), device=placement.device,
                           dtype=params.get("dtype", "auto"),
                           max_num_seqs=int(params.get("max_num_seqs", SpeechConfig.max_num_seqs)),
-                          chunk_frames=int(params.get("chunk_frames", SpeechConfig.chunk_frames)), limits=limits)
+                          chunk_frames=int(params.get("chunk_frames", SpeechConfig.chunk_frames)),
+                          cuda_graphs=params.get("cuda_graphs", "true").lower() == "true", limits=limits)
     return config, placement
 
 

@@ -1,0 +1,68 @@
+"""The code predictor's static frame (what a GPU captures as a CUDA graph, ``predictor_graphs.py``)
+run eagerly on the CPU against the talker's eager predictor, on the tiny Qwen3-Omni: the same codes
+for greedy rows, and for sampled rows given the same noise (drawn in the same order from the same
+seeds); other noise draws other codes, so the comparison can fail."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.speech.predictor_graphs import PredictorFrame
+from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+from triton_omni.speech.talker import _PREDICTOR_SAMPLED
+
+SAMPLED = [_PREDICTOR_SAMPLED.temperature, _PREDICTOR_SAMPLED.top_k, _PREDICTOR_SAMPLED.top_p,
+           _PREDICTOR_SAMPLED.min_p]
+SEEDS = (None, 1, 2, None, 3)  # None: a greedy row
+
+
+@pytest.fixture(scope="module")
+def runner():
+    runner = SpeechRunner(SpeechConfig(model="demo:tiny-qwen3-omni"))
+    yield runner
+    runner.close()
+
+
+def rows() -> list[SimpleNamespace]:
+    return [SimpleNamespace(options=SamplingOptions(temperature=0.0 if seed is None else 0.9),
+                            generator=None if seed is None else torch.Generator().manual_seed(seed))
+            for seed in SEEDS]
+
+
+def frame_codes(runner, hidden, first, seed_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static frame's codes, one padding row past the batch; each sampled row's noise drawn
+    draw by draw from its seed (``seed_offset``: other seeds), as the eager predictor draws it."""
+    predictor = runner.batcher.model.code_predictor
+    frame = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, SAMPLED)
+    frame.hidden[:len(SEEDS)] = hidden
+    frame.first[:len(SEEDS)] = first
+    frame.greedy[:] = torch.tensor([seed is None for seed in SEEDS] + [True])
+    for row, seed in enumerate(SEEDS):
+        if seed is not None:
+            generator = torch.Generator().manual_seed(seed + seed_offset)
+            for draw in range(frame.draws):
+                frame.noise[row, draw].exponential_(1, generator=generator)
+    codes, total = frame.run()
+    return codes[:len(SEEDS)], total[:len(SEEDS)]
+
+
+def test_the_static_frame_draws_the_eager_predictors_codes(runner):
+    width = runner.batcher.model.code_predictor.config.hidden_size
+    torch.manual_seed(0)
+    hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
+    with torch.inference_mode():
+        eager_codes, eager_total = runner.batcher._predict_residuals(hidden, first, rows())
+    codes, total = frame_codes(runner, hidden, first)
+    assert codes.tolist() == eager_codes.tolist()
+    torch.testing.assert_close(total, eager_total)
+    # run again: the static cache starts over
+    assert frame_codes(runner, hidden, first)[0].tolist() == eager_codes.tolist()
+    # other noise: the sampled rows' codes move, the greedy rows' do not
+    other = frame_codes(runner, hidden, first, seed_offset=100)[0]
+    sampled = [row for row, seed in enumerate(SEEDS) if seed is not None]
+    greedy = [row for row, seed in enumerate(SEEDS) if seed is None]
+    assert other[greedy].tolist() == eager_codes[greedy].tolist()
+    assert (other[sampled] != eager_codes[sampled]).float().mean() > 0.5
