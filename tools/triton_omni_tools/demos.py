@@ -34,7 +34,11 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     from triton_omni.families import DEMOS, FAMILIES
 
     if demo in SPEECH_DEMOS:
-        return {"ar": {"parameters": {"model": SPEECH_DEMOS[demo]}},
+        from triton_omni.speech.demos import THINKER_CONTEXT
+
+        context = str(THINKER_CONTEXT)
+        return {"ar": {"parameters": {"model": SPEECH_DEMOS[demo], "max_model_len": context,
+                                      "max_tokens_limit": context}},
                 "speech": {"parameters": {"model": SPEECH_DEMOS[demo]}},
                 "omni": {"parameters": {"speech_checkpoint": SPEECH_DEMOS[demo]}}}
     if demo not in DEMOS:

@@ -16,6 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 THINKER_WIDTH, TALKER_WIDTH = 32, 16
+# The thinker's context: long enough that a client can leave mid-reply even on starved cores, where
+# the thinker (vLLM's own busy process) writes a thousand tokens before the first reaches the client
+THINKER_CONTEXT = 8192
 CODEBOOK, CODE_GROUPS = 32, 4  # the code predictor's vocabulary is one codebook; code2wav's quantizers are the groups
 VOICES = ("ethan", "chelsie")
 SAMPLE_RATE = 24000
@@ -66,7 +69,8 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
             text_config=dict(vocab_size=vocab_size, hidden_size=THINKER_WIDTH, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                              rope_parameters=thinker_rope, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=16, max_position_embeddings=1024, eos_token_id=ids["<|im_end|>"]),
+                             moe_intermediate_size=16, max_position_embeddings=THINKER_CONTEXT,
+                             eos_token_id=ids["<|im_end|>"]),
             audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
                               d_model=16, output_dim=THINKER_WIDTH, downsample_hidden_size=8),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
