@@ -23,6 +23,7 @@ or the tiny demo's on this host's CPU (it only shows the benchmark works).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import threading
@@ -92,8 +93,10 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
         # woken by the batcher's thread, not polling it: a thread that polls takes the GIL from the
         # batcher's every time it wakes, and the steps would measure that
         stepping, ended, left = threading.Event(), threading.Event(), [rows]
+        stamps: dict[int, float] = {}  # step -> when its first frame came out
 
-        def emit(item, left=left, stepping=stepping, ended=ended):
+        def emit(item, left=left, stepping=stepping, ended=ended, stamps=stamps):
+            stamps.setdefault(batcher.steps, time.perf_counter())
             stepping.set()
             if item is None or isinstance(item, BaseException):
                 left[0] -= 1
@@ -114,7 +117,13 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
         if timed is None:
             continue
         if not timed:
+            # the mean, and the median of the steps' own intervals: a few long steps show as a gap
             figures["step_ms"] = 1000 * elapsed / max(ran, 1)
+            times = [stamps[k] for k in sorted(stamps) if stamps[k] >= started]
+            intervals = [b - a for a, b in itertools.pairwise(times)]
+            if intervals:
+                figures["step_ms_median"] = 1000 * statistics.median(intervals)
+                figures["step_ms_longest"] = 1000 * max(intervals)
         else:
             parts = {part: 1000 * statistics.median(values) for part, values in timers.seconds.items()}
             parts["talker forward and the rest"] = parts["step"] - parts["code predictor"] - parts["first code draw"]
@@ -176,7 +185,6 @@ def main() -> None:
         timers.wrap(batcher, "_accept", "first code draw")
         figures["modes"][mode] = {}
         try:
-            step_batch(batcher, talker, tokenizer, timers, 1, 4, args.reply_tokens)  # warm-up
             for rows in levels:
                 found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
                 # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames decodes for each row
