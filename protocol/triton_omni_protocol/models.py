@@ -160,6 +160,8 @@ SPEECH_INPUTS = [
     TensorSpec("min_tokens", "TYPE_INT32", doc="codec frames before the end of speech may come"),
     TensorSpec("seed", "TYPE_INT64", doc="the talker's seed (default: a random one)"),
     TensorSpec("chunk_frames", "TYPE_INT32", doc="codec frames an audio chunk waits for (default: the model's)"),
+    TensorSpec("first_chunk_frames", "TYPE_INT32", doc="codec frames the first audio chunk waits for: fewer, and "
+               "the first audio leaves sooner (default: the model's, at most chunk_frames)"),
 ]
 SPEECH_OUTPUTS = [
     TensorSpec("audio", "TYPE_FP32", dims=(-1,)),  # the next samples of the waveform, in [-1, 1]
@@ -170,8 +172,9 @@ SPEECH_OUTPUTS = [
 # The speech options as omni takes them: the talker's sampling prefixed `talker_` (the plain names are
 # the thinker's, `ar`'s), the voice and the chunking as they are.
 TALKER_PREFIX = "talker_"
+UNPREFIXED = ("voice", "chunk_frames", "first_chunk_frames")  # the speech stage's own, not the talker's sampling
 SPEECH_OPTIONS = [
-    replace(spec, name=spec.name if spec.name in ("voice", "chunk_frames") else TALKER_PREFIX + spec.name)
+    replace(spec, name=spec.name if spec.name in UNPREFIXED else TALKER_PREFIX + spec.name)
     for spec in SPEECH_INPUTS if spec.name not in ("text_input", "reply_ids")
 ]
 

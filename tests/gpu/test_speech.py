@@ -24,7 +24,8 @@ def spoken(runner: SpeechRunner, sampled: bool, chunk_frames: int = 4) -> list:
                                            tokenize=False)
     options = {"temperature": 0.9, "seed": 3} if sampled else {"temperature": 0.0}
     request = runner.parse({"text_input": prompt, "reply_ids": [40, 41, 42, 43, 3], "max_tokens": 12,
-                            "min_tokens": 12, "chunk_frames": chunk_frames, **options})
+                            "min_tokens": 12, "chunk_frames": chunk_frames, "first_chunk_frames": chunk_frames,
+                            **options})
     chunks: list = []
 
     async def speak():

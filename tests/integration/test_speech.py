@@ -126,12 +126,16 @@ def test_the_speech_stage_streams_chunks_that_join_into_the_whole_decode(speech_
     chunks = speak_directly(speech_server.grpc_url, templated, _ar_reply_ids(speech_server.grpc_url, templated),
                             chunk_frames=3)
     audio = np.concatenate([c["audio"] for c in chunks])
-    assert len(chunks) == -(-codes.shape[1] // 3) and chunks[-1]["finish_reason"] == "length"
+    # the model's first chunk is 2 frames (first_chunk_frames), then 3 at a time; the end of speech
+    # comes with the frames left, or alone (no frames) when the last chunk was full
+    left = codes.shape[1] - 2
+    sizes = [2, *[3] * (left // 3), left % 3]
+    assert [c["codes"].shape[1] for c in chunks] == sizes and chunks[-1]["finish_reason"] == "length"
     np.testing.assert_array_equal(np.concatenate([c["codes"] for c in chunks], axis=1), codes)
     assert np.abs(audio - wav).max() <= TOLERANCE
     # a chunk size the frames fill exactly: the last response holds no samples, only the finish reason
     exact = speak_directly(speech_server.grpc_url, templated, _ar_reply_ids(speech_server.grpc_url, templated),
-                           chunk_frames=codes.shape[1])
+                           chunk_frames=codes.shape[1], first_chunk_frames=codes.shape[1])
     assert [len(c["audio"]) for c in exact] == [len(wav), 0] and exact[-1]["finish_reason"] == "length"
     with torch.no_grad():
         whole_chunks = omni.code2wav.chunked_decode(torch.from_numpy(codes)[None], chunk_size=3).flatten().numpy()
@@ -189,6 +193,7 @@ def _stream(url: str, model: str, **values: np.ndarray) -> list:
     ({"talker_temperature": -1.0}, "temperature"),
     ({"talker_max_tokens": 0}, "max_tokens"),
     ({"chunk_frames": 0}, "chunk_frames"),
+    ({"first_chunk_frames": 0}, "first_chunk_frames"),
 ])
 def test_bad_speech_options_are_refused_by_name_and_the_next_request_is_served(speech_server, options, field):
     client = OmniClient(speech_server.grpc_url)

@@ -27,10 +27,13 @@ class SpeechRequest:
     voice: str
     talker: SamplingOptions  # the talker's sampling (temperature 0: greedy, as generate's talker_do_sample=False)
     chunk_frames: int
+    first_chunk_frames: int  # the first chunk's: the first audio leaves after these frames
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
-                    defaults: dict[str, Any], chunk_frames: int) -> SpeechRequest:
+                    defaults: dict[str, Any], chunk_frames: int, first_chunk_frames: int) -> SpeechRequest:
+        """``chunk_frames``, ``first_chunk_frames``: the model's; a request's ``chunk_frames``
+        bounds the model's first chunk too (a request asking for chunks of 3 gets no first of 4)."""
         prompt = as_str("text_input", inputs.get("text_input"))
         require(bool(prompt.strip()), "text_input", "must be the prompt the thinker answered, not empty", prompt)
         require(len(prompt) <= limits.max_prompt_chars, "text_input",
@@ -45,7 +48,9 @@ class SpeechRequest:
         talker = _talker_options(inputs, limits, defaults)
         chunk = as_int("chunk_frames", inputs.get("chunk_frames", chunk_frames))
         in_range("chunk_frames", chunk, 1, limits.max_chunk_frames)
-        return cls(prompt, reply, voice.lower(), talker, chunk)
+        first = as_int("first_chunk_frames", inputs.get("first_chunk_frames", min(first_chunk_frames, chunk)))
+        in_range("first_chunk_frames", first, 1, limits.max_chunk_frames)
+        return cls(prompt, reply, voice.lower(), talker, chunk, first)
 
 
 def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:

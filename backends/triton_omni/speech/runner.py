@@ -3,7 +3,8 @@
 ``SpeechRunner`` holds a Qwen3-Omni checkpoint's talker, its ``code2wav`` and
 the thinker's embedding table (the thinker itself is the ``ar`` stage's). Each
 request's utterance joins the talker's step batch (``TalkerBatcher``); its
-frames are decoded on the codec thread every ``chunk_frames`` frames, each
+frames are decoded on the codec thread every ``chunk_frames`` frames (the first chunk after
+``first_chunk_frames``, fewer, so that the first audio leaves soon), each
 chunk the samples those frames settle (``Code2WavStream``), so audio leaves
 while the talker is still speaking, and the decoder works beside the talker's
 next steps rather than between them.
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000  # Qwen-Omni's decoders' rate (the checkpoints do not state it; vLLM-Omni writes 24 kHz)
 DEFAULT_CHUNK_FRAMES = 8  # Qwen3-Omni: 0.64 s of audio a chunk
+# The first chunk sooner: its audio leaves after two talker steps, not eight (the chunks still join
+# into the whole decode's samples, whatever their sizes: codec.py)
+DEFAULT_FIRST_CHUNK_FRAMES = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class SpeechConfig:
     dtype: str = "auto"  # bfloat16 on a GPU, float32 on a CPU
     max_num_seqs: int = 64  # utterances spoken together
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
+    first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     cuda_graphs: bool = True  # on a GPU, the code predictor's frame as a CUDA graph
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
@@ -86,7 +91,7 @@ class SpeechRunner:
 
     def parse(self, inputs: dict) -> SpeechRequest:
         return SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
-                                         TALKER_DEFAULTS, self.config.chunk_frames)
+                                         TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids as the thinker (``ar``) read them: the same tokenizer, its special tokens."""
@@ -105,13 +110,14 @@ class SpeechRunner:
         self.batcher.submit(utterance)
         try:
             pending: list[list[int]] = []
+            wanted = request.first_chunk_frames
             while True:
                 item = await frames.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item is not None:
                     pending.append(item)
-                    if len(pending) < request.chunk_frames:
+                    if len(pending) < wanted:
                         continue
                 final = item is None
                 if pending or final:
@@ -119,7 +125,7 @@ class SpeechRunner:
                     samples = await loop.run_in_executor(self._codec, self._decode, stream, codes)
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
-                    pending = []
+                    pending, wanted = [], request.chunk_frames
                 if final:
                     self._count("finished")
                     return
