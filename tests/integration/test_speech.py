@@ -219,6 +219,7 @@ def test_a_client_that_leaves_while_the_thinker_writes_stops_it_before_any_speec
     before the client read the first one (seen in CI, when the reply asked for was 800 tokens)."""
     client = OmniClient(speech_server.grpc_url)
     ar = functools.partial(metric_value, speech_server, "omni_ar_requests_total", model="ar")
+    _settle(speech_server)  # an earlier test's requests ended and counted
     cancelled, finished = ar(outcome="cancelled"), ar(outcome="success")
     spoken = metric_value(speech_server, "omni_speech_requests_total", model="speech")
     reply = THINKER_CONTEXT - 64  # the templated prompt fits in the rest

@@ -32,11 +32,13 @@ def rows() -> list[SimpleNamespace]:
             for seed in SEEDS]
 
 
-def frame_codes(runner, hidden, first, seed_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static frame's codes, one padding row past the batch; each sampled row's noise drawn
-    draw by draw from its seed (``seed_offset``: other seeds), as the eager predictor draws it."""
+def frame_codes(runner, hidden, first, seed_offset: int = 0, frame: PredictorFrame | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static frame's codes (``frame``, or a new one), one padding row past the batch; each
+    sampled row's noise drawn draw by draw from its seed (``seed_offset``: other seeds), as the
+    eager predictor draws it."""
     predictor = runner.batcher.model.code_predictor
-    frame = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, SAMPLED)
+    frame = frame or PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, SAMPLED)
     frame.hidden[:len(SEEDS)] = hidden
     frame.first[:len(SEEDS)] = first
     frame.greedy[:] = torch.tensor([seed is None for seed in SEEDS] + [True])
@@ -55,11 +57,12 @@ def test_the_static_frame_draws_the_eager_predictors_codes(runner):
     hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
     with torch.inference_mode():
         eager_codes, eager_total = runner.batcher._predict_residuals(hidden, first, rows())
-    codes, total = frame_codes(runner, hidden, first)
+    frame = PredictorFrame(runner.batcher.model.code_predictor, runner.talker.groups, len(SEEDS) + 1, SAMPLED)
+    codes, total = frame_codes(runner, hidden, first, frame=frame)
     assert codes.tolist() == eager_codes.tolist()
     torch.testing.assert_close(total, eager_total)
-    # run again: the static cache starts over
-    assert frame_codes(runner, hidden, first)[0].tolist() == eager_codes.tolist()
+    # the same frame run again: its static cache starts over
+    assert frame_codes(runner, hidden, first, frame=frame)[0].tolist() == eager_codes.tolist()
     # other noise: the sampled rows' codes move, the greedy rows' do not
     other = frame_codes(runner, hidden, first, seed_offset=100)[0]
     sampled = [row for row, seed in enumerate(SEEDS) if seed is not None]

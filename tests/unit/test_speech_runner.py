@@ -159,3 +159,9 @@ def test_bad_requests_name_their_field(runner, values, field):
     with pytest.raises(RequestValidationError) as error:
         runner.parse({"text_input": templated("a fox"), "reply_ids": [3], **TALKER, **values})
     assert error.value.parameter == field
+
+
+@pytest.mark.parametrize("name", ["chunk_frames", "first_chunk_frames"])
+def test_a_chunk_default_out_of_bounds_fails_the_load_not_every_request(name):
+    with pytest.raises(ValueError, match=f"model parameter {name} must be in"):
+        SpeechConfig(**{name: 0})

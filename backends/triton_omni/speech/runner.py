@@ -50,6 +50,14 @@ class SpeechConfig:
     cuda_graphs: bool = True  # on a GPU, the code predictor's frame as a CUDA graph
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
+    def __post_init__(self):
+        # a bad default would fail every request that leaves the option out, naming the client's field
+        for name in ("chunk_frames", "first_chunk_frames"):
+            value = getattr(self, name)
+            if not 1 <= value <= self.limits.max_chunk_frames:
+                raise ValueError(f"model parameter {name} must be in [1, {self.limits.max_chunk_frames}], "
+                                 f"got {value}")
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
