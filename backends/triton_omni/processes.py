@@ -1,5 +1,7 @@
 """Which process is running, read from ``/proc`` (Linux), for the files that a
-model's instances share: load records, seats in front of a shared engine.
+model's instances share: load records, seats in front of a shared engine; and
+which ``/dev/shm`` files a set of processes maps, for whoever removes what a
+killed process could not (the launcher, its reaper, the vLLM engine's stop).
 
 A pid alone does not name a process for long: pids are reused, soon after a
 restart of the machine or its container, whose ``/tmp`` may outlive it. A
@@ -12,9 +14,12 @@ its *identity*: its pid and its start time (clock ticks since boot).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
+
+SHM = Path("/dev/shm")
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -32,6 +37,18 @@ def parents() -> dict[int, int]:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None:
             found[int(entry.name)] = int(fields[1])
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every running process under it (children, their children...)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parents().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
     return found
 
 
@@ -83,3 +100,31 @@ def server_folder(root: Path, prefix: str, server_pid: int | None = None) -> Pat
         if owner != server and not identity_alive(owner):  # an earlier layout's names are never alive
             shutil.rmtree(folder, ignore_errors=True)
     return root / f"{prefix}-{server}"
+
+
+def mapped_shared_memory(pids: list[int]) -> set[Path]:
+    """The files directly in /dev/shm that these processes map: Python's
+    ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.mp-*``) that
+    vLLM's engine core opens, the Python backend's regions. Only the processes
+    that use them map them, so once those are gone whatever is left of them
+    is garbage (a process that exits cleanly unlinks its own).
+
+    Found by inode, not by the name in ``/proc/<pid>/maps``: glibc's
+    ``sem_open`` maps a temporary file and links it under the semaphore's
+    name, so the maps show the temporary name, already deleted."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue  # exited meanwhile
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and fields[5].count("/") == 3:
+                inodes.add(int(fields[4]))
+    found = set()
+    for entry in os.scandir(SHM) if inodes else ():
+        with contextlib.suppress(OSError):
+            if entry.is_file(follow_symlinks=False) and entry.inode() in inodes:
+                found.add(Path(entry.path))
+    return found

@@ -576,6 +576,8 @@ class TritonServer:
             self.supervisor.stop()
         if self.process is not None:
             if self.process.poll() is None:
+                # and now: stubs the supervisor loaded again since the start have segments of their own
+                self._segments |= mapped_shared_memory(process_group(self.process.pid))
                 self.process.send_signal(signal.SIGINT)
                 try:
                     self.process.wait(timeout_s)

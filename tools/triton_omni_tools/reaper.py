@@ -27,8 +27,9 @@ itself does the same work first, then tells the reaper to forget the group
 (its number is free then, and may soon be another group's) and closes the
 pipe: the reaper exits.
 
-This module imports only the standard library: the reaper starts in
-milliseconds, and the launcher uses the same functions for its own stop.
+This module imports only the standard library and ``triton_omni.processes``
+(standard library only too): the reaper starts in milliseconds, and the
+launcher uses the same functions for its own stop.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from triton_omni.processes import SHM, mapped_shared_memory
+
 logger = logging.getLogger(__name__)
-SHM = Path("/dev/shm")
 
 
 @dataclass
@@ -74,34 +76,6 @@ def process_group(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 pids.append(int(entry.name))
     return pids
-
-
-def mapped_shared_memory(pids: list[int]) -> set[Path]:
-    """The files directly in /dev/shm that these processes map: Python's
-    ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.mp-*``) that
-    vLLM's engine core opens, the Python backend's regions. Only the group's
-    own processes map them, so once the group is gone whatever is left of them
-    is garbage (a process that exits cleanly unlinks its own).
-
-    Found by inode, not by the name in ``/proc/<pid>/maps``: glibc's
-    ``sem_open`` maps a temporary file and links it under the semaphore's
-    name, so the maps show the temporary name, already deleted."""
-    inodes: set[int] = set()
-    for pid in pids:
-        try:
-            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue  # exited meanwhile
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and fields[5].count("/") == 3:
-                inodes.add(int(fields[4]))
-    found = set()
-    for entry in os.scandir(SHM) if inodes else ():
-        with contextlib.suppress(OSError):
-            if entry.is_file(follow_symlinks=False) and entry.inode() in inodes:
-                found.add(Path(entry.path))
-    return found
 
 
 def kill_group(pgid: int, timeout_s: float = 10.0) -> None:

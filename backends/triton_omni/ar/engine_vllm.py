@@ -15,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,14 @@ from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.cpu_affinity import pin_process_tree
 from triton_omni.errors import RequestValidationError
+from triton_omni.processes import alive, descendants, mapped_shared_memory, start_ticks
+
+logger = logging.getLogger(__name__)
+
+# How long vLLM waits for its engine core to exit after SIGTERM before it kills it (its default:
+# 5 s). A killed core leaves its shared memory behind, and on a busy host (two cores, a server
+# loading beside it) a clean exit has taken longer than the default.
+ENGINE_EXIT_S = 30.0
 
 # vLLM's CPU KV cache when neither engine_args nor VLLM_CPU_KVCACHE_SPACE sizes it: room for this
 # many sequences of max_model_len tokens, up to 1 GiB
@@ -97,6 +108,8 @@ class VllmEngine(ArEngine):
             self.engine = _shared_engine(AsyncEngineArgs(**args), seat)
             if not seat.starts_engine:
                 self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
+        # seen now, while it runs: a core killed later (by vLLM's shutdown, or by anyone) maps nothing
+        self._core, self._core_segments = _engine_core(self.engine), _core_segments(self.engine)
         if cpus:
             try:
                 _pin_engine_core(self.engine, cpus)
@@ -204,7 +217,10 @@ class VllmEngine(ArEngine):
         if self._watch is not None:
             self._watch.set()
         engine, self.engine = self.engine, None
-        engine.shutdown()  # the first frontend of a shared engine shuts the engine core down with it
+        core, segments = self._core | _engine_core(engine), self._core_segments | _core_segments(engine)
+        # the first frontend of a shared engine shuts the engine core down with it
+        engine.shutdown(timeout=ENGINE_EXIT_S)
+        _remove_what_a_killed_core_left(core, segments)
         if self.seat is not None:
             self.seat.release()
         # AsyncLLM.__del__ shuts down once more. Left to interpreter exit, it finds vLLM's module
@@ -212,6 +228,41 @@ class VllmEngine(ArEngine):
         # now, while everything is still there, it is a no-op.
         del engine
         gc.collect()
+
+
+def _engine_core_processes(llm) -> list:
+    """The engine core processes this frontend started (a shared engine's other frontends: none)."""
+    manager = getattr(llm.engine_core.resources, "engine_manager", None)
+    return list(getattr(manager, "processes", ()))
+
+
+def _engine_core(llm) -> set[tuple[int, int | None]]:
+    """Pid and start ticks of every running process of the engine core this frontend started."""
+    return {(pid, started) for process in _engine_core_processes(llm) for pid in descendants(process.pid)
+            if (started := start_ticks(pid)) is not None}
+
+
+def _core_segments(llm) -> set[Path]:
+    """The ``/dev/shm`` files the engine core this frontend started maps now."""
+    return mapped_shared_memory([pid for pid, _ in _engine_core(llm)])
+
+
+def _remove_what_a_killed_core_left(core: set[tuple[int, int | None]], segments: set[Path],
+                                    wait_s: float = 5.0) -> None:
+    """An engine core that exits cleanly unlinks its ``/dev/shm`` segments; one that vLLM had to
+    kill (it did not exit within ``ENGINE_EXIT_S`` of SIGTERM) leaves them until the process that
+    started it exits (its resource tracker's), which may be a long-lived one: a test session, a
+    stub that loads the model again. Once every process of the core is gone, what it mapped and
+    left is removed here."""
+    deadline = time.monotonic() + wait_s
+    while (left := [pid for pid, started in core if alive(pid, started)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        logger.warning("vLLM engine core processes %s still run after its shutdown; their shared memory stays", left)
+        return
+    for segment in segments:
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
 
 
 # vLLM's max_lora_rank takes one of these
@@ -286,8 +337,7 @@ def _pin_engine_core(llm, cpus: frozenset[int]) -> None:
     """The engine core this frontend started, with every thread and worker
     process under it, on ``cpus`` (a shared engine's other frontends started
     none: the first one pins it)."""
-    manager = getattr(llm.engine_core.resources, "engine_manager", None)
-    for process in getattr(manager, "processes", ()):
+    for process in _engine_core_processes(llm):
         pin_process_tree(process.pid, cpus)
 
 
