@@ -12,9 +12,11 @@ environment (a server's run folder, the gateway's metrics folder), a folder name
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,21 @@ from triton_omni_tools.reaper import SHM, mapped_shared_memory
 
 PROJECT_TEMP_PREFIX = "triton-omni-"  # run folders, engine seats, the gateway's metrics folder
 NAMED_BY_PROCESS = re.compile(r"triton-omni-(?:load|engines)-(\d+-\d+)$")
+STARTED: list[tuple[float, str]] = []  # (when, test id) of every test's setup, in order
+
+
+def pytest_runtest_setup(item):
+    STARTED.append((time.time(), item.nodeid))
+
+
+def made_during(entry: Path) -> str:
+    """The test under way when ``entry`` last changed (for a shared-memory file: when it was made and sized)."""
+    try:
+        changed = entry.stat().st_ctime
+    except OSError:
+        return "gone meanwhile"
+    index = bisect.bisect_right(STARTED, (changed, "\uffff")) - 1
+    return STARTED[index][1] if index >= 0 else "before the first test"
 
 
 def made_here() -> set[Path]:
@@ -66,4 +83,5 @@ def _nothing_left_behind():
     assert not running, f"servers the suite started and never stopped: {running}"
     new = made_here() - before
     left = new - in_use(new)
-    assert not left, f"the suite left these behind: {sorted(map(str, left))}"
+    assert not left, "the suite left these behind: " + "; ".join(
+        f"{entry} (made during {made_during(entry)})" for entry in sorted(left))
