@@ -7,8 +7,8 @@ own parts in one process, with no server, so each part's cost per step is seen a
   it (nothing synchronised: the rate it reaches), then the same steps with the device
   synchronised around each part, split into the code predictor (15 small passes and draws a
   frame), the first code's draw (penalties and sampling) and the rest (the talker's forward);
-- ``code2wav``'s streamed decode of a chunk of ``--chunk-frames`` frames, one stream at a time as
-  the runner decodes them;
+- ``code2wav``'s streamed decode of a chunk of ``--chunk-frames`` frames for as many streams as
+  rows, one stream after another and batched as the runner decodes them (``Code2WavBatcher``);
 - from those, the real-time factor the stage alone allows at each batch size: a frame is
   1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once;
 - on a GPU, all of it with the code predictor's CUDA graphs (the stage's default) and without,
@@ -131,19 +131,38 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
     return figures
 
 
-def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, repeats: int = 6) -> float:
-    """ms for one streamed chunk of ``chunk_frames`` frames (after the first, which has no lookback)."""
+def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, streams: int = 1,
+                    repeats: int = 6) -> dict:
+    """ms to decode one streamed chunk of ``chunk_frames`` frames (after the first, which has no
+    lookback) for each of ``streams`` streams: one stream after another, as the stage decoded them
+    before, and together (``Code2WavBatcher``'s way: the transformer per stream, the convolutions in
+    one batch), with the transformer's share of that; the samples of both ways compared."""
     size = decoder.model.config.codebook_size
-    codes = torch.randint(0, size, (groups, chunk_frames * (repeats + 1)), generator=torch.Generator().manual_seed(1))
-    stream = decoder.stream()
-    times = []
+    generator = torch.Generator().manual_seed(1)
+    shape = (groups, chunk_frames * (repeats + 1))
+    codes = [torch.randint(0, size, shape, generator=generator) for _ in range(streams)]
+    alone, together = [decoder.stream() for _ in range(streams)], [decoder.stream() for _ in range(streams)]
+    times: dict[str, list[float]] = defaultdict(list)
+    apart = 0.0
     for i in range(repeats + 1):
+        frames = slice(i * chunk_frames, (i + 1) * chunk_frames)
         timers.sync()
         started = time.perf_counter()
-        stream.add(codes[:, i * chunk_frames:(i + 1) * chunk_frames])
+        one_by_one = [stream.add(c[:, frames]) for stream, c in zip(alone, codes, strict=True)]
         timers.sync()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times[1:])
+        times["one after another"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        windows = [stream.window(c[:, frames]) for stream, c in zip(together, codes, strict=True)]
+        timers.sync()
+        times["transformer"].append(time.perf_counter() - started)
+        batched = [stream.settle(chunk) for stream, chunk in zip(together, decoder.convolve_windows(windows),
+                                                                  strict=True)]
+        timers.sync()
+        times["together"].append(time.perf_counter() - started)
+        apart = max([apart] + [float((a - b).abs().max()) for a, b in zip(one_by_one, batched, strict=True)])
+    found = {name: 1000 * statistics.median(values[1:]) for name, values in times.items()}
+    return found | {"together / one after another": found["together"] / found["one after another"],
+                    "max sample difference": apart}
 
 
 def main() -> None:
@@ -173,9 +192,12 @@ def main() -> None:
     levels = [int(r) for r in args.rows.split(",")]
     decoder = StreamingCode2Wav(code2wav)
     timers = Timers(device)
-    chunk = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers)
-    figures: dict = {"workload": vars(args), "chunk_decode_ms": chunk, "modes": {}}
-    print(f"code2wav: {chunk:.1f} ms a chunk of {args.chunk_frames} frames", flush=True)
+    figures: dict = {"workload": vars(args), "chunk_decode_ms": {}, "modes": {}}
+    for streams in levels:
+        figures["chunk_decode_ms"][streams] = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers,
+                                                              streams)
+        print(f"code2wav, a chunk of {args.chunk_frames} frames for {streams} streams: "
+              f"{json.dumps(figures['chunk_decode_ms'][streams])}", flush=True)
     # the code predictor as CUDA graphs (the stage's default on a GPU) and eager, side by side
     for graphs in ([True, False] if device.type == "cuda" else [False]):
         mode = "cuda graphs" if graphs else "eager"
@@ -187,8 +209,9 @@ def main() -> None:
         try:
             for rows in levels:
                 found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
-                # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames decodes for each row
-                per_second = found["step_ms"] * FRAMES_PER_SECOND + rows * chunk * FRAMES_PER_SECOND / args.chunk_frames
+                # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames batched decodes
+                chunk = figures["chunk_decode_ms"][rows]["together"]
+                per_second = found["step_ms"] * FRAMES_PER_SECOND + chunk * FRAMES_PER_SECOND / args.chunk_frames
                 found["rtf_floor"] = per_second / 1000
                 figures["modes"][mode][rows] = found
                 print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)

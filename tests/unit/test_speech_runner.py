@@ -112,6 +112,37 @@ def test_a_streamed_decode_equals_the_whole_one_where_the_models_own_chunking_do
     assert own.shape != whole.shape  # each of its chunks loses samples at its edge
 
 
+def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
+    """Streams at their first chunk (two of one length, one of another) and behind earlier frames
+    (windows of three lengths, padded on the left to one): every chunk as its stream alone makes it,
+    in as many batches as the first chunks' lengths, plus one."""
+    decoder = runner.decoder
+    generator = torch.Generator().manual_seed(3)
+    codes = [torch.randint(0, 32, (runner.talker.groups, 30), generator=generator) for _ in range(6)]
+    # (frames decoded before, frames of this chunk) for each stream
+    plan = [(0, 2), (0, 2), (0, 5), (12, 8), (20, 3), (16, 4)]
+    alone, together = [], []
+    for (before, _), stream_codes in zip(plan, codes, strict=True):
+        for streams in (alone, together):
+            stream = decoder.stream()
+            if before:
+                stream.add(stream_codes[:, :before])
+            streams.append(stream)
+    expected = [stream.add(c[:, b:b + f]) for stream, c, (b, f) in zip(alone, codes, plan, strict=True)]
+    windows = [stream.window(c[:, b:b + f]) for stream, c, (b, f) in zip(together, codes, plan, strict=True)]
+    assert len({w.frames for w in windows if w.behind}) == 3 and sum(not w.behind for w in windows) == 3
+    convolved = []
+    decoder.convolve, convolve = (lambda states: convolved.append(len(states)) or convolve(states)), decoder.convolve
+    try:
+        chunks = [stream.settle(c) for stream, c in zip(together, decoder.convolve_windows(windows), strict=True)]
+    finally:
+        del decoder.convolve
+    assert sorted(convolved) == [1, 2, 3]
+    for chunk, reference in zip(chunks, expected, strict=True):
+        assert chunk.shape == reference.shape and float((chunk - reference).abs().max()) < 1e-5
+    assert float((expected[0] - expected[1]).abs().max()) > 100 * 1e-5  # other codes, other samples
+
+
 def test_utterances_spoken_together_equal_each_alone(runner):
     first, second = request(runner), request(runner, "a small boat", (50, 51, 3), voice="chelsie")
     alone = [joined(speak(runner, r)[0]) for r in (first, second)]

@@ -14,12 +14,25 @@ module decodes a stream its own way:
 - the convolutions run on the new frames' states behind a few frames of the
   states before them (their receptive field, measured once at load), and the
   samples that window makes past the ones already sent are the next chunk.
+
+``Code2WavBatcher`` decodes the chunks of every stream waiting at once: the
+transformer per stream (each has its own cache), the convolutions, where
+most of the work is, in one batch. A window behind earlier frames is padded
+on the left to the batch's longest: its first ``lookback`` frames only feed
+samples already sent, so nothing sent depends on the padding. A stream's
+first window has no such frames, and joins only windows of its own length.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -48,14 +61,32 @@ class StreamingCode2Wav:
         return model.code_embedding(codes[None].to(model.device) + model.code_offset).mean(1)
 
     def convolve(self, states: torch.Tensor) -> torch.Tensor:
-        """The convolutions after the transformer: states [1, frames, width] to samples [n]."""
+        """The convolutions after the transformer: states [batch, frames, width] to samples [batch, n]."""
         hidden = states.permute(0, 2, 1)
         for blocks in self.model.upsample:
             for block in blocks:
                 hidden = block(hidden)
         for block in self.model.decoder:
             hidden = block(hidden)
-        return hidden.clamp(min=-1, max=1)[0, 0]
+        return hidden.clamp(min=-1, max=1)[:, 0]
+
+    @torch.inference_mode()
+    def convolve_windows(self, windows: list[Window]) -> list[torch.Tensor]:
+        """Each window's samples from its ``start`` on, the windows convolved in as few batches as
+        give the same samples: every window behind earlier frames padded on the left to the
+        longest of them, the first windows of streams by their length."""
+        groups: dict[int | None, list[int]] = defaultdict(list)
+        for index, window in enumerate(windows):
+            groups[None if window.behind else window.frames].append(index)
+        chunks: list[torch.Tensor] = [torch.empty(0)] * len(windows)
+        for members in groups.values():
+            length = max(windows[i].frames for i in members)
+            batch = torch.cat([torch.nn.functional.pad(windows[i].states, (0, 0, length - windows[i].frames, 0))
+                               for i in members])
+            samples = self.convolve(batch)
+            for row, i in enumerate(members):
+                chunks[i] = samples[row, (length - windows[i].frames) * self.samples_per_frame + windows[i].start:]
+        return chunks
 
     @torch.inference_mode()
     def _measure_lookback(self) -> int:
@@ -66,9 +97,9 @@ class StreamingCode2Wav:
         generator = torch.Generator(device="cpu").manual_seed(0)
         states = torch.randn(1, _PROBE_FRAMES, model.config.hidden_size, generator=generator)
         states = states.to(model.device, model.dtype)
-        whole = self.convolve(states)
+        whole = self.convolve(states)[0]
         start = _PROBE_FRAMES // 2
-        window = self.convolve(states[:, start:])
+        window = self.convolve(states[:, start:])[0]
         offset = start * self.samples_per_frame
         apart = (window - whole[offset:offset + len(window)]).abs() > 1e-4 * float(whole.abs().max())
         last_apart = int(apart.nonzero().max()) if apart.any() else -1
@@ -90,6 +121,13 @@ class Code2WavStream:
     def add(self, codes: torch.Tensor) -> torch.Tensor:
         """The samples the new frames (``codes`` [groups, n]) settle: every sample the
         whole decode of the frames so far makes, past those already sent."""
+        [chunk] = self.decoder.convolve_windows([self.window(codes)])
+        return self.settle(chunk)
+
+    @torch.inference_mode()
+    def window(self, codes: torch.Tensor) -> Window:
+        """The transformer on the new frames (``codes`` [groups, n]), and the states the
+        convolutions run on for their samples."""
         new = self.decoder.model.pre_transformer(inputs_embeds=self.decoder.embed(codes), past_key_values=self.cache,
                                                  use_cache=True).last_hidden_state
         self.states = new if self.states is None else torch.cat([self.states, new], dim=1)
@@ -97,6 +135,72 @@ class Code2WavStream:
         first = max(0, self.sent // per_frame - self.decoder.lookback)  # the window's first frame
         self.states = self.states[:, first - self.first_state:]  # earlier states no window reads again
         self.first_state = first
-        chunk = self.decoder.convolve(self.states)[self.sent - first * per_frame:]
+        return Window(self.states, self.sent - first * per_frame, behind=first > 0)
+
+    def settle(self, chunk: torch.Tensor) -> torch.Tensor:
+        """``chunk``, the samples ``window``'s states made past those sent, sent."""
         self.sent += len(chunk)
         return chunk
+
+
+@dataclass
+class Window:
+    """The states one chunk's convolutions run on, and where its new samples start."""
+
+    states: torch.Tensor  # [1, frames, width]
+    start: int  # the first sample not sent yet
+    behind: bool  # it starts behind earlier frames: what it makes of its first `lookback` frames was sent
+
+    @property
+    def frames(self) -> int:
+        return self.states.shape[1]
+
+
+class Code2WavBatcher:
+    """One thread that decodes the chunks of every stream waiting, together
+    (``StreamingCode2Wav.convolve_windows``); a stream has one chunk in flight at a time."""
+
+    def __init__(self, decoder: StreamingCode2Wav):
+        self.decoder = decoder
+        self.max_batch_seen = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="omni-codec", daemon=True)
+        self._thread.start()
+
+    def decode(self, stream: Code2WavStream, codes: torch.Tensor) -> Future:
+        """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded."""
+        future: Future = Future()
+        self._jobs.put((stream, codes, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            jobs = [job]
+            while True:  # and every job waiting behind it
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._decode(jobs)
+                    return
+                jobs.append(job)
+            self._decode(jobs)
+
+    def _decode(self, jobs: list) -> None:
+        self.max_batch_seen = max(self.max_batch_seen, len(jobs))
+        try:
+            empty = [codes.shape[1] == 0 for _, codes, _ in jobs]
+            decoding = [job for job, none in zip(jobs, empty, strict=True) if not none]
+            windows = [stream.window(codes) for stream, codes, _ in decoding]
+            chunks = iter(self.decoder.convolve_windows(windows))
+            for (stream, _, future), none in zip(jobs, empty, strict=True):
+                samples = np.zeros(0, np.float32) if none else stream.settle(next(chunks)).float().cpu().numpy()
+                future.set_result(samples)
+        except Exception as exc:  # every waiting stream hears of it; the thread decodes on
+            for _, _, future in jobs:
+                if not future.done():
+                    future.set_exception(exc)

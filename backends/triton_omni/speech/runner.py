@@ -7,7 +7,8 @@ frames are decoded on the codec thread every ``chunk_frames`` frames (the first 
 ``first_chunk_frames``, fewer, so that the first audio leaves soon), each
 chunk the samples those frames settle (``Code2WavStream``), so audio leaves
 while the talker is still speaking, and the decoder works beside the talker's
-next steps rather than between them.
+next steps rather than between them; the chunks of all utterances waiting are
+decoded together (``Code2WavBatcher``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.demo_models import resolve_model
-from triton_omni.speech.codec import StreamingCode2Wav
+from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
 from triton_omni.speech.talker import TALKER_DEFAULTS, Qwen3Talker, TalkerBatcher, Utterance
 
@@ -90,8 +91,9 @@ class SpeechRunner:
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
         self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs)
         self.loop = EventLoopThread(name="omni-speech")
-        # one decode at a time: a GPU runs them in order anyway, a CPU has the talker's thread beside it
-        self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-codec")
+        self.codec = Code2WavBatcher(self.decoder)
+        # the talker's prompts are built off the event loop, one at a time
+        self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-speech-prompt")
         self._lock = threading.Lock()
         self.counters = {"started": 0, "finished": 0, "cancelled": 0, "chunks": 0}
         logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames", folder, self.device,
@@ -110,8 +112,9 @@ class SpeechRunner:
         decoded; cancelled, the talker drops the utterance at its next step."""
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue = asyncio.Queue()
+        prompt_ids = self.prompt_ids(request.prompt)
         prompt = await loop.run_in_executor(
-            self._codec, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids, request.voice))
+            self._prompts, lambda: self.talker.prompt(prompt_ids, request.reply_ids, request.voice))
         utterance = Utterance(prompt, request.talker, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
         stream = self.decoder.stream()
         self._count("started")
@@ -130,7 +133,7 @@ class SpeechRunner:
                 final = item is None
                 if pending or final:
                     codes = torch.tensor(pending, dtype=torch.long).reshape(-1, self.talker.groups).T.contiguous()
-                    samples = await loop.run_in_executor(self._codec, self._decode, stream, codes)
+                    samples = await asyncio.wrap_future(self.codec.decode(stream, codes))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
                     pending, wanted = [], request.chunk_frames
@@ -142,19 +145,14 @@ class SpeechRunner:
             self._count("cancelled")
             raise
 
-    @staticmethod
-    def _decode(stream, codes: torch.Tensor) -> np.ndarray:
-        if codes.shape[1] == 0:
-            return np.zeros(0, dtype=np.float32)
-        return stream.add(codes).float().cpu().numpy()
-
     def _count(self, name: str) -> None:
         with self._lock:
             self.counters[name] += 1
 
     def close(self) -> None:
         self.batcher.stop()
-        self._codec.shutdown(wait=False)
+        self.codec.stop()
+        self._prompts.shutdown(wait=False)
         self.loop.stop()
 
 
