@@ -17,7 +17,7 @@ own parts in one process, with no server, so each part's cost per step is seen a
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
 
-    python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT]
+    python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
 """
 
 from __future__ import annotations
@@ -131,6 +131,31 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
     return figures
 
 
+def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_tokens: int) -> str:
+    """torch.profiler's table of ``steps`` steps of ``rows`` utterances (after as many unprofiled):
+    the operators by their own device time, and how many times each ran (what launches cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def speak() -> None:
+        ended, left = threading.Event(), [rows]
+
+        def emit(item):
+            if item is None or isinstance(item, BaseException):
+                left[0] -= 1
+                if not left[0]:
+                    ended.set()
+
+        for utterance in utterances(talker, tokenizer, rows, steps, reply_tokens):
+            utterance.emit = emit
+            batcher.submit(utterance)
+        ended.wait()
+
+    speak()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        speak()
+    return profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+
+
 def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, streams: int = 1,
                     repeats: int = 6) -> dict:
     """ms to decode one streamed chunk of ``chunk_frames`` frames (after the first, which has no
@@ -173,6 +198,8 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=100)
     parser.add_argument("--chunk-frames", type=int, default=8)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--profile", type=int, metavar="ROWS",
+                        help="then profile a few steps of this many utterances (CUDA graphs on) and print the table")
     args = parser.parse_args()
 
     from transformers import AutoConfig, AutoTokenizer
@@ -227,6 +254,12 @@ def main() -> None:
                   f"{synced[0]:.3f} synchronised; the code predictor {synced[1]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    if args.profile:
+        batcher = TalkerBatcher(talker, max(*levels, args.profile), cuda_graphs=device.type == "cuda")
+        try:
+            print(profile_steps(batcher, talker, tokenizer, args.profile, 8, args.reply_tokens), flush=True)
+        finally:
+            batcher.stop()
 
 
 if __name__ == "__main__":
