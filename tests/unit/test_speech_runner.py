@@ -113,14 +113,18 @@ def test_a_streamed_decode_equals_the_whole_one_where_the_models_own_chunking_do
 
 
 def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
-    """Streams at their first chunk (two of one length, one of another) and behind earlier frames
-    (windows of three lengths, padded on the left to one): every chunk as its stream alone makes it,
-    in as many batches as the first chunks' lengths, plus one."""
+    """Streams at their first chunk and behind earlier frames, with as many new frames or not: the
+    transformer runs once for the streams with as many new frames (their cached keys padded to the
+    longest: five streams, one of them new, one past the sliding window), the convolutions once for
+    the windows behind earlier frames (padded on the left) and once for each length of first
+    windows; every chunk, and the transformer's states under it, are its stream's alone, and the
+    streams' caches go on as theirs would (a second chunk)."""
     decoder = runner.decoder
     generator = torch.Generator().manual_seed(3)
-    codes = [torch.randint(0, 32, (runner.talker.groups, 30), generator=generator) for _ in range(6)]
-    # (frames decoded before, frames of this chunk) for each stream
-    plan = [(0, 2), (0, 2), (0, 5), (12, 8), (20, 3), (16, 4)]
+    # (frames decoded before, frames of this chunk) for each stream; (80, 8): its cache holds the
+    # sliding window's 71 frames, not all 80
+    plan = [(0, 2), (0, 2), (0, 5), (12, 8), (20, 3), (16, 4), (3, 8), (0, 8), (25, 8), (80, 8)]
+    codes = [torch.randint(0, 32, (runner.talker.groups, 100), generator=generator) for _ in plan]
     alone, together = [], []
     for (before, _), stream_codes in zip(plan, codes, strict=True):
         for streams in (alone, together):
@@ -128,19 +132,36 @@ def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
             if before:
                 stream.add(stream_codes[:, :before])
             streams.append(stream)
-    expected = [stream.add(c[:, b:b + f]) for stream, c, (b, f) in zip(alone, codes, plan, strict=True)]
-    windows = [stream.window(c[:, b:b + f]) for stream, c, (b, f) in zip(together, codes, plan, strict=True)]
-    assert len({w.frames for w in windows if w.behind}) == 3 and sum(not w.behind for w in windows) == 3
-    convolved = []
+    chunks = [[c[:, b:b + f] for c, (b, f) in zip(codes, plan, strict=True)],
+              [c[:, b + f:b + f + 4] for c, (b, f) in zip(codes, plan, strict=True)]]
+    expected = [[], []]  # each stream's (samples, states) alone, at each chunk
+    for index, stream in enumerate(alone):
+        for turn in (0, 1):
+            window = stream.window(chunks[turn][index])
+            states = window.states.clone()
+            expected[turn].append((stream.settle(decoder.convolve_windows([window])[0]), states))
+    transformed, convolved = [], []
+    decoder.transform, transform = (lambda streams, c: transformed.append(len(streams)) or transform(streams, c),
+                                    decoder.transform)
     decoder.convolve, convolve = (lambda states: convolved.append(len(states)) or convolve(states)), decoder.convolve
     try:
-        chunks = [stream.settle(c) for stream, c in zip(together, decoder.convolve_windows(windows), strict=True)]
+        for turn in (0, 1):
+            windows = decoder.windows(together, chunks[turn])
+            states = [w.states.clone() for w in windows]
+            samples = [s.settle(c) for s, c in zip(together, decoder.convolve_windows(windows), strict=True)]
+            if turn == 0:
+                heads = {w.frames for w in windows if not w.behind}
+                assert sorted(transformed) == [1, 1, 1, 2, 5] and sum(convolved) == len(plan)
+                assert len(convolved) == 1 + len(heads) < len(plan)
+            for index, (wanted_samples, wanted_states) in enumerate(expected[turn]):
+                # the states too: this demo's convolutions all but hide a wrong position
+                assert states[index].shape == wanted_states.shape, plan[index]
+                assert float((states[index] - wanted_states).abs().max()) < 1e-5, (plan[index], turn)
+                assert samples[index].shape == wanted_samples.shape, plan[index]
+                assert float((samples[index] - wanted_samples).abs().max()) < 1e-5, (plan[index], turn)
     finally:
-        del decoder.convolve
-    assert sorted(convolved) == [1, 2, 3]
-    for chunk, reference in zip(chunks, expected, strict=True):
-        assert chunk.shape == reference.shape and float((chunk - reference).abs().max()) < 1e-5
-    assert float((expected[0] - expected[1]).abs().max()) > 100 * 1e-5  # other codes, other samples
+        del decoder.transform, decoder.convolve
+    assert float((expected[0][0][0] - expected[0][1][0]).abs().max()) > 100 * 1e-5  # other codes, other samples
 
 
 def test_utterances_spoken_together_equal_each_alone(runner):

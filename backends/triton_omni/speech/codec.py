@@ -16,8 +16,10 @@ module decodes a stream its own way:
   samples that window makes past the ones already sent are the next chunk.
 
 ``Code2WavBatcher`` decodes the chunks of every stream waiting at once: the
-transformer per stream (each has its own cache), the convolutions, where
-most of the work is, in one batch. A window behind earlier frames is padded
+transformer in one pass for the streams with as many new frames (each
+stream's cached keys, its sliding window's, padded on the left to the
+longest and masked as its own pass masks them), the convolutions in one
+batch. A window behind earlier frames is padded
 on the left to the batch's longest: its first ``lookback`` frames only feed
 samples already sent, so nothing sent depends on the padding. A stream's
 first window has no such frames, and joins only windows of its own length.
@@ -57,8 +59,59 @@ class StreamingCode2Wav:
         return self.model(codes[None].to(self.model.device))[0, 0]
 
     def embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` [groups, n] or [batch, groups, n] to the transformer's inputs [batch, n, width]."""
         model = self.model
-        return model.code_embedding(codes[None].to(model.device) + model.code_offset).mean(1)
+        codes = codes[None] if codes.dim() == 2 else codes
+        return model.code_embedding(codes.to(model.device) + model.code_offset).mean(1)
+
+    @torch.inference_mode()
+    def windows(self, streams: list[Code2WavStream], codes: list[torch.Tensor]) -> list[Window]:
+        """Each stream's ``window`` for its new frames, the streams with as many new frames
+        through the transformer together (``transform``)."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for index, frames in enumerate(codes):
+            groups[frames.shape[1]].append(index)
+        found: list[Window | None] = [None] * len(streams)
+        for members in groups.values():
+            states = self.transform([streams[i] for i in members], [codes[i] for i in members])
+            for i, new in zip(members, states, strict=True):
+                found[i] = streams[i].take(new)
+        return found
+
+    def transform(self, streams: list[Code2WavStream], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The transformer on each stream's new frames (``codes`` [groups, n], one n for all) in one
+        pass: each stream's cached keys (its sliding window's) left-padded to the longest and masked
+        as its own pass would mask them; each stream's cache then takes its new keys as after its
+        own pass. Each stream's new states [1, n, width]."""
+        model = self.model.pre_transformer
+        window, new = model.config.sliding_window, codes[0].shape[1]
+        seen = [stream.cache.get_seq_length() for stream in streams]
+        kept = [min(count, window - 1) for count in seen]  # what a sliding layer keeps
+        longest = max(kept)
+        batch = DynamicCache()
+        for index in range(len(model.layers) if longest else 0):
+            layers = [stream.cache.layers[index] for stream in streams]
+            some = next(layer for layer, count in zip(layers, kept, strict=True) if count)
+            keys, values = [], []
+            for layer, count in zip(layers, kept, strict=True):
+                pad = (0, 0, longest - count, 0)
+                keys.append(torch.nn.functional.pad(layer.keys if count else some.keys[:, :, :0], pad))
+                values.append(torch.nn.functional.pad(layer.values if count else some.values[:, :, :0], pad))
+            batch.update(torch.cat(keys), torch.cat(values), index)
+        device = model.norm.weight.device
+        column = torch.arange(longest + new, device=device)[None, None, :]  # a key's column
+        query = torch.arange(new, device=device)[None, :, None]
+        distance = column - longest - query  # the key's position less the query's, for every stream
+        first_kept = torch.tensor([longest - count for count in kept], device=device)[:, None, None]
+        mask = (column >= first_kept) & (distance <= 0) & (distance > -window)
+        positions = torch.tensor(seen, device=device)[:, None] + torch.arange(new, device=device)[None]
+        states = model(inputs_embeds=self.embed(torch.stack(codes)), position_ids=positions,
+                       attention_mask={"sliding_attention": mask[:, None]}, past_key_values=batch,
+                       use_cache=True).last_hidden_state
+        for row, stream in enumerate(streams):
+            for index, layer in enumerate(batch.layers):
+                stream.cache.update(layer.keys[row:row + 1, :, -new:], layer.values[row:row + 1, :, -new:], index)
+        return list(states.split(1))
 
     def convolve(self, states: torch.Tensor) -> torch.Tensor:
         """The convolutions after the transformer: states [batch, frames, width] to samples [batch, n]."""
@@ -128,8 +181,12 @@ class Code2WavStream:
     def window(self, codes: torch.Tensor) -> Window:
         """The transformer on the new frames (``codes`` [groups, n]), and the states the
         convolutions run on for their samples."""
-        new = self.decoder.model.pre_transformer(inputs_embeds=self.decoder.embed(codes), past_key_values=self.cache,
-                                                 use_cache=True).last_hidden_state
+        transformer = self.decoder.model.pre_transformer
+        return self.take(transformer(inputs_embeds=self.decoder.embed(codes), past_key_values=self.cache,
+                                     use_cache=True).last_hidden_state)
+
+    def take(self, new: torch.Tensor) -> Window:
+        """The window for the transformer's states of the new frames (``new`` [1, n, width])."""
         self.states = new if self.states is None else torch.cat([self.states, new], dim=1)
         per_frame = self.decoder.samples_per_frame
         first = max(0, self.sent // per_frame - self.decoder.lookback)  # the window's first frame
@@ -195,7 +252,7 @@ class Code2WavBatcher:
         try:
             empty = [codes.shape[1] == 0 for _, codes, _ in jobs]
             decoding = [job for job, none in zip(jobs, empty, strict=True) if not none]
-            windows = [stream.window(codes) for stream, codes, _ in decoding]
+            windows = self.decoder.windows([stream for stream, _, _ in decoding], [codes for _, codes, _ in decoding])
             chunks = iter(self.decoder.convolve_windows(windows))
             for (stream, _, future), none in zip(jobs, empty, strict=True):
                 samples = np.zeros(0, np.float32) if none else stream.settle(next(chunks)).float().cpu().numpy()
