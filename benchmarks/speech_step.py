@@ -177,7 +177,7 @@ def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, str
         timers.sync()
         times["one after another"].append(time.perf_counter() - started)
         started = time.perf_counter()
-        windows = [stream.window(c[:, frames]) for stream, c in zip(together, codes, strict=True)]
+        windows = decoder.windows(together, [c[:, frames] for c in codes])
         timers.sync()
         times["transformer"].append(time.perf_counter() - started)
         batched = [stream.settle(chunk) for stream, chunk in zip(together, decoder.convolve_windows(windows),
