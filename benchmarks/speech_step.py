@@ -160,7 +160,7 @@ def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, str
                     repeats: int = 6) -> dict:
     """ms to decode one streamed chunk of ``chunk_frames`` frames (after the first, which has no
     lookback) for each of ``streams`` streams: one stream after another, as the stage decoded them
-    before, and together (``Code2WavBatcher``'s way: the transformer per stream, the convolutions in
+    before, and together (``Code2WavBatcher``'s way: the transformer in one pass, the convolutions in
     one batch), with the transformer's share of that; the samples of both ways compared."""
     size = decoder.model.config.codebook_size
     generator = torch.Generator().manual_seed(1)
