@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=100)
     parser.add_argument("--chunk-frames", type=int, default=8)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--no-tf32", action="store_true",
+                        help="cuDNN's convolutions and matmuls in full float32 (PyTorch runs them in TF32 by default)")
     parser.add_argument("--profile", type=int, metavar="ROWS",
                         help="then profile a few steps of this many utterances (CUDA graphs on) and print the table")
     args = parser.parse_args()
@@ -208,6 +210,8 @@ def main() -> None:
     from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech
     from triton_omni.speech.talker import Qwen3Talker, TalkerBatcher
 
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     folder = Path(resolve_model("demo:realistic-qwen3-omni" if args.preset == "realistic" else "demo:tiny-qwen3-omni"))
     device = torch.device("cuda" if args.preset == "realistic" else "cpu")
     config = AutoConfig.from_pretrained(folder)
