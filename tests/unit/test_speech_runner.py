@@ -190,6 +190,38 @@ def test_utterances_spoken_together_equal_each_alone(runner):
     assert not np.array_equal(alone[0][1], alone[1][1][:, :alone[0][1].shape[1]])  # the inputs matter
 
 
+def test_utterances_arriving_together_are_prefilled_in_one_pass_and_speak_as_each_alone(runner):
+    """Three utterances (prompts of three lengths, left-padded to the longest) that arrive together
+    join in one prefill; each speaks the codes it speaks alone, and its waveform within 1e-5."""
+    spoken = [request(runner, "a red fox", (40, 41, 42, 43, 3)),
+              request(runner, "a small boat drifts down a long and winding river at dusk", (50, 51, 3),
+                      voice="chelsie"),
+              request(runner, "hi", (60, 61, 62, 3))]
+    alone = [joined(speak(runner, r)[0]) for r in spoken]
+    batcher = runner.batcher
+    joins, arrived = [], []
+    join_all, submit = batcher._join_all, batcher.submit
+
+    def together_once_all_are_here(utterance):
+        arrived.append(utterance)
+        if len(arrived) == len(spoken):
+            with batcher._wake:  # (re-entrant) the talker's loop takes them all at once, or none
+                for each in arrived:
+                    submit(each)
+
+    batcher._join_all = lambda utterances: joins.append(len(utterances)) or join_all(utterances)
+    batcher.submit = together_once_all_are_here
+    try:
+        together = [joined(chunks) for chunks in speak(runner, *spoken)]
+    finally:
+        del batcher._join_all, batcher.submit
+    assert joins == [3], joins
+    assert len({len(u.prompt.embeds) for u in arrived}) == 3
+    for (audio, codes), (audio_alone, codes_alone) in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(codes, codes_alone)
+        assert np.abs(audio - audio_alone).max() < 1e-5
+
+
 def test_a_seed_repeats_its_speech_and_another_seed_changes_it(runner):
     sampled = {"temperature": 0.9, "top_k": 50}
     first, again, other = (joined(speak(runner, request(runner, seed=seed, **sampled))[0])[1]

@@ -141,8 +141,8 @@ class ContinuousBatch:
                     for sequence in joining:
                         if sequence.cancelled:
                             sequence.finish("abort")
-                            continue
-                        self._join(sequence)
+                    if live := [sequence for sequence in joining if not sequence.cancelled]:
+                        self._join_all(live)
                         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
                     self._leave()
                     if self.rows:
@@ -155,6 +155,11 @@ class ContinuousBatch:
                 self._reset()
         for sequence in self.rows + list(self._pending):
             sequence.finish("abort")
+
+    def _join_all(self, sequences: list) -> None:
+        """Admit the sequences that arrived since the last step (each prefilled alone, by default)."""
+        for sequence in sequences:
+            self._join(sequence)
 
     def _reset(self) -> None:
         """Forget every running row (after a failed step)."""
@@ -236,11 +241,14 @@ class PaddedCache:
 
     def add(self, cache: DynamicCache, length: int) -> None:
         """Stack one more row: ``cache`` of one sequence of ``length`` positions."""
-        mask = torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device)
+        self.add_rows(cache, torch.ones(1, length, dtype=torch.long, device=cache.layers[0].keys.device))
+
+    def add_rows(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Stack more rows: ``cache`` of a batch of sequences, ``mask`` [rows, length] 0 over its left padding."""
         if self.cache is None:
             self.cache, self.mask = cache, mask
             return
-        have = self.mask.shape[1]
+        have, length = self.mask.shape[1], mask.shape[1]
         if length < have:
             mask = _left_pad(cache, mask, have - length)
         elif length > have:

@@ -20,8 +20,10 @@ hands it the token ids.
 
 ``TalkerBatcher`` decodes every running utterance with one forward pass of
 the talker and one batched run of the code predictor per step, on its own
-thread; an utterance joins after a prefill of its own, its KV cache stacked
-onto the batch's (``PaddedCache``), and leaves when it ends or is cancelled.
+thread; the utterances that arrived since the last step join after one
+prefill of them all (their prompts left-padded to the longest), their KV
+caches stacked onto the batch's (``PaddedCache``), and each leaves when it
+ends or is cancelled.
 """
 
 from __future__ import annotations
@@ -194,6 +196,29 @@ class TalkerBatcher(ContinuousBatch):
         last = out.hidden_states[-1][:, -1:]  # the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept([utterance], self.model.codec_head(out.last_hidden_state[:, -1]))
+
+    def _join_all(self, utterances: list[Utterance]) -> None:
+        """The utterances that arrived since the last step prefilled in one pass, their prompts
+        left-padded to the longest (masked, each at its own positions): 64 requests arriving at
+        once wait for one prefill, not for 64 in a row."""
+        if len(utterances) == 1:
+            self._join(utterances[0])
+            return
+        lengths = [len(u.prompt.embeds) for u in utterances]
+        longest = max(lengths)
+        embeds = torch.stack([torch.nn.functional.pad(u.prompt.embeds, (0, 0, longest - length, 0))
+                              for u, length in zip(utterances, lengths, strict=True)])
+        mask = (torch.arange(longest, device=self.device)[None, :]
+                >= torch.tensor([longest - length for length in lengths], device=self.device)[:, None]).long()
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[None].expand(3, -1, -1)
+        cache = DynamicCache()
+        out = self.model.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                               past_key_values=cache, use_cache=True, output_hidden_states=True)
+        self._cache.add_rows(cache, mask)
+        self.rows.extend(utterances)
+        last = out.hidden_states[-1][:, -1:]  # each prompt ends at the last column
+        self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
+        self._accept(utterances, self.model.codec_head(out.last_hidden_state[:, -1]))
 
     def _accept(self, rows: list[Utterance], logits: torch.Tensor) -> None:
         logits = logits.float()
