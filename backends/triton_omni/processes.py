@@ -105,9 +105,10 @@ def server_folder(root: Path, prefix: str, server_pid: int | None = None) -> Pat
 def mapped_shared_memory(pids: list[int]) -> set[Path]:
     """The files directly in /dev/shm that these processes map: Python's
     ``multiprocessing`` segments and semaphores (``psm_*``, ``sem.mp-*``) that
-    vLLM's engine core opens, the Python backend's regions. Only the processes
-    that use them map them, so once those are gone whatever is left of them
-    is garbage (a process that exits cleanly unlinks its own).
+    vLLM's engine core opens, the Python backend's regions. A process maps its
+    own, and a forked child its parent's as well, so a file that no live
+    process maps any more is garbage (a process that exits cleanly unlinks
+    its own).
 
     Found by inode, not by the name in ``/proc/<pid>/maps``: glibc's
     ``sem_open`` maps a temporary file and links it under the semaphore's

@@ -62,9 +62,10 @@ class GatewayMetrics:
             try:
                 await app(scope, receive, send_and_note)
             finally:
-                self.in_flight.labels(endpoint).dec()
+                # counted before it leaves the in-flight gauge: a scrape never sees it in neither
                 self.requests.labels(endpoint, str(status[0])).inc()
                 self.duration.labels(endpoint).observe(time.monotonic() - started)
+                self.in_flight.labels(endpoint).dec()
         return measured
 
     def error(self, endpoint: str, error_type: str) -> None:

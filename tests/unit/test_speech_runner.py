@@ -164,6 +164,44 @@ def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
     assert float((expected[0][0][0] - expected[0][1][0]).abs().max()) > 100 * 1e-5  # other codes, other samples
 
 
+def test_a_chunk_cancelled_while_queued_is_dropped_and_its_batch_decodes_on(runner):
+    """A client gone while its chunk waits: its job is dropped (its future cancelled), the chunks
+    decoded with it get the samples each stream makes alone, and after ``stop`` a decode fails
+    at once instead of waiting for a thread that is gone."""
+    from triton_omni.speech.codec import Code2WavBatcher
+
+    decoder = runner.decoder
+    batcher = Code2WavBatcher(decoder)
+    generator = torch.Generator().manual_seed(7)
+    codes = [torch.randint(0, 32, (runner.talker.groups, 8), generator=generator) for _ in range(4)]
+    expected = [decoder.stream().add(c) for c in codes]
+    busy, release = threading.Event(), threading.Event()
+    windows = decoder.windows
+
+    def held(streams, parts):  # the first batch holds the thread while the others queue behind it
+        if not busy.is_set():
+            busy.set()
+            release.wait(30)
+        return windows(streams, parts)
+
+    decoder.windows = held
+    try:
+        first = batcher.decode(decoder.stream(), codes[0])
+        assert busy.wait(30)
+        queued = [batcher.decode(decoder.stream(), c) for c in codes[1:]]
+        assert queued[1].cancel()
+        release.set()
+        results = [first.result(30), queued[0].result(30), queued[2].result(30)]
+    finally:
+        del decoder.windows
+        batcher.stop()
+    assert queued[1].cancelled() and batcher.max_batch_seen == 2  # the two left of the three queued
+    for samples, wanted in zip(results, [expected[0], expected[1], expected[3]], strict=True):
+        assert samples.shape == wanted.shape and np.abs(samples - wanted.numpy()).max() < 1e-5
+    with pytest.raises(RuntimeError, match="shutting down"):
+        batcher.decode(decoder.stream(), codes[0]).result(1)
+
+
 def test_utterances_spoken_together_equal_each_alone(runner):
     first, second = request(runner), request(runner, "a small boat", (50, 51, 3), voice="chelsie")
     alone = [joined(speak(runner, r)[0]) for r in (first, second)]

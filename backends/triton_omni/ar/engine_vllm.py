@@ -36,7 +36,7 @@ from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.cpu_affinity import pin_process_tree
 from triton_omni.errors import RequestValidationError
-from triton_omni.processes import alive, descendants, mapped_shared_memory, start_ticks
+from triton_omni.processes import alive, descendants, mapped_shared_memory, parents, start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # 5 s). A killed core leaves its shared memory behind, and on a busy host (two cores, a server
 # loading beside it) a clean exit has taken longer than the default.
 ENGINE_EXIT_S = 30.0
+MULTIPROCESSING_SHM = ("psm_", "sem.mp-")  # the names Python's multiprocessing gives its segments, semaphores
 
 # vLLM's CPU KV cache when neither engine_args nor VLLM_CPU_KVCACHE_SPACE sizes it: room for this
 # many sequences of max_model_len tokens, up to 1 GiB
@@ -243,8 +244,13 @@ def _engine_core(llm) -> set[tuple[int, int | None]]:
 
 
 def _core_segments(llm) -> set[Path]:
-    """The ``/dev/shm`` files the engine core this frontend started maps now."""
-    return mapped_shared_memory([pid for pid, _ in _engine_core(llm)])
+    """The ``/dev/shm`` files the engine core this frontend started maps now that are its own:
+    Python's ``multiprocessing`` names (vLLM's shared-memory queues), less what this process maps
+    (a core forked from it, vLLM's way on a CPU, maps the parent's files too: the stub's
+    Python-backend region)."""
+    mine = mapped_shared_memory([os.getpid()])
+    return {segment for segment in mapped_shared_memory([pid for pid, _ in _engine_core(llm)])
+            if segment.name.startswith(MULTIPROCESSING_SHM) and segment not in mine}
 
 
 def _remove_what_a_killed_core_left(core: set[tuple[int, int | None]], segments: set[Path],
@@ -252,15 +258,16 @@ def _remove_what_a_killed_core_left(core: set[tuple[int, int | None]], segments:
     """An engine core that exits cleanly unlinks its ``/dev/shm`` segments; one that vLLM had to
     kill (it did not exit within ``ENGINE_EXIT_S`` of SIGTERM) leaves them until the process that
     started it exits (its resource tracker's), which may be a long-lived one: a test session, a
-    stub that loads the model again. Once every process of the core is gone, what it mapped and
-    left is removed here."""
+    stub that loads the model again. Once every process of the core is gone, what of its own it
+    mapped (``_core_segments``), left, and no live process maps is removed here."""
     deadline = time.monotonic() + wait_s
     while (left := [pid for pid, started in core if alive(pid, started)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     if left:
         logger.warning("vLLM engine core processes %s still run after its shutdown; their shared memory stays", left)
         return
-    for segment in segments:
+    # a file that a live process still maps is still in use, whoever made it
+    for segment in segments - mapped_shared_memory(list(parents())):
         with contextlib.suppress(FileNotFoundError):
             segment.unlink()
 

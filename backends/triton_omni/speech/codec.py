@@ -85,6 +85,7 @@ class StreamingCode2Wav:
         own pass. Each stream's new states [1, n, width]."""
         model = self.model.pre_transformer
         window, new = model.config.sliding_window, codes[0].shape[1]
+        assert new > 0, "a chunk of no frames has nothing to transform"  # [..., -0:] would take every key
         seen = [stream.cache.get_seq_length() for stream in streams]
         kept = [min(count, window - 1) for count in seen]  # what a sliding layer keeps
         longest = max(kept)
@@ -103,7 +104,10 @@ class StreamingCode2Wav:
         query = torch.arange(new, device=device)[None, :, None]
         distance = column - longest - query  # the key's position less the query's, for every stream
         first_kept = torch.tensor([longest - count for count in kept], device=device)[:, None, None]
-        mask = (column >= first_kept) & (distance <= 0) & (distance > -window)
+        visible = (column >= first_kept) & (distance <= 0) & (distance > -window)
+        # additive, as every attention implementation but FlashAttention's reads a 4-D mask
+        mask = torch.zeros(visible.shape, dtype=model.norm.weight.dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(mask.dtype).min)
         positions = torch.tensor(seen, device=device)[:, None] + torch.arange(new, device=device)[None]
         states = model(inputs_embeds=self.embed(torch.stack(codes)), position_ids=positions,
                        attention_mask={"sliding_attention": mask[:, None]}, past_key_values=batch,
@@ -215,49 +219,67 @@ class Window:
 
 class Code2WavBatcher:
     """One thread that decodes the chunks of every stream waiting, together
-    (``StreamingCode2Wav.convolve_windows``); a stream has one chunk in flight at a time."""
+    (``StreamingCode2Wav.windows`` and ``convolve_windows``); a stream has one chunk in flight at a
+    time. A job whose caller cancelled it before its decode (a client gone) is dropped; the others
+    in its batch are decoded as if it had never come."""
 
     def __init__(self, decoder: StreamingCode2Wav):
         self.decoder = decoder
         self.max_batch_seen = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="omni-codec", daemon=True)
         self._thread.start()
 
     def decode(self, stream: Code2WavStream, codes: torch.Tensor) -> Future:
         """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded."""
         future: Future = Future()
-        self._jobs.put((stream, codes, future))
+        if self._stopped:
+            future.set_exception(RuntimeError("the speech stage's decoder is shutting down"))
+        else:
+            self._jobs.put((stream, codes, future))
         return future
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> None:
+        """Decode what is queued, fail what comes after, and wait for the thread."""
+        self._stopped = True
         self._jobs.put(None)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            jobs = [job]
+        stopping = False
+        while not stopping:
+            jobs = [self._jobs.get()]
             while True:  # and every job waiting behind it
                 try:
-                    job = self._jobs.get_nowait()
+                    jobs.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-                if job is None:
-                    self._decode(jobs)
-                    return
-                jobs.append(job)
-            self._decode(jobs)
+            stopping = None in jobs
+            # a job queued after stop() is failed by decode(), or here if it raced past the flag
+            self._decode([job for job in jobs if job is not None and job[2].set_running_or_notify_cancel()])
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job[2].set_running_or_notify_cancel():
+                job[2].set_exception(RuntimeError("the speech stage's decoder is shutting down"))
 
     def _decode(self, jobs: list) -> None:
+        if not jobs:
+            return
         self.max_batch_seen = max(self.max_batch_seen, len(jobs))
         try:
             empty = [codes.shape[1] == 0 for _, codes, _ in jobs]
             decoding = [job for job, none in zip(jobs, empty, strict=True) if not none]
             windows = self.decoder.windows([stream for stream, _, _ in decoding], [codes for _, codes, _ in decoding])
             chunks = iter(self.decoder.convolve_windows(windows))
-            for (stream, _, future), none in zip(jobs, empty, strict=True):
-                samples = np.zeros(0, np.float32) if none else stream.settle(next(chunks)).float().cpu().numpy()
-                future.set_result(samples)
-        except Exception as exc:  # every waiting stream hears of it; the thread decodes on
+            results = [np.zeros(0, np.float32) if none else stream.settle(next(chunks)).float().cpu().numpy()
+                       for (stream, _, _), none in zip(jobs, empty, strict=True)]
+        except Exception as exc:  # every stream of the batch hears of it; the thread decodes on
             for _, _, future in jobs:
-                if not future.done():
-                    future.set_exception(exc)
+                future.set_exception(exc)
+            return
+        for (_, _, future), samples in zip(jobs, results, strict=True):
+            future.set_result(samples)  # running futures: a caller's cancel() no longer takes them

@@ -112,9 +112,9 @@ class SpeechRunner:
         decoded; cancelled, the talker drops the utterance at its next step."""
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue = asyncio.Queue()
-        prompt_ids = self.prompt_ids(request.prompt)
         prompt = await loop.run_in_executor(
-            self._prompts, lambda: self.talker.prompt(prompt_ids, request.reply_ids, request.voice))
+            self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
+                                                      request.voice))
         utterance = Utterance(prompt, request.talker, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
         stream = self.decoder.stream()
         self._count("started")
