@@ -74,7 +74,8 @@ def query(index: int) -> GpuMemory | None:
     try:
         line = subprocess.run(
             ["nvidia-smi", f"--id={index}", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+            capture_output=True, text=True, timeout=20, check=True,
+            env=os.environ.copy()).stdout.strip()  # a private copy: other threads may set variables meanwhile
         total_mib, free_mib = (int(v) for v in line.split(","))
     except (subprocess.SubprocessError, ValueError, OSError):
         return None

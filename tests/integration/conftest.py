@@ -71,8 +71,11 @@ def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
     lora_model = copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_transformers", parameters={
         "engine": "transformers", "lora_adapters": json.dumps({"pirate": "loras/pirate", "poet": "loras/poet"})})
     # its errors kept: beside the unit tests, pytest's capture would swallow them with their test's output
+    # env given: this runs on a thread beside the unit tests, and a child exec'd with the process's
+    # own environment reads it as it execs, while another thread may be setting a variable (which
+    # frees the old array: run 43's "Bad address" for every integration test). A copy is private.
     built = subprocess.run([sys.executable, "-c", BUILD, str(lora_model / "loras")], cwd=PROJECT_ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     assert built.returncode == 0, f"building the demo models and LoRAs failed:\n{built.stderr[-4000:]}"
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_transformers",
                parameters={"engine": "transformers"})

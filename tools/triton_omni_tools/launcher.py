@@ -260,7 +260,8 @@ def gpu_count() -> int:
     if shutil.which("nvidia-smi") is None:
         return 0
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True,
+                             env=os.environ.copy()).stdout  # a private copy: see reaper.Reaper
     except (subprocess.SubprocessError, OSError):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))

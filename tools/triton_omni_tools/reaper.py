@@ -124,8 +124,10 @@ class Reaper:
 
     def __init__(self):
         read_end, self._write_end = os.pipe()  # both non-inheritable; the child gets the read end as its stdin
+        # env given (a copy): a child exec'd with the process's own environment reads it while it
+        # execs, and a server started from a thread races any other thread setting a variable
         self.process = subprocess.Popen([sys.executable, "-m", "triton_omni_tools.reaper"], stdin=read_end,
-                                        start_new_session=True)
+                                        start_new_session=True, env=os.environ.copy())
         os.close(read_end)
         # A child forked without exec (a fork-based pool of the launcher's) would hold the write end
         # open, and the reaper would wait for that child too: it closes its copy as it starts.
