@@ -1,5 +1,6 @@
 """``benchmarks/speech_step.py`` on CPU with the tiny Qwen3-Omni: the talker's step batch at
-two sizes, each step split into its parts, and the decoder's chunk. The report's shape is
+two sizes, each step split into its parts, and the decoder's chunk for as many streams, one
+after another and together (within 1e-4 of each other: the same samples). The report's shape is
 checked, never a figure: docs/benchmarks.md quotes the GPU's."""
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out_file.read_text())
-    assert report["chunk_decode_ms"] > 0
+    assert set(report["chunk_decode_ms"]) == {"1", "3"}
+    for chunk in report["chunk_decode_ms"].values():
+        assert chunk["one after another"] > 0 and chunk["together"] >= chunk["transformer"] > 0
+        assert chunk["max sample difference"] < 1e-4
     assert set(report["modes"]) == {"eager"}  # a CPU's: CUDA graphs are a GPU's
     assert set(report["modes"]["eager"]) == {"1", "3"}
     for found in report["modes"]["eager"].values():
