@@ -254,7 +254,7 @@ def _core_segments(llm) -> set[Path]:
 
 
 def _remove_what_a_killed_core_left(core: set[tuple[int, int | None]], segments: set[Path],
-                                    wait_s: float = 5.0) -> None:
+                                    wait_s: float = 15.0) -> None:
     """An engine core that exits cleanly unlinks its ``/dev/shm`` segments; one that vLLM had to
     kill (it did not exit within ``ENGINE_EXIT_S`` of SIGTERM) leaves them until the process that
     started it exits (its resource tracker's), which may be a long-lived one: a test session, a
