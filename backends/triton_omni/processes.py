@@ -40,18 +40,6 @@ def parents() -> dict[int, int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every running process under it (children, their children...)."""
-    children: dict[int, list[int]] = {}
-    for child, parent in parents().items():
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
-
-
 def start_ticks(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (field 22 of its stat); None when it is gone."""
     fields = stat_fields(pid)

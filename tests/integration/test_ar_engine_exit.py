@@ -33,7 +33,8 @@ def test_an_engine_core_killed_at_its_stop_leaves_no_shared_memory(monkeypatch):
     parents_own = shared_memory.SharedMemory(create=True, size=4096)  # mapped here, before the engine starts
     runner = ArRunner(ArRunnerConfig("demo:tiny-qwen2", "generate", engine="vllm"))
     engine = runner.engine.engine
-    core, segments = engine_vllm._engine_core(engine), engine_vllm._core_segments(engine)
+    core = engine_vllm._engine_core(engine)
+    segments = engine_vllm._core_segments(core)
     assert segments, "expected the engine core's shared memory (vLLM's psm_* segments)"
     monkeypatch.setattr(engine_vllm, "ENGINE_EXIT_S", 1.0)
     for process in engine_vllm._engine_core_processes(engine):

@@ -34,9 +34,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from triton_omni.ar.engine import ArEngine, Delta, TokenLogprob
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat, watch_engine
-from triton_omni.cpu_affinity import pin_process_tree
+from triton_omni.cpu_affinity import descendants, pin_process_tree
 from triton_omni.errors import RequestValidationError
-from triton_omni.processes import alive, descendants, mapped_shared_memory, parents, start_ticks
+from triton_omni.processes import alive, mapped_shared_memory, parents, start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class VllmEngine(ArEngine):
             if not seat.starts_engine:
                 self._watch = watch_engine(seat, on_exit=lambda: _engine_gone(self.engine))
         # seen now, while it runs: a core killed later (by vLLM's shutdown, or by anyone) maps nothing
-        self._core, self._core_segments = _engine_core(self.engine), _core_segments(self.engine)
+        self._core = _engine_core(self.engine)
+        self._core_segments = _core_segments(self._core)
         if cpus:
             try:
                 _pin_engine_core(self.engine, cpus)
@@ -218,7 +219,8 @@ class VllmEngine(ArEngine):
         if self._watch is not None:
             self._watch.set()
         engine, self.engine = self.engine, None
-        core, segments = self._core | _engine_core(engine), self._core_segments | _core_segments(engine)
+        now = _engine_core(engine)
+        core, segments = self._core | now, self._core_segments | _core_segments(now)
         # the first frontend of a shared engine shuts the engine core down with it
         engine.shutdown(timeout=ENGINE_EXIT_S)
         _remove_what_a_killed_core_left(core, segments)
@@ -243,13 +245,13 @@ def _engine_core(llm) -> set[tuple[int, int | None]]:
             if (started := start_ticks(pid)) is not None}
 
 
-def _core_segments(llm) -> set[Path]:
-    """The ``/dev/shm`` files the engine core this frontend started maps now that are its own:
+def _core_segments(core: set[tuple[int, int | None]]) -> set[Path]:
+    """The ``/dev/shm`` files the engine core's processes (``_engine_core``) map now that are its own:
     Python's ``multiprocessing`` names (vLLM's shared-memory queues), less what this process maps
     (a core forked from it, vLLM's way on a CPU, maps the parent's files too: the stub's
     Python-backend region)."""
     mine = mapped_shared_memory([os.getpid()])
-    return {segment for segment in mapped_shared_memory([pid for pid, _ in _engine_core(llm)])
+    return {segment for segment in mapped_shared_memory([pid for pid, _ in core])
             if segment.name.startswith(MULTIPROCESSING_SHM) and segment not in mine}
 
 

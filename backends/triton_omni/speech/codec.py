@@ -249,22 +249,21 @@ class Code2WavBatcher:
     def _run(self) -> None:
         stopping = False
         while not stopping:
-            jobs = [self._jobs.get()]
-            while True:  # and every job waiting behind it
-                try:
-                    jobs.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
+            jobs = [self._jobs.get(), *self._waiting()]
             stopping = None in jobs
-            # a job queued after stop() is failed by decode(), or here if it raced past the flag
             self._decode([job for job in jobs if job is not None and job[2].set_running_or_notify_cancel()])
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
+        for job in self._waiting():  # queued as stop() came (decode() fails the later ones itself)
             if job is not None and job[2].set_running_or_notify_cancel():
                 job[2].set_exception(RuntimeError("the speech stage's decoder is shutting down"))
+
+    def _waiting(self) -> list:
+        """Every job queued now, without waiting for one."""
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
 
     def _decode(self, jobs: list) -> None:
         if not jobs:
