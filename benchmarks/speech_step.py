@@ -5,14 +5,14 @@ own parts in one process, with no server, so each part's cost per step is seen a
 
 - a step of ``TalkerBatcher`` at each batch size (``--rows``): the whole step as the stage runs
   it (nothing synchronised: the rate it reaches), then the same steps with the device
-  synchronised around each part, split into the code predictor (15 small passes and draws a
-  frame), the first code's draw (penalties and sampling) and the rest (the talker's forward);
+  synchronised around each part, split into the talker's forward, the code predictor (15 small
+  passes and draws a frame), the first code's draw (penalties and sampling) and the rest;
 - ``code2wav``'s streamed decode of a chunk of ``--chunk-frames`` frames for as many streams as
   rows, one stream after another and batched as the runner decodes them (``Code2WavBatcher``);
 - from those, the real-time factor the stage alone allows at each batch size: a frame is
   1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once;
-- on a GPU, all of it with the code predictor's CUDA graphs (the stage's default) and without,
-  and the ratio of their steps.
+- on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
+  stage's default) and without, and the ratio of their steps.
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
@@ -126,7 +126,8 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
                 figures["step_ms_longest"] = 1000 * max(intervals)
         else:
             parts = {part: 1000 * statistics.median(values) for part, values in timers.seconds.items()}
-            parts["talker forward and the rest"] = parts["step"] - parts["code predictor"] - parts["first code draw"]
+            parts["the rest"] = (parts["step"] - parts["code predictor"] - parts["first code draw"]
+                                 - parts["talker forward"])
             figures["parts_ms (synchronised)"] = parts
     return figures
 
@@ -229,13 +230,14 @@ def main() -> None:
                                                               streams)
         print(f"code2wav, a chunk of {args.chunk_frames} frames for {streams} streams: "
               f"{json.dumps(figures['chunk_decode_ms'][streams])}", flush=True)
-    # the code predictor as CUDA graphs (the stage's default on a GPU) and eager, side by side
+    # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU) and eager
     for graphs in ([True, False] if device.type == "cuda" else [False]):
         mode = "cuda graphs" if graphs else "eager"
         batcher = TalkerBatcher(talker, max(levels), cuda_graphs=graphs)
         timers.wrap(batcher, "_step", "step")
         timers.wrap(batcher, "_predict_residuals", "code predictor")
         timers.wrap(batcher, "_accept", "first code draw")
+        timers.wrap(batcher, "_talker_forward", "talker forward")
         figures["modes"][mode] = {}
         try:
             for rows in levels:
@@ -253,9 +255,10 @@ def main() -> None:
         for rows in levels:
             free = graphs[rows]["step_ms"] / eager[rows]["step_ms"]
             synced = [graphs[rows]["parts_ms (synchronised)"][part] / eager[rows]["parts_ms (synchronised)"][part]
-                      for part in ("step", "code predictor")]
-            print(f"{rows} rows, the predictor's CUDA graphs / eager: a step {free:.3f} free-running, "
-                  f"{synced[0]:.3f} synchronised; the code predictor {synced[1]:.3f}")
+                      for part in ("step", "talker forward", "code predictor")]
+            print(f"{rows} rows, CUDA graphs / eager: a step {free:.3f} free-running, "
+                  f"{synced[0]:.3f} synchronised; the talker's forward {synced[1]:.3f}, "
+                  f"the code predictor {synced[2]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if args.profile:

@@ -1,15 +1,19 @@
 """The speech stage on a GPU, the tiny Qwen3-Omni in float32: the talker speaks what it speaks on
-the CPU, and its code predictor (15 passes a frame at the real shapes) only queues work."""
+the CPU (its steps and its code predictor's frames replayed as CUDA graphs), and both only queue
+work."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, DynamicCache
 from triton_omni.demo_models import resolve_model
 from triton_omni.speech.predictor_graphs import PredictorFrame
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import _PREDICTOR_SAMPLED
+from triton_omni.speech.talker_graphs import TalkerSteps
 
 from tests.support.host_syncs import no_host_syncs
 
@@ -18,21 +22,22 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 DEMO = "demo:tiny-qwen3-omni"
 
 
-def spoken(runner: SpeechRunner, sampled: bool, chunk_frames: int = 4) -> list:
+def spoken(runner: SpeechRunner, sampled: bool, chunk_frames: int = 4, prompts: tuple[str, ...] = ("a red fox",),
+           ) -> list:
+    """The chunks of an utterance of each prompt, spoken together (one prompt: a list of chunks)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEMO))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "a red fox"}], add_generation_prompt=True,
-                                           tokenize=False)
     options = {"temperature": 0.9, "seed": 3} if sampled else {"temperature": 0.0}
-    request = runner.parse({"text_input": prompt, "reply_ids": [40, 41, 42, 43, 3], "max_tokens": 12,
-                            "min_tokens": 12, "chunk_frames": chunk_frames, "first_chunk_frames": chunk_frames,
-                            **options})
-    chunks: list = []
+    requests = [runner.parse({"text_input": tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False),
+        "reply_ids": [40, 41, 42, 43, 3], "max_tokens": 12, "min_tokens": 12, "chunk_frames": chunk_frames,
+        "first_chunk_frames": chunk_frames, **options}) for prompt in prompts]
+    chunks: list[list] = [[] for _ in prompts]
 
     async def speak():
-        await runner.speak(request, chunks.append)
+        await asyncio.gather(*(runner.speak(r, c.append) for r, c in zip(requests, chunks, strict=True)))
 
     runner.loop.run(speak())
-    return chunks
+    return chunks[0] if len(prompts) == 1 else chunks
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,60 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
         chunks = spoken(gpu, sampled, chunk_frames=64)
     assert not failures, failures[0]
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    """The GPU runner in bfloat16, the dtype whose talker steps are captured."""
+    runner = SpeechRunner(SpeechConfig(model=DEMO, device="cuda:0", dtype="bfloat16"))
+    yield runner
+    runner.close()
+
+
+def test_the_talkers_step_never_waits_for_the_gpu(bf16):
+    """The talker's step (a CUDA graph's replay over the slot cache) queues its work: the host
+    reads only the codes drawn from its logits."""
+    assert bf16.batcher.talker_steps is not None and bf16.batcher.talker_steps.graphs
+    spoken(bf16, sampled=False)
+    with no_host_syncs(bf16.batcher, "_talker_forward") as failures:  # one chunk, decoded once the talker is done
+        chunks = spoken(bf16, sampled=False, chunk_frames=64)
+    assert not failures, failures[0]
+    assert sum(c.codes.shape[1] for c in chunks) == 11
+
+
+def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
+    """Three rows (the graph of four replayed, a padding row) with prompts of three lengths, stepped
+    across two widths: each replay's states and logits are the same step's run eagerly; a row
+    whose keys at its prompt's first positions are wrong gets other logits (the comparison can fail)."""
+    model = bf16.batcher.model
+    captured = bf16.batcher.talker_steps
+    eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
+    torch.manual_seed(0)
+    width = model.model.config.hidden_size
+    lengths = [200, 120, 40]  # the longest crosses from width 256 to 512 within the steps
+    prompts = torch.randn(3, max(lengths), width, device="cuda", dtype=torch.bfloat16)
+    mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths], device="cuda")
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model.model(inputs_embeds=prompts, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for steps in (captured, eager):
+            steps.cache.clear()
+            steps.cache.add_rows(cache, mask)
+        for _ in range(60):
+            inputs = torch.randn(3, 1, width, device="cuda", dtype=torch.bfloat16)
+            (hidden, logits), (hidden_eager, logits_eager) = captured(inputs), eager(inputs)
+            torch.testing.assert_close(logits, logits_eager)
+            torch.testing.assert_close(hidden, hidden_eager)
+        assert max(captured.cache.lengths) > 256
+        for keys in eager.cache.keys:  # row 0's keys of its prompt's first 100 positions, wrong
+            keys[0, :, :100] = 0
+        inputs = torch.randn(3, 1, width, device="cuda", dtype=torch.bfloat16)
+        (_, logits), (_, moved) = captured(inputs), eager(inputs)
+        captured.cache.clear()
+        eager.cache.clear()
+    torch.testing.assert_close(logits[1:], moved[1:])
+    with pytest.raises(AssertionError):  # the tolerance above does not hide a wrong state
+        torch.testing.assert_close(logits[0], moved[0])
 
 
 def test_the_predictors_cuda_graph_replays_its_frame(runners):

@@ -1,5 +1,7 @@
 """The speech stage's runner on the tiny Qwen3-Omni, without a server: its streamed decode, its
-step batching and its sampling."""
+step batching and its sampling; the talker's steps over the fixed-buffer ``SlotCache`` (what a GPU
+replays as CUDA graphs, ``talker_graphs.py``) run eagerly, held to the ``PaddedCache`` steps; and
+``talker_max_len``, which bounds an utterance as vLLM's ``max_model_len`` bounds a request."""
 
 from __future__ import annotations
 
@@ -7,13 +9,17 @@ import asyncio
 import contextlib
 import functools
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 from triton_omni.demo_models import resolve_model
+from triton_omni.errors import RequestValidationError
+from triton_omni.speech import talker_graphs
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+from triton_omni.speech.talker import TalkerBatcher
 
 TALKER = {"temperature": 0.0, "max_tokens": 12, "min_tokens": 3}
 
@@ -276,8 +282,6 @@ def test_a_seed_repeats_its_speech_and_another_seed_changes_it(runner):
     ({"min_tokens": 20}, "min_tokens"),
 ])
 def test_bad_requests_name_their_field(runner, values, field):
-    from triton_omni.errors import RequestValidationError
-
     with pytest.raises(RequestValidationError) as error:
         runner.parse({"text_input": templated("a fox"), "reply_ids": [3], **TALKER, **values})
     assert error.value.parameter == field
@@ -287,3 +291,99 @@ def test_bad_requests_name_their_field(runner, values, field):
 def test_a_chunk_default_out_of_bounds_fails_the_load_not_every_request(name):
     with pytest.raises(ValueError, match=f"model parameter {name} must be in"):
         SpeechConfig(**{name: 0})
+
+
+@pytest.fixture
+def slots(runner, monkeypatch):
+    """The runner's talker on a slot cache of 64 columns, read 16, 32 or 64 wide."""
+    monkeypatch.setattr(talker_graphs, "SMALLEST_WIDTH", 16)
+    eager = runner.batcher
+    runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, max_len=64, slot_cache=True)
+    yield runner.batcher
+    runner.batcher.stop()
+    runner.batcher = eager
+
+
+SPOKEN = [("a red fox", (40, 41, 42, 43, 3), {}),
+          ("a small boat drifts down a long and winding river at dusk", (50, 51, 3), {"voice": "chelsie"}),
+          ("hi", (60, 61, 62, 3), {"max_tokens": 5}),  # leaves first: the others move down a slot
+          ("a tall tree", (70, 71, 3), {"max_tokens": 20})]  # joins later, on the slot that left
+
+
+def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
+    spoken = [request(runner, prompt, reply, **options) for prompt, reply, options in SPOKEN]
+    runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, slot_cache=False)  # the PaddedCache's
+    try:
+        alone = [joined(speak(runner, r)[0]) for r in spoken]
+    finally:
+        runner.batcher.stop()
+        runner.batcher = slots
+    joins, arrived, all_in = [], [], threading.Event()
+    join_all, submit = slots._join_all, slots.submit
+
+    def first_three_together(utterance):
+        arrived.append(utterance)
+        if len(arrived) == 3:
+            with slots._wake:
+                for each in arrived:
+                    submit(each)
+        elif len(arrived) == 4:
+            submit(utterance)
+            all_in.set()
+
+    slots._join_all = lambda utterances: joins.append(len(utterances)) or join_all(utterances)
+    slots.submit = first_three_together
+    with talker_held(runner, all_in, after_steps=2):  # the fourth joins at the third step
+        together = [joined(chunks) for chunks in speak(runner, *spoken)]
+    assert joins == [3, 1], joins
+    assert slots.max_rows_seen == 4
+    widths = {w for _, w in slots.talker_steps.steps}
+    assert widths == {16, 32, 64}
+    for (audio, codes), (audio_alone, codes_alone) in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(codes, codes_alone)
+        assert np.abs(audio - audio_alone).max() < 1e-5
+    assert max(len(u.prompt.embeds) + len(u.output_ids) for u in arrived) > 32  # the widest width was read
+
+
+def test_a_wrong_column_moves_the_codes(runner, slots, monkeypatch):
+    """The comparison above can fail: a row that reads one column too few speaks other codes."""
+    r = request(runner)
+    right = joined(speak(runner, r)[0])[1]
+    step_run = talker_graphs.TalkerStep.run
+
+    def one_column_short(step):
+        columns = step.columns
+        step.columns = torch.where(columns == 0, len(columns), columns)  # the prompt's first position hidden
+        try:
+            step_run(step)
+        finally:
+            step.columns = columns
+
+    monkeypatch.setattr(talker_graphs.TalkerStep, "run", one_column_short)
+    wrong = joined(speak(runner, r)[0])[1]
+    assert right.shape != wrong.shape or not np.array_equal(right, wrong)
+
+
+def test_talker_max_len_bounds_a_default_max_tokens_and_refuses_a_given_one(runner):
+    config = runner.config
+    prompt = len(runner.talker.prompt(runner.prompt_ids(request(runner).prompt), [40, 41, 42, 43, 3], "ethan").embeds)
+    runner.config = replace(config, talker_max_len=prompt + 4)
+    try:
+        default = request(runner, max_tokens=None, min_tokens=4)  # no end of speech before the bound
+        assert not default.max_tokens_given
+        chunks = speak(runner, default)[0]
+        assert chunks[-1].finish_reason == "length" and joined(chunks)[1].shape[1] == 3  # 4 codes, the last unspoken
+        with pytest.raises(RequestValidationError) as error:
+            speak(runner, request(runner, max_tokens=5, min_tokens=0))
+        assert error.value.parameter == "max_tokens" and "at most 4" in str(error.value)
+        runner.config = replace(config, talker_max_len=prompt)
+        with pytest.raises(RequestValidationError) as error:
+            speak(runner, default)
+        assert error.value.parameter == "text_input"
+    finally:
+        runner.config = config
+
+
+def test_a_talker_max_len_below_two_fails_the_load():
+    with pytest.raises(ValueError, match="talker_max_len must be at least 2"):
+        SpeechConfig(talker_max_len=1)

@@ -28,6 +28,7 @@ class SpeechRequest:
     talker: SamplingOptions  # the talker's sampling (temperature 0: greedy, as generate's talker_do_sample=False)
     chunk_frames: int
     first_chunk_frames: int  # the first chunk's: the first audio leaves after these frames
+    max_tokens_given: bool = False  # the request's own max_tokens, not the default (which the runner may bound)
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
@@ -50,7 +51,7 @@ class SpeechRequest:
         in_range("chunk_frames", chunk, 1, limits.max_chunk_frames)
         first = as_int("first_chunk_frames", inputs.get("first_chunk_frames", min(first_chunk_frames, chunk)))
         in_range("first_chunk_frames", first, 1, limits.max_chunk_frames)
-        return cls(prompt, reply, voice.lower(), talker, chunk, first)
+        return cls(prompt, reply, voice.lower(), talker, chunk, first, inputs.get("max_tokens") is not None)
 
 
 def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:

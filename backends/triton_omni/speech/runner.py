@@ -19,17 +19,19 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from triton_omni.aio import EventLoopThread
+from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.demo_models import resolve_model
 from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
-from triton_omni.speech.talker import TALKER_DEFAULTS, Qwen3Talker, TalkerBatcher, Utterance
+from triton_omni.speech.talker import TALKER_DEFAULTS, TALKER_MAX_LEN, Qwen3Talker, TalkerBatcher, Utterance
+from triton_omni.validation import require
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class SpeechConfig:
     max_num_seqs: int = 64  # utterances spoken together
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
-    cuda_graphs: bool = True  # on a GPU, the code predictor's frame as a CUDA graph
+    cuda_graphs: bool = True  # on a GPU, the talker's step and the code predictor's frame as CUDA graphs
+    talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
     def __post_init__(self):
@@ -58,6 +61,8 @@ class SpeechConfig:
             if not 1 <= value <= self.limits.max_chunk_frames:
                 raise ValueError(f"model parameter {name} must be in [1, {self.limits.max_chunk_frames}], "
                                  f"got {value}")
+        if self.talker_max_len < 2:
+            raise ValueError(f"model parameter talker_max_len must be at least 2, got {self.talker_max_len}")
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -89,7 +94,7 @@ class SpeechRunner:
         self.decoder = StreamingCode2Wav(code2wav)
         self.voices = self.talker.voices
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
-        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs)
+        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len)
         self.loop = EventLoopThread(name="omni-speech")
         self.codec = Code2WavBatcher(self.decoder)
         # the talker's prompts are built off the event loop, one at a time
@@ -115,7 +120,8 @@ class SpeechRunner:
         prompt = await loop.run_in_executor(
             self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
                                                       request.voice))
-        utterance = Utterance(prompt, request.talker, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
+        options = self._bounded(request, len(prompt.embeds))
+        utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
         stream = self.decoder.stream()
         self._count("started")
         self.batcher.submit(utterance)
@@ -144,6 +150,20 @@ class SpeechRunner:
             utterance.cancel()
             self._count("cancelled")
             raise
+
+    def _bounded(self, request: SpeechRequest, prompt_length: int) -> SamplingOptions:
+        """The talker's options with room for the prompt and ``max_tokens`` in ``talker_max_len``
+        (vLLM's ``max_model_len``): a default ``max_tokens`` bounded to the room left, a
+        request's own refused when it does not fit."""
+        limit = self.config.talker_max_len
+        room = limit - prompt_length
+        require(room > 0, "text_input", f"makes a talker prompt of {prompt_length} positions, more than this "
+                f"model's talker_max_len {limit} leaves room for", request.prompt[:80])
+        if request.talker.max_tokens <= room:
+            return request.talker
+        require(not request.max_tokens_given, "max_tokens", f"and the talker prompt's {prompt_length} positions "
+                f"exceed this model's talker_max_len {limit}: at most {room} here", request.talker.max_tokens)
+        return replace(request.talker, max_tokens=room)
 
     def _count(self, name: str) -> None:
         with self._lock:

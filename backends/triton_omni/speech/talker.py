@@ -46,6 +46,8 @@ TALKER_DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_pe
 # the code predictor samples with top-k 50 and top-p 0.8 where the talker samples, greedily where it does not
 _PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
 _PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
+# the longest an utterance may grow, its prompt and its codes (vLLM's max_model_len): its KV cache's columns
+TALKER_MAX_LEN = 5120
 
 
 @dataclass
@@ -156,20 +158,35 @@ class TalkerBatcher(ContinuousBatch):
 
     name = "omni-talker"
 
-    def __init__(self, talker: Qwen3Talker, max_num_seqs: int, cuda_graphs: bool = True):
-        """``cuda_graphs``: on a GPU, the code predictor's frame replayed as a CUDA graph
-        (``predictor_graphs.py``); eager otherwise."""
+    def __init__(self, talker: Qwen3Talker, max_num_seqs: int, cuda_graphs: bool = True,
+                 max_len: int = TALKER_MAX_LEN, slot_cache: bool | None = None):
+        """``cuda_graphs``: on a GPU, the talker's step (in bfloat16) and the code predictor's frame
+        replayed as CUDA graphs (``talker_graphs.py``, ``predictor_graphs.py``); eager otherwise.
+        ``slot_cache``: the talker's KV cache in ``max_len`` columns of fixed buffers
+        (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
+        asked (the tests, to hold those steps to the ``PaddedCache`` ones)."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
         self._pad = talker.pad
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
+        graphs = cuda_graphs and self.device.type == "cuda"
+        if graphs:
             from triton_omni.speech.predictor_graphs import PredictorGraphs
 
             sampled = _PREDICTOR_SAMPLED
             self.graphs = PredictorGraphs(self.model.code_predictor, talker.groups, max_num_seqs,
                                           [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p])
+        # the MoE's grouped GEMM runs in bfloat16 on the device alone; another dtype's copies offsets to the host
+        capture = graphs and self.model.dtype == torch.bfloat16
+        if graphs and not capture:
+            logger.info("the talker's step runs eagerly: in %s its MoE cannot be captured", self.model.dtype)
+        self.talker_steps = None
+        if slot_cache if slot_cache is not None else capture:
+            from triton_omni.speech.talker_graphs import TalkerSteps
+
+            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
+            self._cache = self.talker_steps.cache
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self._start()
@@ -242,14 +259,23 @@ class TalkerBatcher(ContinuousBatch):
         trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
                     for u, s in zip(rows, steps, strict=True)]
         inputs = first_embeds + residual_embeds + torch.stack(trailing)[:, None]
+        self._hidden, logits = self._talker_forward(inputs, rows, steps)
+        self.steps += 1
+        self._accept(rows, logits)
+
+    def _talker_forward(self, inputs: torch.Tensor, rows: list[Utterance], steps: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The talker's pass over ``inputs`` [rows, 1, hidden]: each row's last layer's state and
+        first codebook's logits; over the ``SlotCache`` (replayed as a CUDA graph on a GPU) or the
+        ``PaddedCache``."""
+        if self.talker_steps is not None:
+            return self.talker_steps(inputs)
         positions = torch.tensor([len(u.prompt.embeds) + s for u, s in zip(rows, steps, strict=True)],
                                  device=self.device)[None, :, None].expand(3, -1, -1)
         mask = self._cache.extend()
         out = self.model.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                past_key_values=self._cache.cache, use_cache=True, output_hidden_states=True)
-        self.steps += 1
-        self._hidden = out.hidden_states[-1][:, -1:]
-        self._accept(rows, self.model.codec_head(out.last_hidden_state[:, -1]))
+        return out.hidden_states[-1][:, -1:], self.model.codec_head(out.last_hidden_state[:, -1])
 
     def _predict_residuals(self, hidden: torch.Tensor, first_embeds: torch.Tensor, rows: list[Utterance]
                            ) -> tuple[torch.Tensor, torch.Tensor]:

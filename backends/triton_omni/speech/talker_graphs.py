@@ -1,0 +1,182 @@
+"""The talker's step on a GPU as CUDA graphs, over a KV cache of fixed buffers.
+
+A talker step is one forward pass of a 20-layer MoE for every running utterance; run from Python
+it costs the host's time to launch its kernels, not the GPU's (``benchmarks/speech_step.py``
+splits a step into its parts). A CUDA graph replays those launches at once, but needs every
+tensor at a fixed address and every shape fixed, and a growing, left-padded ``DynamicCache``
+(``PaddedCache``) is neither. So here the running rows' keys and values live in buffers made
+once (``SlotCache``): row ``i`` in slot ``i``, its positions at columns ``0 .. writes[i] - 1``,
+its next written at column ``writes[i]`` (a device tensor, so a replay needs no host value), and
+its position is that column. A step of ``n`` rows replays the graph of the smallest captured
+batch that holds them (the others padded, each seeing only its column 0) and the smallest
+captured width that holds the longest row: attention then reads that width, not the whole
+buffer.
+
+``TalkerSteps`` also runs without capturing (the CPU tests hold it to the ``PaddedCache`` path).
+A row cannot outgrow the buffer: the runner refuses (or bounds) an utterance whose prompt and
+``max_tokens`` exceed ``talker_max_len``, as vLLM does with ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_omni.speech.predictor_graphs import CAPTURED_ROWS
+
+SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
+
+
+class SlotCache:
+    """Every running row's keys and values, a slot per row, in buffers made once.
+
+    Its interface is ``PaddedCache``'s (``add``, ``add_rows``, ``keep``, ``clear``), so the
+    batch loop admits and drops rows alike on either."""
+
+    def __init__(self, config, rows: int, capacity: int, device: torch.device, dtype: torch.dtype):
+        heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (rows, heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.capacity = capacity
+        # each slot's next column; a slot with no row keeps 0, so that a padding row sees one column
+        self.writes = torch.zeros(rows, dtype=torch.long, device=device)
+        self.lengths: list[int] = []  # the running rows' ``writes``, as the host knows them
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def clear(self) -> None:
+        self.writes.zero_()
+        self.lengths = []
+
+    def add(self, cache, length: int) -> None:
+        self.add_rows(cache, torch.ones(1, length, dtype=torch.long, device=self.writes.device))
+
+    def add_rows(self, cache, mask: torch.Tensor) -> None:
+        """Rows joining: ``cache`` (a ``DynamicCache``) of a prefill whose prompts were left-padded
+        to one length, ``mask`` [rows, length] 0 over the padding. Each row's positions are
+        copied to its slot's first columns."""
+        joining, length = mask.shape
+        first = self.rows
+        lengths = mask.sum(dim=1)
+        # column c of a row takes its prefill's column c + padding (the columns past its length, unread)
+        source = (torch.arange(length, device=mask.device)[None, :] + (length - lengths)[:, None]).clamp(max=length - 1)
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            index = source[:, None, :, None].expand_as(layer.keys)
+            keys[first:first + joining, :, :length].copy_(layer.keys.gather(2, index))
+            values[first:first + joining, :, :length].copy_(layer.values.gather(2, index))
+        self.writes[first:first + joining].copy_(lengths)
+        self.lengths.extend(lengths.tolist())
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep these rows, in this order, in the first slots."""
+        if not rows:
+            self.clear()
+            return
+        moved = next((slot for slot, row in enumerate(rows) if row != slot), None)
+        if moved is not None:  # the rows before it stay where they are
+            index = torch.tensor(rows[moved:], device=self.writes.device)
+            for buffer in (*self.keys, *self.values, self.writes):
+                buffer[moved:len(rows)].copy_(buffer.index_select(0, index))
+        self.writes[len(rows):].zero_()
+        self.lengths = [self.lengths[row] for row in rows]
+
+    def advance(self) -> None:
+        """Every running row wrote one more column."""
+        self.writes[:self.rows] += 1
+        self.lengths = [n + 1 for n in self.lengths]
+
+
+class _SlotLayers:
+    """What the talker's attention layers call as their cache (``update``): the first ``rows``
+    slots and ``width`` columns of a ``SlotCache``, each row's keys written at its own column."""
+
+    def __init__(self, cache: SlotCache, rows: int, width: int):
+        self.keys = [k[:rows, :, :width] for k in cache.keys]
+        self.values = [v[:rows, :, :width] for v in cache.values]
+        self.index: torch.Tensor | None = None  # [rows, heads, 1, head_dim]: each row's column
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *_) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer].scatter_(2, self.index, keys)
+        self.values[layer].scatter_(2, self.index, values)
+        return self.keys[layer], self.values[layer]
+
+
+class TalkerStep:
+    """One talker step for ``rows`` rows reading ``width`` columns, every tensor allocated once:
+    ``inputs`` [rows, 1, hidden] in; ``hidden`` (each row's last layer's state, the code
+    predictor's input) and ``logits`` (its first codebook's) out."""
+
+    def __init__(self, talker, cache: SlotCache, rows: int, width: int):
+        self.talker, self.cache, self.rows = talker, cache, rows
+        self.inputs = torch.zeros(rows, 1, talker.model.config.hidden_size, device=cache.writes.device,
+                                  dtype=cache.keys[0].dtype)
+        self.columns = torch.arange(width, device=cache.writes.device)
+        self.layers = _SlotLayers(cache, rows, width)
+        self.hidden = self.logits = None
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        writes = self.cache.writes[:self.rows]
+        key = self.cache.keys[0]
+        self.layers.index = writes.view(-1, 1, 1, 1).expand(self.rows, key.shape[1], 1, key.shape[3])
+        mask = (self.columns[None, :] <= writes[:, None])[:, None, None, :]  # its own positions and the new one
+        positions = writes[None, :, None].expand(3, -1, -1)  # a row's position is its column
+        out = self.talker.model(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
+                                past_key_values=self.layers, use_cache=True, output_hidden_states=True)
+        self.hidden = out.hidden_states[-1][:, -1:]
+        self.logits = self.talker.codec_head(out.last_hidden_state[:, -1])
+
+
+class TalkerSteps:
+    """The talker's steps over one ``SlotCache``: a ``TalkerStep`` per captured batch size (up to
+    ``max_rows``) and width (up to ``capacity``), each captured as a CUDA graph where ``capture``
+    (all in one memory pool: one replays at a time), run as they are otherwise."""
+
+    def __init__(self, talker, max_rows: int, capacity: int, capture: bool):
+        weight = talker.codec_head.weight
+        self.cache = SlotCache(talker.model.config, max_rows, capacity, weight.device, weight.dtype)
+        sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
+        widths = [w for w in (SMALLEST_WIDTH << k for k in range(32)) if w < capacity] + [capacity]
+        self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width) for rows in sizes for width in widths}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.device(weight.device):
+                for shape in sorted(self.steps, reverse=True):  # the largest first: the others fit in its pool
+                    self.graphs[shape] = _captured(self.steps[shape], pool)
+            self.cache.clear()  # the captures' runs wrote the padding slots' column 0
+
+    def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the running rows (``inputs`` [rows, 1, hidden], a row per slot): each
+        row's last layer's state [rows, 1, hidden] and first codebook's logits [rows, vocab]."""
+        rows, longest = inputs.shape[0], max(self.cache.lengths)
+        if rows != self.cache.rows:
+            raise RuntimeError(f"talker step of {rows} rows over a cache of {self.cache.rows}")
+        if longest >= self.cache.capacity:
+            raise RuntimeError(f"talker row at column {longest} of a cache of {self.cache.capacity}")
+        shape = min((n, w) for n, w in self.steps if n >= rows and w > longest)
+        step = self.steps[shape]
+        step.inputs[:rows].copy_(inputs)
+        if shape in self.graphs:
+            self.graphs[shape].replay()
+        else:
+            step.run()
+        self.cache.advance()
+        return step.hidden[:rows].clone(), step.logits[:rows].clone()
+
+
+def _captured(step: TalkerStep, pool) -> torch.cuda.CUDAGraph:
+    """``step`` run twice on a side stream (the kernels' lazy set-up), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step.run()
+    return graph
