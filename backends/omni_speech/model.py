@@ -13,11 +13,12 @@ import logging
 import time
 
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
-from triton_omni.channel import Cancellations
+from triton_omni.channel import Cancellations, ReplyReader
+from triton_omni.errors import RequestValidationError
 from triton_omni.speech.runner import SAMPLE_RATE, AudioChunk, SpeechRunner
 from triton_omni.triton import speech_io
 from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
-from triton_omni.triton.params import split_parameters
+from triton_omni.triton.params import reply_name, split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import read_inputs
 from triton_omni_protocol import SPEECH_INPUTS
@@ -48,13 +49,14 @@ class TritonPythonModel:
             try:
                 _, key, _ = split_parameters(request)
                 parsed = self.runner.parse(read_inputs(request, SPEECH_INPUTS))
+                reply = _open_reply(reply_name(request))
             except Exception as exc:
                 self.responses.fail(sender, exc, self.context, self.metrics, started)
                 continue
-            self.runner.loop.submit(self._speak(parsed, sender, key, started))
+            self.runner.loop.submit(self._speak(parsed, reply, sender, key, started))
         return None
 
-    async def _speak(self, request, sender, key: str | None, started: float) -> None:
+    async def _speak(self, request, reply: ReplyReader | None, sender, key: str | None, started: float) -> None:
         first = True
 
         def respond(chunk: AudioChunk) -> None:
@@ -68,10 +70,20 @@ class TritonPythonModel:
 
         async with self.responses.serving(sender, self.context, self.metrics, started,
                                           cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key)):
-            await self.runner.speak(request, respond)
+            await self.runner.speak(request, respond, reply)
 
     def finalize(self):
         self.runner.close()
         self.responses.stop()
         self.metrics = self.restarts = None
         release_families()
+
+
+def _open_reply(name: str | None) -> ReplyReader | None:
+    """The rest of a reply the ``omni`` scheduler is still writing (its ``omni_reply``), if any."""
+    if name is None:
+        return None
+    try:
+        return ReplyReader(name)
+    except FileNotFoundError:
+        raise RequestValidationError("omni_reply", "names no reply being written on this server", name) from None

@@ -12,8 +12,14 @@ one server shares:
 * cancellation: the scheduler creates ``<run dir>/<key>.cancel``; a stage
   checks for it between steps or tokens, next to its own ``is_cancelled``.
 
+* a reply as it is written: the scheduler writes the thinker's token ids
+  to ``<run dir>/<id>.reply`` as they come (a line of ids at a time, then
+  ``end``, or ``abort``), so that ``speech`` starts speaking at the reply's
+  first token; Triton streams a decoupled model's responses, never a
+  request's inputs.
+
 Keys and listener names are random 32-hex-digit ids sent as request
-parameters (``omni_key``, ``omni_progress``). Anything else is ignored, so a
+parameters (``omni_key``, ``omni_progress``, ``omni_reply``). Anything else is ignored, so a
 client setting those parameters can neither pick a path nor cancel a request
 whose key it does not know.
 """
@@ -34,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 KEY_PARAMETER = "omni_key"
 PROGRESS_PARAMETER = "omni_progress"
+REPLY_PARAMETER = "omni_reply"
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -142,3 +149,55 @@ class ProgressListener:
         if self._transport is not None:
             self._transport.close()
         self.path.unlink(missing_ok=True)
+
+
+class ReplyWriter:
+    """Scheduler side: a reply's token ids, a line at a time as the thinker writes them."""
+
+    def __init__(self, directory: Path | None = None):
+        self.name = new_id()
+        self.path = (directory or run_dir()) / f"{self.name}.reply"
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+
+    def add(self, token_ids: list[int]) -> None:
+        if token_ids:
+            self._write(" ".join(map(str, token_ids)))
+
+    def end(self, complete: bool = True) -> None:
+        """The reply is whole (``complete``), or will never be (the thinker failed or was cancelled)."""
+        if self._fd is not None:
+            self._write("end" if complete else "abort")
+            os.close(self._fd)
+            self._fd = None
+
+    def remove(self) -> None:
+        self.end(complete=False)
+        self.path.unlink(missing_ok=True)
+
+    def _write(self, line: str) -> None:
+        os.write(self._fd, f"{line}\n".encode())  # one write: O_APPEND keeps lines whole and in order
+
+
+class ReplyReader:
+    """Stage side: what a ``ReplyWriter`` has written so far (its lines read whole)."""
+
+    def __init__(self, name: str, directory: Path | None = None):
+        path = (directory or run_dir()) / f"{name}.reply"
+        self._fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: no such reply
+        self._partial = b""
+        self.state: str | None = None  # "end" or "abort" once written
+
+    def read(self) -> list[int]:
+        """The token ids written since the last call."""
+        ids: list[int] = []
+        while self.state is None and (data := os.read(self._fd, 65536)):
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for line in lines:
+                if line in (b"end", b"abort"):
+                    self.state = line.decode()
+                    break
+                ids += [int(token) for token in line.split()]
+        return ids
+
+    def close(self) -> None:
+        os.close(self._fd)

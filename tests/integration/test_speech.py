@@ -34,7 +34,8 @@ from tests.support.server import documented_metrics, metric_value
 
 PROMPT = "a red fox"
 THINKER = {"max_tokens": 8, "temperature": 0.0}
-TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 12, "talker_min_tokens": 3}
+# the end of speech held off to max_tokens: a fixed length, so that two voices' waveforms compare
+TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 12, "talker_min_tokens": 12}
 TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is about 5e-7
 
 
@@ -213,18 +214,22 @@ def test_the_speech_stage_refuses_an_empty_reply_and_prompt(speech_server):
             _stream(speech_server.grpc_url, "speech", **(base | values))
 
 
-def test_a_client_that_leaves_while_the_thinker_writes_stops_it_before_any_speech(speech_server):
-    """The thinker counts the request cancelled and the talker is never asked. The reply asked for
-    is the demo thinker's whole context: on starved cores its first thousand tokens were written
-    before the client read the first one (seen in CI, when the reply asked for was 800 tokens)."""
+def test_a_client_that_leaves_while_the_thinker_writes_stops_the_thinker_and_the_talker(speech_server):
+    """The talker starts at the reply's first token: a client that leaves then stops both (each
+    counts the request cancelled, neither finishes it), or the talker before it was asked. The
+    reply asked for is the demo thinker's whole context: on starved cores its first thousand
+    tokens were written before the client read the first one (seen in CI, when the reply asked
+    for was 800 tokens)."""
     client = OmniClient(speech_server.grpc_url)
     ar = functools.partial(metric_value, speech_server, "omni_ar_requests_total", model="ar")
+    speech = functools.partial(metric_value, speech_server, "omni_speech_requests_total", model="speech")
     _settle(speech_server)  # an earlier test's requests ended and counted
     cancelled, finished = ar(outcome="cancelled"), ar(outcome="success")
-    spoken = metric_value(speech_server, "omni_speech_requests_total", model="speech")
+    spoken, spoken_whole, spoken_cancelled = speech(), speech(outcome="success"), speech(outcome="cancelled")
     reply = THINKER_CONTEXT - 64  # the templated prompt fits in the rest
+    talker = TALKER | {"talker_max_tokens": 2000, "talker_min_tokens": 2000}  # speaking until the reply ends
     events = client.generate(PROMPT, modalities=["text", "audio"], max_tokens=reply, temperature=0.0,
-                             parameters={"min_tokens": reply, "ignore_eos": True}, **TALKER)
+                             parameters={"min_tokens": reply, "ignore_eos": True}, **talker)
     next(e for e in events if e.text)
     events.close()
     deadline = time.monotonic() + 30
@@ -233,7 +238,8 @@ def test_a_client_that_leaves_while_the_thinker_writes_stops_it_before_any_speec
         assert time.monotonic() < deadline, "the thinker never saw the cancellation"
         time.sleep(0.2)
     _settle(speech_server)
-    assert metric_value(speech_server, "omni_speech_requests_total", model="speech") == spoken  # never asked
+    assert speech(outcome="success") == spoken_whole  # the talker did not speak on
+    assert speech() - spoken == speech(outcome="cancelled") - spoken_cancelled <= 1
 
 
 def _settle(server, timeout_s: float = 30) -> None:

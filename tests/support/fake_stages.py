@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_omni.scheduler import AudioChunk, TextDelta
+from triton_omni.scheduler import AudioChunk, Reply, TextDelta
 
 
 @dataclass
@@ -27,6 +27,7 @@ class FakeStages:
     hang: set[str] = field(default_factory=set)  # stages that wait until cancelled
     calls: list[tuple[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    replies: list[list[int]] = field(default_factory=list)  # the whole reply each speak call read
 
     async def _enter(self, stage: str, argument: Any) -> None:
         self.calls.append((stage, argument))
@@ -49,8 +50,12 @@ class FakeStages:
     def chat_prompt(self, prompt: str) -> str:
         return f"<user>{prompt}<assistant>"
 
-    async def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
-        await self._enter("speak", (prompt, reply_ids, options))
+    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+        """Records the reply's tokens there at the call (``calls``) and the whole reply (``replies``)."""
+        await self._enter("speak", (prompt, list(reply.ids), options))
+        async for _ in reply.changes(len(reply.ids)):
+            pass
+        self.replies.append(list(reply.ids))
         for chunk in range(self.steps):
             await asyncio.sleep(0)
             yield AudioChunk(f"samples {chunk}", f"codes {chunk}", 24000)

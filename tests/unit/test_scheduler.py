@@ -157,7 +157,9 @@ def test_text_route_streams_the_ar_deltas_only():
 @pytest.mark.parametrize("modalities", [["text", "audio"], ["audio"]])
 def test_the_audio_route_speaks_the_thinkers_reply_in_its_chat_template(modalities):
     """The prompt in the chat template goes to ar, whose reply's token ids go to speech with its
-    options by the speech stage's names; the reply's text is sent only where text is asked for."""
+    options by the speech stage's names, from the reply's first token on (speech is called before
+    the thinker has finished, and reads the rest as it comes); the reply's text is sent only where
+    text is asked for."""
     from triton_omni.scheduler import AudioChunk, TextDelta
 
     stages = FakeStages()
@@ -166,9 +168,12 @@ def test_the_audio_route_speaks_the_thinkers_reply_in_its_chat_template(modaliti
     assert [e.text for e in events if isinstance(e, TextDelta)] == (list(stages.words) if "text" in modalities
                                                                     else [])
     assert [e.audio for e in events if isinstance(e, AudioChunk)] == [f"samples {i}" for i in range(stages.steps)]
-    assert stages.calls == [("generate", ("<user>a fox<assistant>", {"max_tokens": 3})),
-                            ("speak", ("<user>a fox<assistant>", [0, 1, 2],
-                                       {"voice": "ethan", "temperature": 0.0, "chunk_frames": 4}))]
+    [generate, (stage, (prompt, first, options))] = stages.calls
+    assert generate == ("generate", ("<user>a fox<assistant>", {"max_tokens": 3}))
+    assert (stage, prompt, options) == ("speak", "<user>a fox<assistant>",
+                                        {"voice": "ethan", "temperature": 0.0, "chunk_frames": 4})
+    assert stages.replies == [[0, 1, 2]]
+    assert 1 <= len(first) < 3 and first == [0, 1, 2][:len(first)]  # called before the reply was whole
 
 
 def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_progress():

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
+from triton_omni.channel import ReplyReader, ReplyWriter
 from triton_omni.demo_models import resolve_model
-from triton_omni.errors import RequestValidationError
+from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.speech import talker_graphs
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import TalkerBatcher
@@ -98,7 +99,7 @@ def test_audio_leaves_before_the_talker_has_finished(runner):
 
     steps = Steps()
     with talker_held(runner, first_chunk, after_steps=4):
-        [chunks] = speak(runner, request(runner, chunk_frames=2), steps=steps)
+        [chunks] = speak(runner, request(runner, chunk_frames=2, min_tokens=12), steps=steps)
     assert len(chunks) > 2 and steps[0] < steps[-1]
     audio, codes = joined(chunks)
     whole = runner.decoder.decode(torch.from_numpy(codes)).numpy()
@@ -318,7 +319,7 @@ def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
     finally:
         runner.batcher.stop()
         runner.batcher = slots
-    joins, arrived, all_in = [], [], threading.Event()
+    joins, arrived, three_in, all_in = [], [], threading.Event(), threading.Event()
     join_all, submit = slots._join_all, slots.submit
 
     def first_three_together(utterance):
@@ -328,10 +329,16 @@ def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
                 for each in arrived:
                     submit(each)
         elif len(arrived) == 4:
+            three_in.wait(timeout=30)  # (the talker's thread joins them without this loop)
             submit(utterance)
             all_in.set()
 
-    slots._join_all = lambda utterances: joins.append(len(utterances)) or join_all(utterances)
+    def counted(utterances):
+        joins.append(len(utterances))
+        join_all(utterances)
+        three_in.set()
+
+    slots._join_all = counted
     slots.submit = first_three_together
     with talker_held(runner, all_in, after_steps=2):  # the fourth joins at the third step
         together = [joined(chunks) for chunks in speak(runner, *spoken)]
@@ -387,3 +394,61 @@ def test_talker_max_len_bounds_a_default_max_tokens_and_refuses_a_given_one(runn
 def test_a_talker_max_len_below_two_fails_the_load():
     with pytest.raises(ValueError, match="talker_max_len must be at least 2"):
         SpeechConfig(talker_max_len=1)
+
+
+@pytest.mark.parametrize("slot_cache", [False, True])
+def test_a_reply_still_being_written_speaks_as_the_whole_reply(runner, tmp_path, slot_cache):
+    """The thinker's reply reaching the talker a token at a time, slower than it steps (it waits,
+    alone and beside an utterance whose reply is whole): the codes and waveform of the whole reply
+    given at once, on either KV cache."""
+    reply = (40, 41, 42, 43, 44, 45, 46, 3)
+    whole = request(runner, reply=reply, min_tokens=12)
+    first = request(runner, reply=reply[:1], min_tokens=12)
+    other = request(runner, "a small boat", (50, 51, 3), voice="chelsie")
+    eager, runner.batcher = runner.batcher, TalkerBatcher(runner.talker, 4, cuda_graphs=False, max_len=256,
+                                                          slot_cache=slot_cache)
+    try:
+        alone = [joined(speak(runner, r)[0]) for r in (whole, other)]
+        writer = ReplyWriter(tmp_path)
+
+        async def written_slowly():
+            for token in reply[1:]:
+                await asyncio.sleep(0.03)  # a step takes a few ms here: the talker waits for each token
+                writer.add([token])
+            writer.end()
+
+        async def spoken():
+            chunks: list[list] = [[], []]
+            await asyncio.gather(runner.speak(first, chunks[0].append, ReplyReader(writer.name, tmp_path)),
+                                 runner.speak(other, chunks[1].append), written_slowly())
+            return chunks
+
+        together = [joined(chunks) for chunks in runner.loop.run(spoken())]
+        waits = runner.batcher.waits
+    finally:
+        runner.batcher.stop()
+        runner.batcher = eager
+    for (audio, codes), (audio_alone, codes_alone) in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(codes, codes_alone)
+        assert np.abs(audio - audio_alone).max() < 1e-5
+    assert waits > 0
+
+
+def test_an_aborted_reply_ends_its_speech(runner, tmp_path):
+    """The thinker failed (the scheduler wrote ``abort``): the utterance ends, cancelled."""
+    writer = ReplyWriter(tmp_path)
+
+    async def aborted():
+        chunks: list = []
+
+        async def abort_soon():
+            await asyncio.sleep(0.05)
+            writer.remove()
+
+        await asyncio.gather(runner.speak(request(runner, reply=(40,), min_tokens=12), chunks.append,
+                                          ReplyReader(writer.name, tmp_path)), abort_soon())
+        return chunks
+
+    with pytest.raises(RequestCancelledError):
+        runner.loop.run(aborted())
+    assert not writer.path.exists()

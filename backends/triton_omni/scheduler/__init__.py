@@ -10,6 +10,7 @@ from triton_omni.scheduler.scheduler import (
     ImageResult,
     OmniScheduler,
     Progress,
+    Reply,
     Stages,
     TextDelta,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "OmniRequest",
     "OmniScheduler",
     "Progress",
+    "Reply",
     "SchedulerLimits",
     "Stages",
     "TextDelta",

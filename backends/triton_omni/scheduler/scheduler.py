@@ -10,10 +10,12 @@ Routes come from the request, never from a flag in the code:
   (streamed as ``EnhancedPrompt`` deltas), then encode and diffuse;
 * ``["text", "image"]``: both branches at once, merged into one stream;
 * ``["audio"]`` (with ``"text"`` or without): the prompt in the model's chat
-  template, ``ar`` (the thinker) streams the reply, then ``speech`` speaks
-  it, streaming audio chunks; the reply's text deltas are sent when
-  ``"text"`` is asked for too. The two stages overlap in time (the audio
-  streams while the talker speaks), which an ensemble cannot express.
+  template, ``ar`` (the thinker) streams the reply, and ``speech`` speaks
+  it from its first token on (``Reply``: the tokens reach the talker as the
+  thinker writes them), streaming audio chunks; the reply's text deltas are
+  sent when ``"text"`` is asked for too. The stages overlap in time (the
+  talker speaks while the thinker writes, the audio streams while the
+  talker speaks), which an ensemble cannot express.
 
 The scheduler yields events; the adapter turns them into responses.
 """
@@ -69,6 +71,43 @@ class AudioChunk:
 Event = TextDelta | EnhancedPrompt | Progress | ImageResult | AudioChunk
 
 
+class Reply:
+    """The thinker's reply as it is written: its token ids so far, and whether it has ended."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, token_ids: list[int]) -> None:
+        self.ids += token_ids
+        self._changed.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._changed.set()
+
+    async def started(self) -> None:
+        """Once the reply has a token, or has ended without one."""
+        while not (self.ids or self.ended):
+            await self._wait()
+
+    async def changes(self, sent: int = 0) -> AsyncIterator[list[int]]:
+        """The token ids past the first ``sent``, as they are added, until the reply ends."""
+        while True:
+            if sent < len(self.ids):
+                new, sent = self.ids[sent:], len(self.ids)
+                yield new
+            elif self.ended:
+                return
+            else:
+                await self._wait()
+
+    async def _wait(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+
 # -- what the scheduler needs from the stages --------------------------------------
 
 
@@ -84,7 +123,9 @@ class Stages(Protocol):
         """``prompt`` as the speaking model's user turn, in its chat template, ready for its reply."""
         ...
 
-    def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]: ...
+    def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+        """``reply`` spoken from its first token on (it is still being written)."""
+        ...
 
     async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
         """The prompt's embeddings and its negative side's (``negative_prompt`` None: absent);
@@ -145,13 +186,23 @@ class OmniScheduler:
 
     async def _speech(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         prompt = self.stages.chat_prompt(request.prompt)
-        reply: list[int] = []
-        async for delta in self.stages.generate(prompt, request.text_options, token_ids=True):
-            reply += delta.token_ids
-            if request.wants_text and (delta.text or delta.finish_reason):
-                emit(delta)
-        async for chunk in self.stages.speak(prompt, reply, request.speech_options):
-            emit(chunk)
+        reply = Reply()
+
+        async def think() -> None:
+            async for delta in self.stages.generate(prompt, request.text_options, token_ids=True):
+                reply.add(delta.token_ids)
+                if request.wants_text and (delta.text or delta.finish_reason):
+                    emit(delta)
+            reply.end()
+
+        async def speak() -> None:
+            await reply.started()
+            async for chunk in self.stages.speak(prompt, reply, request.speech_options):
+                emit(chunk)
+
+        async with asyncio.TaskGroup() as group:  # a failing thinker cancels the speech, and the other way
+            group.create_task(think())
+            group.create_task(speak())
 
     async def _images(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
         prompt = await self._enhanced(request, emit) if request.enhance_prompt else request.prompt

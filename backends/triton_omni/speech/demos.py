@@ -44,8 +44,11 @@ def build_tiny_qwen3_omni(out: Path) -> None:
     # At random init the talker is blind to its conditioning (greedy codes the same for any prompt or
     # voice) and the decoder nearly silent (about 3e-7): the talker's layers scaled by 3 and the
     # decoder's convolutions by 6, another prompt, voice or seed moves the waveform by more than half
-    # of full scale at its peak (tests/unit/test_speech_demo.py holds it above 0.1)
+    # of full scale at its peak (tests/unit/test_speech_demo.py holds it above 0.1). Its text projection
+    # scaled again by 4 (its two layers: 16): the reply's tokens, read one a step, moved 1 code of 44
+    # without it, 29 to 33 with it (another reply), 15 for one token changed
     amplify(model.talker, 3.0)
+    amplify(model.talker.text_projection, 4.0)
     with torch.no_grad():
         for layer in model.code2wav.modules():
             if isinstance(layer, torch.nn.Conv1d | torch.nn.ConvTranspose1d):

@@ -27,7 +27,9 @@ import torch
 
 from triton_omni.aio import EventLoopThread
 from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.channel import ReplyReader
 from triton_omni.demo_models import resolve_model
+from triton_omni.errors import RequestCancelledError
 from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
 from triton_omni.speech.talker import TALKER_DEFAULTS, TALKER_MAX_LEN, Qwen3Talker, TalkerBatcher, Utterance
@@ -40,6 +42,8 @@ DEFAULT_CHUNK_FRAMES = 8  # Qwen3-Omni: 0.64 s of audio a chunk
 # The first chunk sooner: its audio leaves after two talker steps, not eight (the chunks still join
 # into the whole decode's samples, whatever their sizes: codec.py)
 DEFAULT_FIRST_CHUNK_FRAMES = 2
+# how often a reply still being written is read: a thinker's token every few ms, a talker's step every 20 or so
+REPLY_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ class SpeechRunner:
         # the talker's prompts are built off the event loop, one at a time
         self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-speech-prompt")
         self._lock = threading.Lock()
+        self._following: dict[Utterance, ReplyReader] = {}  # replies still being written (the loop's)
+        self._follower: asyncio.Task | None = None
         self.counters = {"started": 0, "finished": 0, "cancelled": 0, "chunks": 0}
         logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames", folder, self.device,
                     sorted(self.voices), self.decoder.lookback)
@@ -112,19 +118,28 @@ class SpeechRunner:
         """The prompt's token ids as the thinker (``ar``) read them: the same tokenizer, its special tokens."""
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    async def speak(self, request: SpeechRequest, on_chunk: Callable[[AudioChunk], None]) -> None:
+    async def speak(self, request: SpeechRequest, on_chunk: Callable[[AudioChunk], None],
+                    reply: ReplyReader | None = None) -> None:
         """Speak ``request`` on this runner's loop, handing each chunk to ``on_chunk`` as it is
-        decoded; cancelled, the talker drops the utterance at its next step."""
+        decoded; cancelled, the talker drops the utterance at its next step. ``reply``: the rest
+        of a reply still being written (``request.reply_ids`` its first tokens), read as it comes."""
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue = asyncio.Queue()
-        prompt = await loop.run_in_executor(
-            self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
-                                                      request.voice))
+        try:
+            prompt = await loop.run_in_executor(
+                self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
+                                                          request.voice, whole=reply is None))
+        except BaseException:
+            if reply is not None:
+                reply.close()
+            raise
         options = self._bounded(request, len(prompt.embeds))
         utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
         stream = self.decoder.stream()
         self._count("started")
         self.batcher.submit(utterance)
+        if reply is not None:
+            self._follow(reply, utterance)
         try:
             pending: list[list[int]] = []
             wanted = request.first_chunk_frames
@@ -132,6 +147,8 @@ class SpeechRunner:
                 item = await frames.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item is None and utterance.reason == "abort":  # its reply aborted, or the stage stopping
+                    raise RequestCancelledError("the speech was stopped before its end")
                 if item is not None:
                     pending.append(item)
                     if len(pending) < wanted:
@@ -150,6 +167,37 @@ class SpeechRunner:
             utterance.cancel()
             self._count("cancelled")
             raise
+        finally:
+            if reply is not None:
+                self._following.pop(utterance, None)
+                reply.close()
+
+    def _follow(self, reply: ReplyReader, utterance: Utterance) -> None:
+        """Read ``reply`` into ``utterance``'s prompt as it is written (on this loop, one task for
+        every reply still being written)."""
+        self._following[utterance] = reply
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.create_task(self._follow_all())
+
+    async def _follow_all(self) -> None:
+        """Every ``REPLY_POLL_S``, the new tokens of each reply still being written into its
+        utterance's prompt, then its end; an aborted reply (the thinker failed) cancels its
+        utterance. The talker is woken where a reply grew."""
+        while self._following:
+            grew = False
+            for utterance, reply in list(self._following.items()):
+                if ids := reply.read():
+                    utterance.prompt.extend(self.talker.reply_states(ids))
+                if reply.state == "end":
+                    utterance.prompt.finish(self.talker.end_state)
+                elif reply.state == "abort":
+                    utterance.cancel()
+                if reply.state or utterance.done:
+                    del self._following[utterance]
+                grew = grew or bool(ids) or reply.state is not None
+            if grew:
+                self.batcher.wake()
+            await asyncio.sleep(REPLY_POLL_S)
 
     def _bounded(self, request: SpeechRequest, prompt_length: int) -> SamplingOptions:
         """The talker's options with room for the prompt and ``max_tokens`` in ``talker_max_len``

@@ -52,10 +52,30 @@ TALKER_MAX_LEN = 5120
 
 @dataclass
 class TalkerPrompt:
-    """What the talker reads for one reply: its prompt, then one trailing state a step."""
+    """What the talker reads for one reply: its prompt, then one trailing state a step: the
+    reply's tokens after the first but its last, then the end-of-text marker, as ``generate``
+    reads them (its thinker's embeddings stop at the last token the thinker was fed, which is
+    the one before the last it wrote). While the thinker is still writing the reply, ``trailing``
+    grows (``extend``: a token is read once the next one is there) until it is whole (``finish``);
+    a row whose next state is not there yet waits (``ready``)."""
 
     embeds: torch.Tensor  # [length, width]
-    trailing: torch.Tensor  # [reply tokens after the first, then the end-of-text marker, width]
+    trailing: list[torch.Tensor]  # [width] each
+    whole: bool = True  # the end-of-text marker is in ``trailing``
+    held: torch.Tensor | None = None  # the latest token's state, read only if another token follows
+
+    def extend(self, states: torch.Tensor) -> None:
+        states = ([self.held] if self.held is not None else []) + list(states.unbind(0))
+        self.trailing.extend(states[:-1])  # appended before ``whole`` is set: the talker's thread reads both
+        self.held = states[-1]
+
+    def finish(self, end_state: torch.Tensor) -> None:
+        self.trailing.append(end_state)
+        self.whole = True
+
+    def ready(self, step: int) -> bool:
+        """Whether the talker's step ``step`` (counted from 0 after the prefill) has what it reads."""
+        return self.whole or step < len(self.trailing)
 
 
 class Qwen3Talker:
@@ -84,9 +104,21 @@ class Qwen3Talker:
         return self.talker.get_input_embeddings()(torch.tensor(codes, device=self.device))
 
     @torch.inference_mode()
-    def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str) -> TalkerPrompt:
+    def reply_states(self, token_ids: list[int]) -> torch.Tensor:
+        """More of a reply's tokens as the talker reads them, one a step: [tokens, width]."""
+        return self._project(token_ids)
+
+    @property
+    def end_state(self) -> torch.Tensor:
+        """The state the talker reads after a reply's last token (its end-of-text marker)."""
+        return self._project([self.config.tts_eos_token_id])[0]
+
+    @torch.inference_mode()
+    def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True) -> TalkerPrompt:
         """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
-        user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn."""
+        user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn.
+        ``whole``: ``reply_ids`` is the whole reply; else its first tokens (at least one), the
+        rest to come (``TalkerPrompt.extend``)."""
         cfg = self.config
         user = [i for i in range(len(prompt_ids))
                 if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
@@ -101,7 +133,12 @@ class Qwen3Talker:
                                                 codec.codec_think_eos_id, self.voices[voice], codec.codec_pad_id,
                                                 codec.codec_bos_id])])
         embeds = torch.cat([self._project([prompt_ids[i] for i in user]), opening_text + opening_codec])
-        return TalkerPrompt(embeds, torch.cat([assistant[4:], eos[None]]))
+        if whole:
+            return TalkerPrompt(embeds, [*assistant[4:-1].unbind(0), eos])
+        prompt = TalkerPrompt(embeds, [], whole=False)
+        if len(assistant) > 4:
+            prompt.extend(assistant[4:])
+        return prompt
 
     @property
     def pad(self) -> torch.Tensor:
@@ -116,7 +153,7 @@ def _role_at(ids: list[int], position: int, im_start: int) -> int | None:
     return None
 
 
-@dataclass
+@dataclass(eq=False)  # one utterance is itself only (the runner keys what it follows by it)
 class Utterance:
     """One reply being spoken: its prompt, its options, where its frames go.
 
@@ -189,6 +226,7 @@ class TalkerBatcher(ContinuousBatch):
             self._cache = self.talker_steps.cache
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
+        self.waits = 0  # rows left out of a step (or of a wait for one), waiting for their reply's next token
         self._start()
 
     def submit(self, utterance: Utterance) -> None:
@@ -249,30 +287,57 @@ class TalkerBatcher(ContinuousBatch):
 
     def _step(self) -> None:
         rows = self.rows
-        first = torch.tensor([[u.output_ids[-1]] for u in rows], device=self.device)
-        first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
-        residual, residual_embeds = self._predict_residuals(self._hidden, first_embeds, rows)
-        for utterance, codes in zip(rows, residual.tolist(), strict=True):
-            utterance.emit([utterance.output_ids[-1], *codes])
         # a row's steps since its prefill: one code drawn at the prefill, one at each step since
         steps = [len(u.output_ids) - 1 for u in rows]
+        ready = [u.prompt.ready(s) for u, s in zip(rows, steps, strict=True)]
+        if not any(ready):  # every row waits for its thinker's next token (``wake``), or for a new row
+            self.waits += len(rows)
+            with self._wake:
+                if not self._pending:
+                    self._wake.wait(timeout=0.05)
+            return
+        moving = None if all(ready) else torch.tensor([i for i, r in enumerate(ready) if r], device=self.device)
+        if moving is not None:
+            self.waits += len(rows) - len(moving)
+            rows = [u for u, r in zip(rows, ready, strict=True) if r]
+            steps = [s for s, r in zip(steps, ready, strict=True) if r]
+        first = torch.tensor([[u.output_ids[-1]] for u in rows], device=self.device)
+        first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
+        hidden = self._hidden if moving is None else self._hidden.index_select(0, moving)
+        residual, residual_embeds = self._predict_residuals(hidden, first_embeds, rows)
+        for utterance, codes in zip(rows, residual.tolist(), strict=True):
+            utterance.emit([utterance.output_ids[-1], *codes])
         trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
                     for u, s in zip(rows, steps, strict=True)]
         inputs = first_embeds + residual_embeds + torch.stack(trailing)[:, None]
-        self._hidden, logits = self._talker_forward(inputs, rows, steps)
+        if moving is None:
+            self._hidden, logits = self._talker_forward(inputs, rows, steps)
+        else:  # the waiting rows' passes are made and thrown away: their caches do not keep them
+            everyone = self._hidden.new_zeros(len(ready), *inputs.shape[1:]).index_copy_(0, moving, inputs)
+            hidden, logits = self._talker_forward(everyone, self.rows, [len(u.output_ids) - 1 for u in self.rows],
+                                                  ready)
+            self._hidden = self._hidden.index_copy(0, moving, hidden.index_select(0, moving))
+            logits = logits.index_select(0, moving)
         self.steps += 1
         self._accept(rows, logits)
 
-    def _talker_forward(self, inputs: torch.Tensor, rows: list[Utterance], steps: list[int]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def wake(self) -> None:
+        """A waiting row's reply has grown (``TalkerPrompt.extend``): step again."""
+        with self._wake:
+            self._wake.notify()
+
+    def _talker_forward(self, inputs: torch.Tensor, rows: list[Utterance], steps: list[int],
+                        kept: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The talker's pass over ``inputs`` [rows, 1, hidden]: each row's last layer's state and
         first codebook's logits; over the ``SlotCache`` (replayed as a CUDA graph on a GPU) or the
-        ``PaddedCache``."""
+        ``PaddedCache``. ``kept``: the rows whose new position the cache keeps (all by default)."""
         if self.talker_steps is not None:
-            return self.talker_steps(inputs)
+            return self.talker_steps(inputs, kept)
         positions = torch.tensor([len(u.prompt.embeds) + s for u, s in zip(rows, steps, strict=True)],
                                  device=self.device)[None, :, None].expand(3, -1, -1)
         mask = self._cache.extend()
+        if kept is not None:  # a row's position not kept: hidden from its later steps
+            mask[:, -1] = torch.tensor(kept, device=self.device)
         out = self.model.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                past_key_values=self._cache.cache, use_cache=True, output_hidden_states=True)
         return out.hidden_states[-1][:, -1:], self.model.codec_head(out.last_hidden_state[:, -1])

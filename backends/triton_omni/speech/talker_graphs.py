@@ -83,10 +83,15 @@ class SlotCache:
         self.writes[len(rows):].zero_()
         self.lengths = [self.lengths[row] for row in rows]
 
-    def advance(self) -> None:
-        """Every running row wrote one more column."""
-        self.writes[:self.rows] += 1
-        self.lengths = [n + 1 for n in self.lengths]
+    def advance(self, kept: list[bool] | None = None) -> None:
+        """Every running row (each ``kept`` one) wrote one more column; a row not kept writes its
+        next step at the same column again."""
+        if kept is None:
+            self.writes[:self.rows] += 1
+            self.lengths = [n + 1 for n in self.lengths]
+        else:
+            self.writes[:self.rows] += torch.tensor(kept, device=self.writes.device)
+            self.lengths = [n + keep for n, keep in zip(self.lengths, kept, strict=True)]
 
 
 class _SlotLayers:
@@ -149,9 +154,10 @@ class TalkerSteps:
                     self.graphs[shape] = _captured(self.steps[shape], pool)
             self.cache.clear()  # the captures' runs wrote the padding slots' column 0
 
-    def __call__(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: torch.Tensor, kept: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the running rows (``inputs`` [rows, 1, hidden], a row per slot): each
-        row's last layer's state [rows, 1, hidden] and first codebook's logits [rows, vocab]."""
+        row's last layer's state [rows, 1, hidden] and first codebook's logits [rows, vocab].
+        ``kept``: the rows whose new position the cache keeps (all by default)."""
         rows, longest = inputs.shape[0], max(self.cache.lengths)
         if rows != self.cache.rows:
             raise RuntimeError(f"talker step of {rows} rows over a cache of {self.cache.rows}")
@@ -164,7 +170,7 @@ class TalkerSteps:
             self.graphs[shape].replay()
         else:
             step.run()
-        self.cache.advance()
+        self.cache.advance(kept)
         return step.hidden[:rows].clone(), step.logits[:rows].clone()
 
 

@@ -102,7 +102,7 @@ def split_parameters(request) -> tuple[dict[str, Any], str | None, str | None]:
     ``parameters``, the keys of an HTTP ``/generate`` body that are not
     inputs); the channel ids are set by the ``omni`` scheduler on the requests
     it sends (see ``triton_omni.channel``), else None."""
-    from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, valid_id
+    from triton_omni.channel import KEY_PARAMETER, PROGRESS_PARAMETER, REPLY_PARAMETER, valid_id
     from triton_omni.errors import RequestValidationError
 
     try:
@@ -110,8 +110,16 @@ def split_parameters(request) -> tuple[dict[str, Any], str | None, str | None]:
     except json.JSONDecodeError:
         raise RequestValidationError("parameters", "request parameters are not valid JSON", None,
                                      show_value=False) from None
-    client = {key: value for key, value in params.items() if key not in (KEY_PARAMETER, PROGRESS_PARAMETER)}
+    client = {key: value for key, value in params.items()
+              if key not in (KEY_PARAMETER, PROGRESS_PARAMETER, REPLY_PARAMETER)}
     return client, valid_id(params.get(KEY_PARAMETER)), valid_id(params.get(PROGRESS_PARAMETER))
+
+
+def reply_name(request) -> str | None:
+    """The ``ReplyWriter`` the scheduler writes the rest of a reply to (``omni_reply``), if any."""
+    from triton_omni.channel import REPLY_PARAMETER, valid_id
+
+    return valid_id(json.loads(request.parameters() or "{}").get(REPLY_PARAMETER))
 
 
 def channel_ids(request) -> tuple[str | None, str | None]:

@@ -33,13 +33,15 @@ from triton_omni_protocol import SPEECH_INPUTS, STATUS_NAMES, diffusion_inputs, 
 from triton_omni.channel import (
     KEY_PARAMETER,
     PROGRESS_PARAMETER,
+    REPLY_PARAMETER,
     Cancellations,
     ProgressListener,
+    ReplyWriter,
     new_id,
     restart_count,
 )
 from triton_omni.errors import RequestValidationError, StageError
-from triton_omni.scheduler import AudioChunk, TextDelta
+from triton_omni.scheduler import AudioChunk, Reply, TextDelta
 
 _SCALAR_TYPES = {spec.name: spec.numpy_dtype for spec in diffusion_inputs() if spec.kind == "scalar"}
 _SPEECH_TYPES = {spec.name: spec.numpy_dtype for spec in SPEECH_INPUTS if spec.kind == "scalar"}
@@ -115,24 +117,37 @@ class TritonStages:
             self._chat_template = ChatTemplate.of_model(Path(resolve_model(self.speech_checkpoint)))
         return self._chat_template.render([{"role": "user", "content": prompt}])
 
-    async def speak(self, prompt: str, reply_ids: list[int], options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
-        """The reply spoken by ``speech``, chunk by chunk as it streams them."""
+    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+        """The reply spoken by ``speech``, chunk by chunk as it streams them. The request carries the
+        reply's tokens so far; while it is still being written, the rest follow through a
+        ``ReplyWriter`` (``omni_reply``), which the talker reads as it needs them."""
         key = new_id()
         model = self.models["speech"]
         inputs = [_text("text_input", prompt, batched=False),
-                  pb_utils.Tensor("reply_ids", np.array(reply_ids, dtype=np.int64))]
+                  pb_utils.Tensor("reply_ids", np.array(reply.ids, dtype=np.int64))]
         inputs += [_text(name, value, batched=False) if isinstance(value, str)
                    else pb_utils.Tensor(name, np.array([value], dtype=_SPEECH_TYPES[name]))
                    for name, value in options.items()]
+        parameters = {KEY_PARAMETER: key}
+        writer = None if reply.ended else ReplyWriter()
+        if writer is not None:
+            parameters[REPLY_PARAMETER] = writer.name
         request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
                                             requested_output_names=["audio", "codes", "sample_rate"],
-                                            parameters={KEY_PARAMETER: key})
-        async for response in self._stream(key, model, request):
-            audio = pb_utils.get_output_tensor_by_name(response, "audio")
-            if audio is None or audio.as_numpy().size == 0:
-                continue  # the empty final response, or a last chunk whose frames were all sent
-            rate = int(pb_utils.get_output_tensor_by_name(response, "sample_rate").as_numpy().reshape(-1)[0])
-            yield AudioChunk(audio, pb_utils.get_output_tensor_by_name(response, "codes"), rate)
+                                            parameters=parameters)
+        feeding = asyncio.create_task(_feed(reply, len(reply.ids), writer)) if writer is not None else None
+        try:
+            async for response in self._stream(key, model, request):
+                audio = pb_utils.get_output_tensor_by_name(response, "audio")
+                if audio is None or audio.as_numpy().size == 0:
+                    continue  # the empty final response, or a last chunk whose frames were all sent
+                rate = int(pb_utils.get_output_tensor_by_name(response, "sample_rate").as_numpy().reshape(-1)[0])
+                yield AudioChunk(audio, pb_utils.get_output_tensor_by_name(response, "codes"), rate)
+        finally:
+            if feeding is not None:
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
+                writer.remove()  # "abort" first, unless the reply ended
 
     async def encode(self, prompt: str, negative_prompt: str | None,
                      images: list[bytes]) -> tuple[TritonEmbeds, TritonEmbeds]:
@@ -192,17 +207,18 @@ class TritonStages:
         restarts = restart_count(model)  # read once per stream, not once per response
         responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
         while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda: _drain(responses))) is not None:
+                                            rest=lambda last: _drain(responses, last))) is not None:
             _raise_if_error(model, response)
             yield response
 
     async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None,
-                    rest: Callable[[], None] | None = None) -> Any:
+                    rest: Callable[[Any], None] | None = None) -> Any:
         """Run a blocking BLS call to ``model``. If the caller is cancelled
         meanwhile, the downstream request is flagged cancelled; the flag is
         removed once the call has returned, and, for a stream (``rest``: read
-        the stream's remaining responses), once the stream has ended: its
-        next response may come before the stage has seen the flag. If
+        the stream's remaining responses, given what the call returned), once
+        the stream has ended: its next response may come before the stage has
+        seen the flag. If
         ``model`` restarts meanwhile (its count moves from ``restarts``, read
         now if not given), the call fails with UNAVAILABLE: its answer will
         never come."""
@@ -218,11 +234,10 @@ class TritonStages:
             self.cancellations.cancel(key)
 
             def settle(done) -> None:
-                done.exception()
-                if rest is None:
+                if done.exception() is not None or rest is None:
                     self.cancellations.forget(key)
                 else:
-                    self.pool.submit(lambda: (rest(), self.cancellations.forget(key)))
+                    self.pool.submit(lambda: (rest(done.result()), self.cancellations.forget(key)))
 
             future.add_done_callback(settle)
             raise
@@ -245,8 +260,20 @@ def _raise_if_error(model: str, response) -> None:
     raise StageError(model, status, message)
 
 
-def _drain(responses) -> None:
-    """Read a cancelled stream to its end (its last response: the stage's CANCELLED)."""
+async def _feed(reply: Reply, sent: int, writer: ReplyWriter) -> None:
+    """The reply's tokens past the first ``sent`` to ``writer`` as they come, then its end."""
+    async for ids in reply.changes(sent):
+        writer.add(ids)
+    writer.end()
+
+
+def _drain(responses, last: Any = ...) -> None:
+    """Read a cancelled stream to its end (its last response: the stage's CANCELLED), unless the
+    call that was under way when it was cancelled (``last``: what it returned) had read that end
+    already: None (the stream had ended) or an error (a stage's error is its stream's last
+    response: reading on would wait forever)."""
+    if last is None or (last is not ... and last.has_error()):
+        return
     for _ in responses:
         pass
 
