@@ -9,9 +9,10 @@ vLLM backend does.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -40,3 +41,58 @@ class EventLoopThread:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+class DaemonPool(Executor):
+    """A thread pool whose threads do not keep the process alive. ``ThreadPoolExecutor`` joins its
+    threads when the interpreter exits, so one thread blocked for good (a BLS stream whose
+    responses stopped coming: a stage's stub died, or the stream was cancelled and Triton
+    delivers no more of it) keeps a stub from ever exiting, and its server's shutdown waits out
+    Triton's exit timeout. Threads start as work needs them, up to ``max_workers``."""
+
+    def __init__(self, max_workers: int, name: str):
+        self._max, self._name = max_workers, name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # a permit per thread waiting for work
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], /, *args, **kwargs) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._work.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # the caller's to see
+                    future.set_exception(exc)
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._work.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()

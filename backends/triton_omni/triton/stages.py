@@ -14,15 +14,16 @@ forgets them with the stub). While a call waits, it watches the stage's
 restart count, which the launcher's supervisor raises as soon as it finds
 the stub dead: the call then fails with UNAVAILABLE within a second or so,
 instead of the client waiting for its own deadline. (The thread blocked in
-that ``exec`` stays blocked: one of the pool's threads per lost request.)
+that ``exec`` stays blocked: one of the pool's threads per lost request, a
+daemon thread, so that it does not keep the stub from exiting.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from triton_omni_protocol import SPEECH_INPUTS, STATUS_NAMES, diffusion_inputs, parse_status
 
+from triton_omni.aio import DaemonPool
 from triton_omni.channel import (
     KEY_PARAMETER,
     PROGRESS_PARAMETER,
@@ -45,6 +47,10 @@ from triton_omni.scheduler import AudioChunk, Reply, TextDelta
 
 _SCALAR_TYPES = {spec.name: spec.numpy_dtype for spec in diffusion_inputs() if spec.kind == "scalar"}
 _SPEECH_TYPES = {spec.name: spec.numpy_dtype for spec in SPEECH_INPUTS if spec.kind == "scalar"}
+
+
+# how long a cancelled stream's flag stays for its stage to see, at most, if its end never comes
+DRAIN_WAIT_S = 30.0
 
 
 class TritonEmbeds:
@@ -77,7 +83,7 @@ class TritonStages:
         self.restart_poll_s = restart_poll_s
         self.progress = progress
         self.cancellations = cancellations
-        self.pool = ThreadPoolExecutor(max_threads, thread_name_prefix="omni-bls")
+        self.pool = DaemonPool(max_threads, "omni-bls")
 
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
                        ) -> AsyncIterator[TextDelta]:
@@ -236,8 +242,15 @@ class TritonStages:
             def settle(done) -> None:
                 if done.exception() is not None or rest is None:
                     self.cancellations.forget(key)
-                else:
-                    self.pool.submit(lambda: (rest(done.result()), self.cancellations.forget(key)))
+                    return
+                # on a thread of its own, not the pool's: after a cancellation Triton may hand over no
+                # more of the stream (seen when the client leaves: the stage sends its last response,
+                # it never arrives), and a drain blocked for good would hold a pool thread for good
+                threading.Thread(target=lambda: (rest(done.result()), self.cancellations.forget(key)),
+                                 name="omni-bls-drain", daemon=True).start()
+                timer = threading.Timer(DRAIN_WAIT_S, self.cancellations.forget, (key,))
+                timer.daemon = True
+                timer.start()
 
             future.add_done_callback(settle)
             raise
