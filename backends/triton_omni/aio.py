@@ -73,12 +73,18 @@ class DaemonPool(Executor):
     def _serve(self) -> None:
         while (item := self._work.get()) is not None:
             future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # the caller's to see
-                    future.set_exception(exc)
-            self._idle.release()
+            if not future.set_running_or_notify_cancel():
+                self._idle.release()
+                continue
+            try:
+                result, error = fn(*args, **kwargs), None
+            except BaseException as exc:  # the caller's to see
+                result, error = None, exc
+            self._idle.release()  # idle before the caller hears: its next submit finds this thread
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:

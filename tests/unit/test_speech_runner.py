@@ -451,4 +451,4 @@ def test_an_aborted_reply_ends_its_speech(runner, tmp_path):
 
     with pytest.raises(RequestCancelledError):
         runner.loop.run(aborted())
-    assert not writer.path.exists()
+    assert not runner._following  # the reply no longer followed

@@ -129,15 +129,15 @@ class SpeechRunner:
             prompt = await loop.run_in_executor(
                 self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
                                                           request.voice, whole=reply is None))
+            options = self._bounded(request, len(prompt.embeds))
+            utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
+            self.batcher.submit(utterance)
         except BaseException:
             if reply is not None:
                 reply.close()
             raise
-        options = self._bounded(request, len(prompt.embeds))
-        utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
         stream = self.decoder.stream()
         self._count("started")
-        self.batcher.submit(utterance)
         if reply is not None:
             self._follow(reply, utterance)
         try:
@@ -183,17 +183,26 @@ class SpeechRunner:
         """Every ``REPLY_POLL_S``, the new tokens of each reply still being written into its
         utterance's prompt, then its end; an aborted reply (the thinker failed) cancels its
         utterance. The talker is woken where a reply grew."""
+        loop = asyncio.get_running_loop()
         while self._following:
             grew = False
             for utterance, reply in list(self._following.items()):
-                if ids := reply.read():
-                    utterance.prompt.extend(self.talker.reply_states(ids))
-                if reply.state == "end":
-                    utterance.prompt.finish(self.talker.end_state)
-                elif reply.state == "abort":
+                ids: list[int] = []
+                try:
+                    if ids := reply.read():  # projected on the prompts' thread: a device copy waits for the GPU
+                        states = await loop.run_in_executor(self._prompts, self.talker.reply_states, ids)
+                        utterance.prompt.extend(states)
+                    if reply.state == "end":
+                        utterance.prompt.finish(await loop.run_in_executor(self._prompts,
+                                                                           lambda: self.talker.end_state))
+                    elif reply.state == "abort":
+                        utterance.cancel()
+                except Exception:  # an unreadable reply: its utterance cannot go on, the others can
+                    logger.exception("speech: reading a reply failed; its utterance is cancelled")
                     utterance.cancel()
+                    reply.state = "abort"
                 if reply.state or utterance.done:
-                    del self._following[utterance]
+                    self._following.pop(utterance, None)
                 grew = grew or bool(ids) or reply.state is not None
             if grew:
                 self.batcher.wake()
@@ -218,10 +227,17 @@ class SpeechRunner:
             self.counters[name] += 1
 
     def close(self) -> None:
+        self.loop.run(self._stop_following(), timeout=30)
         self.batcher.stop()
         self.codec.stop()
         self._prompts.shutdown(wait=False)
         self.loop.stop()
+
+    async def _stop_following(self) -> None:
+        self._following.clear()
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
 
 
 def load_qwen3_speech(folder: Path, config, device: torch.device, dtype: torch.dtype):

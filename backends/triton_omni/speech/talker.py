@@ -290,10 +290,11 @@ class TalkerBatcher(ContinuousBatch):
         # a row's steps since its prefill: one code drawn at the prefill, one at each step since
         steps = [len(u.output_ids) - 1 for u in rows]
         ready = [u.prompt.ready(s) for u, s in zip(rows, steps, strict=True)]
-        if not any(ready):  # every row waits for its thinker's next token (``wake``), or for a new row
+        if not any(ready):  # every row waits for its thinker's next token (``wake``), or for a row to join
             self.waits += len(rows)
-            with self._wake:
-                if not self._pending:
+            with self._wake:  # checked again under the lock ``wake`` takes: its notify is not lost
+                can_join = self._pending and len(rows) < self.max_num_seqs
+                if not can_join and not any(u.prompt.ready(len(u.output_ids) - 1) for u in rows):
                     self._wake.wait(timeout=0.05)
             return
         moving = None if all(ready) else torch.tensor([i for i, r in enumerate(ready) if r], device=self.device)

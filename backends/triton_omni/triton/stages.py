@@ -138,11 +138,13 @@ class TritonStages:
         writer = None if reply.ended else ReplyWriter()
         if writer is not None:
             parameters[REPLY_PARAMETER] = writer.name
-        request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
-                                            requested_output_names=["audio", "codes", "sample_rate"],
-                                            parameters=parameters)
-        feeding = asyncio.create_task(_feed(reply, len(reply.ids), writer)) if writer is not None else None
+        feeding = None
         try:
+            request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
+                                                requested_output_names=["audio", "codes", "sample_rate"],
+                                                parameters=parameters)
+            if writer is not None:
+                feeding = asyncio.create_task(_feed(reply, len(reply.ids), writer))
             async for response in self._stream(key, model, request):
                 audio = pb_utils.get_output_tensor_by_name(response, "audio")
                 if audio is None or audio.as_numpy().size == 0:
@@ -153,6 +155,7 @@ class TritonStages:
             if feeding is not None:
                 feeding.cancel()
                 await asyncio.gather(feeding, return_exceptions=True)
+            if writer is not None:
                 writer.remove()  # "abort" first, unless the reply ended
 
     async def encode(self, prompt: str, negative_prompt: str | None,
@@ -240,7 +243,7 @@ class TritonStages:
             self.cancellations.cancel(key)
 
             def settle(done) -> None:
-                if done.exception() is not None or rest is None:
+                if done.cancelled() or done.exception() is not None or rest is None:
                     self.cancellations.forget(key)
                     return
                 # on a thread of its own, not the pool's: after a cancellation Triton may hand over no
