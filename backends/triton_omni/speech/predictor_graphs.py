@@ -88,7 +88,8 @@ class PredictorGraphs:
         self.frames: dict[int, tuple[PredictorFrame, torch.cuda.CUDAGraph]] = {}
         with torch.cuda.device(self.device):
             for rows in sorted(sizes, reverse=True):  # the largest first: the others fit in its pool
-                self.frames[rows] = _captured(PredictorFrame(predictor, groups, rows, sampled), pool)
+                frame = PredictorFrame(predictor, groups, rows, sampled)
+                self.frames[rows] = frame, captured(frame.run, pool)
 
     def __call__(self, hidden: torch.Tensor, first: torch.Tensor, greedy: list[bool],
                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,15 +110,15 @@ class PredictorGraphs:
         return frame.codes[:rows].clone(), frame.total[:rows].clone()
 
 
-def _captured(frame: PredictorFrame, pool) -> tuple[PredictorFrame, torch.cuda.CUDAGraph]:
-    """``frame`` run twice on a side stream (its cache's and the kernels' lazy set-up), then captured."""
+def captured(run, pool) -> torch.cuda.CUDAGraph:
+    """``run`` called twice on a side stream (lazy set-ups: caches, kernels), then captured in ``pool``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            frame.run()
+            run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        frame.run()
-    return frame, graph
+        run()
+    return graph

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_omni.speech.predictor_graphs import CAPTURED_ROWS
+from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
 
@@ -151,7 +151,7 @@ class TalkerSteps:
             pool = torch.cuda.graph_pool_handle()
             with torch.cuda.device(weight.device):
                 for shape in sorted(self.steps, reverse=True):  # the largest first: the others fit in its pool
-                    self.graphs[shape] = _captured(self.steps[shape], pool)
+                    self.graphs[shape] = captured(self.steps[shape].run, pool)
             self.cache.clear()  # the captures' runs wrote the padding slots' column 0
 
     def __call__(self, inputs: torch.Tensor, kept: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,17 +172,3 @@ class TalkerSteps:
             step.run()
         self.cache.advance(kept)
         return step.hidden[:rows].clone(), step.logits[:rows].clone()
-
-
-def _captured(step: TalkerStep, pool) -> torch.cuda.CUDAGraph:
-    """``step`` run twice on a side stream (the kernels' lazy set-up), then captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step.run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        step.run()
-    return graph
