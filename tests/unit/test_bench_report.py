@@ -62,10 +62,16 @@ def test_the_cpu_window_counts_the_engine_cores_it_is_given_and_the_host():
     import os
     import subprocess
 
+    from triton_omni.processes import command_line
     from triton_omni_tools.bench.cpu import CpuWindow, engine_cores, process_cpu_s
 
     spinning = subprocess.Popen(["VLLM::EngineCore", "-c", "while True: pass"], executable=sys.executable)
     try:
+        # Popen returns when the child's close-on-exec pipe closes, which the kernel does before it
+        # sets the new program's arguments: on a busy host /proc/<pid>/cmdline is empty a moment longer
+        deadline = time.monotonic() + 10
+        while not command_line(spinning.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert engine_cores(os.getpid(), children_only=True) == [spinning.pid]
         outer_start, before_start = process_cpu_s(spinning.pid), time.monotonic()
         window = CpuWindow([spinning.pid], server=os.getpid()).start()
