@@ -9,7 +9,9 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   call: ``generate`` returns its waveform at the end);
 - real-time factor: a request's time over the seconds of audio it made (below 1: faster than
   real time), its median;
-- requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1.
+- requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1;
+- with ``--with-text`` (text asked for too), the time to the first text: the thinker's share of
+  the first audio.
 
 On this host's CPU with the tiny demo (``--preset tiny``, the default) it only shows the benchmark
 works; the figures are a GPU's, with ``--preset realistic``: Qwen3-Omni-30B-A3B at its real shapes
@@ -52,23 +54,27 @@ def prompts(tokenizer, count: int, tokens: int) -> list[str]:
 
 def omni_values(prompt: str, args) -> dict:
     frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1  # the talker's last code makes no frame
-    return {"text_input": prompt, "modalities": ["audio"], "stream": True, "max_tokens": args.text_tokens,
+    modalities = ["text", "audio"] if args.with_text else ["audio"]
+    return {"text_input": prompt, "modalities": modalities, "stream": True, "max_tokens": args.text_tokens,
             "parameters": {"min_tokens": args.text_tokens, "temperature": 0.0},
             "talker_max_tokens": frames, "talker_min_tokens": frames, "talker_temperature": 0.9,
             "talker_seed": 1, "chunk_frames": args.chunk_frames}
 
 
 def one(url: str, prompt: str, args) -> dict:
-    """One request (``OmniClient``: a gRPC stream to its final response): its time to first audio,
-    its whole time, its seconds of audio."""
+    """One request (``OmniClient``: a gRPC stream to its final response): its time to first audio
+    (and to first text, with ``--with-text``), its whole time, its seconds of audio."""
     values = omni_values(prompt, args)
     started = time.perf_counter()
-    first, samples = None, 0
+    first, first_text, samples = None, None, 0
     for event in OmniClient(url).generate(values.pop("text_input"), **values):
+        if event.text:
+            first_text = first_text or time.perf_counter() - started
         if event.audio is not None and event.audio.size:
             first = first or time.perf_counter() - started
             samples += event.audio.size
-    return {"ttfa": first, "seconds": time.perf_counter() - started, "audio_s": samples / SAMPLE_RATE}
+    return {"ttfa": first, "ttft": first_text, "seconds": time.perf_counter() - started,
+            "audio_s": samples / SAMPLE_RATE}
 
 
 async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> dict:
@@ -86,10 +92,13 @@ async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> 
 
 
 def summary(results: list[dict], wall: float) -> dict:
-    return {"requests": len(results), "requests_per_s": len(results) / wall,
-            "ttfa_ms": 1000 * statistics.median(r["ttfa"] for r in results),
-            "rtf": statistics.median(r["seconds"] / r["audio_s"] for r in results if r["audio_s"]),
-            "audio_s": statistics.median(r["audio_s"] for r in results)}
+    found = {"requests": len(results), "requests_per_s": len(results) / wall,
+             "ttfa_ms": 1000 * statistics.median(r["ttfa"] for r in results),
+             "rtf": statistics.median(r["seconds"] / r["audio_s"] for r in results if r["audio_s"]),
+             "audio_s": statistics.median(r["audio_s"] for r in results)}
+    if all(r.get("ttft") for r in results):  # the thinker's first text: what the first audio waits for first
+        found["ttft_ms"] = 1000 * statistics.median(r["ttft"] for r in results)
+    return found
 
 
 def direct(model_path: str, texts: list[str], args) -> dict:
@@ -167,6 +176,8 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=100)
     parser.add_argument("--audio-seconds", type=float, default=10.0)
     parser.add_argument("--chunk-frames", type=int, default=8)
+    parser.add_argument("--with-text", action="store_true",
+                        help="ask for the text too, and print the time to its first delta (the thinker's part)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 

@@ -11,6 +11,8 @@ own parts in one process, with no server, so each part's cost per step is seen a
   rows, one stream after another and batched as the runner decodes them (``Code2WavBatcher``);
 - from those, the real-time factor the stage alone allows at each batch size: a frame is
   1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once;
+- what one utterance's first audio waits for here: its talker prompt, its prefill, the time to
+  its first frame, and the decode of a first chunk of 1 and of 2 frames;
 - on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
   stage's default) and without, and the ratio of their steps.
 
@@ -67,19 +69,28 @@ class Timers:
 def utterances(talker, tokenizer, rows: int, frames: int, reply_tokens: int):
     """``rows`` utterances of a reply of ``reply_tokens`` tokens, each held to ``frames`` frames,
     sampled as the model's talker samples (its defaults), each with a seed of its own."""
-    from triton_omni.ar.sampling import SamplingOptions
-    from triton_omni.speech.talker import TALKER_DEFAULTS, Utterance
+    from triton_omni.speech.talker import Utterance
 
+    prompt_ids, reply = conversation(tokenizer, reply_tokens)
+    return [Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling(frames, row), lambda item: None)
+            for row in range(rows)]
+
+
+def conversation(tokenizer, reply_tokens: int) -> tuple[list[int], list[int]]:
+    """A prompt's token ids in the chat template, and a reply of ``reply_tokens`` tokens."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}],
                                            add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(prompt)["input_ids"]
     reply = tokenizer("a reply the thinker wrote, " * (reply_tokens // 4 + 1))["input_ids"][:reply_tokens]
+    return tokenizer(prompt)["input_ids"], reply
+
+
+def sampling(frames: int, seed: int):
+    """The talker's defaults, held to ``frames`` frames."""
+    from triton_omni.ar.sampling import SamplingOptions
+    from triton_omni.speech.talker import TALKER_DEFAULTS
+
     options = {k: v for k, v in TALKER_DEFAULTS.items() if k != "max_tokens"}
-    made = []
-    for row in range(rows):
-        sampling = SamplingOptions(**options, max_tokens=frames, min_tokens=frames, seed=row)
-        made.append(Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling, lambda item: None))
-    return made
+    return SamplingOptions(**options, max_tokens=frames, min_tokens=frames, seed=seed)
 
 
 def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int, reply_tokens: int) -> dict:
@@ -130,6 +141,59 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
                                  - parts["talker forward"])
             figures["parts_ms (synchronised)"] = parts
     return figures
+
+
+def first_frame(batcher, talker, tokenizer, timers: Timers, reply_tokens: int, repeats: int = 8) -> dict:
+    """What one utterance's first audio waits for in this stage, ms (medians of ``repeats``): its
+    talker prompt (the reply's embeddings projected), then from its submission to its first frame
+    (the prefill draws the frame's first code, the next step's code predictor the others),
+    free-running; and the prefill alone, synchronised."""
+    from triton_omni.speech.talker import Utterance
+
+    times: dict[str, list[float]] = defaultdict(list)
+    prompt_ids, reply = conversation(tokenizer, reply_tokens)
+    for attempt in range(repeats + 1):
+        first, ended = [], threading.Event()
+
+        def emit(item, first=first, ended=ended):
+            if not first:
+                first.append(time.perf_counter())
+            if item is None or isinstance(item, BaseException):
+                ended.set()
+
+        timers.sync()
+        started = time.perf_counter()
+        made = Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling(2, attempt), emit)
+        timers.sync()
+        prompted = time.perf_counter()
+        timed = attempt % 2 == 1  # every other run with the prefill synchronised and timed
+        timers.enabled, timers.seconds = timed, defaultdict(list)
+        batcher.submit(made)
+        ended.wait()
+        timers.enabled = False
+        if attempt == 0:
+            continue  # a warm-up
+        if timed:
+            times["prefill (synchronised)"].extend(timers.seconds["prefill"])
+        else:
+            times["talker prompt"].append(prompted - started)
+            times["to the first frame"].append(first[0] - prompted)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
+def first_chunk_decode_ms(decoder, groups: int, frames: int, timers: Timers, repeats: int = 6) -> float:
+    """ms to decode a stream's first chunk of ``frames`` frames (no lookback yet)."""
+    size = decoder.model.config.codebook_size
+    codes = torch.randint(0, size, (groups, frames), generator=torch.Generator().manual_seed(2))
+    times = []
+    for _ in range(repeats + 1):
+        stream = decoder.stream()
+        timers.sync()
+        started = time.perf_counter()
+        stream.add(codes)
+        timers.sync()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times[1:])
 
 
 def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_tokens: int) -> str:
@@ -224,7 +288,11 @@ def main() -> None:
     levels = [int(r) for r in args.rows.split(",")]
     decoder = StreamingCode2Wav(code2wav)
     timers = Timers(device)
-    figures: dict = {"workload": vars(args), "chunk_decode_ms": {}, "modes": {}}
+    figures: dict = {"workload": vars(args), "chunk_decode_ms": {}, "first_frame_ms": {}, "modes": {}}
+    figures["first_chunk_decode_ms"] = {frames: first_chunk_decode_ms(decoder, talker.groups, frames, timers)
+                                        for frames in (1, 2)}
+    print(f"code2wav, a stream's first chunk of 1 and 2 frames: {json.dumps(figures['first_chunk_decode_ms'])}",
+          flush=True)
     for streams in levels:
         figures["chunk_decode_ms"][streams] = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers,
                                                               streams)
@@ -238,8 +306,12 @@ def main() -> None:
         timers.wrap(batcher, "_predict_residuals", "code predictor")
         timers.wrap(batcher, "_accept", "first code draw")
         timers.wrap(batcher, "_talker_forward", "talker forward")
+        timers.wrap(batcher, "_join", "prefill")
         figures["modes"][mode] = {}
         try:
+            found = first_frame(batcher, talker, tokenizer, timers, args.reply_tokens)
+            figures["first_frame_ms"][mode] = found
+            print(f"{mode}, one utterance's first frame: {json.dumps(found)}", flush=True)
             for rows in levels:
                 found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
                 # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames batched decodes

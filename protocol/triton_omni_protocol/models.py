@@ -161,7 +161,8 @@ SPEECH_INPUTS = [
     TensorSpec("seed", "TYPE_INT64", doc="the talker's seed (default: a random one)"),
     TensorSpec("chunk_frames", "TYPE_INT32", doc="codec frames an audio chunk waits for (default: the model's)"),
     TensorSpec("first_chunk_frames", "TYPE_INT32", doc="codec frames the first audio chunk waits for: fewer, and "
-               "the first audio leaves sooner (default: the model's, at most chunk_frames)"),
+               "the first audio leaves sooner; each chunk after it at most twice the one before (default: the "
+               "model's, at most chunk_frames)"),
 ]
 SPEECH_OUTPUTS = [
     TensorSpec("audio", "TYPE_FP32", dims=(-1,)),  # the next samples of the waveform, in [-1, 1]

@@ -94,6 +94,40 @@ def test_the_talkers_step_never_waits_for_the_gpu(bf16):
     assert sum(c.codes.shape[1] for c in chunks) == 11
 
 
+def test_the_talkers_lone_prefill_replays_as_run_eagerly_and_never_waits_for_the_gpu(bf16):
+    """Two prompts prefilled one after the other into slots 0 and 1 (widths 64 and 256 replayed):
+    each one's states and its slot's keys are those of the same prefill run eagerly, and a step
+    over both reads them alike; a prompt in the wrong slot is told apart (the comparison can fail).
+    The prefill queues its work without a host sync."""
+    model = bf16.batcher.model
+    captured = bf16.batcher.talker_steps
+    assert set(captured.prefill_graphs) == set(captured.prefills) and len(captured.prefills) > 1
+    eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
+    torch.manual_seed(0)
+    width = model.model.config.hidden_size
+    prompts = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) for n in (40, 200)]
+    with torch.inference_mode():
+        for steps in (captured, eager):
+            steps.cache.clear()
+        with no_host_syncs(captured, "prefill") as failures:
+            found = [captured.prefill(prompt) for prompt in prompts]
+        assert not failures, failures[0]
+        for prompt, (hidden, normed) in zip(prompts, found, strict=True):
+            hidden_eager, normed_eager = eager.prefill(prompt)
+            torch.testing.assert_close(hidden, hidden_eager)
+            torch.testing.assert_close(normed, normed_eager)
+        assert captured.cache.lengths == eager.cache.lengths == [40, 200]
+        for ours, theirs in zip(captured.cache.keys, eager.cache.keys, strict=True):
+            torch.testing.assert_close(ours[:2, :, :200], theirs[:2, :, :200])
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(captured.cache.keys[0][0, :, :40], eager.cache.keys[0][1, :, :40])
+        inputs = torch.randn(2, 1, width, device="cuda", dtype=torch.bfloat16)
+        (_, logits), (_, logits_eager) = captured(inputs), eager(inputs)
+        captured.cache.clear()
+        eager.cache.clear()
+    torch.testing.assert_close(logits, logits_eager)
+
+
 def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
     """Three rows (the graph of four replayed, a padding row) with prompts of three lengths, stepped
     across two widths: each replay's states and logits are the same step's run eagerly; a row

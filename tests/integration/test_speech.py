@@ -127,10 +127,11 @@ def test_the_speech_stage_streams_chunks_that_join_into_the_whole_decode(speech_
     chunks = speak_directly(speech_server.grpc_url, templated, _ar_reply_ids(speech_server.grpc_url, templated),
                             chunk_frames=3)
     audio = np.concatenate([c["audio"] for c in chunks])
-    # the model's first chunk is 2 frames (first_chunk_frames), then 3 at a time; the end of speech
-    # comes with the frames left, or alone (no frames) when the last chunk was full
-    left = codes.shape[1] - 2
-    sizes = [2, *[3] * (left // 3), left % 3]
+    # the model's first chunk is 1 frame (first_chunk_frames), the next twice that, then 3 at a time
+    # (chunk_frames); the end of speech comes with the frames left, or alone (no frames) when the
+    # last chunk was full
+    left = codes.shape[1] - 3
+    sizes = [1, 2, *[3] * (left // 3), left % 3]
     assert [c["codes"].shape[1] for c in chunks] == sizes and chunks[-1]["finish_reason"] == "length"
     np.testing.assert_array_equal(np.concatenate([c["codes"] for c in chunks], axis=1), codes)
     assert np.abs(audio - wav).max() <= TOLERANCE

@@ -24,7 +24,10 @@ def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
     for chunk in report["chunk_decode_ms"].values():
         assert chunk["one after another"] > 0 and chunk["together"] >= chunk["transformer"] > 0
         assert chunk["max sample difference"] < 1e-4
-    assert set(report["modes"]) == {"eager"}  # a CPU's: CUDA graphs are a GPU's
+    assert set(report["modes"]) == set(report["first_frame_ms"]) == {"eager"}  # a CPU's: CUDA graphs are a GPU's
+    first = report["first_frame_ms"]["eager"]
+    assert min(first[part] for part in ("talker prompt", "prefill (synchronised)", "to the first frame")) > 0
+    assert set(report["first_chunk_decode_ms"]) == {"1", "2"} and min(report["first_chunk_decode_ms"].values()) > 0
     assert set(report["modes"]["eager"]) == {"1", "3"}
     for found in report["modes"]["eager"].values():
         parts = found["parts_ms (synchronised)"]

@@ -107,6 +107,16 @@ def test_audio_leaves_before_the_talker_has_finished(runner):
     assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_chunks_grow_from_the_first_frame_to_chunk_frames(runner):
+    """By default the first chunk is one frame (the prefill's), and each after it at most twice the
+    one before, up to ``chunk_frames``: 1, 2, 4, 8, 8, ... and what is left at the end."""
+    [chunks] = speak(runner, request(runner, chunk_frames=8, max_tokens=30, min_tokens=30))
+    sizes = [c.codes.shape[1] for c in chunks]
+    assert sizes == [1, 2, 4, 8, 8, 6], sizes  # max_tokens 30: the last code drawn makes no frame
+    [chunks] = speak(runner, request(runner, chunk_frames=8, first_chunk_frames=3, max_tokens=30, min_tokens=30))
+    assert [c.codes.shape[1] for c in chunks] == [3, 6, 8, 8, 4]
+
+
 @pytest.mark.parametrize("frames", [1, 5])
 def test_a_streamed_decode_equals_the_whole_one_where_the_models_own_chunking_does_not(runner, frames):
     codes = torch.randint(0, 32, (runner.talker.groups, 40), generator=torch.Generator().manual_seed(frames))
@@ -298,6 +308,7 @@ def test_a_chunk_default_out_of_bounds_fails_the_load_not_every_request(name):
 def slots(runner, monkeypatch):
     """The runner's talker on a slot cache of 64 columns, read 16, 32 or 64 wide."""
     monkeypatch.setattr(talker_graphs, "SMALLEST_WIDTH", 16)
+    monkeypatch.setattr(talker_graphs, "SMALLEST_PREFILL", 16)
     eager = runner.batcher
     runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, max_len=64, slot_cache=True)
     yield runner.batcher
@@ -340,9 +351,19 @@ def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
 
     slots._join_all = counted
     slots.submit = first_three_together
+    prefill, prefilled = slots.talker_steps.prefill, []
+
+    def lone_prefill(embeds):
+        found = prefill(embeds)
+        prefilled.append((len(embeds), found is not None))
+        return found
+
+    slots.talker_steps.prefill = lone_prefill
     with talker_held(runner, all_in, after_steps=2):  # the fourth joins at the third step
         together = [joined(chunks) for chunks in speak(runner, *spoken)]
     assert joins == [3, 1], joins
+    [(length, into_its_slot)] = prefilled  # the fourth joined alone: prefilled straight into its slot
+    assert into_its_slot and 16 < length <= 32  # (a width above the smallest, the padding after it)
     assert slots.max_rows_seen == 4
     widths = {w for _, w in slots.talker_steps.steps}
     assert widths == {16, 32, 64}
@@ -367,6 +388,26 @@ def test_a_wrong_column_moves_the_codes(runner, slots, monkeypatch):
             step.columns = columns
 
     monkeypatch.setattr(talker_graphs.TalkerStep, "run", one_column_short)
+    wrong = joined(speak(runner, r)[0])[1]
+    assert right.shape != wrong.shape or not np.array_equal(right, wrong)
+
+
+def test_a_lone_prefill_at_wrong_positions_moves_the_codes(runner, slots, monkeypatch):
+    """The lone prompt's prefill into its slot can fail the comparisons above too: its positions
+    one further on speak other codes."""
+    r = request(runner)
+    right = joined(speak(runner, r)[0])[1]
+    prefill_run = talker_graphs.TalkerPrefill.run
+
+    def one_further(prefill):
+        positions = prefill.positions
+        prefill.positions = positions + 1
+        try:
+            prefill_run(prefill)
+        finally:
+            prefill.positions = positions
+
+    monkeypatch.setattr(talker_graphs.TalkerPrefill, "run", one_further)
     wrong = joined(speak(runner, r)[0])[1]
     assert right.shape != wrong.shape or not np.array_equal(right, wrong)
 

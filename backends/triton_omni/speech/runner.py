@@ -4,7 +4,8 @@
 the thinker's embedding table (the thinker itself is the ``ar`` stage's). Each
 request's utterance joins the talker's step batch (``TalkerBatcher``); its
 frames are decoded on the codec thread every ``chunk_frames`` frames (the first chunk after
-``first_chunk_frames``, fewer, so that the first audio leaves soon), each
+``first_chunk_frames``, fewer, so that the first audio leaves soon, and each after it at most
+twice the one before), each
 chunk the samples those frames settle (``Code2WavStream``), so audio leaves
 while the talker is still speaking, and the decoder works beside the talker's
 next steps rather than between them; the chunks of all utterances waiting are
@@ -39,9 +40,11 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000  # Qwen-Omni's decoders' rate (the checkpoints do not state it; vLLM-Omni writes 24 kHz)
 DEFAULT_CHUNK_FRAMES = 8  # Qwen3-Omni: 0.64 s of audio a chunk
-# The first chunk sooner: its audio leaves after two talker steps, not eight (the chunks still join
-# into the whole decode's samples, whatever their sizes: codec.py)
-DEFAULT_FIRST_CHUNK_FRAMES = 2
+# The first chunk sooner: its audio leaves after the prefill's frame, not eight steps later (the
+# chunks still join into the whole decode's samples, whatever their sizes: codec.py). Each chunk
+# after it is at most twice the one before (1, 2, 4, 8 frames), so that a chunk's audio lasts
+# while the next one's frames are spoken: a stream that starts small does not stall.
+DEFAULT_FIRST_CHUNK_FRAMES = 1
 # how often a reply still being written is read: a thinker's token every few ms, a talker's step every 20 or so
 REPLY_POLL_S = 0.002
 
@@ -159,7 +162,7 @@ class SpeechRunner:
                     samples = await asyncio.wrap_future(self.codec.decode(stream, codes))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
-                    pending, wanted = [], request.chunk_frames
+                    pending, wanted = [], min(request.chunk_frames, 2 * wanted)
                 if final:
                     self._count("finished")
                     return

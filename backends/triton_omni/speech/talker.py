@@ -241,16 +241,20 @@ class TalkerBatcher(ContinuousBatch):
         self._hidden = self._hidden.index_select(0, torch.tensor(rows, device=self.device)) if rows else None
 
     def _join(self, utterance: Utterance) -> None:
-        cache = DynamicCache()
-        embeds = utterance.prompt.embeds[None]
-        length = embeds.shape[1]
-        out = self.model.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True,
-                               output_hidden_states=True)
-        self._cache.add(cache, length)
+        prefilled = self.talker_steps.prefill(utterance.prompt.embeds) if self.talker_steps is not None else None
+        if prefilled is not None:  # straight into its slot (a CUDA graph's replay on a GPU)
+            last, normed = prefilled
+        else:
+            cache = DynamicCache()
+            embeds = utterance.prompt.embeds[None]
+            out = self.model.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True,
+                                   output_hidden_states=True)
+            self._cache.add(cache, embeds.shape[1])
+            last, normed = out.hidden_states[-1][:, -1:], out.last_hidden_state[:, -1]
         self.rows.append(utterance)
-        last = out.hidden_states[-1][:, -1:]  # the code predictor's first input
+        # its last position's state: the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
-        self._accept([utterance], self.model.codec_head(out.last_hidden_state[:, -1]))
+        self._accept([utterance], self.model.codec_head(normed))
 
     def _join_all(self, utterances: list[Utterance]) -> None:
         """The utterances that arrived since the last step prefilled in one pass, their prompts

@@ -12,6 +12,12 @@ batch that holds them (the others padded, each seeing only its column 0) and the
 captured width that holds the longest row: attention then reads that width, not the whole
 buffer.
 
+An utterance joining alone is prefilled the same way (``TalkerPrefill``): its prompt at the first
+columns of the smallest captured width that holds it, the padding after it (the attention is
+causal, so no position of the prompt reads the padding), its keys and values written straight
+into its slot. Run from Python, that prefill cost about as much as a step, and the first audio
+waits for it. Utterances joining together are prefilled in one eager pass (``add_rows``).
+
 ``TalkerSteps`` also runs without capturing (the CPU tests hold it to the ``PaddedCache`` path).
 A row cannot outgrow the buffer: the runner refuses (or bounds) an utterance whose prompt and
 ``max_tokens`` exceed ``talker_max_len``, as vLLM does with ``max_model_len``.
@@ -24,6 +30,13 @@ import torch
 from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
+# a lone prompt's prefill widths: 64, 128, ... 2048 (a longer prompt is prefilled eagerly)
+SMALLEST_PREFILL, LARGEST_PREFILL = 64, 2048
+
+
+def _widths(smallest: int, largest: int) -> list[int]:
+    """``smallest``, twice that, ... and ``largest``."""
+    return [w for w in (smallest << k for k in range(32)) if w < largest] + [largest]
 
 
 class SlotCache:
@@ -135,6 +148,44 @@ class TalkerStep:
         self.logits = self.talker.codec_head(out.last_hidden_state[:, -1])
 
 
+class _PrefillLayers:
+    """What the talker's attention layers call as their cache during a lone prompt's prefill: each
+    layer's keys and values written to one slot's first ``width`` columns (``slot`` a device
+    tensor), and the prompt's own keys and values attended to."""
+
+    def __init__(self, cache: SlotCache, width: int):
+        self.keys = [k[:, :, :width] for k in cache.keys]
+        self.values = [v[:, :, :width] for v in cache.values]
+        self.slot = torch.zeros(1, dtype=torch.long, device=cache.writes.device)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *_) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer].index_copy_(0, self.slot, keys)
+        self.values[layer].index_copy_(0, self.slot, values)
+        return keys, values
+
+
+class TalkerPrefill:
+    """One prompt of at most ``width`` positions prefilled into a slot, every tensor allocated once:
+    ``embeds`` [1, width, hidden] in (the prompt first, zeros after it); ``hidden`` (the last layer's
+    states, the code predictor's input) and ``last`` (the normed states, the codec head's) out, at
+    every column (the prompt's last is the one read)."""
+
+    def __init__(self, talker, cache: SlotCache, width: int):
+        self.talker = talker
+        device = cache.writes.device
+        self.embeds = torch.zeros(1, width, talker.model.config.hidden_size, device=device, dtype=cache.keys[0].dtype)
+        self.layers = _PrefillLayers(cache, width)
+        self.mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+        self.positions = torch.arange(width, device=device)[None, None, :].expand(3, 1, -1)
+        self.hidden = self.last = None
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        out = self.talker.model(inputs_embeds=self.embeds, attention_mask=self.mask, position_ids=self.positions,
+                                past_key_values=self.layers, use_cache=True, output_hidden_states=True)
+        self.hidden, self.last = out.hidden_states[-1], out.last_hidden_state
+
+
 class TalkerSteps:
     """The talker's steps over one ``SlotCache``: a ``TalkerStep`` per captured batch size (up to
     ``max_rows``) and width (up to ``capacity``), each captured as a CUDA graph where ``capture``
@@ -144,15 +195,42 @@ class TalkerSteps:
         weight = talker.codec_head.weight
         self.cache = SlotCache(talker.model.config, max_rows, capacity, weight.device, weight.dtype)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
-        widths = [w for w in (SMALLEST_WIDTH << k for k in range(32)) if w < capacity] + [capacity]
+        widths = _widths(SMALLEST_WIDTH, capacity)
         self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width) for rows in sizes for width in widths}
+        self.prefills = {width: TalkerPrefill(talker, self.cache, width)
+                         for width in _widths(min(SMALLEST_PREFILL, capacity), min(LARGEST_PREFILL, capacity))}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        if capture:
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:  # all in one pool, the largest first (the others fit in it): one replays at a time
             pool = torch.cuda.graph_pool_handle()
             with torch.cuda.device(weight.device):
-                for shape in sorted(self.steps, reverse=True):  # the largest first: the others fit in its pool
+                for width in sorted(self.prefills, reverse=True):
+                    self.prefill_graphs[width] = captured(self.prefills[width].run, pool)
+                for shape in sorted(self.steps, reverse=True):
                     self.graphs[shape] = captured(self.steps[shape].run, pool)
-            self.cache.clear()  # the captures' runs wrote the padding slots' column 0
+            self.cache.clear()  # the captures' runs wrote slot 0's columns and the padding slots' column 0
+
+    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A lone prompt (``embeds`` [length, hidden]) prefilled into the next free slot: its last
+        position's last-layer state [1, 1, hidden] and normed state [1, hidden]; None (nothing
+        done) when no prefill width holds it."""
+        length, slot = embeds.shape[0], self.cache.rows
+        if slot >= self.cache.keys[0].shape[0]:
+            raise RuntimeError(f"talker prefill into slot {slot} of a cache of {self.cache.keys[0].shape[0]}")
+        width = min((w for w in self.prefills if w >= length), default=None)
+        if width is None:
+            return None
+        prefill = self.prefills[width]
+        prefill.embeds[0, :length].copy_(embeds)
+        prefill.embeds[0, length:].zero_()
+        prefill.layers.slot.fill_(slot)
+        if width in self.prefill_graphs:
+            self.prefill_graphs[width].replay()
+        else:
+            prefill.run()
+        self.cache.writes[slot] = length
+        self.cache.lengths.append(length)
+        return prefill.hidden[:, length - 1:length].clone(), prefill.last[:, length - 1].clone()
 
     def __call__(self, inputs: torch.Tensor, kept: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the running rows (``inputs`` [rows, 1, hidden], a row per slot): each
