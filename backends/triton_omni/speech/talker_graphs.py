@@ -228,7 +228,7 @@ class TalkerSteps:
             self.prefill_graphs[width].replay()
         else:
             prefill.run()
-        self.cache.writes[slot] = length
+        self.cache.writes[slot:slot + 1].fill_(length)  # (an index put of a host value would wait for the GPU)
         self.cache.lengths.append(length)
         return prefill.hidden[:, length - 1:length].clone(), prefill.last[:, length - 1].clone()
 
