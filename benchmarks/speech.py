@@ -9,6 +9,8 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   call: ``generate`` returns its waveform at the end);
 - real-time factor: a request's time over the seconds of audio it made (below 1: faster than
   real time), its median;
+- stall: how long a player that starts at the first chunk would wait for audio after it (the
+  stutter a listener hears), its median and its longest;
 - requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1;
 - with ``--with-text`` (text asked for too), the time to the first text: the thinker's share of
   the first audio.
@@ -20,6 +22,7 @@ itself, ``load_format: dummy``: they are never written to disk), the direct side
 in memory.
 
     python benchmarks/speech.py [--preset realistic] [--concurrency 1,64] [--requests 4] [--json OUT]
+                                [--url HOST:PORT]
 """
 
 from __future__ import annotations
@@ -66,15 +69,26 @@ def one(url: str, prompt: str, args) -> dict:
     (and to first text, with ``--with-text``), its whole time, its seconds of audio."""
     values = omni_values(prompt, args)
     started = time.perf_counter()
-    first, first_text, samples = None, None, 0
+    first_text, chunks = None, []  # (when, samples) of each audio chunk
     for event in OmniClient(url).generate(values.pop("text_input"), **values):
         if event.text:
             first_text = first_text or time.perf_counter() - started
         if event.audio is not None and event.audio.size:
-            first = first or time.perf_counter() - started
-            samples += event.audio.size
-    return {"ttfa": first, "ttft": first_text, "seconds": time.perf_counter() - started,
-            "audio_s": samples / SAMPLE_RATE}
+            chunks.append((time.perf_counter() - started, event.audio.size))
+    return {"ttfa": chunks[0][0] if chunks else None, "ttft": first_text, "seconds": time.perf_counter() - started,
+            "audio_s": sum(n for _, n in chunks) / SAMPLE_RATE, "stall": stall(chunks)}
+
+
+def stall(chunks: list[tuple[float, int]]) -> float:
+    """Seconds a player that starts at the first chunk waits for audio after it: each chunk that
+    comes after the audio before it has played out stalls the playback by the difference."""
+    stalled, played_until = 0.0, None
+    for when, samples in chunks:
+        if played_until is None or when > played_until:
+            stalled += 0.0 if played_until is None else when - played_until
+            played_until = when
+        played_until += samples / SAMPLE_RATE
+    return stalled
 
 
 async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> dict:
@@ -96,6 +110,10 @@ def summary(results: list[dict], wall: float) -> dict:
              "ttfa_ms": 1000 * statistics.median(r["ttfa"] for r in results),
              "rtf": statistics.median(r["seconds"] / r["audio_s"] for r in results if r["audio_s"]),
              "audio_s": statistics.median(r["audio_s"] for r in results)}
+    stalls = [r["stall"] for r in results if "stall" in r]
+    if stalls:  # streamed playback's waits after the first audio: the stutter a listener hears
+        found["stall_ms"] = 1000 * statistics.median(stalls)
+        found["stall_ms_max"] = 1000 * max(stalls)
     if all(r.get("ttft") for r in results):  # the thinker's first text: what the first audio waits for first
         found["ttft_ms"] = 1000 * statistics.median(r["ttft"] for r in results)
     return found
@@ -178,6 +196,7 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=8)
     parser.add_argument("--with-text", action="store_true",
                         help="ask for the text too, and print the time to its first delta (the thinker's part)")
+    parser.add_argument("--url", help="measure this server's omni (gRPC host:port) instead of starting one")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
@@ -192,11 +211,12 @@ def main() -> None:
                                                                                for t in texts), "triton": {}}
     print(f"prompts of {figures['prompt_tokens']:.0f} tokens (median)", flush=True)
     if levels:
-        with serve(args.preset) as server:
-            asyncio.run(at_concurrency(server.grpc_url, texts[:1], 1, args))  # warm-up
+        with contextlib.nullcontext(args.url) if args.url else serve(args.preset) as server:
+            url = args.url or server.grpc_url
+            asyncio.run(at_concurrency(url, texts[:1], 1, args))  # warm-up
             for level in levels:
-                figures["triton"][level] = asyncio.run(
-                    at_concurrency(server.grpc_url, texts[:max(args.requests, level)], level, args))
+                figures["triton"][level] = asyncio.run(at_concurrency(url, texts[:max(args.requests, level)], level,
+                                                                      args))
                 print(f"Triton, concurrency {level}: {json.dumps(figures['triton'][level])}", flush=True)
     if args.direct_requests:
         figures["direct"] = direct(path, texts[:args.direct_requests], args)

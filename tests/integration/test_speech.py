@@ -13,6 +13,8 @@ import functools
 import io
 import json
 import queue
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +39,7 @@ THINKER = {"max_tokens": 8, "temperature": 0.0}
 # the end of speech held off to max_tokens: a fixed length, so that two voices' waveforms compare
 TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 12, "talker_min_tokens": 12}
 TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is about 5e-7
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -378,3 +381,22 @@ def test_the_cli_writes_the_spoken_reply(speech_server, tmp_path):
         assert file.getframerate() == 24000
         samples = pcm16(file.readframes(file.getnframes()))
     assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16
+
+
+def test_the_speech_bench_measures_this_server(speech_server, tmp_path):
+    """``benchmarks/speech.py --url`` against this server and the tiny demo's own generate: each
+    figure is printed at each concurrency (first audio, first text, RTF, stalls, requests/s), never
+    checked (docs/benchmarks.md quotes a GPU's)."""
+    out = tmp_path / "speech.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speech.py"), "--url", speech_server.grpc_url,
+                             "--concurrency", "1,2", "--requests", "2", "--direct-requests", "1", "--prompt-tokens",
+                             "20", "--text-tokens", "6", "--audio-seconds", "0.5", "--with-text", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for level in ("1", "2"):
+        found = report["triton"][level]
+        assert found["requests"] == 2 and found["audio_s"] > 0 and found["requests_per_s"] > 0
+        assert min(found["ttfa_ms"], found["ttft_ms"], found["rtf"]) > 0
+        assert found["stall_ms_max"] >= found["stall_ms"] >= 0
+    assert report["direct"]["audio_s"] > 0 and "Triton / direct at concurrency 1" in result.stdout
