@@ -136,7 +136,7 @@ class TritonPythonModel:
         try:
             async with self.responses.serving(sender, self.context, self.metrics, started,
                                               cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
-                                              on_cancel=lambda: self.runner.abort(request_id)):
+                                              on_cancel=lambda: self.runner.abort(request_id), key=key):
                 await self.runner.stream(request, request_id, respond, on_first_token=first_token)
         finally:
             self.loads.add(-1)

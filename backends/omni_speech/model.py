@@ -69,7 +69,7 @@ class TritonPythonModel:
                                 final=chunk.finish_reason is not None)
 
         async with self.responses.serving(sender, self.context, self.metrics, started,
-                                          cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key)):
+                                          cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key), key=key):
             await self.runner.speak(request, respond, reply)
 
     def finalize(self):

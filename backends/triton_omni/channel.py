@@ -18,6 +18,14 @@ one server shares:
   first token; Triton streams a decoupled model's responses, never a
   request's inputs.
 
+* a stage's error in the middle of a stream: Triton 2.51's BLS loses an
+  error response that is not its stream's first, final flag and all
+  (python_backend 24.10 saves a response's id only when it has no error;
+  fixed in 25.04), and the scheduler would wait for that stream's end for
+  good. So a stage answering the scheduler writes such an error to
+  ``<run dir>/<key>.error`` and ends the stream with a final flag alone; the
+  scheduler reads the file at the stream's end (``StageErrors``).
+
 Keys and listener names are random 32-hex-digit ids sent as request
 parameters (``omni_key``, ``omni_progress``, ``omni_reply``). Anything else is ignored, so a
 client setting those parameters can neither pick a path nor cancel a request
@@ -87,6 +95,30 @@ class Cancellations:
 
     def forget(self, key: str) -> None:
         (self.directory / f"{key}.cancel").unlink(missing_ok=True)
+
+
+class StageErrors:
+    """Errors a stage could not send through BLS, one file per key (the error's message, its
+    status tag in it: ``errors.parse_status`` reads it)."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory or run_dir()
+
+    def record(self, key: str, message: str) -> None:
+        path = self.directory / f"{key}.error"
+        partial = path.with_suffix(".partial")
+        partial.write_text(message)
+        partial.replace(path)  # whole or absent for a reader
+
+    def take(self, key: str) -> str | None:
+        """The error recorded for ``key`` (removed), or None."""
+        path = self.directory / f"{key}.error"
+        try:
+            message = path.read_text()
+        except FileNotFoundError:
+            return None
+        path.unlink(missing_ok=True)
+        return message
 
 
 class ProgressSender:

@@ -244,6 +244,17 @@ def test_a_client_that_leaves_while_the_thinker_writes_stops_the_thinker_and_the
     _settle(speech_server)
     assert speech(outcome="success") == spoken_whole  # the talker did not speak on
     assert speech() - spoken == speech(outcome="cancelled") - spoken_cancelled <= 1
+    _ends_reach_omni(speech_server)
+
+
+def _ends_reach_omni(server, timeout_s: float = 10) -> None:
+    """Every cancelled stage stream ended in omni: its cancel flag and its recorded error are gone
+    from the run directory. Triton 2.51's BLS lost each stage's CANCELLED (an error response after
+    the stream's first), so omni's drain waited until its 30 s bound removed the flag."""
+    deadline = time.monotonic() + timeout_s
+    while left := sorted(p.name for p in server.run_dir.glob("*") if p.suffix in (".cancel", ".error")):
+        assert time.monotonic() < deadline, f"stage streams whose end never reached omni: {left}"
+        time.sleep(0.2)
 
 
 def _settle(server, timeout_s: float = 30) -> None:
@@ -275,6 +286,7 @@ def test_a_client_that_leaves_mid_speech_stops_the_talker(speech_server):
     time.sleep(1.0)
     assert metric_value(speech_server, "omni_speech_audio_seconds_total", model="speech") == spoken_seconds
     assert spoken_seconds < 4000 / 12.5  # far from the whole utterance
+    _ends_reach_omni(speech_server)
 
 
 def test_audio_from_a_server_that_cannot_speak_is_refused_by_name(server):

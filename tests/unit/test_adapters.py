@@ -255,6 +255,42 @@ class ServingMetrics(FakeMetrics):
         self.in_flight = InFlight()
 
 
+@pytest.mark.parametrize("key", [None, "0" * 32])
+@pytest.mark.parametrize("first", [False, True])
+def test_an_error_after_a_first_response_to_the_scheduler_goes_through_the_run_directory(key, first, tmp_path,
+                                                                                         monkeypatch):
+    """Triton 2.51's BLS loses an error response that is not its stream's first, final flag and all
+    (the scheduler waited for good): to a request the scheduler sent (``key``), such an error is
+    recorded for it and the stream ends with a final flag alone. A client's own request, and an
+    error that is the stream's first response, get the error response itself."""
+    import asyncio
+
+    from triton_omni.channel import StageErrors
+
+    monkeypatch.setenv("TRITON_OMNI_RUN_DIR", str(tmp_path))
+    thread = ResponseThread(poll_s=0.001)
+    sender = FakeSender()
+
+    async def serve():
+        async with thread.serving(sender, "model 'speech'", ServingMetrics(), 0.0, key=key):
+            if not first:
+                thread.send(sender, "a chunk")
+            raise RuntimeError("the decoder failed")
+
+    asyncio.run(serve())
+    assert sender.done.wait(5)
+    thread.stop()
+    final = fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    recorded = StageErrors(tmp_path).take(key) if key else None
+    if key is not None and not first:
+        assert sender.sent == [("a chunk", 0), (None, final)]
+        assert parse_status(recorded)[0] == "INTERNAL" and "the decoder failed" in recorded
+    else:
+        assert recorded is None
+        assert sender.sent[-1][1] == final and "the decoder failed" in sender.sent[-1][0].error().message()
+    assert StageErrors(tmp_path).take(key or "1" * 32) is None  # taken once
+
+
 def test_serving_ends_every_path_with_one_final_response():
     import asyncio
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
+from triton_omni.channel import StageErrors
 from triton_omni.errors import RequestCancelledError
 from triton_omni.triton.errors import error_response
 
@@ -72,6 +73,10 @@ class ResponseThread:
         self._stopping = False
         self._watched: dict[int, tuple[object, Callable[[], None], Callable[[], bool] | None]] = {}
         self._unsent: dict[int, list] = {}  # sender id -> [item, final, build], queued but not yet sent
+        # sender id -> the omni key of a request the scheduler sent (BLS), and whether it has had a
+        # response: such a request's error after its first response goes through StageErrors
+        self._bls: dict[int, list] = {}
+        self._stage_errors: StageErrors | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._poll_s = poll_s
@@ -129,16 +134,23 @@ class ResponseThread:
     @contextlib.asynccontextmanager
     async def serving(self, sender, context: str, metrics, started: float,
                       cancelled_elsewhere: Callable[[], bool] | None = None,
-                      on_cancel: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[None]:
+                      on_cancel: Callable[[], Awaitable[None]] | None = None,
+                      key: str | None = None) -> AsyncIterator[None]:
         """One decoupled request's life, for the coroutine that serves it.
 
         The request counts as in flight; a cancellation (the client's, or
         ``cancelled_elsewhere()``) cancels the serving task at once, wherever
         it waits; ``on_cancel`` then stops the engine's work. Every path ends
         with exactly one final response: the body's own on success, CANCELLED,
-        or the error of whatever the body raised."""
+        or the error of whatever the body raised. ``key``: the omni key of a
+        request the scheduler sent, whose error after its first response is
+        recorded for it (``StageErrors``), the stream ending with a final flag
+        alone: BLS would lose that error response and its final flag."""
         metrics.in_flight.increment(1)
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        if key is not None:
+            with self._lock:
+                self._bls[id(sender)] = [key, False]
         self.watch(sender, lambda: loop.call_soon_threadsafe(task.cancel), cancelled_elsewhere)
         try:
             yield
@@ -205,6 +217,9 @@ class ResponseThread:
             # response factory, and is_cancelled() on it crashes tritonserver (seen).
             # Only this thread polls, so dropping the watch here closes the race.
             self.unwatch(sender)
+        response = self._through_bls(sender, response, flags)
+        if response is None and not flags & FINAL:
+            return
         # The sender drops the outputs the request did not ask for (an ensemble step's unmapped
         # ones: ar_encoder's prompt_embeds_mask in text_to_image) after releasing the GIL, and
         # a tensor whose last owner that was frees its Python buffer without it: tritonserver
@@ -216,6 +231,30 @@ class ResponseThread:
         except Exception:
             logger.exception("Could not send a response (flags=%s)", flags)
         del held
+
+    def _through_bls(self, sender, response, flags: int):
+        """``response``, or None (the final flag alone) where it is an error after the first
+        response of a request the scheduler sent: its message recorded for the scheduler
+        instead (Triton 2.51's BLS delivers no error response but a stream's first)."""
+        with self._lock:
+            bls = self._bls.get(id(sender))
+            if bls is not None and flags & FINAL:
+                del self._bls[id(sender)]
+        if bls is None:
+            return response
+        key, answered = bls
+        bls[1] = True
+        if not (answered and response is not None and response.has_error()):
+            return response
+        if self._stage_errors is None:
+            self._stage_errors = StageErrors()
+        try:
+            self._stage_errors.record(key, response.error().message())
+        except OSError:
+            logger.exception("Could not record a stage error for the scheduler")
+        if not flags & FINAL:
+            logger.warning("an error response that does not end its stream, to the scheduler: dropped")
+        return None
 
     def _poll_cancellations(self) -> None:
         """Poll the watched requests in turn, for at most ``POLL_SHARE`` of a

@@ -39,6 +39,7 @@ from triton_omni.channel import (
     Cancellations,
     ProgressListener,
     ReplyWriter,
+    StageErrors,
     new_id,
     restart_count,
 )
@@ -83,6 +84,7 @@ class TritonStages:
         self.restart_poll_s = restart_poll_s
         self.progress = progress
         self.cancellations = cancellations
+        self.errors = StageErrors(cancellations.directory)
         self.pool = DaemonPool(max_threads, "omni-bls")
 
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
@@ -216,9 +218,12 @@ class TritonStages:
         restarts = restart_count(model)  # read once per stream, not once per response
         responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
         while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda last: _drain(responses, last))) is not None:
+                                            rest=lambda last: (_drain(responses, last), self.errors.take(key))
+                                            )) is not None:
             _raise_if_error(model, response)
             yield response
+        if (message := self.errors.take(key)) is not None:  # an error the stage could not send through BLS
+            raise _stage_error(model, message)
 
     async def _exec(self, key: str, model: str, call: Callable[[], Any], restarts: int | None = None,
                     rest: Callable[[Any], None] | None = None) -> Any:
@@ -246,9 +251,9 @@ class TritonStages:
                 if done.cancelled() or done.exception() is not None or rest is None:
                     self.cancellations.forget(key)
                     return
-                # on a thread of its own, not the pool's: after a cancellation Triton may hand over no
-                # more of the stream (seen when the client leaves: the stage sends its last response,
-                # it never arrives), and a drain blocked for good would hold a pool thread for good
+                # on a thread of its own, not the pool's: a stream whose end never comes (a stage that
+                # dies; before StageErrors, every stage's CANCELLED, which Triton 2.51's BLS lost) would
+                # hold a pool thread for good
                 threading.Thread(target=lambda: (rest(done.result()), self.cancellations.forget(key)),
                                  name="omni-bls-drain", daemon=True).start()
                 timer = threading.Timer(DRAIN_WAIT_S, self.cancellations.forget, (key,))
@@ -269,11 +274,14 @@ def _raise_if_error(model: str, response) -> None:
     if not response.has_error():
         return
     error = response.error()
-    status, message = parse_status(error.message())
+    raise _stage_error(model, error.message(), getattr(error, "code", lambda: None)())
+
+
+def _stage_error(model: str, tagged: str, code: int | None = None) -> StageError:
+    status, message = parse_status(tagged)
     if status is None:
-        code = getattr(error, "code", lambda: None)()
         status = next((n for n in STATUS_NAMES if getattr(pb_utils.TritonError, n, None) == code), "INTERNAL")
-    raise StageError(model, status, message)
+    return StageError(model, status, message)
 
 
 async def _feed(reply: Reply, sent: int, writer: ReplyWriter) -> None:
@@ -284,10 +292,11 @@ async def _feed(reply: Reply, sent: int, writer: ReplyWriter) -> None:
 
 
 def _drain(responses, last: Any = ...) -> None:
-    """Read a cancelled stream to its end (its last response: the stage's CANCELLED), unless the
-    call that was under way when it was cancelled (``last``: what it returned) had read that end
-    already: None (the stream had ended) or an error (a stage's error is its stream's last
-    response: reading on would wait forever)."""
+    """Read a cancelled stream to its end (its last response: the stage's final flag, its CANCELLED
+    recorded in ``StageErrors``), unless the call that was under way when it was cancelled
+    (``last``: what it returned) had read that end already: None (the stream had ended) or an
+    error (a stage's error as its stream's first response is its last: reading on would wait
+    forever)."""
     if last is None or (last is not ... and last.has_error()):
         return
     for _ in responses:
