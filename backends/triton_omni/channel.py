@@ -1,9 +1,10 @@
 """The side channel between the scheduler and the stages it calls.
 
-Two things a BLS call cannot carry in Triton 2.51: progress from inside a
-non-decoupled model (diffusion steps), and cancellation of a request the
+What a BLS call cannot carry in Triton 2.51: progress from inside a
+non-decoupled model (diffusion steps), cancellation of a request the
 scheduler sent (``InferenceRequest`` has no cancel before python_backend
-24.12). Both go through a private run directory that every model process of
+24.12), a reply still being written, and a stage's error in the middle of a
+stream. All go through a private run directory that every model process of
 one server shares:
 
 * progress: the scheduler listens on a Unix datagram socket
@@ -99,7 +100,7 @@ class Cancellations:
 
 class StageErrors:
     """Errors a stage could not send through BLS, one file per key (the error's message, its
-    status tag in it: ``errors.parse_status`` reads it)."""
+    status tag in it, which ``triton_omni_protocol.parse_status`` reads)."""
 
     def __init__(self, directory: Path | None = None):
         self.directory = directory or run_dir()
