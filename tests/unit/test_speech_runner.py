@@ -373,43 +373,30 @@ def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
     assert max(len(u.prompt.embeds) + len(u.output_ids) for u in arrived) > 32  # the widest width was read
 
 
-def test_a_wrong_column_moves_the_codes(runner, slots, monkeypatch):
-    """The comparison above can fail: a row that reads one column too few speaks other codes."""
+@pytest.mark.parametrize(("part", "attribute", "wrong"), [
+    # a step's row reads one column too few: the prompt's first position hidden
+    (talker_graphs.TalkerStep, "columns", lambda columns: torch.where(columns == 0, len(columns), columns)),
+    # a lone prompt's prefill into its slot at positions one further on
+    (talker_graphs.TalkerPrefill, "positions", lambda positions: positions + 1),
+], ids=["a column short", "a prefill one position on"])
+def test_a_wrong_column_or_position_moves_the_codes(runner, slots, monkeypatch, part, attribute, wrong):
+    """The comparisons above can fail: a step or a lone prefill that reads the slot cache wrongly
+    speaks other codes."""
     r = request(runner)
     right = joined(speak(runner, r)[0])[1]
-    step_run = talker_graphs.TalkerStep.run
+    run = part.run
 
-    def one_column_short(step):
-        columns = step.columns
-        step.columns = torch.where(columns == 0, len(columns), columns)  # the prompt's first position hidden
+    def wrongly(self):
+        kept = getattr(self, attribute)
+        setattr(self, attribute, wrong(kept))
         try:
-            step_run(step)
+            run(self)
         finally:
-            step.columns = columns
+            setattr(self, attribute, kept)
 
-    monkeypatch.setattr(talker_graphs.TalkerStep, "run", one_column_short)
-    wrong = joined(speak(runner, r)[0])[1]
-    assert right.shape != wrong.shape or not np.array_equal(right, wrong)
-
-
-def test_a_lone_prefill_at_wrong_positions_moves_the_codes(runner, slots, monkeypatch):
-    """The lone prompt's prefill into its slot can fail the comparisons above too: its positions
-    one further on speak other codes."""
-    r = request(runner)
-    right = joined(speak(runner, r)[0])[1]
-    prefill_run = talker_graphs.TalkerPrefill.run
-
-    def one_further(prefill):
-        positions = prefill.positions
-        prefill.positions = positions + 1
-        try:
-            prefill_run(prefill)
-        finally:
-            prefill.positions = positions
-
-    monkeypatch.setattr(talker_graphs.TalkerPrefill, "run", one_further)
-    wrong = joined(speak(runner, r)[0])[1]
-    assert right.shape != wrong.shape or not np.array_equal(right, wrong)
+    monkeypatch.setattr(part, "run", wrongly)
+    wrong_codes = joined(speak(runner, r)[0])[1]
+    assert right.shape != wrong_codes.shape or not np.array_equal(right, wrong_codes)
 
 
 def test_talker_max_len_bounds_a_default_max_tokens_and_refuses_a_given_one(runner):

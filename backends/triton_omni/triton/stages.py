@@ -218,8 +218,7 @@ class TritonStages:
         restarts = restart_count(model)  # read once per stream, not once per response
         responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
         while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda last: (_drain(responses, last), self.errors.take(key))
-                                            )) is not None:
+                                            rest=lambda last: _drain(responses, last))) is not None:
             _raise_if_error(model, response)
             yield response
         if (message := self.errors.take(key)) is not None:  # an error the stage could not send through BLS
@@ -249,19 +248,24 @@ class TritonStages:
 
             def settle(done) -> None:
                 if done.cancelled() or done.exception() is not None or rest is None:
-                    self.cancellations.forget(key)
+                    self._forget(key)
                     return
                 # on a thread of its own, not the pool's: a stream whose end never comes (a stage that
                 # dies; before StageErrors, every stage's CANCELLED, which Triton 2.51's BLS lost) would
                 # hold a pool thread for good
-                threading.Thread(target=lambda: (rest(done.result()), self.cancellations.forget(key)),
+                threading.Thread(target=lambda: (rest(done.result()), self._forget(key)),
                                  name="omni-bls-drain", daemon=True).start()
-                timer = threading.Timer(DRAIN_WAIT_S, self.cancellations.forget, (key,))
+                timer = threading.Timer(DRAIN_WAIT_S, self._forget, (key,))
                 timer.daemon = True
                 timer.start()
 
             future.add_done_callback(settle)
             raise
+
+    def _forget(self, key: str) -> None:
+        """A cancelled call is over: its cancel flag, and the error its stage recorded (its CANCELLED), go."""
+        self.cancellations.forget(key)
+        self.errors.take(key)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
