@@ -163,8 +163,9 @@ REALISTIC = {
 
 
 @contextlib.contextmanager
-def serve(preset: str):
-    """``ar``, ``speech`` and ``omni`` serving the preset's model, on a server of this run's own."""
+def serve(preset: str, speech_parameters: dict | None = None):
+    """``ar``, ``speech`` and ``omni`` serving the preset's model, on a server of this run's own;
+    ``speech_parameters``: the realistic ``speech`` model's parameters beside the preset's."""
     from triton_omni_tools.demos import SPEECH_REPOSITORY
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
     from triton_omni_tools.repository import copy_repositories
@@ -173,8 +174,10 @@ def serve(preset: str):
     log.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if preset == "realistic":
+            configs = {**REALISTIC, "speech": {"parameters": {**REALISTIC["speech"]["parameters"],
+                                                              **(speech_parameters or {})}}}
             where = {"model_repositories": copy_repositories([*DEFAULT_REPOSITORIES, SPEECH_REPOSITORY],
-                                                             Path(tmp) / "repos", REALISTIC)}
+                                                             Path(tmp) / "repos", configs)}
         else:
             where = {"demo": "qwen3-omni"}
         with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -197,8 +200,14 @@ def main() -> None:
     parser.add_argument("--with-text", action="store_true",
                         help="ask for the text too, and print the time to its first delta (the thinker's part)")
     parser.add_argument("--url", help="measure this server's omni (gRPC host:port) instead of starting one")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds at each concurrency, one after another on the same server (an A/A)")
+    parser.add_argument("--speech-params", type=json.loads, default={}, metavar="JSON",
+                        help='the speech model\'s parameters (realistic), e.g. \'{"compile": "talker,predictor"}\'')
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    if args.speech_params and args.preset != "realistic":
+        parser.error("--speech-params sets the realistic preset's speech model (the tiny demo's are its own)")
 
     from transformers import AutoTokenizer
     from triton_omni.demo_models import resolve_model
@@ -211,13 +220,15 @@ def main() -> None:
                                                                                for t in texts), "triton": {}}
     print(f"prompts of {figures['prompt_tokens']:.0f} tokens (median)", flush=True)
     if levels:
-        with contextlib.nullcontext(args.url) if args.url else serve(args.preset) as server:
+        with contextlib.nullcontext(args.url) if args.url else serve(args.preset, args.speech_params) as server:
             url = args.url or server.grpc_url
             asyncio.run(at_concurrency(url, texts[:1], 1, args))  # warm-up
             for level in levels:
-                figures["triton"][level] = asyncio.run(at_concurrency(url, texts[:max(args.requests, level)], level,
-                                                                      args))
-                print(f"Triton, concurrency {level}: {json.dumps(figures['triton'][level])}", flush=True)
+                rounds = [asyncio.run(at_concurrency(url, texts[:max(args.requests, level)], level, args))
+                          for _ in range(args.rounds)]
+                figures["triton"][level] = rounds[0] if len(rounds) == 1 else {**rounds[-1], "rounds": rounds}
+                for found in rounds:
+                    print(f"Triton, concurrency {level}: {json.dumps(found)}", flush=True)
     if args.direct_requests:
         figures["direct"] = direct(path, texts[:args.direct_requests], args)
         print(f"direct (generate, concurrency 1): {json.dumps(figures['direct'])}")

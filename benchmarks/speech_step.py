@@ -14,12 +14,15 @@ own parts in one process, with no server, so each part's cost per step is seen a
 - what one utterance's first audio waits for here: its talker prompt, its prefill, the time to
   its first frame, and the decode of a first chunk of 1 and of 2 frames;
 - on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
-  stage's default) and without, and the ratio of their steps.
+  stage's default) and without, and the ratio of their steps; with ``--compile PARTS``, also with
+  those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
+  to the graphs alone.
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
+        [--compile talker,predictor] [--modes compiled,graphs]
 """
 
 from __future__ import annotations
@@ -255,6 +258,28 @@ def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, str
                     "max sample difference": apart}
 
 
+def modes(args, device: torch.device) -> dict[str, dict]:
+    """The batcher's options of each mode measured: on a GPU CUDA graphs, eager and (with
+    ``--compile``) compiled; on a CPU eager alone."""
+    found = {"eager": {"cuda_graphs": False}}
+    if device.type == "cuda":
+        found["cuda graphs"] = {"cuda_graphs": True}
+        if args.compile:
+            found["compiled"] = {"cuda_graphs": True, "compile": tuple(args.compile.split(","))}
+    wanted = {"graphs": "cuda graphs"}
+    names = [wanted.get(m, m) for m in args.modes.split(",")] if args.modes else list(found)
+    return {name: found[name] for name in names if name in found}
+
+
+def print_ratios(faster: dict, slower: dict, label: str, levels: list[int]) -> None:
+    for rows in levels:
+        free = faster[rows]["step_ms"] / slower[rows]["step_ms"]
+        synced = [faster[rows]["parts_ms (synchronised)"][part] / slower[rows]["parts_ms (synchronised)"][part]
+                  for part in ("step", "talker forward", "code predictor")]
+        print(f"{rows} rows, {label}: a step {free:.3f} free-running, {synced[0]:.3f} synchronised; "
+              f"the talker's forward {synced[1]:.3f}, the code predictor {synced[2]:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("tiny", "realistic"), default="tiny")
@@ -265,6 +290,10 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--no-tf32", action="store_true",
                         help="cuDNN's convolutions and matmuls in full float32 (PyTorch runs them in TF32 by default)")
+    parser.add_argument("--compile", default="", metavar="PARTS",
+                        help="also measure the stage with these parts compiled (talker, predictor)")
+    parser.add_argument("--modes", default="",
+                        help="the modes measured, of graphs, eager and compiled (default: all that apply)")
     parser.add_argument("--profile", type=int, metavar="ROWS",
                         help="then profile a few steps of this many utterances (CUDA graphs on) and print the table")
     args = parser.parse_args()
@@ -298,10 +327,13 @@ def main() -> None:
                                                               streams)
         print(f"code2wav, a chunk of {args.chunk_frames} frames for {streams} streams: "
               f"{json.dumps(figures['chunk_decode_ms'][streams])}", flush=True)
-    # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU) and eager
-    for graphs in ([True, False] if device.type == "cuda" else [False]):
-        mode = "cuda graphs" if graphs else "eager"
-        batcher = TalkerBatcher(talker, max(levels), cuda_graphs=graphs)
+    # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU), eager,
+    # and compiled (the graphs' passes under torch.compile)
+    for mode, options in modes(args, device).items():
+        started = time.perf_counter()
+        batcher = TalkerBatcher(talker, max(levels), **options)
+        figures.setdefault("load_s", {})[mode] = time.perf_counter() - started
+        print(f"{mode}: the talker's batcher built in {figures['load_s'][mode]:.1f} s", flush=True)
         timers.wrap(batcher, "_step", "step")
         timers.wrap(batcher, "_predict_residuals", "code predictor")
         timers.wrap(batcher, "_accept", "first code draw")
@@ -322,19 +354,14 @@ def main() -> None:
                 print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)
         finally:
             batcher.stop()
-    if len(figures["modes"]) == 2:
-        graphs, eager = figures["modes"]["cuda graphs"], figures["modes"]["eager"]
-        for rows in levels:
-            free = graphs[rows]["step_ms"] / eager[rows]["step_ms"]
-            synced = [graphs[rows]["parts_ms (synchronised)"][part] / eager[rows]["parts_ms (synchronised)"][part]
-                      for part in ("step", "talker forward", "code predictor")]
-            print(f"{rows} rows, CUDA graphs / eager: a step {free:.3f} free-running, "
-                  f"{synced[0]:.3f} synchronised; the talker's forward {synced[1]:.3f}, "
-                  f"the code predictor {synced[2]:.3f}")
+    for faster, slower in (("cuda graphs", "eager"), ("compiled", "cuda graphs")):
+        if faster in figures["modes"] and slower in figures["modes"]:
+            print_ratios(figures["modes"][faster], figures["modes"][slower], f"{faster} / {slower}", levels)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if args.profile:
-        batcher = TalkerBatcher(talker, max(*levels, args.profile), cuda_graphs=device.type == "cuda")
+        batcher = TalkerBatcher(talker, max(*levels, args.profile), cuda_graphs=device.type == "cuda",
+                                compile=tuple(args.compile.split(",")) if args.compile else ())
         try:
             print(profile_steps(batcher, talker, tokenizer, args.profile, 8, args.reply_tokens), flush=True)
         finally:

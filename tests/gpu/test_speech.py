@@ -75,10 +75,11 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
 
 
-@pytest.fixture(scope="module")
-def bf16():
-    """The GPU runner in bfloat16, the dtype whose talker steps are captured."""
-    runner = SpeechRunner(SpeechConfig(model=DEMO, device="cuda:0", dtype="bfloat16"))
+@pytest.fixture(scope="module", params=["off", "talker,predictor"], ids=["graphs", "compiled"])
+def bf16(request):
+    """The GPU runner in bfloat16, the dtype whose talker steps are captured; with its captured
+    passes under torch.compile too (the model parameter ``compile``)."""
+    runner = SpeechRunner(SpeechConfig(model=DEMO, device="cuda:0", dtype="bfloat16", compile=request.param))
     yield runner
     runner.close()
 
@@ -163,15 +164,17 @@ def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
         torch.testing.assert_close(logits[0], moved[0])
 
 
-def test_the_predictors_cuda_graph_replays_its_frame(runners):
+@pytest.mark.parametrize("runner", ["float32", "bfloat16"])
+def test_the_predictors_cuda_graph_replays_its_frame(runners, bf16, runner):
     """The captured frame (3 rows replay the graph of 4) draws what the same frame run eagerly
-    draws, given the same noise: one call of each sampled row's generator."""
-    gpu = runners["cuda:0"]
+    draws, given the same noise: one call of each sampled row's generator; compiled too."""
+    gpu = runners["cuda:0"] if runner == "float32" else bf16
     predictor = gpu.batcher.model.code_predictor
     assert gpu.batcher.graphs is not None
     greedy = [True, False, False]
     torch.manual_seed(0)
-    hidden, first = (torch.randn(3, 1, predictor.config.hidden_size, device="cuda") for _ in range(2))
+    hidden, first = (torch.randn(3, 1, predictor.config.hidden_size, device="cuda", dtype=predictor.dtype)
+                     for _ in range(2))
 
     def generators():
         return [torch.Generator("cuda").manual_seed(seed) for seed in range(3)]

@@ -1,7 +1,8 @@
 """The code predictor's static frame (what a GPU captures as a CUDA graph, ``predictor_graphs.py``)
 run eagerly on the CPU against the talker's eager predictor, on the tiny Qwen3-Omni: the same codes
 for greedy rows, and for sampled rows given the same noise (drawn in the same order from the same
-seeds); other noise draws other codes, so the comparison can fail."""
+seeds); other noise draws other codes, so the comparison can fail. The frame compiled (the model
+parameter ``compile: predictor``) draws the same codes, at two batch sizes (a recompile between)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from triton_omni.ar.sampling import SamplingOptions
-from triton_omni.speech.predictor_graphs import PredictorFrame
+from triton_omni.speech.predictor_graphs import PredictorFrame, choose_codes
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import _PREDICTOR_SAMPLED
 
@@ -39,9 +40,10 @@ def frame_codes(runner, hidden, first, seed_offset: int = 0, frame: PredictorFra
     eager predictor draws it."""
     predictor = runner.batcher.model.code_predictor
     frame = frame or PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, SAMPLED)
+    frame.greedy.fill_(True)
     frame.hidden[:len(SEEDS)] = hidden
     frame.first[:len(SEEDS)] = first
-    frame.greedy[:] = torch.tensor([seed is None for seed in SEEDS] + [True])
+    frame.greedy[:len(SEEDS)] = torch.tensor([seed is None for seed in SEEDS])
     for row, seed in enumerate(SEEDS):
         if seed is not None:
             generator = torch.Generator().manual_seed(seed + seed_offset)
@@ -69,3 +71,17 @@ def test_the_static_frame_draws_the_eager_predictors_codes(runner):
     greedy = [row for row, seed in enumerate(SEEDS) if seed is None]
     assert other[greedy].tolist() == eager_codes[greedy].tolist()
     assert (other[sampled] != eager_codes[sampled]).float().mean() > 0.5
+
+
+def test_the_compiled_frame_draws_the_eager_frames_codes(runner):
+    predictor = runner.batcher.model.code_predictor
+    width = predictor.config.hidden_size
+    torch.manual_seed(1)
+    hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
+    eager = frame_codes(runner, hidden, first)
+    forward, choose = torch.compile(predictor.model.forward), torch.compile(choose_codes)
+    for rows in (len(SEEDS) + 1, len(SEEDS) + 3):  # as the GPU's ladder of frames, one compiled forward for all
+        frame = PredictorFrame(predictor, runner.talker.groups, rows, SAMPLED, forward, choose)
+        codes, total = frame_codes(runner, hidden, first, frame=frame)
+        assert codes.tolist() == eager[0].tolist()
+        torch.testing.assert_close(total, eager[1])

@@ -13,6 +13,12 @@ temperature, top-k and top-p, then the argmax of the probabilities over exponent
 is ``torch.multinomial``'s one-sample path), but a row's noise for the frame's 15 draws comes from
 its generator in one call before the replay, not in 15: a seeded utterance is as reproducible as
 on the eager path, with other codes. Greedy rows get the eager path's codes.
+
+With ``compile`` (the model parameter's ``predictor``), the predictor's passes and the draws run
+under torch.compile inside the graph: a replay still launches every kernel on the GPU, a few
+microseconds each, and inductor fuses the norms, rotary embeddings, activations and the draws'
+elementwise work into far fewer. Only the captured frames call the compiled forward: the eager
+path's growing ``DynamicCache`` would recompile it at every length.
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ class PredictorFrame:
     row's temperature, top-k, top-p and min-p) and ``greedy``. Outputs: ``codes`` [rows, groups - 1]
     and ``total``, the sum of their embeddings."""
 
-    def __init__(self, predictor, groups: int, rows: int, sampled: list[float]):
+    def __init__(self, predictor, groups: int, rows: int, sampled: list[float], forward=None, choose=None):
+        """``forward``, ``choose``: the predictor's model and the draw to run (compiled ones), by
+        default the model itself and ``choose_codes``."""
         config = predictor.config
         device, dtype = predictor.lm_head[0].weight.device, predictor.lm_head[0].weight.dtype
         self.predictor, self.draws = predictor, groups - 1
+        self.forward, self.choose = forward or predictor.model, choose or choose_codes
         self.hidden = torch.zeros(rows, 1, config.hidden_size, device=device, dtype=dtype)
         self.first = torch.zeros_like(self.hidden)
         self.noise = torch.ones(rows, self.draws, config.vocab_size, device=device)
@@ -61,34 +70,40 @@ class PredictorFrame:
         inputs = torch.cat([self.hidden, self.first], dim=1)
         codes, total = [], torch.zeros_like(self.first)
         for draw in range(self.draws):
-            out = self.predictor.model(inputs_embeds=inputs, attention_mask=self.masks[draw],
+            out = self.forward(inputs_embeds=inputs, attention_mask=self.masks[draw],
                                        position_ids=self.positions[draw], past_key_values=self.cache, use_cache=True)
             logits = self.predictor.lm_head[draw](out.last_hidden_state[:, -1]).float()
-            code = self._draw(logits, draw)
+            code = self.choose(logits, self.params, self.noise[:, draw], self.greedy)
             codes.append(code)
             inputs = self.predictor.get_input_embeddings()[draw](code)[:, None]
             total = total + inputs
         self.codes, self.total = torch.stack(codes, dim=1), total
         return self.codes, self.total
 
-    def _draw(self, logits: torch.Tensor, draw: int) -> torch.Tensor:
-        probs, order = filtered_probs(logits, self.params)
-        picks = order.gather(1, (probs / self.noise[:, draw]).argmax(dim=-1, keepdim=True)).squeeze(1)
-        return torch.where(self.greedy, logits.argmax(dim=-1), picks)
+
+def choose_codes(logits: torch.Tensor, params: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Each row's code: the argmax of its filtered probabilities over its exponential ``noise``
+    (``torch.multinomial``'s one-sample path), or of its logits where ``greedy``."""
+    probs, order = filtered_probs(logits, params)
+    picks = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    return torch.where(greedy, logits.argmax(dim=-1), picks)
 
 
 class PredictorGraphs:
     """A ``PredictorFrame`` captured as a CUDA graph for each of ``CAPTURED_ROWS`` up to ``max_rows``,
-    all in one memory pool (a step replays one of them)."""
+    all in one memory pool (a step replays one of them); with ``compile``, its passes and draws
+    compiled first (each shape compiles in the warm-up before its capture)."""
 
-    def __init__(self, predictor, groups: int, max_rows: int, sampled: list[float]):
+    def __init__(self, predictor, groups: int, max_rows: int, sampled: list[float], compile: bool = False):
         self.device = predictor.lm_head[0].weight.device
+        forward, choose = (torch.compile(predictor.model.forward), torch.compile(choose_codes)) if compile \
+            else (None, None)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         pool = torch.cuda.graph_pool_handle()
         self.frames: dict[int, tuple[PredictorFrame, torch.cuda.CUDAGraph]] = {}
         with torch.cuda.device(self.device):
             for rows in sorted(sizes, reverse=True):  # the largest first: the others fit in its pool
-                frame = PredictorFrame(predictor, groups, rows, sampled)
+                frame = PredictorFrame(predictor, groups, rows, sampled, forward, choose)
                 self.frames[rows] = frame, captured(frame.run, pool)
 
     def __call__(self, hidden: torch.Tensor, first: torch.Tensor, greedy: list[bool],

@@ -33,7 +33,14 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestCancelledError
 from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
-from triton_omni.speech.talker import TALKER_DEFAULTS, TALKER_MAX_LEN, Qwen3Talker, TalkerBatcher, Utterance
+from triton_omni.speech.talker import (
+    COMPILE_PARTS,
+    TALKER_DEFAULTS,
+    TALKER_MAX_LEN,
+    Qwen3Talker,
+    TalkerBatcher,
+    Utterance,
+)
 from triton_omni.validation import require
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,8 @@ class SpeechConfig:
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     cuda_graphs: bool = True  # on a GPU, the talker's step and the code predictor's frame as CUDA graphs
+    # the parts whose CUDA graphs run torch.compile's kernels ("talker", "predictor", comma-separated; "off")
+    compile: str = "off"
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
@@ -68,8 +77,15 @@ class SpeechConfig:
             if not 1 <= value <= self.limits.max_chunk_frames:
                 raise ValueError(f"model parameter {name} must be in [1, {self.limits.max_chunk_frames}], "
                                  f"got {value}")
+        unknown = set(self.compile_parts()) - set(COMPILE_PARTS)
+        if unknown:
+            raise ValueError(f"model parameter compile must name parts of {', '.join(COMPILE_PARTS)} "
+                             f"(comma-separated) or be off, got {self.compile!r}")
         if self.talker_max_len < 2:
             raise ValueError(f"model parameter talker_max_len must be at least 2, got {self.talker_max_len}")
+
+    def compile_parts(self) -> tuple[str, ...]:
+        return () if self.compile.strip() in ("", "off") else tuple(p.strip() for p in self.compile.split(","))
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -101,7 +117,8 @@ class SpeechRunner:
         self.decoder = StreamingCode2Wav(code2wav)
         self.voices = self.talker.voices
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
-        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len)
+        self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len,
+                                     compile=config.compile_parts())
         self.loop = EventLoopThread(name="omni-speech")
         self.codec = Code2WavBatcher(self.decoder)
         # the talker's prompts are built off the event loop, one at a time

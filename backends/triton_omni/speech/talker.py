@@ -48,6 +48,8 @@ _PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
 _PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
 # the longest an utterance may grow, its prompt and its codes (vLLM's max_model_len): its KV cache's columns
 TALKER_MAX_LEN = 5120
+# what the model parameter `compile` may name: the talker's captured passes, the code predictor's frames
+COMPILE_PARTS = ("talker", "predictor")
 
 
 @dataclass
@@ -196,12 +198,14 @@ class TalkerBatcher(ContinuousBatch):
     name = "omni-talker"
 
     def __init__(self, talker: Qwen3Talker, max_num_seqs: int, cuda_graphs: bool = True,
-                 max_len: int = TALKER_MAX_LEN, slot_cache: bool | None = None):
+                 max_len: int = TALKER_MAX_LEN, slot_cache: bool | None = None, compile: tuple[str, ...] = ()):
         """``cuda_graphs``: on a GPU, the talker's step (in bfloat16) and the code predictor's frame
         replayed as CUDA graphs (``talker_graphs.py``, ``predictor_graphs.py``); eager otherwise.
         ``slot_cache``: the talker's KV cache in ``max_len`` columns of fixed buffers
         (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
-        asked (the tests, to hold those steps to the ``PaddedCache`` ones)."""
+        asked (the tests, to hold those steps to the ``PaddedCache`` ones). ``compile``: the parts
+        (``COMPILE_PARTS``) whose static passes run under torch.compile (the talker's over the slot
+        cache, the code predictor's captured frames); the other paths never do."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
@@ -213,7 +217,8 @@ class TalkerBatcher(ContinuousBatch):
 
             sampled = _PREDICTOR_SAMPLED
             self.graphs = PredictorGraphs(self.model.code_predictor, talker.groups, max_num_seqs,
-                                          [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p])
+                                          [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p],
+                                          compile="predictor" in compile)
         # the MoE's grouped GEMM runs in bfloat16 on the device alone; another dtype's copies offsets to the host
         capture = graphs and self.model.dtype == torch.bfloat16
         if graphs and not capture:
@@ -222,8 +227,13 @@ class TalkerBatcher(ContinuousBatch):
         if slot_cache if slot_cache is not None else capture:
             from triton_omni.speech.talker_graphs import TalkerSteps
 
-            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
+            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture,
+                                            compile="talker" in compile)
             self._cache = self.talker_steps.cache
+        ignored = [part for part in compile if {"predictor": self.graphs, "talker": self.talker_steps}[part] is None]
+        if ignored:
+            logger.info("compile %s ignored: only the CUDA graphs' and the slot cache's passes are compiled",
+                        ",".join(ignored))
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self.waits = 0  # rows left out of a step (or of a wait for one), waiting for their reply's next token
