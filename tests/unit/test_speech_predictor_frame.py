@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from triton_omni.ar.sampling import SamplingOptions
-from triton_omni.speech.predictor_graphs import PredictorFrame, choose_codes
+from triton_omni.speech.predictor_graphs import PredictorFrame, choose_codes, compiled_forward
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import _PREDICTOR_SAMPLED
 
@@ -79,7 +79,7 @@ def test_the_compiled_frame_draws_the_eager_frames_codes(runner):
     torch.manual_seed(1)
     hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
     eager = frame_codes(runner, hidden, first)
-    forward, choose = torch.compile(predictor.model.forward), torch.compile(choose_codes)
+    forward, choose = compiled_forward(predictor.model), torch.compile(choose_codes)
     for rows in (len(SEEDS) + 1, len(SEEDS) + 3):  # as the GPU's ladder of frames, one compiled forward for all
         frame = PredictorFrame(predictor, runner.talker.groups, rows, SAMPLED, forward, choose)
         codes, total = frame_codes(runner, hidden, first, frame=frame)

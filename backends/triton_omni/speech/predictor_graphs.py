@@ -23,6 +23,8 @@ path's growing ``DynamicCache`` would recompile it at every length.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import StaticCache
 
@@ -96,8 +98,7 @@ class PredictorGraphs:
 
     def __init__(self, predictor, groups: int, max_rows: int, sampled: list[float], compile: bool = False):
         self.device = predictor.lm_head[0].weight.device
-        forward, choose = (torch.compile(predictor.model.forward), torch.compile(choose_codes)) if compile \
-            else (None, None)
+        forward, choose = (compiled_forward(predictor.model), torch.compile(choose_codes)) if compile else (None, None)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         pool = torch.cuda.graph_pool_handle()
         self.frames: dict[int, tuple[PredictorFrame, torch.cuda.CUDAGraph]] = {}
@@ -123,6 +124,18 @@ class PredictorGraphs:
                 frame.noise[row].exponential_(1, generator=generator)
         graph.replay()
         return frame.codes[:rows].clone(), frame.total[:rows].clone()
+
+
+def compiled_forward(model: torch.nn.Module):
+    """``model``'s forward under torch.compile. Through a function of this module's own rather than
+    ``model.forward``: transformers wraps every model's forward in one decorator, and torch.compile
+    keeps its compiled variants (at most 8) on that code object, shared with any other model
+    compiled in the process (the last would fall back to eager)."""
+    return functools.partial(torch.compile(_predictor_pass), model)
+
+
+def _predictor_pass(model, **inputs):
+    return model(**inputs)
 
 
 def captured(run, pool) -> torch.cuda.CUDAGraph:
