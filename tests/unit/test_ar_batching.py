@@ -131,10 +131,10 @@ def test_min_tokens_holds_off_the_stop_token(engine):
 
 
 def test_a_draw_is_torch_multinomial_s_own_without_reading_back():
-    """``_draw`` stands in for ``torch.multinomial(probs, 1, generator=...)`` (which reads the
+    """``_draws`` stands in for ``torch.multinomial(probs, 1, generator=...)`` (which reads the
     probabilities back to the host to check them): the same token from the same generator state,
     over distributions with zeros, and the generators left in the same state."""
-    from triton_omni.ar.batching import _draw
+    from triton_omni.ar.batching import _draws
 
     for seed in range(50):
         probs = torch.rand(300, generator=torch.Generator().manual_seed(1000 + seed))
@@ -142,5 +142,51 @@ def test_a_draw_is_torch_multinomial_s_own_without_reading_back():
         probs /= probs.sum()
         theirs, ours = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         for _ in range(3):
-            assert torch.equal(_draw(probs, ours), torch.multinomial(probs, 1, generator=theirs))
+            assert torch.equal(_draws(probs[None], [ours])[0], torch.multinomial(probs, 1, generator=theirs))
         assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_rows_drawn_together_draw_what_each_draws_alone():
+    """``_draws`` over a batch: each row's noise from its own generator, in row order (two rows
+    sharing one generator draw one after the other), as drawing the rows one at a time does."""
+    from triton_omni.ar.batching import _draws
+
+    probs = torch.rand(4, 300, generator=torch.Generator().manual_seed(7))
+    probs /= probs.sum(dim=-1, keepdim=True)
+
+    def generators():
+        shared = torch.Generator().manual_seed(3)
+        return [torch.Generator().manual_seed(1), shared, torch.Generator().manual_seed(2), shared]
+
+    alone = [_draws(row[None], [generator])[0] for row, generator in zip(probs, generators(), strict=True)]
+    together = _draws(probs, generators())
+    assert together.tolist() == torch.stack(alone).tolist()
+    assert together.tolist() != _draws(probs, generators()[::-1]).tolist()  # other generators, other tokens
+
+
+def test_penalties_for_all_rows_at_once_equal_transformers_processors_row_by_row():
+    """Each row's repetition penalty (over its prompt and its output, as transformers' processor
+    reads its ids) and its stop tokens banned below ``min_tokens``, applied to a whole batch at
+    once: bit for bit the processors' logits, row by row; and they move the logits."""
+    from types import SimpleNamespace
+
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    from triton_omni.ar.batching import _penalise
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [SimpleNamespace(options=SamplingOptions(repetition_penalty=penalty, min_tokens=min_tokens),
+                            prompt_ids=torch.randint(0, 50, (n,), generator=generator).tolist(),
+                            output_ids=torch.randint(0, 50, (k,), generator=generator).tolist(), stop_ids=stops)
+            for penalty, min_tokens, n, k, stops in [(1.05, 0, 12, 4, [3]), (1.0, 8, 5, 2, [3, 7]),
+                                                     (1.3, 5, 9, 6, [3]), (1.05, 2, 7, 0, [])]]
+    logits = torch.randn(len(rows), 50, generator=generator)
+    ours = logits.clone()
+    _penalise(ours, rows)
+    for i, row in enumerate(rows):
+        ids = torch.tensor([row.prompt_ids + row.output_ids])
+        theirs = RepetitionPenaltyLogitsProcessor(row.options.repetition_penalty)(ids, logits[i:i + 1].clone())
+        if row.stop_ids:
+            theirs = MinNewTokensLengthLogitsProcessor(len(row.prompt_ids), row.options.min_tokens, row.stop_ids,
+                                                       device="cpu")(ids, theirs)
+        assert torch.equal(ours[i], theirs[0]), i
+    assert not torch.equal(ours, logits) and not torch.equal(ours[0], logits[0]) and torch.isinf(ours[1, 7])
