@@ -18,7 +18,8 @@ dense bf16 peak), for each attention kernel listed (``auto``: the one a served m
 
     .venv/bin/python benchmarks/dit_step.py --family qwen-image --modes eager,default     # CPU, tiny
     python benchmarks/dit_step.py --family qwen-image --preset realistic --size 1024 --rows 1,4
-    python benchmarks/dit_step.py --family z-image --preset realistic --size 512 --quantization fp8
+    python benchmarks/dit_step.py --family z-image --preset realistic --size 512 --quantization fp8 \\
+        [--fp8-scales tensor]
     python benchmarks/dit_step.py --family qwen-image --preset realistic --attention-backend native,auto
     python benchmarks/dit_step.py --family qwen-image --preset realistic --quantization fp8 --modes eager --profile 25
     python benchmarks/dit_step.py --family wan --preset realistic --modes default --profile 25   # 832x480, 81 frames
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    parser.add_argument("--fp8-scales", choices=["row", "tensor"], default="row", help="FP8's scales (fp8_scales)")
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each mode, profile one forward and print its N costliest kernels")
@@ -193,11 +195,13 @@ def main() -> None:
     heads, head_dim = family.attention_shape()
     attentions = list(dict.fromkeys(resolve_attention(name, device, dtype, heads, head_dim, family.attention_masked)
                                     for name in args.attention_backend.split(",")))  # `auto` may be one listed
-    plan = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept) if args.quantization == "fp8" else None
+    plan = Fp8Plan(tuple(network._repeated_blocks), family.fp8_kept, args.fp8_scales) \
+        if args.quantization == "fp8" else None
     NetworkKernels(plan).apply(network)
     peak = peak_bf16(device_name())
     print(f"{args.family} ({args.preset}) {shape[1]}x{shape[0]}" + (f", {frames} frames" if video else "")
-          + f", on {device_name()}, {dtype}, quantization {args.quantization}, "
+          + f", on {device_name()}, {dtype}, quantization {args.quantization}"
+          + (f" (scales per {args.fp8_scales})" if plan else "") + ", "
           f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
     print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
     points = []

@@ -60,9 +60,10 @@ request's mean time inside the server, so the rest of its latency is the client'
 ``embeds_dtype``) and the client sends them so, half float32's bytes; both sides get the same bf16
 values (the DiT runs in bf16 on a GPU either way), so only the request's trip changes.
 
-``--quantization fp8`` (with ``--fp8-kept PATTERNS``) and ``--attention-backend NAME``: the server's
-``diffusion`` parameters of the same names (default: bf16, ``auto``), as is ``--cuda-graphs false``
-(the compiled DiT's forward replayed as CUDA graphs is the default); the pipeline stays as diffusers
+``--quantization fp8`` (with ``--fp8-kept PATTERNS`` and ``--fp8-scales row|tensor``) and
+``--attention-backend NAME``: the server's ``diffusion`` parameters of the same names (default:
+bf16, ``auto``), as is ``--cuda-graphs false`` (the compiled DiT's forward replayed as CUDA graphs
+is the default); the pipeline stays as diffusers
 runs it (bf16, PyTorch's SDPA), so each row's image columns say how far the FP8 image is from
 bf16's with the same seed: PSNR and mean absolute difference (random weights: a proxy for what
 real weights lose).
@@ -559,6 +560,7 @@ def main() -> None:
                         help="the embeddings and the image through system shared memory, not in the messages")
     parser.add_argument("--quantization", choices=["none", "fp8"], help="the server's DiT quantization")
     parser.add_argument("--fp8-kept", help="the server's fp8_kept (layer patterns left in bf16; default: the family's)")
+    parser.add_argument("--fp8-scales", choices=["row", "tensor"], help="the server's fp8_scales (default: row)")
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
     parser.add_argument("--cuda-graphs", choices=["true", "false"],
                         help="the server's cuda_graphs (default: true; a DiT's apply under --compile)")
@@ -574,6 +576,7 @@ def main() -> None:
     levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
     # model parameters are strings
     kernels = {name: str(value) for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
+                                                     ("fp8_scales", args.fp8_scales),
                                                      ("attention_backend", args.attention_backend),
                                                      ("cuda_graphs", args.cuda_graphs),
                                                      ("embeds_dtype", args.embeds_dtype),

@@ -53,13 +53,15 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
-def test_fp8_gives_bf16s_image_within_a_stated_distance():
-    """Random weights: a proxy for what real weights lose. The same request in FP8 must be far
-    nearer bf16's image than another seed's image is (which the tolerance could not hide)."""
+@pytest.mark.parametrize("scales", ["row", "tensor"])
+def test_fp8_gives_bf16s_image_within_a_stated_distance(scales):
+    """Random weights: a proxy for what real weights lose. The same request in FP8 (a scale per
+    row, or one per tensor) must be far nearer bf16's image than another seed's image is (which
+    the tolerance could not hide)."""
     bf16, other = images([1, 2])
-    [fp8] = images([1], quantization="fp8")
+    [fp8] = images([1], quantization="fp8", fp8_scales=scales)
     against_bf16, against_other = psnr(fp8, bf16), psnr(other, bf16)
-    print(f"FP8 against bf16: PSNR {against_bf16:.1f} dB, mean difference "
+    print(f"FP8 ({scales}) against bf16: PSNR {against_bf16:.1f} dB, mean difference "
           f"{float((fp8.float() - bf16.float()).abs().mean()):.2f} of 255; another seed: PSNR {against_other:.1f} dB")
     assert against_bf16 > against_other + 10
 

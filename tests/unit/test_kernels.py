@@ -50,6 +50,7 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
 @pytest.mark.parametrize(("settings", "message"), [
     ({"quantization": "fp8"}, "quantization 'fp8' needs a GPU with FP8 tensor cores"),
     ({"quantization": "int4"}, "quantization must be one of none, fp8"),
+    ({"quantization": "fp8", "fp8_scales": "block"}, "fp8_scales must be one of row, tensor"),
     ({"quantization": "fp8", "lora_adapters": {"a": "/nowhere"}}, "not with lora_adapters"),
     ({"attention_backend": "_flash_3"}, "attention_backend '_flash_3': this host cannot run it"),
     ({"attention_backend": "warp-speed"}, "attention_backend 'warp-speed': this host cannot run it"),

@@ -7,7 +7,10 @@
   ``fp8_kept``, or the model's ``fp8_kept`` parameter) and the ones outside the blocks
   (embedders, the final projection: little compute, much of the output's quality) stay as they
   are; the VAE and the text encoders are untouched. It pays most under ``compile: blocks``, which
-  fuses the input's quantization into the kernels around the matmul.
+  fuses the input's quantization into the kernels around the matmul. ``fp8_scales: tensor``: one
+  scale per weight and per input instead (``PerTensor``), whose matmul is cuBLAS's own, where the
+  row-wise one is a CUTLASS kernel of PyTorch's that runs some shapes slower
+  (pytorch/pytorch#147971); rows with outliers lose more of their precision.
 - ``attention_backend``: the kernel diffusers' attention dispatcher calls. ``auto`` times every
   kernel this host can run on the calls the network makes at its shape (without a mask, and, for
   a family whose passes pad shorter prompts, with one too) and keeps the fastest; a name sets it
@@ -36,6 +39,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "fp8")
+FP8_SCALES = ("row", "tensor")  # torchao's PerRow, PerTensor
 # diffusers' names of the kernels `auto` tries, in the order of a tie: PyTorch's own first
 ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3", "sage",
                         "flash_4_hub")
@@ -50,10 +54,13 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 class Fp8Plan:
     """Which linear layers an FP8 load quantizes: every ``nn.Linear`` inside one of ``blocks``
     (the DiT's repeated block classes) whose name (from the network's root) matches none of the
-    ``kept`` patterns (fnmatch, e.g. ``*.img_mlp.*``) and whose sizes FP8's matmul takes."""
+    ``kept`` patterns (fnmatch, e.g. ``*.img_mlp.*``) and whose sizes FP8's matmul takes; and
+    their ``scales``, one of ``FP8_SCALES``."""
 
     blocks: tuple[str, ...]
     kept: tuple[str, ...] = ()
+    scales: str = "row"
+
 
     def layers(self, network: torch.nn.Module) -> list[str]:
         inside = [name for name, module in network.named_modules() if type(module).__name__ in self.blocks]
@@ -80,8 +87,8 @@ class NetworkKernels:
     def apply(self, network: torch.nn.Module) -> None:
         if self.fp8 is not None:
             count = quantize_fp8(network, self.fp8)
-            logger.info("quantization fp8: %d linear layers of the %s blocks (kept as they were: %s)", count,
-                        ", ".join(self.fp8.blocks), ", ".join(self.fp8.kept) or "none")
+            logger.info("quantization fp8: %d linear layers of the %s blocks, scales per %s (kept as they were: %s)",
+                        count, ", ".join(self.fp8.blocks), self.fp8.scales, ", ".join(self.fp8.kept) or "none")
         if self.attention not in (None, "native"):
             installed_kernel(self.attention)
             network.set_attention_backend(self.attention)
@@ -156,10 +163,11 @@ def check_fp8(device: torch.device) -> None:
 
 def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
     """``plan``'s layers of ``network`` in FP8, in place (``check_fp8`` first); returns how many."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
     chosen = set(plan.layers(network))
-    quantize_(network, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    granularity = PerRow() if plan.scales == "row" else PerTensor()
+    quantize_(network, Float8DynamicActivationFloat8WeightConfig(granularity=granularity),
               filter_fn=lambda module, name: name in chosen)
     return len(chosen)
 

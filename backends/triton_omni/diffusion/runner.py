@@ -45,6 +45,7 @@ from triton_omni.demo_models import build_in_memory, in_memory, resolve_model
 from triton_omni.diffusion.cfg_parallel import CfgParallel
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.kernels import (
+    FP8_SCALES,
     QUANTIZATIONS,
     Fp8Plan,
     NetworkKernels,
@@ -129,6 +130,7 @@ class DiffusionRunnerConfig:
     # "fp8": the DiT's block layers in float8 (kernels.py); fp8_kept: layers left in bf16 (None: the family's)
     quantization: str = "none"
     fp8_kept: tuple[str, ...] | None = None
+    fp8_scales: str = "row"  # "row" or "tensor" (kernels.py)
     # diffusers' attention kernel for the DiT: "auto" (the fastest this host runs), or a backend's name
     attention_backend: str = "auto"
 
@@ -155,6 +157,9 @@ class DiffusionRunnerConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"model parameter quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.fp8_scales not in FP8_SCALES:
+            raise ValueError(f"model parameter fp8_scales must be one of {', '.join(FP8_SCALES)}, "
+                             f"got {self.fp8_scales!r}")
         if self.quantization != "none" and self.lora_adapters:
             raise ValueError(f"model parameter quantization {self.quantization!r}: not with lora_adapters (an "
                              "adapter's factors are added to the bf16 layers they wrap)")
@@ -350,7 +355,7 @@ class DiffusionRunner:
         if c.quantization == "fp8":
             check_fp8(self.device)
             plan = Fp8Plan(tuple(self.family.network._repeated_blocks),
-                           self.family.fp8_kept if c.fp8_kept is None else c.fp8_kept)
+                           self.family.fp8_kept if c.fp8_kept is None else c.fp8_kept, c.fp8_scales)
         attention = None  # sequence parallel keeps diffusers' own (its config refuses another)
         if self.sequence_parallel is None:
             heads, head_dim = self.family.attention_shape()
