@@ -219,6 +219,41 @@ def test_a_chunk_cancelled_while_queued_is_dropped_and_its_batch_decodes_on(runn
         batcher.decode(decoder.stream(), codes[0]).result(1)
 
 
+def test_urgent_chunks_queued_behind_a_batch_are_decoded_ahead_of_the_others(runner):
+    """Chunks queued while a batch decodes: the urgent ones (a stream's first) are decoded in a
+    batch of their own before the rest, each still giving the samples its stream makes alone."""
+    from triton_omni.speech.codec import Code2WavBatcher
+
+    decoder = runner.decoder
+    batcher = Code2WavBatcher(decoder)
+    generator = torch.Generator().manual_seed(8)
+    codes = [torch.randint(0, 32, (runner.talker.groups, frames), generator=generator) for frames in (8, 8, 8, 1, 2)]
+    expected = [decoder.stream().add(c) for c in codes]
+    busy, release, batches = threading.Event(), threading.Event(), []
+    windows = decoder.windows
+
+    def held(streams, parts):  # the first batch holds the thread while the others queue behind it
+        batches.append([part.shape[1] for part in parts])
+        if not busy.is_set():
+            busy.set()
+            release.wait(30)
+        return windows(streams, parts)
+
+    decoder.windows = held
+    try:
+        first = batcher.decode(decoder.stream(), codes[0])
+        assert busy.wait(30)
+        queued = [batcher.decode(decoder.stream(), c, urgent=c.shape[1] < 8) for c in codes[1:]]
+        release.set()
+        results = [future.result(30) for future in [first, *queued]]
+    finally:
+        del decoder.windows
+        batcher.stop()
+    assert batches == [[8], [1, 2], [8, 8]]
+    for samples, wanted in zip(results, expected, strict=True):
+        assert samples.shape == wanted.shape and np.abs(samples - wanted.numpy()).max() < 1e-5
+
+
 def test_utterances_spoken_together_equal_each_alone(runner):
     first, second = request(runner), request(runner, "a small boat", (50, 51, 3), voice="chelsie")
     alone = [joined(speak(runner, r)[0]) for r in (first, second)]

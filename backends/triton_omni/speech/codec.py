@@ -221,23 +221,29 @@ class Code2WavBatcher:
     """One thread that decodes the chunks of every stream waiting, together
     (``StreamingCode2Wav.windows`` and ``convolve_windows``); a stream has one chunk in flight at a
     time. A job whose caller cancelled it before its decode (a client gone) is dropped; the others
-    in its batch are decoded as if it had never come."""
+    in its batch are decoded as if it had never come. Urgent chunks (a stream's first ones, of a
+    frame or two: little audio is playing before them) are decoded in a batch of their own ahead
+    of the others waiting: at 64 streams a batch of full chunks takes a GPU a few hundred ms,
+    which a new stream's first audio, and the next chunk of a stream that has sent 80 ms, would
+    otherwise wait for; a full chunk comes with seconds of audio still to play."""
 
     def __init__(self, decoder: StreamingCode2Wav):
         self.decoder = decoder
         self.max_batch_seen = 0
+        self.batches = 0  # decoded (the tests read it)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="omni-codec", daemon=True)
         self._thread.start()
 
-    def decode(self, stream: Code2WavStream, codes: torch.Tensor) -> Future:
-        """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded."""
+    def decode(self, stream: Code2WavStream, codes: torch.Tensor, urgent: bool = False) -> Future:
+        """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded;
+        ``urgent``: ahead of the chunks that are not."""
         future: Future = Future()
         if self._stopped:
             future.set_exception(RuntimeError("the speech stage's decoder is shutting down"))
         else:
-            self._jobs.put((stream, codes, future))
+            self._jobs.put((stream, codes, future, urgent))
         return future
 
     def stop(self, timeout_s: float = 30) -> None:
@@ -251,7 +257,9 @@ class Code2WavBatcher:
         while not stopping:
             jobs = [self._jobs.get(), *self._waiting()]
             stopping = None in jobs
-            self._decode([job for job in jobs if job is not None and job[2].set_running_or_notify_cancel()])
+            jobs = [job for job in jobs if job is not None]
+            for urgent in (True, False):
+                self._decode([job[:3] for job in jobs if job[3] == urgent and job[2].set_running_or_notify_cancel()])
         for job in self._waiting():  # queued as stop() came (decode() fails the later ones itself)
             if job is not None and job[2].set_running_or_notify_cancel():
                 job[2].set_exception(RuntimeError("the speech stage's decoder is shutting down"))
@@ -269,6 +277,7 @@ class Code2WavBatcher:
         if not jobs:
             return
         self.max_batch_seen = max(self.max_batch_seen, len(jobs))
+        self.batches += 1
         try:
             empty = [codes.shape[1] == 0 for _, codes, _ in jobs]
             decoding = [job for job, none in zip(jobs, empty, strict=True) if not none]

@@ -176,7 +176,9 @@ class SpeechRunner:
                 final = item is None
                 if pending or final:
                     codes = torch.tensor(pending, dtype=torch.long).reshape(-1, self.talker.groups).T.contiguous()
-                    samples = await asyncio.wrap_future(self.codec.decode(stream, codes))
+                    # a chunk short of chunk_frames is one of the first: little audio plays before it
+                    urgent = wanted < request.chunk_frames
+                    samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
                     pending, wanted = [], min(request.chunk_frames, 2 * wanted)
