@@ -126,12 +126,13 @@ class PredictorGraphs:
         return frame.codes[:rows].clone(), frame.total[:rows].clone()
 
 
-def compiled_forward(model: torch.nn.Module):
-    """``model``'s forward under torch.compile. Through a function of this module's own rather than
-    ``model.forward``: transformers wraps every model's forward in one decorator, and torch.compile
-    keeps its compiled variants (at most 8) on that code object, shared with any other model
-    compiled in the process (the last would fall back to eager)."""
-    return functools.partial(torch.compile(_predictor_pass), model)
+def compiled_forward(model: torch.nn.Module, run=None):
+    """``model``'s forward under torch.compile, through ``run(model, **inputs)``, a function of the
+    caller's own (by default the predictor's) rather than ``model.forward``: transformers wraps
+    every model's forward in one decorator, and torch.compile keeps its compiled variants (at most
+    8) on that code object, so the talker's shapes and the predictor's would share them, and the
+    last would run eagerly (the first measurement of the talker compiled did)."""
+    return functools.partial(torch.compile(run or _predictor_pass), model)
 
 
 def _predictor_pass(model, **inputs):

@@ -48,9 +48,8 @@ _PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
 _PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
 # the longest an utterance may grow, its prompt and its codes (vLLM's max_model_len): its KV cache's columns
 TALKER_MAX_LEN = 5120
-# what the model parameter `compile` may name: the code predictor's captured frames (the talker's
-# forward under torch.compile was measured no faster: its MoE's time is not in small kernels)
-COMPILE_PARTS = ("predictor",)
+# what the model parameter `compile` may name: the code predictor's captured frames, the talker's passes
+COMPILE_PARTS = ("predictor", "talker")
 
 
 @dataclass
@@ -205,7 +204,8 @@ class TalkerBatcher(ContinuousBatch):
         ``slot_cache``: the talker's KV cache in ``max_len`` columns of fixed buffers
         (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
         asked (the tests, to hold those steps to the ``PaddedCache`` ones). ``compile``: the parts
-        (``COMPILE_PARTS``) whose captured passes run under torch.compile; the eager paths never do."""
+        (``COMPILE_PARTS``) whose static passes run under torch.compile (the code predictor's captured
+        frames, the talker's passes over the slot cache); the other paths never do."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
@@ -227,10 +227,13 @@ class TalkerBatcher(ContinuousBatch):
         if slot_cache if slot_cache is not None else capture:
             from triton_omni.speech.talker_graphs import TalkerSteps
 
-            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
+            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture,
+                                            compile="talker" in compile)
             self._cache = self.talker_steps.cache
-        if compile and self.graphs is None:
-            logger.info("compile %s ignored: only the code predictor's CUDA graphs are compiled", ",".join(compile))
+        ignored = [part for part in compile if {"predictor": self.graphs, "talker": self.talker_steps}[part] is None]
+        if ignored:
+            logger.info("compile %s ignored: only the CUDA graphs' passes (and the slot cache's) are compiled",
+                        ",".join(ignored))
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self.waits = 0  # rows left out of a step (or of a wait for one), waiting for their reply's next token
