@@ -214,13 +214,25 @@ class TritonStages:
 
     async def _stream(self, key: str, model: str, request) -> AsyncIterator[Any]:
         """A decoupled request's responses, each stage error raised (``StageError``); cancelled, the
-        request is flagged until its stream ends (``_exec``)."""
+        request is flagged until its stream ends (``_exec``), wherever the cancellation finds it:
+        while the stream starts, while it waits for a response, or between two (the consumer gone,
+        this generator closed at its ``yield``). A stream left unread would leave the stage
+        speaking on, and its last error recorded for nobody (``StageErrors``)."""
         restarts = restart_count(model)  # read once per stream, not once per response
-        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts))
-        while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
-                                            rest=lambda last: _drain(responses, last))) is not None:
-            _raise_if_error(model, response)
-            yield response
+        responses = iter(await self._exec(key, model, lambda: request.exec(decoupled=True), restarts,
+                                          rest=lambda started: _drain(iter(started))))
+        between = False  # suspended at the yield: its consumer may close it there
+        try:
+            while (response := await self._exec(key, model, lambda: next(responses, None), restarts,
+                                                rest=lambda last: _drain(responses, last))) is not None:
+                _raise_if_error(model, response)
+                between = True
+                yield response
+                between = False
+        finally:
+            if between:
+                self.cancellations.cancel(key)
+                self._drain_then_forget(key, lambda: _drain(responses))
         if (message := self.errors.take(key)) is not None:  # an error the stage could not send through BLS
             raise _stage_error(model, message)
 
@@ -249,18 +261,21 @@ class TritonStages:
             def settle(done) -> None:
                 if done.cancelled() or done.exception() is not None or rest is None:
                     self._forget(key)
-                    return
-                # on a thread of its own, not the pool's: a stream whose end never comes (a stage that
-                # dies; before StageErrors, every stage's CANCELLED, which Triton 2.51's BLS lost) would
-                # hold a pool thread for good
-                threading.Thread(target=lambda: (rest(done.result()), self._forget(key)),
-                                 name="omni-bls-drain", daemon=True).start()
-                timer = threading.Timer(DRAIN_WAIT_S, self._forget, (key,))
-                timer.daemon = True
-                timer.start()
+                else:
+                    self._drain_then_forget(key, lambda: rest(done.result()))
 
             future.add_done_callback(settle)
             raise
+
+    def _drain_then_forget(self, key: str, drain: Callable[[], None]) -> None:
+        """A cancelled stream read to its end (``drain``), then forgotten; on a thread of its own, not
+        the pool's: a stream whose end never comes (a stage that dies; before StageErrors, every
+        stage's CANCELLED, which Triton 2.51's BLS lost) would hold a pool thread for good. Its
+        flag and error go after ``DRAIN_WAIT_S`` all the same."""
+        threading.Thread(target=lambda: (drain(), self._forget(key)), name="omni-bls-drain", daemon=True).start()
+        timer = threading.Timer(DRAIN_WAIT_S, self._forget, (key,))
+        timer.daemon = True
+        timer.start()
 
     def _forget(self, key: str) -> None:
         """A cancelled call is over: its cancel flag, and the error its stage recorded (its CANCELLED), go."""
