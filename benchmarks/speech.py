@@ -206,8 +206,11 @@ def main() -> None:
                         help='the speech model\'s parameters (realistic), e.g. \'{"compile": "talker,predictor"}\'')
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    if args.speech_params and args.preset != "realistic":
-        parser.error("--speech-params sets the realistic preset's speech model (the tiny demo's are its own)")
+    if args.speech_params and (args.preset != "realistic" or args.url):
+        parser.error("--speech-params sets the realistic preset's speech model on the server this run starts "
+                     "(not the tiny demo's, nor a server at --url)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     from transformers import AutoTokenizer
     from triton_omni.demo_models import resolve_model

@@ -258,6 +258,13 @@ def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, str
                     "max sample difference": apart}
 
 
+def compile_parts(value: str) -> tuple[str, ...]:
+    """``--compile``'s parts, checked as the model parameter is."""
+    from triton_omni.speech.runner import SpeechConfig
+
+    return SpeechConfig(compile=value).compile_parts()
+
+
 def modes(args, device: torch.device) -> dict[str, dict]:
     """The batcher's options of each mode measured: on a GPU CUDA graphs, eager and (with
     ``--compile``) compiled; on a CPU eager alone."""
@@ -265,10 +272,13 @@ def modes(args, device: torch.device) -> dict[str, dict]:
     if device.type == "cuda":
         found["cuda graphs"] = {"cuda_graphs": True}
         if args.compile:
-            found["compiled"] = {"cuda_graphs": True, "compile": tuple(args.compile.split(","))}
+            found["compiled"] = {"cuda_graphs": True, "compile": compile_parts(args.compile)}
     wanted = {"graphs": "cuda graphs"}
     names = [wanted.get(m, m) for m in args.modes.split(",")] if args.modes else list(found)
-    return {name: found[name] for name in names if name in found}
+    if missing := [name for name in names if name not in found]:
+        raise SystemExit(f"--modes {', '.join(missing)}: not measured here (compiled needs --compile, "
+                         "and both it and the graphs a GPU)")
+    return {name: found[name] for name in names}
 
 
 def print_ratios(faster: dict, slower: dict, label: str, levels: list[int]) -> None:
@@ -361,7 +371,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     if args.profile:
         batcher = TalkerBatcher(talker, max(*levels, args.profile), cuda_graphs=device.type == "cuda",
-                                compile=tuple(args.compile.split(",")) if args.compile else ())
+                                compile=compile_parts(args.compile) if args.compile else ())
         try:
             print(profile_steps(batcher, talker, tokenizer, args.profile, 8, args.reply_tokens), flush=True)
         finally:

@@ -85,3 +85,23 @@ def test_the_compiled_frame_draws_the_eager_frames_codes(runner):
         codes, total = frame_codes(runner, hidden, first, frame=frame)
         assert codes.tolist() == eager[0].tolist()
         torch.testing.assert_close(total, eager[1])
+
+
+def test_each_compiled_pass_keeps_its_own_variants_and_one_past_the_limit_fails(monkeypatch):
+    """``own_code``: two compiled copies of one function keep their variants apart (another
+    runner's would otherwise fill them); inside ``compiling`` a variant past ``RECOMPILE_LIMIT``
+    fails instead of running its shape eagerly."""
+    from triton_omni.speech import predictor_graphs
+
+    def double(x):
+        return x * 2
+
+    first, second = predictor_graphs.own_code(double), predictor_graphs.own_code(double)
+    assert first.__code__ is not second.__code__ is not double.__code__ and first(3) == 6
+    monkeypatch.setattr(predictor_graphs, "RECOMPILE_LIMIT", 2)
+    compiled = torch.compile(first, backend="eager", dynamic=False)
+    with predictor_graphs.compiling():
+        compiled(torch.ones(1))
+        compiled(torch.ones(2))
+        with pytest.raises(Exception, match="recompile_limit|cache_size_limit|recompil"):
+            compiled(torch.ones(3))

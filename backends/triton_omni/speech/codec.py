@@ -221,16 +221,16 @@ class Code2WavBatcher:
     """One thread that decodes the chunks of every stream waiting, together
     (``StreamingCode2Wav.windows`` and ``convolve_windows``); a stream has one chunk in flight at a
     time. A job whose caller cancelled it before its decode (a client gone) is dropped; the others
-    in its batch are decoded as if it had never come. Urgent chunks (a stream's first ones, of a
-    frame or two: little audio is playing before them) are decoded in a batch of their own ahead
-    of the others waiting: at 64 streams a batch of full chunks takes a GPU a few hundred ms,
-    which a new stream's first audio, and the next chunk of a stream that has sent 80 ms, would
-    otherwise wait for; a full chunk comes with seconds of audio still to play."""
+    in its batch are decoded as if it had never come. Urgent chunks (a stream's first ones,
+    shorter than ``chunk_frames``: 1, 2 and 4 frames by default, little audio playing before
+    them) are decoded in a batch of their own ahead of the others waiting: at 64 streams a batch
+    of full chunks takes a GPU a few hundred ms, which a new stream's first audio, and the next
+    chunk of a stream that has sent 80 ms, would otherwise wait for; a full chunk comes with
+    seconds of audio still to play."""
 
     def __init__(self, decoder: StreamingCode2Wav):
         self.decoder = decoder
         self.max_batch_seen = 0
-        self.batches = 0  # decoded (the tests read it)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="omni-codec", daemon=True)
@@ -243,7 +243,7 @@ class Code2WavBatcher:
         if self._stopped:
             future.set_exception(RuntimeError("the speech stage's decoder is shutting down"))
         else:
-            self._jobs.put((stream, codes, future, urgent))
+            self._jobs.put((stream, codes, future, bool(urgent)))
         return future
 
     def stop(self, timeout_s: float = 30) -> None:
@@ -277,7 +277,6 @@ class Code2WavBatcher:
         if not jobs:
             return
         self.max_batch_seen = max(self.max_batch_seen, len(jobs))
-        self.batches += 1
         try:
             empty = [codes.shape[1] == 0 for _, codes, _ in jobs]
             decoding = [job for job, none in zip(jobs, empty, strict=True) if not none]

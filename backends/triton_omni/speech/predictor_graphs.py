@@ -23,7 +23,9 @@ path's growing ``DynamicCache`` would recompile it at every length.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 
 import torch
 from transformers import StaticCache
@@ -32,6 +34,9 @@ from triton_omni.ar.batching import filtered_probs
 
 # the batch sizes captured: a step of n rows replays the smallest that holds them
 CAPTURED_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# compiled variants a compiled pass may keep (dynamo's default is 8): its guards split the ladder of
+# batch sizes (static, then dynamic, and 1 on its own), the widths and the prefills into more than that
+RECOMPILE_LIMIT = 64
 
 
 class PredictorFrame:
@@ -63,6 +68,15 @@ class PredictorFrame:
                        for kind in set(config.layer_types)} for p in self.positions]
         self.codes = self.total = None
         self.flags: tuple[bool, ...] | None = None  # the greedy rows ``greedy`` holds
+        if forward is not None:
+            self._prime()
+
+    @torch.inference_mode()
+    def _prime(self) -> None:
+        """The static cache's layers made by one uncompiled pass (``run`` starts them over): made
+        by a compiled first call, they would take a compiled variant of their own."""
+        self.predictor.model(inputs_embeds=torch.cat([self.hidden, self.first], dim=1), attention_mask=self.masks[0],
+                             position_ids=self.positions[0], past_key_values=self.cache, use_cache=True)
 
     @torch.inference_mode()
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,11 +112,12 @@ class PredictorGraphs:
 
     def __init__(self, predictor, groups: int, max_rows: int, sampled: list[float], compile: bool = False):
         self.device = predictor.lm_head[0].weight.device
-        forward, choose = (compiled_forward(predictor.model), torch.compile(choose_codes)) if compile else (None, None)
+        forward, choose = (compiled_forward(predictor.model), torch.compile(own_code(choose_codes))) if compile \
+            else (None, None)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         pool = torch.cuda.graph_pool_handle()
         self.frames: dict[int, tuple[PredictorFrame, torch.cuda.CUDAGraph]] = {}
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), compiling(compile):
             for rows in sorted(sizes, reverse=True):  # the largest first: the others fit in its pool
                 frame = PredictorFrame(predictor, groups, rows, sampled, forward, choose)
                 self.frames[rows] = frame, captured(frame.run, pool)
@@ -127,12 +142,30 @@ class PredictorGraphs:
 
 
 def compiled_forward(model: torch.nn.Module, run=None):
-    """``model``'s forward under torch.compile, through ``run(model, **inputs)``, a function of the
-    caller's own (by default the predictor's) rather than ``model.forward``: transformers wraps
-    every model's forward in one decorator, and torch.compile keeps its compiled variants (at most
-    8) on that code object, so the talker's shapes and the predictor's would share them, and the
-    last would run eagerly (the first measurement of the talker compiled did)."""
-    return functools.partial(torch.compile(run or _predictor_pass), model)
+    """``model``'s forward under torch.compile, through ``run(model, **inputs)`` (by default the
+    predictor's) with a code object of this call's own (``own_code``)."""
+    return functools.partial(torch.compile(own_code(run or _predictor_pass)), model)
+
+
+def own_code(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own. torch.compile keeps a function's compiled
+    variants on its code object, shared by every copy compiled in the process: transformers wraps
+    every model's forward in one decorator, so the talker's shapes and the predictor's would share
+    one set, and another runner's (another dtype) would find it full; past ``recompile_limit`` a
+    shape runs eagerly, silently."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
+@contextlib.contextmanager
+def compiling(compile: bool = True):
+    """Compiles inside it keep up to ``RECOMPILE_LIMIT`` variants, and one past it fails (the load)
+    instead of running its shape eagerly."""
+    if not compile:
+        yield
+        return
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        yield
 
 
 def _predictor_pass(model, **inputs):

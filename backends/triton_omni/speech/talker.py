@@ -230,7 +230,8 @@ class TalkerBatcher(ContinuousBatch):
             self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture,
                                             compile="talker" in compile)
             self._cache = self.talker_steps.cache
-        ignored = [part for part in compile if {"predictor": self.graphs, "talker": self.talker_steps}[part] is None]
+        compiled = {"predictor": self.graphs, "talker": self.talker_steps}
+        ignored = [part for part in compile if compiled.get(part) is None]
         if ignored:
             logger.info("compile %s ignored: only the CUDA graphs' passes (and the slot cache's) are compiled",
                         ",".join(ignored))

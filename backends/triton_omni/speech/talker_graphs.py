@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured, compiled_forward
+from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured, compiled_forward, compiling
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
 # a lone prompt's prefill widths: 64, 128, ... 2048 (a longer prompt is prefilled eagerly)
@@ -211,7 +211,7 @@ class TalkerSteps:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:  # all in one pool, the largest first (the others fit in it): one replays at a time
             pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(weight.device):
+            with torch.cuda.device(weight.device), compiling(compile):
                 for width in sorted(self.prefills, reverse=True):
                     self.prefill_graphs[width] = captured(self.prefills[width].run, pool)
                 for shape in sorted(self.steps, reverse=True):
