@@ -164,7 +164,10 @@ def compiling(compile: bool = True):
     if not compile:
         yield
         return
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+    options = {"recompile_limit": RECOMPILE_LIMIT}
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # (PyTorch 2.7 on)
+        options["fail_on_recompile_limit_hit"] = True
+    with torch._dynamo.config.patch(**options):
         yield
 
 
