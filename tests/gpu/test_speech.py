@@ -96,6 +96,19 @@ def test_the_talkers_step_never_waits_for_the_gpu(bf16):
     assert sum(c.codes.shape[1] for c in chunks) == 11
 
 
+def test_a_talker_prompt_and_a_replys_next_tokens_never_wait_for_the_gpu(bf16):
+    """Built on the prompts' thread while the talker steps: copying their token ids must not wait
+    for the steps and decodes queued on the GPU (at 64 utterances each wait was tens of ms)."""
+    talker = bf16.talker
+    prompt_ids = bf16.prompt_ids(AutoTokenizer.from_pretrained(resolve_model(DEMO)).apply_chat_template(
+        [{"role": "user", "content": "a red fox"}], add_generation_prompt=True, tokenize=False))
+    talker.prompt(prompt_ids, [40, 41], bf16.default_voice, whole=False)  # warm: lazy set-ups may synchronise
+    with no_host_syncs(talker, "prompt", "reply_states") as failures:
+        talker.prompt(prompt_ids, [40, 41], bf16.default_voice, whole=False)
+        talker.reply_states([42, 43])
+    assert not failures, failures[0]
+
+
 def test_the_talkers_lone_prefill_replays_as_run_eagerly_and_never_waits_for_the_gpu(bf16):
     """Two prompts prefilled one after the other into slots 0 and 1 (widths 64 and 256 replayed):
     each one's states and its slot's keys are those of the same prefill run eagerly, and a step

@@ -103,5 +103,5 @@ def test_each_compiled_pass_keeps_its_own_variants_and_one_past_the_limit_fails(
     with predictor_graphs.compiling():
         compiled(torch.ones(1))
         compiled(torch.ones(2))
-        with pytest.raises(Exception, match="recompile_limit|cache_size_limit|recompil"):
+        with pytest.raises(Exception, match=r"recompile_limit|cache_size_limit|recompil"):
             compiled(torch.ones(3))

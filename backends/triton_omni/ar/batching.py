@@ -306,7 +306,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[Sequence], shared: torch.G
         return _sample_rows(logits, rows, shared)
     tokens = logits.argmax(dim=-1)
     if sampled:  # indexed by a tensor already on the device: a list index is copied there and waited for
-        index = _to_device(sampled, torch.long, logits.device)
+        index = to_device(sampled, torch.long, logits.device)
         tokens[index] = _sample_rows(logits.index_select(0, index), [rows[i] for i in sampled], shared)
     return tokens
 
@@ -324,20 +324,20 @@ def _penalise(logits: torch.Tensor, rows: list[Sequence]) -> None:
             tokens = np.unique(np.asarray([*sequence.prompt_ids, *sequence.output_ids], dtype=np.int64))
             seen.setdefault(penalty, []).append(np.stack([np.full_like(tokens, i), tokens]))
     for penalty, pairs in seen.items():
-        row, token = _to_device(np.concatenate(pairs, axis=1), torch.long, logits.device)
+        row, token = to_device(np.concatenate(pairs, axis=1), torch.long, logits.device)
         scores = logits[row, token]
         logits[row, token] = torch.where(scores > 0, scores / penalty, scores * penalty)
     banned = [(i, token) for i, s in enumerate(rows) if len(s.output_ids) < s.options.min_tokens
               for token in s.stop_ids]
     if banned:
-        row, token = _to_device(np.asarray(banned, dtype=np.int64).T, torch.long, logits.device)
+        row, token = to_device(np.asarray(banned, dtype=np.int64).T, torch.long, logits.device)
         logits[row, token] = float("-inf")
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Generator) -> torch.Tensor:
     device = logits.device
     vocab = logits.shape[-1]
-    params = _to_device(
+    params = to_device(
         [[s.options.temperature, s.options.top_k or vocab, s.options.top_p, s.options.min_p] for s in rows],
         torch.float32, device)
     probs, order = filtered_probs(logits, params)
@@ -369,7 +369,7 @@ def _draws(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
     return (probs / noise).argmax(dim=-1, keepdim=True)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small tensor of ``values`` on ``device``, copied without waiting for the work queued there
     (``torch.tensor(values, device=...)`` waits for the stream: a step's sampling would then sync
     the host with the GPU once per row)."""

@@ -212,7 +212,7 @@ class SpeechRunner:
             for utterance, reply in list(self._following.items()):
                 ids: list[int] = []
                 try:
-                    if ids := reply.read():  # projected on the prompts' thread: a device copy waits for the GPU
+                    if ids := reply.read():  # projected on the prompts' thread (one at a time, in order)
                         states = await loop.run_in_executor(self._prompts, self.talker.reply_states, ids)
                         utterance.prompt.extend(states)
                     if reply.state == "end":

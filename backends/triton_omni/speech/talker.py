@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from triton_omni.ar.batching import ContinuousBatch, sample, sample_on_device
+from triton_omni.ar.batching import ContinuousBatch, sample, sample_on_device, to_device
 from triton_omni.ar.sampling import SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -99,11 +99,16 @@ class Qwen3Talker:
         self.groups = codec.num_code_groups
 
     def _project(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(token_ids, device=self.device)
-        return self.talker.text_projection(self.embedding(ids))
+        return self.talker.text_projection(self.embedding(self._on_device(token_ids)))
 
     def _codec(self, codes: list[int]) -> torch.Tensor:
-        return self.talker.get_input_embeddings()(torch.tensor(codes, device=self.device))
+        return self.talker.get_input_embeddings()(self._on_device(codes))
+
+    def _on_device(self, ids: list[int]) -> torch.Tensor:
+        """``ids`` on the talker's device without waiting for it: ``torch.tensor(ids, device=...)``
+        copies and then waits for every step and decode queued there, which at 64 utterances held
+        each prompt (and each reply's next tokens) for tens of ms, one after another."""
+        return to_device(ids, torch.long, self.device)
 
     @torch.inference_mode()
     def reply_states(self, token_ids: list[int]) -> torch.Tensor:
