@@ -229,3 +229,23 @@ def test_streams_decoded_together_on_the_gpu_equal_each_decoded_alone(runners):
     got = [s.settle(c) for s, c in zip(together, decoder.convolve_windows(windows), strict=True)]
     for chunk, wanted, step in zip(got, expected, plan, strict=True):
         assert chunk.shape == wanted.shape and float((chunk - wanted).abs().max()) < 1e-4, step
+
+
+def test_the_codec_thread_decodes_on_a_stream_of_its_own(runners):
+    """The talker's reads of its codes must not wait for the decodes: the codec thread's work goes
+    on its own CUDA stream, and the speech is the same."""
+    gpu = runners["cuda:0"]
+    streams, windows = [], gpu.decoder.windows
+
+    def recorded(*args):
+        streams.append(torch.cuda.current_stream())
+        return windows(*args)
+
+    gpu.decoder.windows = recorded
+    try:
+        chunks = spoken(gpu, sampled=False)
+    finally:
+        del gpu.decoder.windows
+    assert streams and all(s != torch.cuda.default_stream() for s in streams)
+    cpu = spoken(runners["cpu"], sampled=False)
+    assert [c.codes.tolist() for c in chunks] == [c.codes.tolist() for c in cpu]

@@ -27,6 +27,7 @@ first window has no such frames, and joins only windows of its own length.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -253,6 +254,21 @@ class Code2WavBatcher:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        with self._own_stream():
+            self._serve()
+
+    def _own_stream(self):
+        """On a GPU, a CUDA stream of this thread's own: the talker's thread reads every step's
+        codes back to the host, and on one shared stream each such read would wait for the decode
+        queued there too (at 64 streams, a batch of full chunks is a few hundred ms)."""
+        device = self.decoder.model.device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the load's work, done before the first decode
+        return torch.cuda.stream(stream)
+
+    def _serve(self) -> None:
         stopping = False
         while not stopping:
             jobs = [self._jobs.get(), *self._waiting()]

@@ -254,7 +254,7 @@ class TalkerBatcher(ContinuousBatch):
         self._hidden = None
 
     def _keep(self, rows: list[int]) -> None:
-        self._hidden = self._hidden.index_select(0, torch.tensor(rows, device=self.device)) if rows else None
+        self._hidden = self._hidden.index_select(0, to_device(rows, torch.long, self.device)) if rows else None
 
     def _join(self, utterance: Utterance) -> None:
         prefilled = self.talker_steps.prefill(utterance.prompt.embeds) if self.talker_steps is not None else None
@@ -317,12 +317,12 @@ class TalkerBatcher(ContinuousBatch):
                 if not can_join and not any(u.prompt.ready(len(u.output_ids) - 1) for u in rows):
                     self._wake.wait(timeout=0.05)
             return
-        moving = None if all(ready) else torch.tensor([i for i, r in enumerate(ready) if r], device=self.device)
+        moving = None if all(ready) else to_device([i for i, r in enumerate(ready) if r], torch.long, self.device)
         if moving is not None:
             self.waits += len(rows) - len(moving)
             rows = [u for u, r in zip(rows, ready, strict=True) if r]
             steps = [s for s, r in zip(steps, ready, strict=True) if r]
-        first = torch.tensor([[u.output_ids[-1]] for u in rows], device=self.device)
+        first = to_device([[u.output_ids[-1]] for u in rows], torch.long, self.device)
         first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
         hidden = self._hidden if moving is None else self._hidden.index_select(0, moving)
         residual, residual_embeds = self._predict_residuals(hidden, first_embeds, rows)

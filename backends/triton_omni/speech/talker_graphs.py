@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from triton_omni.ar.batching import to_device
 from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured, compiled_forward, compiling
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
@@ -94,7 +95,7 @@ class SlotCache:
             return
         moved = next((slot for slot, row in enumerate(rows) if row != slot), None)
         if moved is not None:  # the rows before it stay where they are
-            index = torch.tensor(rows[moved:], device=self.writes.device)
+            index = to_device(rows[moved:], torch.long, self.writes.device)
             for buffer in (*self.keys, *self.values, self.writes):
                 buffer[moved:len(rows)].copy_(buffer.index_select(0, index))
         self.writes[len(rows):].zero_()
@@ -107,7 +108,7 @@ class SlotCache:
             self.writes[:self.rows] += 1
             self.lengths = [n + 1 for n in self.lengths]
         else:
-            self.writes[:self.rows] += torch.tensor(kept, device=self.writes.device)
+            self.writes[:self.rows] += to_device(kept, torch.long, self.writes.device)
             self.lengths = [n + keep for n, keep in zip(self.lengths, kept, strict=True)]
 
 
