@@ -164,10 +164,12 @@ def compiling(compile: bool = True):
     if not compile:
         yield
         return
-    options = {"recompile_limit": RECOMPILE_LIMIT}
-    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # (PyTorch 2.7 on)
-        options["fail_on_recompile_limit_hit"] = True
-    with torch._dynamo.config.patch(**options):
+    config = torch._dynamo.config
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True))
+        except AttributeError:  # a PyTorch without the option: past the limit, a shape runs eagerly
+            stack.enter_context(config.patch(recompile_limit=RECOMPILE_LIMIT))
         yield
 
 
