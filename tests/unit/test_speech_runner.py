@@ -181,6 +181,27 @@ def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
     assert float((expected[0][0][0] - expected[0][1][0]).abs().max()) > 100 * 1e-5  # other codes, other samples
 
 
+@contextlib.contextmanager
+def first_batch_held(decoder):
+    """The codec thread's first batch waits for ``release`` (``busy`` set once it does), so that
+    the chunks decoded next queue behind it; ``batches``: each batch's chunk lengths, in order."""
+    busy, release, batches = threading.Event(), threading.Event(), []
+    windows = decoder.windows
+
+    def held(streams, parts):
+        batches.append([part.shape[1] for part in parts])
+        if not busy.is_set():
+            busy.set()
+            release.wait(30)
+        return windows(streams, parts)
+
+    decoder.windows = held
+    try:
+        yield busy, release, batches
+    finally:
+        del decoder.windows
+
+
 def test_a_chunk_cancelled_while_queued_is_dropped_and_its_batch_decodes_on(runner):
     """A client gone while its chunk waits: its job is dropped (its future cancelled), the chunks
     decoded with it get the samples each stream makes alone, and after ``stop`` a decode fails
@@ -192,25 +213,15 @@ def test_a_chunk_cancelled_while_queued_is_dropped_and_its_batch_decodes_on(runn
     generator = torch.Generator().manual_seed(7)
     codes = [torch.randint(0, 32, (runner.talker.groups, 8), generator=generator) for _ in range(4)]
     expected = [decoder.stream().add(c) for c in codes]
-    busy, release = threading.Event(), threading.Event()
-    windows = decoder.windows
-
-    def held(streams, parts):  # the first batch holds the thread while the others queue behind it
-        if not busy.is_set():
-            busy.set()
-            release.wait(30)
-        return windows(streams, parts)
-
-    decoder.windows = held
     try:
-        first = batcher.decode(decoder.stream(), codes[0])
-        assert busy.wait(30)
-        queued = [batcher.decode(decoder.stream(), c) for c in codes[1:]]
-        assert queued[1].cancel()
-        release.set()
-        results = [first.result(30), queued[0].result(30), queued[2].result(30)]
+        with first_batch_held(decoder) as (busy, release, _):
+            first = batcher.decode(decoder.stream(), codes[0])
+            assert busy.wait(30)
+            queued = [batcher.decode(decoder.stream(), c) for c in codes[1:]]
+            assert queued[1].cancel()
+            release.set()
+            results = [first.result(30), queued[0].result(30), queued[2].result(30)]
     finally:
-        del decoder.windows
         batcher.stop()
     assert queued[1].cancelled() and batcher.max_batch_seen == 2  # the two left of the three queued
     for samples, wanted in zip(results, [expected[0], expected[1], expected[3]], strict=True):
@@ -229,25 +240,14 @@ def test_urgent_chunks_queued_behind_a_batch_are_decoded_ahead_of_the_others(run
     generator = torch.Generator().manual_seed(8)
     codes = [torch.randint(0, 32, (runner.talker.groups, frames), generator=generator) for frames in (8, 8, 8, 1, 2)]
     expected = [decoder.stream().add(c) for c in codes]
-    busy, release, batches = threading.Event(), threading.Event(), []
-    windows = decoder.windows
-
-    def held(streams, parts):  # the first batch holds the thread while the others queue behind it
-        batches.append([part.shape[1] for part in parts])
-        if not busy.is_set():
-            busy.set()
-            release.wait(30)
-        return windows(streams, parts)
-
-    decoder.windows = held
     try:
-        first = batcher.decode(decoder.stream(), codes[0])
-        assert busy.wait(30)
-        queued = [batcher.decode(decoder.stream(), c, urgent=c.shape[1] < 8) for c in codes[1:]]
-        release.set()
-        results = [future.result(30) for future in [first, *queued]]
+        with first_batch_held(decoder) as (busy, release, batches):
+            first = batcher.decode(decoder.stream(), codes[0])
+            assert busy.wait(30)
+            queued = [batcher.decode(decoder.stream(), c, urgent=c.shape[1] < 8) for c in codes[1:]]
+            release.set()
+            results = [future.result(30) for future in [first, *queued]]
     finally:
-        del decoder.windows
         batcher.stop()
     assert batches == [[8], [1, 2], [8, 8]]
     for samples, wanted in zip(results, expected, strict=True):
