@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds at each concurrency, one after another on the same server (an A/A)")
     parser.add_argument("--speech-params", type=json.loads, default={}, metavar="JSON",
-                        help='the speech model\'s parameters (realistic), e.g. \'{"compile": "talker,predictor"}\'')
+                        help='the speech model\'s parameters (realistic), e.g. \'{"compile": "off"}\'')
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     if args.speech_params and (args.preset != "realistic" or args.url):

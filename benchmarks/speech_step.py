@@ -22,7 +22,7 @@ Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset rea
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor,talker] [--modes compiled,graphs]
+        [--compile predictor] [--modes compiled,graphs]
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def main() -> None:
     parser.add_argument("--no-tf32", action="store_true",
                         help="cuDNN's convolutions and matmuls in full float32 (PyTorch runs them in TF32 by default)")
     parser.add_argument("--compile", default="", metavar="PARTS",
-                        help="also measure the stage with these parts compiled (predictor, talker)")
+                        help="also measure the stage with these parts compiled (predictor)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager and compiled (default: all that apply)")
     parser.add_argument("--profile", type=int, metavar="ROWS",

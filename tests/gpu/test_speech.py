@@ -75,8 +75,7 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
 
 
-@pytest.fixture(scope="module", params=["off", "predictor", "predictor,talker"],
-                ids=["graphs", "compiled", "talker compiled"])
+@pytest.fixture(scope="module", params=["off", "predictor"], ids=["graphs", "compiled"])
 def bf16(request):
     """The GPU runner in bfloat16, the dtype whose talker steps are captured; with its captured
     passes under torch.compile too (the model parameter ``compile``)."""

@@ -65,8 +65,7 @@ class SpeechConfig:
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     cuda_graphs: bool = True  # on a GPU, the talker's step and the code predictor's frame as CUDA graphs
-    # the parts whose captured passes run torch.compile's kernels ("predictor", "talker", comma-separated;
-    # "off"): on a GPU only
+    # the parts whose captured passes run torch.compile's kernels ("predictor"; "off"): on a GPU only
     compile: str = "predictor"
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)

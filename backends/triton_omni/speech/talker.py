@@ -48,8 +48,9 @@ _PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
 _PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
 # the longest an utterance may grow, its prompt and its codes (vLLM's max_model_len): its KV cache's columns
 TALKER_MAX_LEN = 5120
-# what the model parameter `compile` may name: the code predictor's captured frames, the talker's passes
-COMPILE_PARTS = ("predictor", "talker")
+# what the model parameter `compile` may name: the code predictor's captured frames. (The talker's
+# captured passes compiled took minutes per load at real shapes, for its dozens of widths and batch sizes.)
+COMPILE_PARTS = ("predictor",)
 
 
 @dataclass
@@ -232,14 +233,10 @@ class TalkerBatcher(ContinuousBatch):
         if slot_cache if slot_cache is not None else capture:
             from triton_omni.speech.talker_graphs import TalkerSteps
 
-            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture,
-                                            compile="talker" in compile)
+            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
             self._cache = self.talker_steps.cache
-        compiled = {"predictor": self.graphs, "talker": self.talker_steps}
-        ignored = [part for part in compile if compiled.get(part) is None]
-        if ignored:
-            logger.info("compile %s ignored: only the CUDA graphs' passes (and the slot cache's) are compiled",
-                        ",".join(ignored))
+        if "predictor" in compile and self.graphs is None:
+            logger.info("compile: predictor ignored: only the code predictor's CUDA graphs (a GPU's) are compiled")
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self.waits = 0  # rows left out of a step (or of a wait for one), waiting for their reply's next token

@@ -18,10 +18,6 @@ causal, so no position of the prompt reads the padding), its keys and values wri
 into its slot. Run from Python, that prefill cost about as much as a step, and the first audio
 waits for it. Utterances joining together are prefilled in one eager pass (``add_rows``).
 
-With ``compile`` (the model parameter's ``talker``), the captured passes run the talker's model
-under torch.compile: a replay launches each of the 20 layers' small kernels all the same, and
-inductor fuses their elementwise work into fewer.
-
 ``TalkerSteps`` also runs without capturing (the CPU tests hold it to the ``PaddedCache`` path).
 A row cannot outgrow the buffer: the runner refuses (or bounds) an utterance whose prompt and
 ``max_tokens`` exceed ``talker_max_len``, as vLLM does with ``max_model_len``.
@@ -32,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from triton_omni.ar.batching import to_device
-from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured, compiled_forward, compiling
+from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
 # a lone prompt's prefill widths: 64, 128, ... 2048 (a longer prompt is prefilled eagerly)
@@ -132,9 +128,8 @@ class TalkerStep:
     ``inputs`` [rows, 1, hidden] in; ``hidden`` (each row's last layer's state, the code
     predictor's input) and ``logits`` (its first codebook's) out."""
 
-    def __init__(self, talker, cache: SlotCache, rows: int, width: int, forward=None):
+    def __init__(self, talker, cache: SlotCache, rows: int, width: int):
         self.talker, self.cache, self.rows = talker, cache, rows
-        self.forward = forward or talker.model  # the talker's model, or it compiled
         self.inputs = torch.zeros(rows, 1, talker.model.config.hidden_size, device=cache.writes.device,
                                   dtype=cache.keys[0].dtype)
         self.columns = torch.arange(width, device=cache.writes.device)
@@ -148,7 +143,7 @@ class TalkerStep:
         self.layers.index = writes.view(-1, 1, 1, 1).expand(self.rows, key.shape[1], 1, key.shape[3])
         mask = (self.columns[None, :] <= writes[:, None])[:, None, None, :]  # its own positions and the new one
         positions = writes[None, :, None].expand(3, -1, -1)  # a row's position is its column
-        out = self.forward(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
+        out = self.talker.model(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
                                 past_key_values=self.layers, use_cache=True, output_hidden_states=True)
         self.hidden = out.hidden_states[-1][:, -1:]
         self.logits = self.talker.codec_head(out.last_hidden_state[:, -1])
@@ -176,8 +171,8 @@ class TalkerPrefill:
     states, the code predictor's input) and ``last`` (the normed states, the codec head's) out, at
     every column (the prompt's last is the one read)."""
 
-    def __init__(self, talker, cache: SlotCache, width: int, forward=None):
-        self.talker, self.forward = talker, forward or talker.model
+    def __init__(self, talker, cache: SlotCache, width: int):
+        self.talker = talker
         device = cache.writes.device
         self.embeds = torch.zeros(1, width, talker.model.config.hidden_size, device=device, dtype=cache.keys[0].dtype)
         self.layers = _PrefillLayers(cache, width)
@@ -187,7 +182,7 @@ class TalkerPrefill:
 
     @torch.inference_mode()
     def run(self) -> None:
-        out = self.forward(inputs_embeds=self.embeds, attention_mask=self.mask, position_ids=self.positions,
+        out = self.talker.model(inputs_embeds=self.embeds, attention_mask=self.mask, position_ids=self.positions,
                                 past_key_values=self.layers, use_cache=True, output_hidden_states=True)
         self.hidden, self.last = out.hidden_states[-1], out.last_hidden_state
 
@@ -195,24 +190,22 @@ class TalkerPrefill:
 class TalkerSteps:
     """The talker's steps over one ``SlotCache``: a ``TalkerStep`` per captured batch size (up to
     ``max_rows``) and width (up to ``capacity``), each captured as a CUDA graph where ``capture``
-    (all in one memory pool: one replays at a time), run as they are otherwise; with ``compile``,
-    the talker's model compiled first (each shape compiles in the warm-up before its capture)."""
+    (all in one memory pool: one replays at a time), run as they are otherwise."""
 
-    def __init__(self, talker, max_rows: int, capacity: int, capture: bool, compile: bool = False):
+    def __init__(self, talker, max_rows: int, capacity: int, capture: bool):
         weight = talker.codec_head.weight
-        forward = compiled_forward(talker.model, _talker_pass) if compile else None
         self.cache = SlotCache(talker.model.config, max_rows, capacity, weight.device, weight.dtype)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         widths = _widths(SMALLEST_WIDTH, capacity)
-        self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width, forward)
+        self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width)
                       for rows in sizes for width in widths}
-        self.prefills = {width: TalkerPrefill(talker, self.cache, width, forward)
+        self.prefills = {width: TalkerPrefill(talker, self.cache, width)
                          for width in _widths(min(SMALLEST_PREFILL, capacity), min(LARGEST_PREFILL, capacity))}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:  # all in one pool, the largest first (the others fit in it): one replays at a time
             pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(weight.device), compiling(compile):
+            with torch.cuda.device(weight.device):
                 for width in sorted(self.prefills, reverse=True):
                     self.prefill_graphs[width] = captured(self.prefills[width].run, pool)
                 for shape in sorted(self.steps, reverse=True):
@@ -260,6 +253,3 @@ class TalkerSteps:
         self.cache.advance(kept)
         return step.hidden[:rows].clone(), step.logits[:rows].clone()
 
-
-def _talker_pass(model, **inputs):  # compiled_forward's ``run``: a code object of the talker's own
-    return model(**inputs)
