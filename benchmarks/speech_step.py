@@ -13,6 +13,10 @@ own parts in one process, with no server, so each part's cost per step is seen a
   1/12.5 s of audio, each row of a step makes one, and each row's chunk is decoded once;
 - what one utterance's first audio waits for here: its talker prompt, its prefill, the time to
   its first frame, and the decode of a first chunk of 1 and of 2 frames;
+- with ``--cold-codec``, first of all: the streams' first chunks decoded together (as
+  ``Code2WavBatcher`` decodes urgent chunks) at each of ``--rows``' stream counts and at 1, 2 and 4
+  frames, the first decode of each shape in this process against the second (what a server's first
+  burst of new streams pays that later ones do not);
 - on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
   stage's default) and without, and the ratio of their steps; with ``--compile PARTS``, also with
   those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
@@ -22,7 +26,7 @@ Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset rea
 or the tiny demo's on this host's CPU (it only shows the benchmark works).
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor] [--modes compiled,graphs]
+        [--compile predictor] [--modes compiled,graphs] [--cold-codec]
 """
 
 from __future__ import annotations
@@ -224,6 +228,24 @@ def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_token
     return profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
 
 
+def cold_first_chunks_ms(decoder, groups: int, timers: Timers, streams: int, frames: int) -> dict:
+    """ms to decode ``streams`` new streams' first chunks of ``frames`` frames together, the first
+    time this process decodes that shape and the second."""
+    size = decoder.model.config.codebook_size
+    generator = torch.Generator().manual_seed(3)
+    found = {}
+    for call in ("first", "second"):
+        together = [decoder.stream() for _ in range(streams)]
+        codes = [torch.randint(0, size, (groups, frames), generator=generator) for _ in range(streams)]
+        timers.sync()
+        started = time.perf_counter()
+        for stream, chunk in zip(together, decoder.convolve_windows(decoder.windows(together, codes)), strict=True):
+            stream.settle(chunk)
+        timers.sync()
+        found[call] = 1000 * (time.perf_counter() - started)
+    return found
+
+
 def chunk_decode_ms(decoder, groups: int, chunk_frames: int, timers: Timers, streams: int = 1,
                     repeats: int = 6) -> dict:
     """ms to decode one streamed chunk of ``chunk_frames`` frames (after the first, which has no
@@ -304,6 +326,8 @@ def main() -> None:
                         help="also measure the stage with these parts compiled (predictor)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager and compiled (default: all that apply)")
+    parser.add_argument("--cold-codec", action="store_true",
+                        help="first, each stream count's first chunks decoded the first time and the second")
     parser.add_argument("--profile", type=int, metavar="ROWS",
                         help="then profile a few steps of this many utterances (CUDA graphs on) and print the table")
     args = parser.parse_args()
@@ -328,6 +352,13 @@ def main() -> None:
     decoder = StreamingCode2Wav(code2wav)
     timers = Timers(device)
     figures: dict = {"workload": vars(args), "chunk_decode_ms": {}, "first_frame_ms": {}, "modes": {}}
+    if args.cold_codec:  # before anything else decodes: each shape's first decode in this process
+        figures["cold_first_chunks_ms"] = {}
+        for streams, frames in itertools.product(levels, (1, 2, 4)):
+            found = cold_first_chunks_ms(decoder, talker.groups, timers, streams, frames)
+            figures["cold_first_chunks_ms"][f"{streams}x{frames}"] = found
+            print(f"code2wav, {streams} streams' first chunks of {frames} frames together, the first and the "
+                  f"second time: {json.dumps(found)}", flush=True)
     figures["first_chunk_decode_ms"] = {frames: first_chunk_decode_ms(decoder, talker.groups, frames, timers)
                                         for frames in (1, 2)}
     print(f"code2wav, a stream's first chunk of 1 and 2 frames: {json.dumps(figures['first_chunk_decode_ms'])}",

@@ -1,6 +1,7 @@
 """``benchmarks/speech_step.py`` on CPU with the tiny Qwen3-Omni: the talker's step batch at
 two sizes, each step split into its parts, and the decoder's chunk for as many streams, one
-after another and together (within 1e-4 of each other: the same samples). The report's shape is
+after another and together (within 1e-4 of each other: the same samples), and the first chunks'
+decode the first time and the second. The report's shape is
 checked, never a figure: docs/benchmarks.md quotes the GPU's."""
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
     out_file = tmp_path / "speech_step.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speech_step.py"), "--rows", "1,3",
-                             "--steps", "4", "--json", str(out_file)],
+                             "--steps", "4", "--cold-codec", "--json", str(out_file)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out_file.read_text())
     assert set(report["chunk_decode_ms"]) == {"1", "3"}
+    cold = report["cold_first_chunks_ms"]
+    assert set(cold) == {f"{n}x{f}" for n in (1, 3) for f in (1, 2, 4)}
+    assert all(found["first"] > 0 and found["second"] > 0 for found in cold.values())
     for chunk in report["chunk_decode_ms"].values():
         assert chunk["one after another"] > 0 and chunk["together"] >= chunk["transformer"] > 0
         assert chunk["max sample difference"] < 1e-4
