@@ -13,7 +13,10 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   stutter a listener hears), its median and its longest;
 - requests/s over the run, and the ratios Triton / direct for the first two at concurrency 1;
 - with ``--with-text`` (text asked for too), the time to the first text: the thinker's share of
-  the first audio.
+  the first audio;
+- where the first audio's time goes inside the server, from its metrics over each round (means;
+  a server this run starts, or ``--metrics-url``'s): the thinker's first token in ``ar`` and the
+  speech stage's own first audio (from its request to its first chunk).
 
 On this host's CPU with the tiny demo (``--preset tiny``, the default) it only shows the benchmark
 works; the figures are a GPU's, with ``--preset realistic``: Qwen3-Omni-30B-A3B at its real shapes
@@ -103,6 +106,29 @@ async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return summary(results, time.perf_counter() - started)
+
+
+STAGE_METRICS = {"ar_ttft_ms": ("omni_ar_time_to_first_token_seconds", "ar"),
+                 "speech_ttfa_ms": ("omni_speech_time_to_first_audio_seconds", "speech")}
+
+
+def stage_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """Each stage histogram's (sum, count) now, over the model's instances."""
+    from triton_omni_tools.bench.harness import _metrics_text, metric_by_device
+
+    text = _metrics_text(metrics_url)
+    return {name: (sum(metric_by_device(text, f"{family}_sum", model).values()),
+                   sum(metric_by_device(text, f"{family}_count", model).values()))
+            for name, (family, model) in STAGE_METRICS.items()}
+
+
+def stage_means(before: dict, after: dict) -> dict[str, float]:
+    """The stages' mean first token and first audio (ms) over the requests between two readings."""
+    found = {}
+    for name, (total, count) in after.items():
+        if count > before[name][1]:
+            found[name] = 1000 * (total - before[name][0]) / (count - before[name][1])
+    return found
 
 
 def summary(results: list[dict], wall: float) -> dict:
@@ -200,6 +226,8 @@ def main() -> None:
     parser.add_argument("--with-text", action="store_true",
                         help="ask for the text too, and print the time to its first delta (the thinker's part)")
     parser.add_argument("--url", help="measure this server's omni (gRPC host:port) instead of starting one")
+    parser.add_argument("--metrics-url", help="with --url: that server's metrics (http://HOST:PORT/metrics), "
+                        "for the stages' own first token and first audio")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds at each concurrency, one after another on the same server (an A/A)")
     parser.add_argument("--speech-params", type=json.loads, default={}, metavar="JSON",
@@ -226,9 +254,15 @@ def main() -> None:
         with contextlib.nullcontext(args.url) if args.url else serve(args.preset, args.speech_params) as server:
             url = args.url or server.grpc_url
             asyncio.run(at_concurrency(url, texts[:1], 1, args))  # warm-up
+            metrics = args.metrics_url if args.url else server.metrics_url
+
+            def measured(level: int) -> dict:
+                before = stage_sums(metrics) if metrics else None
+                found = asyncio.run(at_concurrency(url, texts[:max(args.requests, level)], level, args))
+                return found if before is None else found | {"stages": stage_means(before, stage_sums(metrics))}
+
             for level in levels:
-                rounds = [asyncio.run(at_concurrency(url, texts[:max(args.requests, level)], level, args))
-                          for _ in range(args.rounds)]
+                rounds = [measured(level) for _ in range(args.rounds)]
                 figures["triton"][level] = rounds[0] if len(rounds) == 1 else {**rounds[-1], "rounds": rounds}
                 for found in rounds:
                     print(f"Triton, concurrency {level}: {json.dumps(found)}", flush=True)

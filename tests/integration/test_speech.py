@@ -397,12 +397,14 @@ def test_the_cli_writes_the_spoken_reply(speech_server, tmp_path):
 
 def test_the_speech_bench_measures_this_server(speech_server, tmp_path):
     """``benchmarks/speech.py --url`` against this server and the tiny demo's own generate: each
-    figure is printed at each concurrency (first audio, first text, RTF, stalls, requests/s), never
-    checked (docs/benchmarks.md quotes a GPU's)."""
+    figure is printed at each concurrency (first audio, first text, RTF, stalls, requests/s, and
+    the stages' own first token and first audio from the server's metrics), never checked
+    (docs/benchmarks.md quotes a GPU's)."""
     out = tmp_path / "speech.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speech.py"), "--url", speech_server.grpc_url,
-                             "--concurrency", "1,2", "--requests", "2", "--direct-requests", "1", "--prompt-tokens",
-                             "20", "--text-tokens", "6", "--audio-seconds", "0.5", "--with-text", "--json", str(out)],
+                             "--metrics-url", speech_server.metrics_url, "--concurrency", "1,2", "--requests", "2",
+                             "--direct-requests", "1", "--prompt-tokens", "20", "--text-tokens", "6",
+                             "--audio-seconds", "0.5", "--with-text", "--json", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -411,4 +413,5 @@ def test_the_speech_bench_measures_this_server(speech_server, tmp_path):
         assert found["requests"] == 2 and found["audio_s"] > 0 and found["requests_per_s"] > 0
         assert min(found["ttfa_ms"], found["ttft_ms"], found["rtf"]) > 0
         assert found["stall_ms_max"] >= found["stall_ms"] >= 0
+        assert set(found["stages"]) == {"ar_ttft_ms", "speech_ttfa_ms"} and min(found["stages"].values()) > 0
     assert report["direct"]["audio_s"] > 0 and "Triton / direct at concurrency 1" in result.stdout
