@@ -89,8 +89,9 @@ def start_server(tmp_path_factory) -> tuple[TritonServer, Path]:
                parameters={"engine": "transformers", "embeds_dtype": "bfloat16"})
     copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair",
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
-    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair_small", parameters={"max_rows": "4"},
-               instance_group=[{"kind": "KIND_CPU", "count": 2}])
+    # full_hold_s: a full instance holds until one of its own long requests ends, however busy the cores
+    copy_model(DEFAULT_REPOSITORY, "diffusion", variants, "diffusion_pair_small",
+               parameters={"max_rows": "4", "full_hold_s": "600"}, instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "ar", variants, "ar_shared", parameters={"instances_per_engine": "2"},
                instance_group=[{"kind": "KIND_CPU", "count": 2}])
     copy_model(DEFAULT_REPOSITORY, "ar_encoder", variants, "ar_encoder_shared",

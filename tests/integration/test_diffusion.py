@@ -190,8 +190,11 @@ def test_a_full_instance_leaves_the_next_request_to_a_sibling_with_room(grpc_url
     so every short one answered before the first long one proves that none
     waited. The shorts are small and unguided (one row, a fraction of a
     long step), so the whole sequence of them takes a few of a long
-    request's sixty steps even on two busy cores; a wall-clock bound here
-    failed when other work shared the cores."""
+    request's sixty steps even on two busy cores. The model's ``full_hold_s``
+    (600 s) outlasts the long requests: with the default 30 s a full instance
+    on two busy cores took requests again before its long ones ended (most
+    likely the failure a wall-clock bound here once saw: a short request's
+    wait then matched a long one's time less 30 s)."""
     client = grpcclient.InferenceServerClient(grpc_url)
     longs: list[tuple[float, object]] = []
     done = threading.Semaphore(0)

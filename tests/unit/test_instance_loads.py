@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from triton_omni.processes import identity, start_ticks
-from triton_omni.triton.balance import InstanceLoads, instance_count
+from triton_omni.triton.balance import DEFAULT_FULL_HOLD_S, InstanceLoads, full_hold_s, instance_count
 
 
 def loads(tmp_path, name: str, **options) -> InstanceLoads:
@@ -62,6 +62,18 @@ def test_a_full_hold_is_bounded(tmp_path):
     full = loads(tmp_path, "diffusion_0_0", max_full_hold_s=0.2)
     loads(tmp_path, "diffusion_0_1").add(9)
     assert 0.2 <= full.hold(full=lambda: True) < 2
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [(None, DEFAULT_FULL_HOLD_S), ("", DEFAULT_FULL_HOLD_S), ("600", 600.0),
+                                              (" 0.5 ", 0.5)])
+def test_the_full_hold_comes_from_the_model_parameter(raw, seconds):
+    assert full_hold_s({} if raw is None else {"full_hold_s": raw}) == seconds
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "soon", "nan", "inf"])
+def test_a_full_hold_that_is_no_duration_fails_the_load_naming_it(raw):
+    with pytest.raises(ValueError, match="model parameter 'full_hold_s' must be a number of seconds above 0"):
+        full_hold_s({"full_hold_s": raw})
 
 
 def test_a_full_instance_alone_never_holds(tmp_path):

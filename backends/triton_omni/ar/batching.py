@@ -376,9 +376,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     the driver may make wait for the stream (CUDA's documented behaviour); PyTorch's pinned-memory
     cache keeps the block until the copy is done."""
     host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 # -- text ------------------------------------------------------------------------------

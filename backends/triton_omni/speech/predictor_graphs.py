@@ -141,18 +141,18 @@ class PredictorGraphs:
         return frame.codes[:rows].clone(), frame.total[:rows].clone()
 
 
-def compiled_forward(model: torch.nn.Module, run=None):
-    """``model``'s forward under torch.compile, through ``run(model, **inputs)`` (by default the
-    predictor's) with a code object of this call's own (``own_code``)."""
-    return functools.partial(torch.compile(own_code(run or _predictor_pass)), model)
+def compiled_forward(model: torch.nn.Module):
+    """The predictor ``model``'s forward under torch.compile, with a code object of this call's
+    own (``own_code``)."""
+    return functools.partial(torch.compile(own_code(_predictor_pass)), model)
 
 
 def own_code(function: types.FunctionType) -> types.FunctionType:
     """``function`` with a code object of its own. torch.compile keeps a function's compiled
     variants on its code object, shared by every copy compiled in the process: transformers wraps
-    every model's forward in one decorator, so the talker's shapes and the predictor's would share
-    one set, and another runner's (another dtype) would find it full; past ``recompile_limit`` a
-    shape runs eagerly, silently."""
+    every model's forward in one decorator, so the predictor's shapes would share one set with
+    any other model compiled in the process, and another runner's (another dtype) would find it
+    full; past ``recompile_limit`` a shape runs eagerly, silently."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
 

@@ -211,7 +211,7 @@ class TalkerBatcher(ContinuousBatch):
         (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
         asked (the tests, to hold those steps to the ``PaddedCache`` ones). ``compile``: the parts
         (``COMPILE_PARTS``) whose static passes run under torch.compile (the code predictor's captured
-        frames, the talker's passes over the slot cache); the other paths never do."""
+        frames); the other paths never do."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker

@@ -34,6 +34,11 @@ behind a whole image while a sibling has room. Why: the choice above is
 made when ``execute`` returns, and an idle instance thread cannot take it
 back. Without it a full engine now and then took one more request just
 before a sibling finished one, and that request waited a whole image.
+That hold ends at the latest after ``max_full_hold_s`` (the model parameter
+``full_hold_s``, 30 s by default): an engine that hangs must not keep its
+instance's ``execute``, and with it the model's unload, for ever. Past it a
+full instance takes requests again, which then wait in its engine: a model
+whose requests take longer than that (a video) wants it longer.
 
 The load is a request count: requests of one model cost alike to first
 order (same sizes and steps under a bench; a mix evens out over many).
@@ -50,13 +55,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from triton_omni.processes import alive, server_folder, start_ticks
+from triton_omni.triton.params import model_parameters
 
 _RECORD = struct.Struct("<qqq")  # (pid, start ticks, load)
+DEFAULT_FULL_HOLD_S = 30.0
 
 
 class InstanceLoads:
     def __init__(self, model: str, instance: str, server_pid: int | None = None, root: Path = Path("/dev/shm"),
-                 slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = 30.0, poll_s: float = 0.005,
+                 slack: int = 0, max_hold_s: float = 2.0, max_full_hold_s: float = DEFAULT_FULL_HOLD_S,
+                 poll_s: float = 0.005,
                  instances: int | None = None):
         """``instance``: this instance's name (unique among the model's);
         ``server_pid``: the tritonserver the instances share (the stub's parent);
@@ -77,8 +85,10 @@ class InstanceLoads:
     @classmethod
     def of_instance(cls, args: dict, model_config: dict) -> InstanceLoads:
         """This stub's instance, from what Triton hands ``initialize``: its
-        ``args`` and the model's config, which says how many instances there are."""
-        return cls(args["model_name"], args["model_instance_name"], instances=instance_count(model_config))
+        ``args`` and the model's config, which says how many instances there are and, in
+        ``full_hold_s``, how long a full instance may keep ``execute``."""
+        return cls(args["model_name"], args["model_instance_name"], instances=instance_count(model_config),
+                   max_full_hold_s=full_hold_s(model_parameters(model_config)))
 
     @property
     def load(self) -> int:
@@ -141,6 +151,20 @@ class InstanceLoads:
 
     def _publish(self) -> None:
         os.pwrite(self._fd, _RECORD.pack(os.getpid(), self._started, self._load), 0)
+
+
+def full_hold_s(params: dict[str, str]) -> float:
+    """The model parameter ``full_hold_s``: seconds, above 0 (a bad value fails the load)."""
+    raw = params.get("full_hold_s", "").strip()
+    if not raw:
+        return DEFAULT_FULL_HOLD_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"model parameter 'full_hold_s' must be a number of seconds above 0, got {raw!r}")
+    return value
 
 
 def instance_count(model_config: dict) -> int | None:
