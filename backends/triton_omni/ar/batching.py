@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from triton_omni import transfers
 from triton_omni.ar.engine import Delta
 from triton_omni.ar.sampling import SamplingOptions
 
@@ -372,13 +373,8 @@ def _draws(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small tensor of ``values`` on ``device``, copied without waiting for the work queued there
     (``torch.tensor(values, device=...)`` waits for the stream: a step's sampling would then sync
-    the host with the GPU once per row). Through pinned memory: a copy from pageable memory is one
-    the driver may make wait for the stream (CUDA's documented behaviour); PyTorch's pinned-memory
-    cache keeps the block until the copy is done."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    the host with the GPU once per row); ``transfers.to_device``'s copy."""
+    return transfers.to_device(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
 # -- text ------------------------------------------------------------------------------

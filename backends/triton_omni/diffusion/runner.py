@@ -56,12 +56,13 @@ from triton_omni.diffusion.kernels import (
 from triton_omni.diffusion.request import DiffusionLimits, DiffusionRequest
 from triton_omni.diffusion.sequence_parallel import SequenceParallel
 from triton_omni.diffusion.step_cache import parse_step_cache
-from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_device, to_pixels
+from triton_omni.diffusion.steps import STEPS_AHEAD, StepEngine, StepJob, to_pixels
 from triton_omni.dtypes import torch_dtype
 from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.families import FAMILIES, Family, Guidance, StepAdapter, family_of
 from triton_omni.gpu_memory import cap_torch
 from triton_omni.lora import AdapterError, Adapters, read_experts_adapter, read_pipeline_adapter
+from triton_omni.transfers import to_device
 
 logger = logging.getLogger(__name__)
 

@@ -457,16 +457,6 @@ def _deliver(jobs: list[StepJob], pixels: torch.Tensor, copied: Any) -> None:
         job.future.set_result(image)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``tensor`` on ``device`` (in ``dtype``); from the CPU to a GPU through pinned memory, without
-    waiting: a copy from pageable memory first waits for everything queued on the stream."""
-    if dtype is not None:
-        tensor = tensor.to(dtype=dtype)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def pixels_to_host(images: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """``[N, 3, H, W]`` in [0, 1] -> ``[N, H, W, 3]`` uint8 on the CPU (videos: ``[N, F, 3, H, W]``
     -> ``[N, F, H, W, 3]``), and the event that marks its copy done (``None``: nothing to wait for).

@@ -26,7 +26,7 @@ class StableDiffusionSteps(StepAdapter):
         return job.height, job.width, job.cond.shape[0]
 
     def start(self, job) -> None:
-        from triton_omni.diffusion.steps import to_device
+        from triton_omni.transfers import to_device
 
         scheduler = copy.deepcopy(self.pipeline.scheduler)
         # The scheduler keeps its timesteps on the CPU and gets them as ints: its tables live
