@@ -114,9 +114,9 @@ STAGE_METRICS = {"ar_ttft_ms": ("omni_ar_time_to_first_token_seconds", "ar"),
 
 def stage_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
     """Each stage histogram's (sum, count) now, over the model's instances."""
-    from triton_omni_tools.bench.harness import _metrics_text, metric_by_device
+    from triton_omni_tools.bench.harness import metric_by_device, metrics_text
 
-    text = _metrics_text(metrics_url)
+    text = metrics_text(metrics_url)
     return {name: (sum(metric_by_device(text, f"{family}_sum", model).values()),
                    sum(metric_by_device(text, f"{family}_count", model).values()))
             for name, (family, model) in STAGE_METRICS.items()}

@@ -437,7 +437,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     warm.set()
     for _ in workers:  # warmed up
         ready.get()
-    metrics_before, stats_before = _metrics_text(metrics_url), _server_stats(url, workload)
+    metrics_before, stats_before = metrics_text(metrics_url), _server_stats(url, workload)
     cpu_before = stub_cpu_seconds(server_pid) if server_pid else {}
     cpu = CpuWindow(engine_cores(server_pid), server_pid).start() if server_pid else None
     start = time.time()
@@ -454,7 +454,7 @@ def measure_triton(url: str, preset: Preset, embeds: np.ndarray, workload: str, 
     streams = [stream for _, client_streams, _, _ in outcomes for stream in client_streams]
     point = Point(workload, concurrency, "triton", len(latencies), max(end for *_, end, _ in outcomes) - start,
                   latencies, streams=streams if workload in GENERATION_WORKLOADS else None)
-    metrics_after = _metrics_text(metrics_url)
+    metrics_after = metrics_text(metrics_url)
     point.mean_batch = _mean_batch(_batch_counts(metrics_before, workload), _batch_counts(metrics_after, workload))
     point.server = _stats_delta(stats_before, _server_stats(url, workload))
     point.cores = cores
@@ -580,7 +580,7 @@ def _batch_counts(text: str, workload: str) -> tuple[float, float]:
             sum(metric_by_device(text, f"{family}_count", model).values()))
 
 
-def _metrics_text(metrics_url: str) -> str:
+def metrics_text(metrics_url: str) -> str:
     import urllib.request
 
     return urllib.request.urlopen(metrics_url, timeout=5).read().decode()
