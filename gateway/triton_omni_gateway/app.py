@@ -209,7 +209,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise
         if body.speaks:
             return await spoken_response(request, body, prompt, model)
-        return await text_response(request, body, chat_endpoint(body), prompt, model, adapter)
+        return await text_response(request, body, chat_endpoint(body), prompt, model, adapter, body.audio_clips())
 
     async def spoken_response(request: Request, body: ChatRequest, prompt: str, model: str):
         if SPEECH_MODEL not in await triton.models():
@@ -268,9 +268,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         base = (await triton.adapters()).get(name)
         return (name, None) if base is None else (base, name)
 
-    async def text_response(request: Request, body, endpoint, prompt: str, model: str, adapter: str | None):
+    async def text_response(request: Request, body, endpoint, prompt: str, model: str, adapter: str | None,
+                            audio: list[bytes] | None = None):
         sampling = body.sampling() | ({"lora_name": adapter} if adapter else {})
-        stream = deltas(triton, model, prompt, sampling)
+        stream = deltas(triton, model, prompt, sampling, audio=audio)
         if not body.stream:
             return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
         # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.

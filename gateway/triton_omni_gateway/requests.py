@@ -12,6 +12,8 @@ same client code drives all three.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Annotated, Any, Literal
 
@@ -103,23 +105,43 @@ class TextPart(_Body):
     text: StrictStr
 
 
+class InputAudio(_Body):
+    data: StrictStr  # base64
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(_Body):
+    """OpenAI's ``input_audio`` part: a clip the model hears (a Qwen3-Omni thinker), in a user message."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class OtherPart(BaseModel):
     """A content part of OpenAI's other kinds: known, so that a request carrying one is refused by
     name (``ChatRequest``) rather than told its content should have been a string."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_audio", "file", "input_file", "refusal"]
+    type: Literal["image_url", "file", "input_file", "refusal"]
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart | OtherPart] | None = None
+    content: StrictStr | list[TextPart | AudioPart | OtherPart] | None = None
     name: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as a chat template reads it: the text, or, where the message holds audio,
+        its parts in order (the template writes each clip's audio marker)."""
+        if not isinstance(self.content, list) or not any(isinstance(p, AudioPart) for p in self.content):
+            return self.text()
+        return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "audio"}
+                for part in self.content]
 
 
 class TalkerOptions(_Body):
@@ -154,13 +176,28 @@ class ChatRequest(_Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
     @model_validator(mode="after")
-    def _text_parts_only(self) -> ChatRequest:
+    def _parts_read(self) -> ChatRequest:
         for i, message in enumerate(self.messages):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 if isinstance(part, OtherPart):
                     raise invalid(f"messages.{i}.content.{j}.type", f"{part.type!r} parts are not read by the "
-                                  "models this gateway serves: a message's content is text")
+                                  "models this gateway serves: a message's content is text, and audio in a user "
+                                  "message")
+                if isinstance(part, AudioPart) and message.role != "user":
+                    raise invalid(f"messages.{i}.content.{j}.type", "'input_audio' parts go in user messages")
         return self
+
+    def audio_clips(self) -> list[bytes]:
+        """The ``input_audio`` parts' files, in the order their markers appear in the prompt."""
+        clips = []
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, AudioPart):
+                    try:
+                        clips.append(base64.b64decode(part.input_audio.data, validate=True))
+                    except (binascii.Error, ValueError):
+                        raise invalid(f"messages.{i}.content.{j}.input_audio.data", "is not base64") from None
+        return clips
 
     def sampling(self) -> dict[str, Any]:
         values = super().sampling()
@@ -172,9 +209,9 @@ class ChatRequest(_Sampling):
             raise invalid("top_logprobs", "needs logprobs: true")
         return values
 
-    def chat(self) -> list[dict[str, str]]:
+    def chat(self) -> list[dict[str, Any]]:
         """The messages as a chat template reads them (``developer`` is OpenAI's newer ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content()}
                 for m in self.messages]
 
 
@@ -191,6 +228,13 @@ class ChatRequest(_Sampling):
             raise invalid("n", "a spoken reply is one completion")
         if self.stream and self.audio.format != "pcm16":
             raise invalid("audio.format", "a streamed reply's audio is pcm16 (as OpenAI streams it)")
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, AudioPart):
+                    raise invalid(f"messages.{i}.content.{j}", "a spoken reply to a prompt with audio is not "
+                                  "served yet (the talker reads the thinker's hidden states at the audio's "
+                                  "positions, which the thinker stage does not hand on): ask for modalities "
+                                  "[\"text\"]")
         return True
 
 

@@ -46,21 +46,24 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by a spoken reply)
 
 
-def ar_values(prompt: str, sampling: dict[str, Any], token_ids: bool = False) -> dict[str, Any]:
-    """The ``ar`` model's inputs for one streamed request."""
+def ar_values(prompt: str, sampling: dict[str, Any], token_ids: bool = False,
+              audio: list[bytes] | None = None) -> dict[str, Any]:
+    """The ``ar`` model's inputs for one streamed request (``audio``: the files the prompt's audio
+    markers stand for)."""
     return {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
-            "return_logprobs": "logprobs" in sampling, "return_token_ids": token_ids}
+            "return_logprobs": "logprobs" in sampling, "return_token_ids": token_ids} \
+        | ({"input_audio": audio} if audio else {})
 
 
 async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any],
-                 token_ids: bool = False) -> AsyncIterator[Delta]:
+                 token_ids: bool = False, audio: list[bytes] | None = None) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
     finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
     # aclosing: closing this generator closes Triton's stream, which cancels the request in the model
     # (an `async for` left early does not close what it iterates)
-    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids), finished)) as results:
+    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids, audio), finished)) as results:
         async for result in results:
             found = outputs(result)
             texts = found.get("text_output", [])

@@ -40,6 +40,9 @@ AR_GENERATE_INPUTS = [
     # a LoRA adapter the model serves (its lora_adapters parameter); Triton's vLLM backend's clients
     # name it `lora_name` in sampling_parameters, which is read too
     TensorSpec("lora", "TYPE_STRING"),
+    # audio files (WAV, MP3, FLAC, ...) a thinker hears, one per audio marker in the prompt (a Qwen3-Omni
+    # model's; docs/models.md, "Input audio")
+    TensorSpec("input_audio", "TYPE_STRING", dims=(-1,), kind="blobs"),
 ]
 # One entry per completion (`n`), as in Triton's vLLM backend; all but
 # text_output are sent only when the matching return_* input is true.

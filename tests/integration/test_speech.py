@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
+from tests.support import heard
 from tests.support.server import documented_metrics, metric_value
 
 PROMPT = "a red fox"
@@ -191,6 +193,58 @@ def _stream(url: str, model: str, **values: np.ndarray) -> list:
                 client.stop_stream()
                 return responses
             responses.append(result)
+
+
+CLIPS = (heard.tone(2.0, 440), heard.tone(1.3, 220, seed=1))
+
+
+def _heard_reply(url: str, text: str, files: list[bytes], max_tokens: int = 6) -> list[int]:
+    """``ar``'s greedy reply to a prompt with ``input_audio`` (one file per audio marker): its token ids."""
+    [result] = _stream(url, "ar", text_input=np.array([text.encode()], dtype=object),
+                       input_audio=np.array(files, dtype=object), stream=np.array([False]),
+                       return_token_ids=np.array([True]), temperature=np.array([0.0], np.float32),
+                       max_tokens=np.array([max_tokens], np.int32))
+    return result.as_numpy("token_ids").tolist()
+
+
+def test_the_thinker_hears_input_audio_as_the_model_does(speech_server):
+    """vLLM's thinker handed the prompt as embeddings (the audio tower's in the markers' places) gives
+    the whole model's greedy reply to the processor's features; other clips give other replies."""
+    text = heard.prompt(PROMPT, 2)
+    served = _heard_reply(speech_server.grpc_url, text, [heard.wav_bytes(clip) for clip in CLIPS])
+    assert served == heard.reference(text, [heard.as_heard(clip) for clip in CLIPS], 6)
+    other = [heard.wav_bytes(heard.tone(2.0, 220, seed=2)), heard.wav_bytes(CLIPS[1])]
+    assert _heard_reply(speech_server.grpc_url, text, other) != served
+
+
+def test_the_gateway_reads_input_audio_parts(speech_server):
+    """``input_audio`` content parts through the ``openai`` SDK: the reply is the model's to the same
+    clips, its prompt tokens the processor's; a spoken reply to audio is refused naming the part."""
+    tokenizer, processor, _ = heard.model()
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(heard.wav_bytes(clip)).decode(),
+                                                     "format": "wav"}} for clip in CLIPS]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}]
+    answer = speech_server.openai.chat.completions.create(model="ar", messages=messages, max_tokens=6,
+                                                         temperature=0.0)
+    text, clips = heard.prompt(PROMPT, 2), [heard.as_heard(clip) for clip in CLIPS]
+    expected = tokenizer.decode(heard.reference(text, clips, 6), skip_special_tokens=True)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == processor(text=text, audio=clips, return_tensors="pt")["input_ids"].shape[1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        speech_server.openai.chat.completions.create(model="ar", messages=messages, modalities=["text", "audio"],
+                                                     audio={"voice": "ethan", "format": "wav"})
+    assert refused.value.body["param"] == "messages.0.content.0"
+
+
+@pytest.mark.parametrize(("files", "clips", "field"), [
+    ([b"not audio"], 1, "input_audio[0]"),
+    ([heard.wav_bytes(CLIPS[0])], 2, "input_audio"),  # two markers in the prompt, one clip
+    ([heard.wav_bytes(heard.tone(301.0, 440))], 1, "input_audio[0]"),  # past 300 s
+])
+def test_bad_input_audio_is_refused_by_name_and_the_next_request_is_served(speech_server, files, clips, field):
+    with pytest.raises(RuntimeError, match=f"invalid `{re.escape(field)}`"):
+        _heard_reply(speech_server.grpc_url, heard.prompt(PROMPT, clips), files)
+    assert _heard_reply(speech_server.grpc_url, heard.prompt(PROMPT, 1), [heard.wav_bytes(CLIPS[1])])
 
 
 @pytest.mark.parametrize(("options", "field"), [

@@ -52,8 +52,8 @@ def test_errors_name_the_field_without_pydantic_s_union_members():
 
 
 @pytest.mark.parametrize(("part", "param", "says"), [
-    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "messages.0.content.1.type",
-     "'input_audio' parts are not read"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "ogg"}},
+     "messages.0.content.1.input_audio.format", "Input should be 'wav' or 'mp3'"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}, "messages.0.content.1.type",
      "'image_url' parts are not read"),
     ({"type": "text"}, "messages.0.content.1.text", "Field required"),
@@ -63,6 +63,38 @@ def test_a_content_part_the_models_do_not_read_is_refused_by_its_own_name(part, 
     """Not "the content should have been a string": the part at fault, and why."""
     error = refused(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
     assert error.param == param and says in error.message
+
+
+def audio_part(data: bytes, fmt: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def test_input_audio_parts_reach_the_template_and_the_model_in_order():
+    request = parse(ChatRequest, json.dumps({"messages": [
+        {"role": "system", "content": "Listen."},
+        {"role": "user", "content": [audio_part(b"first"), {"type": "text", "text": "and "},
+                                     audio_part(b"second", "mp3")]}]}).encode())
+    assert request.chat() == [{"role": "system", "content": "Listen."},
+                              {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "and "},
+                                                           {"type": "audio"}]}]
+    assert request.audio_clips() == [b"first", b"second"]
+    assert ar_values("p", {}, audio=request.audio_clips())["input_audio"] == [b"first", b"second"]
+    assert "input_audio" not in ar_values("p", {})
+
+
+@pytest.mark.parametrize(("messages", "extra", "param"), [
+    ([{"role": "assistant", "content": [audio_part(b"x")]}], {}, "messages.0.content.0.type"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}]}], {},
+     "messages.0.content.0.input_audio.data"),
+    ([{"role": "user", "content": [audio_part(b"x")]}],
+     {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}}, "messages.0.content.0"),
+])
+def test_input_audio_the_gateway_cannot_pass_on_is_refused_naming_the_part(messages, extra, param):
+    with pytest.raises(OpenAIError) as error:
+        request = parse(ChatRequest, json.dumps({"messages": messages} | extra).encode())
+        request.audio_clips()
+        assert request.speaks
+    assert error.value.param == param
 
 
 def test_image_size_seeds_and_guidance():

@@ -43,8 +43,9 @@ class Sequence:
     method other threads call."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
-                 emit: Callable[[Delta | BaseException], None]):
+                 emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None):
         self.prompt_ids = prompt_ids
+        self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
         self.options = options
         self.output_ids: list[int] = []
         self.position = len(prompt_ids)  # of the next token fed to the model
@@ -204,9 +205,12 @@ class StepBatcher(ContinuousBatch):
     def _join(self, sequence: Sequence) -> None:
         """Prefill alone, sample the first token, and stack the cache onto the batch's."""
         cache = DynamicCache()
-        input_ids = torch.tensor([sequence.prompt_ids], device=self.device)
+        if sequence.prompt_embeds is None:
+            prompt = {"input_ids": torch.tensor([sequence.prompt_ids], device=self.device)}
+        else:
+            prompt = {"inputs_embeds": sequence.prompt_embeds.to(self.device)[None]}
         with self._adapted([sequence]):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])

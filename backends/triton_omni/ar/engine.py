@@ -55,8 +55,11 @@ class ArEngine(ABC):
 
     @abstractmethod
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
-        """Generate (``lora``: with that adapter of the model's), handing each delta to ``on_delta``
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
+                     prompt_embeds: torch.Tensor | None = None) -> None:
+        """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
+        these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
+        is), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
         Cancelled, the engine forgets the request and calls ``on_delta`` no more.

@@ -67,12 +67,14 @@ class TransformersEngine(ArEngine):
                 "supported by the transformers engine (engine 'vllm' supports them)", None, show_value=False)
 
     async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                       logprobs: int | None = None, lora: str | None = None) -> AsyncIterator[Delta]:
+                       logprobs: int | None = None, lora: str | None = None,
+                       prompt_embeds: torch.Tensor | None = None) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
-                            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+                            emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                            prompt_embeds=prompt_embeds)
         async with self._adapter(lora) as slot:
             sequence.lora = slot
             async for delta in self._run(sequence, request_id, queue):
@@ -106,8 +108,9 @@ class TransformersEngine(ArEngine):
             self._sequences.pop(request_id, None)
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
-        async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora):
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
+                     prompt_embeds: torch.Tensor | None = None) -> None:
+        async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:

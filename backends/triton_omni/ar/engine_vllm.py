@@ -140,7 +140,8 @@ class VllmEngine(ArEngine):
             raise _validation_error(exc) from None
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
-                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None) -> None:
+                     logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
+                     prompt_embeds: torch.Tensor | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -169,7 +170,7 @@ class VllmEngine(ArEngine):
                 done.set_exception(exc)
 
         try:
-            collector = await self.engine.add_request(request_id, engine_input(prompt_ids), params,
+            collector = await self.engine.add_request(request_id, engine_input(prompt_ids, prompt_embeds), params,
                                                       lora_request=self.adapters.get(lora) if lora else None)
         except Exception as exc:
             if type(exc).__name__ == "VLLMValidationError":  # raised by the engine's input checks
@@ -304,12 +305,16 @@ def _delta(completion) -> Delta:
     )
 
 
-def engine_input(prompt_ids: list[int]) -> dict:
+def engine_input(prompt_ids: list[int], prompt_embeds: torch.Tensor | None = None) -> dict:
     """A tokenized prompt as vLLM's engine input (its ``TokensInput``): the
     runner has tokenized and checked the prompt already. Given as a raw prompt
     instead (``{"prompt_token_ids": ...}``), vLLM renders it again, and
     releases after 0.24 do that on a thread pool, one more thread taking the
-    stub's GIL for every request."""
+    stub's GIL for every request. With ``prompt_embeds`` (a prompt holding audio), its
+    ``EmbedsInput``, on the host (the engine core copies it to the device); the engine was started
+    with ``enable_prompt_embeds``."""
+    if prompt_embeds is not None:
+        return {"type": "embeds", "prompt_embeds": prompt_embeds.cpu()}
     return {"type": "token", "prompt_token_ids": prompt_ids}
 
 

@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_omni.ar.sampling import ArLimits, SamplingOptions
+from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.errors import RequestValidationError
 from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_bool, as_json_object, as_str, require
+
+NO_AUDIO = AudioLimits()  # a model that hears nothing: `input_audio` is refused by name
 
 # Input tensors that carry one sampling option each: tensor name -> option.
 SAMPLING_TENSORS = {
@@ -108,12 +111,15 @@ class GenerateRequest:
     outputs: ReturnOptions = field(default_factory=ReturnOptions)
     lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base weights)
     lora_field: str = "lora"  # where it came from: the `lora` input, or `lora_name` among the sampling options
+    audio: list = field(default_factory=list)  # the clips the prompt's audio markers stand for (mono float32)
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
-                    request_parameters: dict[str, Any] | None = None) -> GenerateRequest:
+                    request_parameters: dict[str, Any] | None = None,
+                    audio: AudioLimits = NO_AUDIO) -> GenerateRequest:
         """Build from decoded tensors (name -> Python value; absent optional
-        inputs are left out) and the request's own parameters."""
+        inputs are left out) and the request's own parameters; ``audio``: the clips the model hears
+        (by default none: ``input_audio`` is refused by name)."""
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
@@ -129,7 +135,8 @@ class GenerateRequest:
                 "needs the `return_logprobs` input set to true (they come back on the `logprobs` output)",
                 sampling.logprobs)
         return cls(prompt=prompt, sampling=sampling, stream=stream,
-                   include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora, lora_field=lora_field)
+                   include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora, lora_field=lora_field,
+                   audio=decode_audio(inputs.get("input_audio"), audio))
 
 
 def _lora(tensor: Any, key: Any) -> str | None:

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
+from triton_omni.ar.audio_prompt import ThinkerEars, has_ears
 from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.engine_pipeline import PipelineTextEngine
 from triton_omni.ar.language_model import architecture, has_language_model, is_omni, language_model
@@ -26,6 +27,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
 from triton_omni.ar.shared_engine import EngineSeat
+from triton_omni.audio import AudioLimits
 from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
@@ -69,6 +71,9 @@ class ArRunnerConfig:
     max_loras: int = 4
     # "fp8": vLLM's own FP8 weights (its `quantization` engine argument, scales computed at load)
     quantization: str = "none"
+    # the most audio clips one prompt holds, for a model that hears (a Qwen3-Omni thinker); 0: it hears
+    # none, and its audio tower is not loaded
+    max_audio_clips: int = 8
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -127,6 +132,7 @@ class ArRunner:
         self.image_limits = ImageLimits(max_images=self.recipe.images) \
             if config.mode == "encode" and self.recipe.images else None
         self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model), self.recipe.tokenizer)
+        checkpoint = self.model_path
         self.engine_name = config.resolved_engine()
         if self.engine_name == "vllm" and has_language_model(self.model_path):
             self.model_path = language_model(self.model_path, tokenizer_path)
@@ -136,6 +142,10 @@ class ArRunner:
             logger.info("the thinker of %s, as a causal LM (%s)", config.model, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self._token_ids = _token_ids_of(self.tokenizer, config.mode != "encode" or self.recipe.special_tokens)
+        # what the thinker hears with (the prompt handed to the engine as embeddings), and how much
+        hears = config.mode == "generate" and config.max_audio_clips > 0 and has_ears(checkpoint)
+        self.ears = ThinkerEars(checkpoint, torch.device(config.device), config.torch_dtype()) if hears else None
+        self.audio_limits = AudioLimits(max_clips=config.max_audio_clips) if hears else AudioLimits()
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
@@ -178,8 +188,9 @@ class ArRunner:
             share = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
             quantized = {"quantization": "fp8"} if cfg.quantization == "fp8" else {}
+            heard = {"enable_prompt_embeds": True} if self.ears is not None else {}  # a prompt with audio
             return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len,
-                              share | quantized | cfg.engine_args,
+                              share | quantized | heard | cfg.engine_args,
                               self.seat, cpus, cfg.lora_adapters, cfg.max_loras)
         if self.seat is not None:
             raise ValueError("instances_per_engine > 1 needs the vLLM engine: the transformers engine is in-process")
@@ -219,6 +230,13 @@ class ArRunner:
             )
         return ids
 
+    def _check_length(self, tokens: int, name: str, value: str) -> None:
+        """A prompt grown by its audio's tokens still leaves room for one new token."""
+        allowed = self.config.max_model_len - 1
+        if tokens > allowed:
+            raise RequestValidationError(name, f"the prompt with its audio has {tokens} tokens; this model allows "
+                                         f"at most {allowed}", value)
+
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
@@ -239,6 +257,11 @@ class ArRunner:
         the loop's thread, as the engine produces it; the last one is final.
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
+        embeds = None
+        if request.audio:  # the thinker's audio tower, off the loop (it is a forward pass)
+            prompt_ids, embeds = await asyncio.get_running_loop().run_in_executor(
+                None, self.ears.prompt, prompt_ids, request.audio)
+            self._check_length(len(prompt_ids), "input_audio", f"{len(request.audio)} clips")
         if request.lora is not None:
             self._on_lora("request", request.lora)
         assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
@@ -254,7 +277,7 @@ class ArRunner:
                 on_response(response)
 
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
-                                 request.lora)
+                                 request.lora, prompt_embeds=embeds)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

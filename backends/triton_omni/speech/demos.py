@@ -25,6 +25,18 @@ SAMPLE_RATE = 24000
 # Qwen3-Omni's markers the thinker and talker read (audio, vision, and the talker's text-side markers)
 MARKERS = ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>", "<|image_pad|>", "<|video_pad|>",
            "<|vision_start|>", "<|vision_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>")
+# Qwen3-Omni's template as far as the demo reads it: a message's content a text, or parts (text, and
+# audio and images as their markers, which the processor widens to their tokens); the rest the demo
+# chat template's
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 # trained on until the role names are one token each, as in Qwen's tokenizer (the talker finds the
 # user turns by the token after <|im_start|>)
 ROLES = "system\nuser\nassistant\n"
@@ -53,8 +65,26 @@ def build_tiny_qwen3_omni(out: Path) -> None:
         for layer in model.code2wav.modules():
             if isinstance(layer, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
                 layer.weight.mul_(6.0)
+    # The audio tower at random init hears every clip alike: two tones (440 and 220 Hz) of one length
+    # gave the same features to 1e-3 and the same reply. Its convolutions scaled by 16 and its linear
+    # layers by 8, the features differ by most of their norm and so do the replies
+    # (tests/unit/test_audio_input.py holds it)
+    amplify(model.thinker.audio_tower, 8.0)
+    with torch.no_grad():
+        for layer in model.thinker.audio_tower.modules():
+            if isinstance(layer, torch.nn.Conv2d):
+                layer.weight.mul_(16.0)
     model.thinker.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
+    save_feature_extractor(out, config.thinker_config.audio_config.num_mel_bins)
+
+
+def save_feature_extractor(out: Path, mel_bins: int) -> None:
+    """The thinker's audio features as Qwen3-Omni's processor makes them: Whisper's log-mel at 16 kHz,
+    in windows of 300 s (a clip is not cut)."""
+    from transformers import WhisperFeatureExtractor
+
+    WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=16000, chunk_length=300).save_pretrained(out)
 
 
 def _config(vocab_size: int, ids: dict[str, int]) -> dict:
@@ -103,13 +133,14 @@ def _config(vocab_size: int, ids: dict[str, int]) -> dict:
 
 def _qwen3_tokenizer(out: Path):
     """The offline tokenizer with Qwen3-Omni's markers, saved in ``out``, and the ids the config names."""
-    from triton_omni.demo_models import AR_SHAPE, CHAT_TEMPLATE, build_tokenizer
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
 
     tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (*MARKERS, "<|im_start|>", "<|im_end|>")}
     for role in ("system", "user", "assistant"):
         [ids[role]] = tokenizer.encode(role, add_special_tokens=False)  # one token each, or the talker misreads
-    assert tokenizer.chat_template == CHAT_TEMPLATE
     return tokenizer, ids
 
 

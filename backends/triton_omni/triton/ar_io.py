@@ -76,6 +76,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         gpu_memory_utilization=gpu_share(params),
         engine_cpus=params.get("engine_cpus", ""),
         recipe=params.get("recipe", "last_hidden_state"),
+        max_audio_clips=int(params.get("max_audio_clips", ArRunnerConfig.max_audio_clips)),
         **lora,
     )
     return config, placement

@@ -1,0 +1,83 @@
+"""Audio a thinker hears, and the model's own answer to it: the reference that ``ar``'s replies to
+prompts with ``input_audio`` are held to.
+
+The reference is transformers' own path: ``Qwen3OmniMoeProcessor`` (its feature extractor, and its
+audio markers widened to each clip's tokens) and the whole model's ``thinker.generate`` with the
+features. The processor is assembled from the checkpoint's parts (the tiny demo saves no processor
+config; its image side is the PIL image processor, which audio-only prompts never call)."""
+
+from __future__ import annotations
+
+import functools
+import io
+import wave
+
+import numpy as np
+import torch
+from transformers import (
+    AutoTokenizer,
+    Qwen2VLImageProcessorPil,
+    Qwen3OmniMoeForConditionalGeneration,
+    Qwen3OmniMoeProcessor,
+    WhisperFeatureExtractor,
+)
+from triton_omni.demo_models import resolve_model
+
+DEMO = "demo:tiny-qwen3-omni"
+MARKERS = {"audio_token": "<|audio_pad|>", "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+           "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+           "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
+
+
+def tone(seconds: float, hertz: float, seed: int = 0, rate: int = 16000) -> np.ndarray:
+    """A tone with noise, mono float32 in [-1, 1]."""
+    n = int(rate * seconds)
+    noise = np.random.default_rng(seed).standard_normal(n)
+    return (0.3 * np.sin(np.arange(n) * 2 * np.pi * hertz / rate) + 0.05 * noise).astype(np.float32)
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
+    """A 16-bit PCM WAV file of ``samples`` (``[n]``, or ``[n, channels]`` interleaved)."""
+    pcm = np.clip(np.round(samples * 32767), -32768, 32767).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as file:
+        file.setnchannels(channels)
+        file.setsampwidth(2)
+        file.setframerate(rate)
+        file.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def as_heard(samples: np.ndarray) -> np.ndarray:
+    """What a 16-bit WAV of ``samples`` decodes to (the reference's input)."""
+    return (np.clip(np.round(samples * 32767), -32768, 32767) / 32768).astype(np.float32)
+
+
+@functools.cache
+def model():
+    folder = resolve_model(DEMO)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = Qwen3OmniMoeProcessor.__new__(Qwen3OmniMoeProcessor)  # no video processor without torchvision
+    processor.tokenizer, processor.feature_extractor = tokenizer, WhisperFeatureExtractor.from_pretrained(folder)
+    processor.image_processor = processor.video_processor = Qwen2VLImageProcessorPil()
+    for name, token in MARKERS.items():
+        setattr(tokenizer, name, token)
+        setattr(processor, name, token)
+    return tokenizer, processor, Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval()
+
+
+def prompt(question: str, clips: int) -> str:
+    """The chat template's prompt of one user message: ``clips`` audio parts, then ``question``."""
+    tokenizer, _, _ = model()
+    content = [{"type": "audio"}] * clips + [{"type": "text", "text": question}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def reference(text: str, clips: list[np.ndarray], max_tokens: int) -> list[int]:
+    """The thinker's greedy reply to ``text`` with ``clips``, as transformers generates it: its token ids."""
+    _, processor, omni = model()
+    inputs = processor(text=text, audio=clips, return_tensors="pt")
+    with torch.inference_mode():
+        out = omni.thinker.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
