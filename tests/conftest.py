@@ -8,13 +8,20 @@ files are in use while it runs, and the reaper only takes it down after pytest e
 live process still uses is not a leftover (the pytest process's own multiprocessing objects, alive
 until it exits; another server running beside the suite): a file it maps, a folder named in its
 environment (a server's run folder, the gateway's metrics folder), a folder named after it
-(``processes.server_folder``)."""
+(``processes.server_folder``).
+
+The runtime's run folder (``channel.run_dir``: cancel flags, stage errors, replies, progress
+sockets) is each server's own, made and removed by the launcher; code run in the pytest process
+itself, without a server, falls back to a per-user folder that outlives it by design. The suite
+points that fallback at a folder of its own, removed at its end, so that a unit test leaves no
+per-user folder on a machine that had none."""
 
 from __future__ import annotations
 
 import bisect
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -77,8 +84,11 @@ def servers_still_running() -> list[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind():
+    run = Path(tempfile.mkdtemp(prefix="triton-omni-suite-run-"))  # channel.run_dir() in this process
+    os.environ["TRITON_OMNI_RUN_DIR"] = str(run)
     before = made_here()
     yield
+    shutil.rmtree(run, ignore_errors=True)
     running = servers_still_running()
     assert not running, f"servers the suite started and never stopped: {running}"
     new = made_here() - before

@@ -53,11 +53,13 @@ REPLY_PARAMETER = "omni_reply"
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
-def run_dir() -> Path:
+def run_dir(create: bool = True) -> Path:
     """``$TRITON_OMNI_RUN_DIR`` (the launcher makes one per server), else a
-    per-user directory in the system temp dir; private either way."""
+    per-user directory in the system temp dir; private either way. ``create``: made
+    if it is not there (a reader that finds nothing there needs none made)."""
     path = Path(os.environ.get("TRITON_OMNI_RUN_DIR") or Path(tempfile.gettempdir()) / f"triton-omni-{os.getuid()}")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
 
@@ -69,7 +71,7 @@ def restarts_file(run: Path, model: str) -> Path:
 def restart_count(model: str) -> int:
     """How many times the supervisor has restarted ``model`` on this server (0 without one)."""
     try:
-        return int(restarts_file(run_dir(), model).read_text())
+        return int(restarts_file(run_dir(create=False), model).read_text())
     except (OSError, ValueError):
         return 0
 

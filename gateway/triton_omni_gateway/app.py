@@ -30,7 +30,7 @@ from triton_omni_gateway.audio import (
     sse,
 )
 from triton_omni_gateway.audio import whole as whole_audio
-from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, model_not_found
+from triton_omni_gateway.errors import ERROR_TYPES, OpenAIError, invalid, model_not_found
 from triton_omni_gateway.images import ImageModels
 from triton_omni_gateway.metrics import GatewayMetrics
 from triton_omni_gateway.requests import (
@@ -215,10 +215,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if SPEECH_MODEL not in await triton.models():
             raise no_speech_model(body.model)
         answer = spoken_chat(triton, model, prompt, body.sampling(), body.audio.voice, body.audio.format, body.stream,
-                             body.talker.values() if body.talker else {})
-        if not body.stream:
-            return await unless_disconnected(request, answer)
-        return StreamingResponse(await answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                             body.talker.values() if body.talker else {}, audio=body.audio_clips())
+        try:
+            if not body.stream:
+                return await unless_disconnected(request, answer)
+            events = await answer
+        except OpenAIError as error:
+            if error.param == "return_heard_states":  # the thinker's engine keeps its states to itself
+                raise invalid(body.audio_parts()[0], "a spoken reply to audio needs the thinker's hidden states at "
+                              "it, which this model's engine does not hand on (a thinker served with engine: "
+                              "transformers does)") from None
+            raise
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/audio/speech")
     async def create_speech(request: Request):

@@ -40,11 +40,16 @@ SPEECH_FIELDS = {"text_input": "input", "reply_ids": "input", "voice": "voice"}
 
 
 async def speak(triton: Triton, prompt: str, reply_ids: list[int], voice: str, model: str = SPEECH_MODEL,
-                talker: dict[str, Any] | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
+                talker: dict[str, Any] | None = None,
+                heard: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
     """The reply's samples (float32) and their rate, chunk by chunk as the speech model sends them;
-    ``talker``: its sampling options, by the speech model's names."""
+    ``talker``: its sampling options, by the speech model's names; ``heard``: a prompt with audio as
+    the thinker read it, and its states at the audio (``ar``'s ``return_heard_states``)."""
     values = {"text_input": prompt, "reply_ids": np.asarray(reply_ids, dtype=np.int64), "voice": voice,
               **(talker or {})}
+    if heard is not None:
+        values |= {"prompt_ids": np.asarray(heard[0], dtype=np.int64),
+                   "heard_states": np.ascontiguousarray(heard[1], dtype=np.float32)}
     ended = lambda result: result.as_numpy("finish_reason") is not None  # noqa: E731
     try:
         async with aclosing(triton.stream(model, values, ended)) as results:
@@ -185,19 +190,24 @@ def no_speech_model(model: str) -> OpenAIError:
 
 
 async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[str, Any], voice: str, format: str,
-                      stream: bool, talker: dict[str, Any], speech_model: str = SPEECH_MODEL):
+                      stream: bool, talker: dict[str, Any], speech_model: str = SPEECH_MODEL,
+                      audio: list[bytes] | None = None):
     """A chat's reply, spoken: the thinker's (``model``) text, then its audio. Whole: OpenAI's
     ``message.audio`` (``data`` the file in ``format``, ``transcript`` the text). Streamed: the
     transcript's deltas as ``delta.audio.transcript`` while the thinker writes, then the samples as
-    ``delta.audio.data`` (16-bit PCM) while the talker speaks."""
+    ``delta.audio.data`` (16-bit PCM) while the talker speaks. ``audio``: the files the prompt's
+    audio markers stand for; the thinker hands on its states at them, which the talker reads."""
     from triton_omni_gateway.text import deltas
 
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-    state = {"text": "", "ids": [], "reason": "stop", "prompt_tokens": 0, "tokens": 0}
+    state = {"text": "", "ids": [], "reason": "stop", "prompt_tokens": 0, "tokens": 0, "heard": None}
 
     async def reply() -> AsyncIterator[str]:
-        async with aclosing(deltas(triton, model, prompt, sampling, token_ids=True)) as parts:
+        async with aclosing(deltas(triton, model, prompt, sampling, token_ids=True, audio=audio,
+                                   heard=bool(audio))) as parts:
             async for delta in parts:
+                if delta.heard_states is not None:
+                    state["heard"] = (delta.prompt_token_ids, delta.heard_states)
                 state["text"] += delta.texts[0] if delta.texts else ""
                 state["ids"] += delta.token_ids
                 state["tokens"] += delta.tokens[0] if delta.tokens else 0
@@ -214,14 +224,16 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
     if not stream:
         async for _ in reply():
             pass
-        data = await whole(speak(triton, prompt, state["ids"], voice, speech_model, talker),
+        data = await whole(speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"]),
                            "pcm" if format == "pcm16" else format)
         message = {"role": "assistant", "content": None, "audio": chat_audio(data, state["text"])}
         return {"id": ident, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": state["reason"]}],
                 "usage": usage()}
 
-    audio = audio_id()
+    ident_audio = audio_id()
+    texts = reply()
+    first_text = await anext(texts, "")  # a refused request is a 4xx, not an event
 
     def chunk(delta: dict, finish_reason: str | None = None) -> str:
         body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -230,16 +242,20 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
 
     async def events() -> AsyncIterator[str]:
         try:
-            yield chunk({"role": "assistant", "content": None, "audio": {"id": audio, "transcript": ""}})
-            async for text in reply():
-                yield chunk({"audio": {"id": audio, "transcript": text}})
-            spoken = speak(triton, prompt, state["ids"], voice, speech_model, talker)
+            yield chunk({"role": "assistant", "content": None, "audio": {"id": ident_audio, "transcript": ""}})
+            if first_text:
+                yield chunk({"audio": {"id": ident_audio, "transcript": first_text}})
+            async for text in texts:
+                yield chunk({"audio": {"id": ident_audio, "transcript": text}})
+            spoken = speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"])
             async with aclosing(encoded(spoken, "pcm")) as pcm:
                 async for data in pcm:
-                    yield chunk({"audio": {"id": audio, "data": base64.b64encode(data).decode()}})
-            yield chunk({"audio": {"id": audio, "expires_at": expires_at()}}, state["reason"])
+                    yield chunk({"audio": {"id": ident_audio, "data": base64.b64encode(data).decode()}})
+            yield chunk({"audio": {"id": ident_audio, "expires_at": expires_at()}}, state["reason"])
         except OpenAIError as error:
             yield f"data: {json.dumps(error.body())}\n\n"
+        finally:
+            await texts.aclose()
         yield "data: [DONE]\n\n"
 
     return events()

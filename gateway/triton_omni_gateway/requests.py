@@ -187,6 +187,12 @@ class ChatRequest(_Sampling):
                     raise invalid(f"messages.{i}.content.{j}.type", "'input_audio' parts go in user messages")
         return self
 
+    def audio_parts(self) -> list[str]:
+        """Where each ``input_audio`` part is (``messages.0.content.1``), in order."""
+        return [f"messages.{i}.content.{j}" for i, message in enumerate(self.messages)
+                for j, part in enumerate(message.content if isinstance(message.content, list) else ())
+                if isinstance(part, AudioPart)]
+
     def audio_clips(self) -> list[bytes]:
         """The ``input_audio`` parts' files, in the order their markers appear in the prompt."""
         clips = []
@@ -228,13 +234,6 @@ class ChatRequest(_Sampling):
             raise invalid("n", "a spoken reply is one completion")
         if self.stream and self.audio.format != "pcm16":
             raise invalid("audio.format", "a streamed reply's audio is pcm16 (as OpenAI streams it)")
-        for i, message in enumerate(self.messages):
-            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                if isinstance(part, AudioPart):
-                    raise invalid(f"messages.{i}.content.{j}", "a spoken reply to a prompt with audio is not "
-                                  "served yet (the talker reads the thinker's hidden states at the audio's "
-                                  "positions, which the thinker stage does not hand on): ask for modalities "
-                                  "[\"text\"]")
         return True
 
 

@@ -17,7 +17,7 @@ from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
 # sampling option with the names TensorRT-LLM models use, so that clients
 # written for either drive it unchanged.
 RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
-                "token_ids")
+                "token_ids", "heard_states")
 AR_GENERATE_INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", optional=False),
     TensorSpec("stream", "TYPE_BOOL"),
@@ -56,6 +56,11 @@ AR_GENERATE_OUTPUTS = [
     # the new tokens' ids, the completions' one after another (num_output_tokens says how many each):
     # what the speech stage reads of a thinker's reply
     TensorSpec("token_ids", "TYPE_INT64", dims=(-1,)),
+    # return_heard_states, on the first response: the prompt's token ids as the thinker read them (its
+    # audio markers widened to their clips' tokens), and its states at the audio, of the layer its
+    # talker reads ([audio tokens, hidden]): what the speech stage needs to speak a reply to audio
+    TensorSpec("prompt_token_ids", "TYPE_INT64", dims=(-1,)),
+    TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1)),
 ]
 
 # -- ar_encoder (dynamic batching): a prompt and, optionally, its negative prompt. The negative
@@ -166,6 +171,11 @@ SPEECH_INPUTS = [
     TensorSpec("first_chunk_frames", "TYPE_INT32", doc="codec frames the first audio chunk waits for: fewer, and "
                "the first audio leaves sooner; each chunk after it at most twice the one before (default: the "
                "model's, at most chunk_frames)"),
+    # a reply to a prompt with audio: what ar's return_heard_states gives (its outputs of these names)
+    TensorSpec("prompt_ids", "TYPE_INT64", dims=(-1,), kind="list", doc="the prompt's token ids as the thinker "
+               "read them (its audio markers widened; ar's prompt_token_ids), in place of text_input's"),
+    TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1), kind="array", doc="the thinker's states at the "
+               "prompt's audio tokens, of the layer the talker reads (ar's heard_states)"),
 ]
 SPEECH_OUTPUTS = [
     TensorSpec("audio", "TYPE_FP32", dims=(-1,)),  # the next samples of the waveform, in [-1, 1]
@@ -179,7 +189,7 @@ TALKER_PREFIX = "talker_"
 UNPREFIXED = ("voice", "chunk_frames", "first_chunk_frames")  # the speech stage's own, not the talker's sampling
 SPEECH_OPTIONS = [
     replace(spec, name=spec.name if spec.name in UNPREFIXED else TALKER_PREFIX + spec.name)
-    for spec in SPEECH_INPUTS if spec.name not in ("text_input", "reply_ids")
+    for spec in SPEECH_INPUTS if spec.name not in ("text_input", "reply_ids", "prompt_ids", "heard_states")
 ]
 
 
@@ -202,6 +212,9 @@ OMNI_INPUTS = [
     *DIFFUSION_OPTIONS,
     # input image files (text + image -> image), as `diffusion`'s `images`; a tensor only, never JSON
     TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
+    # audio files the thinker hears (a Qwen3-Omni thinker on `ar`), before the prompt's text in its
+    # user turn; a tensor only, never JSON
+    TensorSpec("input_audio", "TYPE_STRING", dims=(-1,), kind="blobs"),
     # modalities with "audio": the reply spoken (the speech stage's options)
     *SPEECH_OPTIONS,
 ]

@@ -31,7 +31,8 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.speech.demos import THINKER_CONTEXT
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.gateway import Gateway, text_model_tokenizers
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
+from triton_omni_tools.repository import copy_model
 
 from tests.support import heard
 from tests.support.server import documented_metrics, metric_value
@@ -46,9 +47,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def speech_server(tmp_path_factory):
-    """The server, and the OpenAI gateway in front of it as `serve` starts it (``server.openai``)."""
+    """The server, and the OpenAI gateway in front of it as `serve` starts it (``server.openai``).
+    Beside the demo's models, the same thinker on the transformers engine (``ar_heard``), which
+    hands on its states at a prompt's audio, and an ``omni_heard`` whose thinker it is."""
+    heard_models = tmp_path_factory.mktemp("heard")
+    thinker = {"model": "demo:tiny-qwen3-omni", "engine": "transformers", "max_model_len": str(THINKER_CONTEXT),
+               "max_tokens_limit": str(THINKER_CONTEXT)}
+    copy_model(ROOT / "model_repository", "ar", heard_models, name="ar_heard", parameters=thinker)
+    copy_model(ROOT / "model_repository", "omni", heard_models, name="omni_heard",
+               parameters={"ar_model": "ar_heard", "speech_checkpoint": "demo:tiny-qwen3-omni"})
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                            model_control_mode="explicit", demo="qwen3-omni", load_models=["ar", "speech", "omni"],
+                            model_repositories=[*DEFAULT_REPOSITORIES, heard_models],
+                            model_control_mode="explicit", demo="qwen3-omni",
+                            load_models=["ar", "speech", "omni", "ar_heard", "omni_heard"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     with TritonServer(options) as server:
         gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories))
@@ -219,7 +230,8 @@ def test_the_thinker_hears_input_audio_as_the_model_does(speech_server):
 
 def test_the_gateway_reads_input_audio_parts(speech_server):
     """``input_audio`` content parts through the ``openai`` SDK: the reply is the model's to the same
-    clips, its prompt tokens the processor's; a spoken reply to audio is refused naming the part."""
+    clips, its prompt tokens the processor's; a spoken reply to audio from a thinker on vLLM (which
+    hands on no hidden states) is refused naming the part."""
     tokenizer, processor, _ = heard.model()
     parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(heard.wav_bytes(clip)).decode(),
                                                      "format": "wav"}} for clip in CLIPS]
@@ -234,6 +246,54 @@ def test_the_gateway_reads_input_audio_parts(speech_server):
         speech_server.openai.chat.completions.create(model="ar", messages=messages, modalities=["text", "audio"],
                                                      audio={"voice": "ethan", "format": "wav"})
     assert refused.value.body["param"] == "messages.0.content.0"
+
+
+HEARD_TALKER = {"temperature": 0.0, "max_tokens": 10, "min_tokens": 10}
+
+
+def test_a_spoken_reply_to_audio_is_the_model_s_through_omni_and_the_gateway(speech_server):
+    """Speech in, speech out, on the thinker served by the transformers engine: ``omni`` (gRPC) and
+    the gateway (the ``openai`` SDK, ``input_audio`` parts and ``modalities: ["text", "audio"]``)
+    give the whole model's ``generate(..., return_audio=True)`` for the same clips: its text, its
+    codec frames, its waveform (to 16-bit PCM's step through the gateway). The talker reads the
+    thinker's states at the audio: given the clips' embeddings as text instead, its frames differ
+    (tests/unit/test_audio_input.py), so these checks can fail."""
+    text, clips = heard.prompt(PROMPT, 2), [heard.as_heard(clip) for clip in CLIPS]
+    reply_ids, codes, wav = heard.spoken_reference(text, clips, 4, HEARD_TALKER["max_tokens"])
+    tokenizer, _, _ = heard.model()
+    reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
+    files = [heard.wav_bytes(clip) for clip in CLIPS]
+    options = {"max_tokens": 4, "temperature": 0.0, **{f"talker_{k}": v for k, v in HEARD_TALKER.items()}}
+    said, audio, frames = spoken(OmniClient(speech_server.grpc_url).generate(
+        PROMPT, modalities=["text", "audio"], input_audio=files, model="omni_heard", **options))
+    assert said == reply and np.array_equal(frames, codes) and np.abs(audio - wav).max() <= TOLERANCE
+
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(f).decode(), "format": "wav"}}
+             for f in files]
+    answer = speech_server.openai.chat.completions.create(
+        model="ar_heard", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}, max_tokens=4, temperature=0.0,
+        extra_body={"talker": HEARD_TALKER})
+    with av.open(io.BytesIO(base64.b64decode(answer.choices[0].message.audio.data))) as container:
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    assert answer.choices[0].message.audio.transcript == reply
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+
+
+def test_omni_on_a_vllm_thinker_hears_audio_and_refuses_to_speak_to_it_by_name(speech_server):
+    """``omni``'s text route with ``input_audio`` (the prompt its model's template, the clips' parts
+    before the text) gives the model's reply; its audio route on a thinker served by vLLM is refused
+    naming what that engine cannot hand on, and the next request is served."""
+    tokenizer, _, _ = heard.model()
+    files = [heard.wav_bytes(clip) for clip in CLIPS]
+    expected = heard.reference(heard.prompt(PROMPT, 2), [heard.as_heard(clip) for clip in CLIPS], 6)
+    client = OmniClient(speech_server.grpc_url)
+    said = "".join(e.text for e in client.generate(PROMPT, input_audio=files, max_tokens=6, temperature=0.0) if e.text)
+    assert said == tokenizer.decode(expected, skip_special_tokens=True)
+    with pytest.raises(OmniError, match="return_heard_states"):
+        list(client.generate(PROMPT, modalities=["text", "audio"], input_audio=files, max_tokens=2))
+    assert list(client.generate(PROMPT, max_tokens=2, temperature=0.0))
 
 
 @pytest.mark.parametrize(("files", "clips", "field"), [

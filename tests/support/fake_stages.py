@@ -40,19 +40,21 @@ class FakeStages:
                 self.cancelled.append(stage)
                 raise
 
-    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
-                       ) -> AsyncIterator[TextDelta]:
-        await self._enter("generate", (prompt, options))
+    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
+                       audio: list[bytes] = (), heard: bool = False) -> AsyncIterator[TextDelta]:
+        await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio))
         for i, word in enumerate(self.words):
             await asyncio.sleep(0)
-            yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [])
+            yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [],
+                            heard=(["heard"], f"states of {len(audio)} clips") if heard and i == 0 else None)
 
-    def chat_prompt(self, prompt: str) -> str:
-        return f"<user>{prompt}<assistant>"
+    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
+        return f"<user>{'<audio>' * clips}{prompt}<assistant>"
 
-    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
+                    heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
         """Records the reply's tokens there at the call (``calls``) and the whole reply (``replies``)."""
-        await self._enter("speak", (prompt, list(reply.ids), options))
+        await self._enter("speak", (prompt, list(reply.ids), options) + (heard,) * (heard is not None))
         async for _ in reply.changes(len(reply.ids)):
             pass
         self.replies.append(list(reply.ids))

@@ -81,3 +81,37 @@ def reference(text: str, clips: list[np.ndarray], max_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = omni.thinker.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def spoken_reference(text: str, clips: list[np.ndarray], thinker_tokens: int, talker_tokens: int,
+                     voice: str = "ethan") -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The whole model's ``generate(..., return_audio=True)``, greedy in the thinker and the talker
+    (the talker held to ``talker_tokens`` frames): the reply's ids, its codec frames, its waveform."""
+    tokenizer, processor, omni = model()
+    inputs = processor(text=text, audio=clips, return_tensors="pt")
+    codes = {}
+    decode = omni.code2wav.chunked_decode
+
+    def keep(frames, **options):  # generate's codec frames, as they go to its decoder
+        codes["frames"] = frames[0].numpy()
+        return decode(frames, **options)
+
+    omni.code2wav.chunked_decode = keep
+    try:
+        with torch.inference_mode():
+            ids, wav = omni.generate(**inputs, speaker=voice, thinker_max_new_tokens=thinker_tokens,
+                                     thinker_do_sample=False, talker_do_sample=False,
+                                     thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                     talker_max_new_tokens=talker_tokens, talker_min_new_tokens=talker_tokens)
+    finally:
+        omni.code2wav.chunked_decode = decode
+    return ids[0, inputs["input_ids"].shape[1]:].tolist(), codes["frames"], wav.flatten().numpy()
+
+
+def thinker_states(text: str, clips: list[np.ndarray], layer: int) -> torch.Tensor:
+    """The whole model's thinker's hidden states of ``layer`` at the prompt's audio tokens."""
+    _, processor, omni = model()
+    inputs = processor(text=text, audio=clips, return_tensors="pt")
+    with torch.inference_mode():
+        out = omni.thinker(**inputs, output_hidden_states=True)
+    return out.hidden_states[layer][0, inputs["input_ids"][0] == omni.config.thinker_config.audio_token_id]

@@ -18,7 +18,17 @@ from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 
-from tests.support.heard import DEMO, as_heard, model, prompt, reference, tone, wav_bytes
+from tests.support.heard import (
+    DEMO,
+    as_heard,
+    model,
+    prompt,
+    reference,
+    spoken_reference,
+    thinker_states,
+    tone,
+    wav_bytes,
+)
 
 HEARS = AudioLimits(max_clips=2)
 
@@ -143,3 +153,51 @@ def test_a_model_that_hears_nothing_refuses_input_audio_by_name():
     with pytest.raises(RequestValidationError, match="hears no audio") as error:
         GenerateRequest.from_inputs({"text_input": "hi", "input_audio": [wav_bytes(tone(0.1, 440))]}, ArLimits())
     assert error.value.parameter == "input_audio"
+
+
+def test_a_spoken_reply_to_audio_is_the_model_s(runner):
+    """The transformers engine hands on the prompt as read and its states at the audio (the talker's
+    layer), equal to the whole model's thinker's; the speech stage given them speaks generate's
+    codes. Without the states (the audio tokens' embeddings read as text) the codes differ: the
+    check can fail."""
+    from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+
+    text, clips = prompt("What is this?", 2), [tone(2.0, 440), tone(1.3, 220, seed=1)]
+    heard = [as_heard(clip) for clip in clips]
+    request = GenerateRequest.from_inputs({"text_input": text, "input_audio": [wav_bytes(c) for c in clips],
+                                           "max_tokens": 4, "temperature": 0.0, "return_token_ids": True,
+                                           "return_heard_states": True}, ArLimits(), audio=runner.audio_limits)
+    runner.check(request)
+    responses = []
+
+    async def run():
+        async for response in runner.generate(request, uuid.uuid4().hex):
+            responses.append(response)
+
+    runner.loop.run(run(), timeout=120)
+    prompt_ids, states = responses[0].heard
+    reply_ids = [token for response in responses for token in response.token_ids[0]]
+    layer = runner.ears.talker_layer
+    assert torch.allclose(states, thinker_states(text, heard, layer), atol=1e-5)
+    expected_reply, expected_codes, expected_wav = spoken_reference(text, heard, 4, 10)
+    assert reply_ids == expected_reply
+
+    speech = SpeechRunner(SpeechConfig(model=DEMO))
+    try:
+        def spoken(states) -> tuple[np.ndarray, np.ndarray]:
+            options = {"temperature": 0.0, "max_tokens": 10, "min_tokens": 10}
+            parsed = speech.parse({"text_input": text, "reply_ids": reply_ids, "prompt_ids": prompt_ids,
+                                   "heard_states": states, **options})
+            chunks = []
+            speech.loop.run(speech.speak(parsed, chunks.append), timeout=120)
+            return np.concatenate([c.samples for c in chunks]), np.concatenate([c.codes for c in chunks], axis=1)
+
+        wav, codes = spoken(states)
+        assert np.array_equal(codes, expected_codes) and np.abs(wav - expected_wav).max() < 1e-4
+        with pytest.raises(RequestValidationError, match="holds 0 states") as error:
+            spoken(None)
+        assert error.value.parameter == "heard_states"
+        wrong, _ = spoken(torch.zeros_like(states))
+        assert np.abs(wrong - expected_wav).max() > 100 * 1e-4
+    finally:
+        speech.close()

@@ -176,6 +176,24 @@ def test_the_audio_route_speaks_the_thinkers_reply_in_its_chat_template(modaliti
     assert 1 <= len(first) < 3 and first == [0, 1, 2][:len(first)]  # called before the reply was whole
 
 
+def test_input_audio_goes_to_the_thinker_in_its_template_and_its_states_to_the_talker():
+    """A prompt with audio is the user turn of the model's template, its audio parts before the
+    text, on both routes; speaking, the thinker is asked for its states at the audio, which the
+    talker gets with the reply."""
+    stages = FakeStages()
+    scheduled(stages, text_input="a fox", modalities=["text"], input_audio=[b"clip"])
+    assert stages.calls == [("generate", ("<user><audio>a fox<assistant>", {}, ([b"clip"], False)))]
+    stages = FakeStages()
+    scheduled(stages, text_input="a fox", modalities=["audio"], input_audio=[b"one", b"two"])
+    [generate, speak] = stages.calls
+    assert generate == ("generate", ("<user><audio><audio>a fox<assistant>", {}, ([b"one", b"two"], True)))
+    assert speak[1][0] == "<user><audio><audio>a fox<assistant>"
+    assert speak[1][-1] == (["heard"], "states of 2 clips")
+    with pytest.raises(RequestValidationError, match="needs modalities") as error:
+        OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image"], "input_audio": [b"x"]}, LIMITS)
+    assert error.value.parameter == "input_audio"
+
+
 def test_image_route_encodes_then_diffuses_each_image_with_its_own_seed_and_progress():
     from triton_omni.scheduler import ImageResult, Progress
 

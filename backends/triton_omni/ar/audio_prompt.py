@@ -60,8 +60,11 @@ class ThinkerEars:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
         checkpoint = Path(checkpoint)
-        thinker = AutoConfig.from_pretrained(checkpoint).thinker_config
+        config = AutoConfig.from_pretrained(checkpoint)
+        thinker = config.thinker_config
         self.audio_token_id = thinker.audio_token_id
+        # the thinker's layer whose states the talker reads at the audio's positions (hidden_states' index)
+        self.talker_layer: int | None = getattr(getattr(config, "talker_config", None), "accept_hidden_layer", None)
         self.n_window = thinker.audio_config.n_window
         self.device, self.dtype = device, dtype
         if (checkpoint / "preprocessor_config.json").exists():

@@ -43,9 +43,12 @@ class Sequence:
     method other threads call."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
-                 emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None):
+                 emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None,
+                 states_at: tuple[int, list[int]] | None = None):
         self.prompt_ids = prompt_ids
         self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
+        self.states_at = states_at  # (layer, positions): the prefill's states to keep (ArEngine.stream)
+        self.prompt_states: torch.Tensor | None = None  # kept by the prefill, on the host
         self.options = options
         self.output_ids: list[int] = []
         self.position = len(prompt_ids)  # of the next token fed to the model
@@ -209,8 +212,13 @@ class StepBatcher(ContinuousBatch):
             prompt = {"input_ids": torch.tensor([sequence.prompt_ids], device=self.device)}
         else:
             prompt = {"inputs_embeds": sequence.prompt_embeds.to(self.device)[None]}
+        kept = sequence.states_at
         with self._adapted([sequence]):
-            out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                             output_hidden_states=kept is not None)
+        if kept is not None:
+            layer, positions = kept
+            sequence.prompt_states = out.hidden_states[layer][0, positions].float().cpu()
         self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])

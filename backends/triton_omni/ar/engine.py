@@ -38,6 +38,10 @@ class Delta:
     logprobs: list[dict[int, TokenLogprob]] | None = None
     cumulative_logprob: float | None = None
     token_ids: list[int] = field(default_factory=list)  # the new tokens'
+    # on the first delta, where ``stream`` was asked for ``states_at``: the hidden states of a layer at
+    # the prompt's positions asked for, [positions, hidden] (what Qwen3-Omni's talker reads of the
+    # thinker at the prompt's audio)
+    prompt_states: torch.Tensor | None = None
 
 
 class ArEngine(ABC):
@@ -56,10 +60,13 @@ class ArEngine(ABC):
     @abstractmethod
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
-                     prompt_embeds: torch.Tensor | None = None) -> None:
+                     prompt_embeds: torch.Tensor | None = None,
+                     states_at: tuple[int, list[int]] | None = None) -> None:
         """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
         these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
-        is), handing each delta to ``on_delta``
+        is; ``states_at``: (layer, positions), the prefill's hidden states of that layer (0: the
+        embeddings) at those prompt positions handed on in the first delta's ``prompt_states``, by an
+        engine that can: ``check_states`` says), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
         Cancelled, the engine forgets the request and calls ``on_delta`` no more.
@@ -70,6 +77,9 @@ class ArEngine(ABC):
         A callback rather than an async iterator: under load an engine
         produces a delta for every running request at every step, and a
         callback called where the engine has it costs no task switch per delta."""
+
+    def check_states(self) -> None:  # noqa: B027 - an engine that keeps states needs no check
+        """Raise ``RequestValidationError`` where this engine cannot hand on a prompt's hidden states."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

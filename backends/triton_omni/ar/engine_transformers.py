@@ -68,13 +68,14 @@ class TransformersEngine(ArEngine):
 
     async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                        logprobs: int | None = None, lora: str | None = None,
-                       prompt_embeds: torch.Tensor | None = None) -> AsyncIterator[Delta]:
+                       prompt_embeds: torch.Tensor | None = None,
+                       states_at: tuple[int, list[int]] | None = None) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
                             emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                            prompt_embeds=prompt_embeds)
+                            prompt_embeds=prompt_embeds, states_at=states_at)
         async with self._adapter(lora) as slot:
             sequence.lora = slot
             async for delta in self._run(sequence, request_id, queue):
@@ -95,11 +96,14 @@ class TransformersEngine(ArEngine):
     async def _run(self, sequence: Sequence, request_id: str, queue: asyncio.Queue) -> AsyncIterator[Delta]:
         self._sequences[request_id] = sequence
         self.batcher.submit(sequence)
+        first = True
         try:
             while True:
                 item = _coalesce(await queue.get(), queue)
                 if isinstance(item, BaseException):
                     raise item
+                if first:  # the prefill kept them before its first token went out
+                    item.prompt_states, first = sequence.prompt_states, False
                 yield item
                 if item.finish_reason is not None:
                     break
@@ -109,8 +113,10 @@ class TransformersEngine(ArEngine):
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
-                     prompt_embeds: torch.Tensor | None = None) -> None:
-        async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds):
+                     prompt_embeds: torch.Tensor | None = None,
+                     states_at: tuple[int, list[int]] | None = None) -> None:
+        async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds,
+                                         states_at):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:

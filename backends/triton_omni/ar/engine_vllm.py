@@ -141,7 +141,8 @@ class VllmEngine(ArEngine):
 
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
-                     prompt_embeds: torch.Tensor | None = None) -> None:
+                     prompt_embeds: torch.Tensor | None = None,
+                     states_at: tuple[int, list[int]] | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -151,7 +152,8 @@ class VllmEngine(ArEngine):
         the output where the handler produces it, and the task wakes once,
         when the request is done. The collector is vLLM's own (``add_request``
         returns it; its output processor calls ``put``), so nothing else of
-        the request's life changes: aborts, errors, the engine's death."""
+        the request's life changes: aborts, errors, the engine's death. (``states_at``: never asked
+        of this engine, ``check_states`` refuses it.)"""
         params = self.sampling_params(options, logprobs)
         done = asyncio.get_running_loop().create_future()
 
@@ -187,6 +189,11 @@ class VllmEngine(ArEngine):
             with contextlib.suppress(Exception):  # a dead engine cannot abort: its own error goes on
                 await self.engine.abort(collector.request_id, internal=True)
             raise
+
+    def check_states(self) -> None:
+        raise RequestValidationError("return_heard_states", "the vLLM engine hands on no hidden states (its outputs "
+                                     "are tokens); a thinker whose talker reads them runs on engine: transformers",
+                                     True)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -58,6 +58,7 @@ class ReturnOptions:
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     token_ids: bool = False
+    heard_states: bool = False
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any]) -> ReturnOptions:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from triton_omni.ar.engine import Delta, TokenLogprob
 
 
@@ -31,6 +33,9 @@ class ArResponse:
     finish_reasons: list[str] | None = None  # set on the final response only
     final: bool = False
     token_ids: list[list[int]] = field(default_factory=list)  # per completion, the new ones (streamed) or all
+    # on the first response, where asked for (return_heard_states): the prompt's token ids as the
+    # model read them (its audio markers widened) and its states at the audio (the talker's layer)
+    heard: tuple[list[int], torch.Tensor] | None = None
 
     def absorb(self, later: ArResponse) -> ArResponse:
         """This streamed response and the next one as one, in place (what a
@@ -48,6 +53,7 @@ class ArResponse:
         if later.token_ids:
             self.token_ids = [ids + new for ids, new in zip(self.token_ids or [[]] * len(later.token_ids),
                                                             later.token_ids, strict=True)]
+        self.heard = self.heard if self.heard is not None else later.heard
         self.num_input_tokens = later.num_input_tokens
         self.cumulative_logprobs = later.cumulative_logprobs
         self.finish_reasons = later.finish_reasons

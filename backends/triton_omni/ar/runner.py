@@ -242,6 +242,11 @@ class ArRunner:
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
         self.check_lora(request.lora, request.lora_field)
         self.engine.check(request.sampling, _logprobs_needed(request))
+        if request.outputs.heard_states:
+            if self.ears is None or self.ears.talker_layer is None:
+                raise RequestValidationError("return_heard_states", "this model hears no audio for a talker (a "
+                                             "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
+            self.engine.check_states()
 
     def check_lora(self, name: str | None, field: str = "lora") -> None:
         """``name`` (a request's ``lora``, sent as ``field``) is one of this model's adapters."""
@@ -262,22 +267,31 @@ class ArRunner:
             prompt_ids, embeds = await asyncio.get_running_loop().run_in_executor(
                 None, self.ears.prompt, prompt_ids, request.audio)
             self._check_length(len(prompt_ids), "input_audio", f"{len(request.audio)} clips")
+        states_at = None
+        if request.outputs.heard_states:  # checked by check(): the ears and an engine that hands them on
+            states_at = (self.ears.talker_layer,
+                         [i for i, token in enumerate(prompt_ids) if token == self.ears.audio_token_id])
+        heard = None
         if request.lora is not None:
             self._on_lora("request", request.lora)
         assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
                                       prompt=request.prompt if request.include_prompt else "")
 
         def on_delta(delta: Delta) -> None:
-            nonlocal on_first_token
+            nonlocal on_first_token, heard
             if on_first_token is not None and (delta.num_tokens or delta.finish_reason):
                 on_first_token()
                 on_first_token = None
+            if delta.prompt_states is not None:
+                heard = (prompt_ids, delta.prompt_states)
             response = assembler.add(delta)
             if response is not None:
+                if heard is not None:  # on the first response that leaves
+                    response.heard, heard = heard, None
                 on_response(response)
 
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
-                                 request.lora, prompt_embeds=embeds)
+                                 request.lora, prompt_embeds=embeds, states_at=states_at)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

@@ -64,6 +64,7 @@ class OmniRequest:
     text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
     images: list[bytes] = field(default_factory=list)  # input image files, for `diffusion` to decode and check
+    audio: list[bytes] = field(default_factory=list)  # input audio files, for `ar` (the thinker) to hear
     speech_options: dict[str, Any] = field(default_factory=dict)  # by the speech stage's names, for it to validate
 
     @property
@@ -95,7 +96,7 @@ class OmniRequest:
         name = "options" if "options" in inputs else "parameters"
         values = as_json_object(name, inputs.get(name)) | _checked(request_parameters or {}, "request parameters")
         _checked(values, name)
-        values |= {k: v for k, v in inputs.items() if k not in ("parameters", "options", "images")}
+        values |= {k: v for k, v in inputs.items() if k not in ("parameters", "options", "images", "input_audio")}
 
         if "text_input" not in values:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
@@ -121,6 +122,9 @@ class OmniRequest:
         images = list(inputs.get("images") or [])
         require(not images or {"image", "video"} & set(modalities), "images",
                 "input images need modalities ['image'] (or ['video'])", len(images))
+        audio = list(inputs.get("input_audio") or [])
+        require(not audio or {"text", "audio"} & set(modalities), "input_audio",
+                "the thinker hears it: it needs modalities ['text'] or ['text', 'audio']", len(audio))
 
         return cls(
             prompt=prompt,
@@ -131,6 +135,7 @@ class OmniRequest:
             text_options={k: v for k, v in values.items() if k in TEXT_OPTIONS},
             image_options={k: IMAGE_OPTIONS[k](k, v) for k, v in values.items() if k in IMAGE_OPTIONS},
             images=images,
+            audio=audio,
             speech_options={SPEECH_NAMES[k]: SPEECH_CONVERTERS[k](k, v) for k, v in values.items()
                             if k in SPEECH_NAMES},
         )

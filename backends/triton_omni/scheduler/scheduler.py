@@ -38,6 +38,9 @@ class TextDelta:
     text: str
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by the audio route)
+    # on the first delta where asked for (the audio route of a prompt with audio): the prompt as the
+    # thinker read it and its states at the audio, which the talker reads (whatever the stages return)
+    heard: tuple[list[int], Any] | None = None
 
 
 @dataclass
@@ -116,15 +119,21 @@ class Embeds(Protocol):
 
 
 class Stages(Protocol):
-    def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False) -> AsyncIterator[TextDelta]:
+    def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False, audio: list[bytes] = (),
+                 heard: bool = False) -> AsyncIterator[TextDelta]:
+        """``audio``: the files the prompt's audio markers stand for; ``heard``: the first delta
+        carries the thinker's states at them (``TextDelta.heard``)."""
         ...
 
-    def chat_prompt(self, prompt: str) -> str:
-        """``prompt`` as the speaking model's user turn, in its chat template, ready for its reply."""
+    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
+        """``prompt`` as the speaking model's user turn (after ``clips`` audio parts), in its chat
+        template, ready for its reply."""
         ...
 
-    def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
-        """``reply`` spoken from its first token on (it is still being written)."""
+    def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
+              heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
+        """``reply`` spoken from its first token on (it is still being written); ``heard``: a
+        prompt with audio as the thinker read it, and its states there."""
         ...
 
     async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
@@ -181,15 +190,21 @@ class OmniScheduler:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _text(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
-        async for delta in self.stages.generate(request.prompt, request.text_options):
+        # a prompt with audio is a user turn of the model's template (its audio parts there)
+        prompt = self.stages.chat_prompt(request.prompt, len(request.audio)) if request.audio else request.prompt
+        async for delta in self.stages.generate(prompt, request.text_options, audio=request.audio):
             emit(delta)
 
     async def _speech(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
-        prompt = self.stages.chat_prompt(request.prompt)
+        prompt = self.stages.chat_prompt(request.prompt, len(request.audio))
         reply = Reply()
+        heard = None
 
         async def think() -> None:
-            async for delta in self.stages.generate(prompt, request.text_options, token_ids=True):
+            nonlocal heard
+            async for delta in self.stages.generate(prompt, request.text_options, token_ids=True,
+                                                    audio=request.audio, heard=bool(request.audio)):
+                heard = heard or delta.heard  # on the first delta, before its tokens reach the talker
                 reply.add(delta.token_ids)
                 if request.wants_text and (delta.text or delta.finish_reason):
                     emit(delta)
@@ -197,7 +212,7 @@ class OmniScheduler:
 
         async def speak() -> None:
             await reply.started()
-            async for chunk in self.stages.speak(prompt, reply, request.speech_options):
+            async for chunk in self.stages.speak(prompt, reply, request.speech_options, heard):
                 emit(chunk)
 
         async with asyncio.TaskGroup() as group:  # a failing thinker cancels the speech, and the other way

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
 from triton_omni.validation import as_float, as_int, as_int_list, as_optional_int, as_str, in_range, require
@@ -29,6 +31,8 @@ class SpeechRequest:
     chunk_frames: int
     first_chunk_frames: int  # the first chunk's: the first audio leaves after these frames
     max_tokens_given: bool = False  # the request's own max_tokens, not the default (which the runner may bound)
+    prompt_ids: list[int] | None = None  # the prompt as the thinker read it (its audio widened), else text_input's
+    heard: torch.Tensor | None = None  # [audio tokens, thinker width]: the thinker's states at the prompt's audio
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
@@ -51,7 +55,18 @@ class SpeechRequest:
         in_range("chunk_frames", chunk, 1, limits.max_chunk_frames)
         first = as_int("first_chunk_frames", inputs.get("first_chunk_frames", min(first_chunk_frames, chunk)))
         in_range("first_chunk_frames", first, 1, limits.max_chunk_frames)
-        return cls(prompt, reply, voice.lower(), talker, chunk, first, inputs.get("max_tokens") is not None)
+        prompt_ids = inputs.get("prompt_ids")
+        if prompt_ids is not None:
+            prompt_ids = as_int_list("prompt_ids", prompt_ids)
+            require(bool(prompt_ids), "prompt_ids", "must hold the prompt's token ids", prompt_ids)
+        heard = inputs.get("heard_states")
+        if heard is not None:
+            require(heard.ndim == 2, "heard_states", "must be [audio tokens, the thinker's width]", list(heard.shape))
+            require(bool(torch.isfinite(heard).all()), "heard_states", "must be finite", "nan or inf")
+            require(prompt_ids is not None, "heard_states", "comes with prompt_ids (the prompt whose audio they are)",
+                    list(heard.shape))
+        return cls(prompt, reply, voice.lower(), talker, chunk, first, inputs.get("max_tokens") is not None,
+                   prompt_ids, heard)
 
 
 def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:

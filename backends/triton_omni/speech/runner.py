@@ -131,8 +131,11 @@ class SpeechRunner:
                     sorted(self.voices), self.decoder.lookback)
 
     def parse(self, inputs: dict) -> SpeechRequest:
-        return SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
-                                         TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
+        request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
+                                            TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
+        if request.prompt_ids is not None:
+            self.talker.check_heard(request.prompt_ids, request.heard)
+        return request
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids as the thinker (``ar``) read them: the same tokenizer, its special tokens."""
@@ -147,8 +150,9 @@ class SpeechRunner:
         frames: asyncio.Queue = asyncio.Queue()
         try:
             prompt = await loop.run_in_executor(
-                self._prompts, lambda: self.talker.prompt(self.prompt_ids(request.prompt), request.reply_ids,
-                                                          request.voice, whole=reply is None))
+                self._prompts, lambda: self.talker.prompt(request.prompt_ids or self.prompt_ids(request.prompt),
+                                                          request.reply_ids, request.voice, whole=reply is None,
+                                                          heard=request.heard))
             options = self._bounded(request, len(prompt.embeds))
             utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
             self.batcher.submit(utterance)

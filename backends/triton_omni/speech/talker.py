@@ -14,9 +14,9 @@ drawn; an end-of-speech code or ``max_tokens`` ends the utterance, and, as in
 For text the thinker's part is its token embeddings: the reply reaches the
 talker only as those, never as the thinker's hidden states (the model reads
 the thinker's middle layer only at the positions of input audio, images and
-video, which this module does not take yet). So this stage holds the
-thinker's embedding table, not the thinker, and the ``ar`` stage's thinker
-hands it the token ids.
+video: those states come with the request, from the ``ar`` stage's thinker,
+``heard_states``). So this stage holds the thinker's embedding table, not
+the thinker, and the ``ar`` stage's thinker hands it the token ids.
 
 ``TalkerBatcher`` decodes every running utterance with one forward pass of
 the talker and one batched run of the code predictor per step, on its own
@@ -38,6 +38,7 @@ from transformers import DynamicCache
 
 from triton_omni.ar.batching import ContinuousBatch, sample, sample_on_device, to_device
 from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.errors import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,33 @@ class Qwen3Talker:
         """The state the talker reads after a reply's last token (its end-of-text marker)."""
         return self._project([self.config.tts_eos_token_id])[0]
 
+    def _heard_at(self, prompt_ids: list[int]) -> list[int]:
+        """The positions of the prompt's audio (and image and video) tokens: where the talker reads the
+        thinker's hidden states, not its embeddings."""
+        thinker = self.config.thinker_config
+        heard = {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id}
+        return [i for i, token in enumerate(prompt_ids) if token in heard]
+
+    def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None) -> None:
+        """``heard`` holds a state of the thinker's width for each audio token of ``prompt_ids``."""
+        positions = len(self._heard_at(prompt_ids))
+        rows = 0 if heard is None else heard.shape[0]
+        if rows != positions:
+            raise RequestValidationError("heard_states", f"holds {rows} states for the {positions} audio tokens of "
+                                         "prompt_ids (ar's return_heard_states gives both)", rows)
+        width = self.config.thinker_config.text_config.hidden_size
+        if heard is not None and heard.shape[1] != width:
+            raise RequestValidationError("heard_states", f"must be {width} wide (the thinker's hidden size)",
+                                         list(heard.shape))
+
     @torch.inference_mode()
-    def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True) -> TalkerPrompt:
+    def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True,
+               heard: torch.Tensor | None = None) -> TalkerPrompt:
         """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
         user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn.
         ``whole``: ``reply_ids`` is the whole reply; else its first tokens (at least one), the
-        rest to come (``TalkerPrompt.extend``)."""
+        rest to come (``TalkerPrompt.extend``). ``heard``: the thinker's states at the prompt's audio
+        tokens (``check_heard``), which the talker reads there through its ``hidden_projection``."""
         cfg = self.config
         user = [i for i in range(len(prompt_ids))
                 if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
@@ -140,7 +162,15 @@ class Qwen3Talker:
                                    self._codec([codec.codec_nothink_id, codec.codec_think_bos_id,
                                                 codec.codec_think_eos_id, self.voices[voice], codec.codec_pad_id,
                                                 codec.codec_bos_id])])
-        embeds = torch.cat([self._project([prompt_ids[i] for i in user]), opening_text + opening_codec])
+        user_states = self._project([prompt_ids[i] for i in user])
+        if heard is not None and len(heard):
+            row = {position: r for r, position in enumerate(self._heard_at(prompt_ids))}
+            at = [(k, row[i]) for k, i in enumerate(user) if i in row]
+            if at:
+                columns, rows = (list(values) for values in zip(*at, strict=True))
+                states = heard[rows].to(self.device, user_states.dtype)
+                user_states[columns] = self.talker.hidden_projection(states).to(user_states.dtype)
+        embeds = torch.cat([user_states, opening_text + opening_codec])
         if whole:
             return TalkerPrompt(embeds, [*assistant[4:-1].unbind(0), eos])
         prompt = TalkerPrompt(embeds, [], whole=False)

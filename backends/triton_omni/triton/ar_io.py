@@ -123,6 +123,10 @@ def generate_response(response: ArResponse, wanted: ReturnOptions):
         outputs.append(GENERATE_OUTPUTS.tensor("num_output_tokens", response.num_output_tokens))
     if wanted.token_ids:
         outputs.append(GENERATE_OUTPUTS.tensor("token_ids", [i for ids in response.token_ids for i in ids]))
+    if wanted.heard_states and response.heard is not None:
+        prompt_ids, states = response.heard
+        outputs.append(GENERATE_OUTPUTS.tensor("prompt_token_ids", prompt_ids))
+        outputs.append(GENERATE_OUTPUTS.tensor("heard_states", states.contiguous()))
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 

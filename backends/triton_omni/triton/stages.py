@@ -87,15 +87,20 @@ class TritonStages:
         self.errors = StageErrors(cancellations.directory)
         self.pool = DaemonPool(max_threads, "omni-bls")
 
-    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False
-                       ) -> AsyncIterator[TextDelta]:
+    async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
+                       audio: list[bytes] = (), heard: bool = False) -> AsyncIterator[TextDelta]:
         key = new_id()
+        inputs = [_text("text_input", prompt, batched=False), _bool("stream", True),
+                  _bool("return_finish_reason", True), _bool("return_token_ids", token_ids),
+                  _text("sampling_parameters", json.dumps(options), batched=False)]
+        if audio:
+            inputs.append(pb_utils.Tensor("input_audio", np.array(list(audio), dtype=np.object_)))
+        if heard:
+            inputs.append(_bool("return_heard_states", True))
         request = pb_utils.InferenceRequest(
-            model_name=self.models["ar"],
-            inputs=[_text("text_input", prompt, batched=False), _bool("stream", True),
-                    _bool("return_finish_reason", True), _bool("return_token_ids", token_ids),
-                    _text("sampling_parameters", json.dumps(options), batched=False)],
-            requested_output_names=["text_output", "finish_reason", "token_ids"],
+            model_name=self.models["ar"], inputs=inputs,
+            requested_output_names=["text_output", "finish_reason", "token_ids"]
+            + (["prompt_token_ids", "heard_states"] if heard else []),
             parameters={KEY_PARAMETER: key},
         )
         async for response in self._stream(key, self.models["ar"], request):
@@ -106,12 +111,17 @@ class TritonStages:
             ids = pb_utils.get_output_tensor_by_name(response, "token_ids")
             delta = TextDelta(_string(text), _string(finish) if finish is not None else None,
                               ids.as_numpy().reshape(-1).tolist() if ids is not None else [])
+            states = pb_utils.get_output_tensor_by_name(response, "heard_states") if heard else None
+            if states is not None:
+                prompt_ids = pb_utils.get_output_tensor_by_name(response, "prompt_token_ids")
+                delta.heard = (prompt_ids.as_numpy().reshape(-1).tolist(), states.as_numpy())
             # vLLM sends empty deltas for partial UTF-8 characters (their tokens still count)
             if delta.text or delta.finish_reason or delta.token_ids:
                 yield delta
 
-    def chat_prompt(self, prompt: str) -> str:
-        """The speaking model's chat template (read once), around ``prompt`` as the user's turn."""
+    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
+        """The speaking model's chat template (read once), around ``prompt`` as the user's turn
+        (after ``clips`` audio parts)."""
         if not self.speech_checkpoint:
             raise RequestValidationError("modalities", "'audio' needs a model that speaks: this server's omni has "
                                          "no speech stage (serve a speech demo, or set omni's speech_checkpoint)",
@@ -123,16 +133,22 @@ class TritonStages:
             from triton_omni.scheduler.chat import ChatTemplate
 
             self._chat_template = ChatTemplate.of_model(Path(resolve_model(self.speech_checkpoint)))
-        return self._chat_template.render([{"role": "user", "content": prompt}])
+        content = [*[{"type": "audio"}] * clips, {"type": "text", "text": prompt}] if clips else prompt
+        return self._chat_template.render([{"role": "user", "content": content}])
 
-    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any]) -> AsyncIterator[AudioChunk]:
+    async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
+                    heard: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[AudioChunk]:
         """The reply spoken by ``speech``, chunk by chunk as it streams them. The request carries the
         reply's tokens so far; while it is still being written, the rest follow through a
-        ``ReplyWriter`` (``omni_reply``), which the talker reads as it needs them."""
+        ``ReplyWriter`` (``omni_reply``), which the talker reads as it needs them. ``heard``: a
+        prompt with audio as the thinker read it, and its states there (``ar``'s)."""
         key = new_id()
         model = self.models["speech"]
         inputs = [_text("text_input", prompt, batched=False),
                   pb_utils.Tensor("reply_ids", np.array(reply.ids, dtype=np.int64))]
+        if heard is not None:
+            inputs += [pb_utils.Tensor("prompt_ids", np.array(heard[0], dtype=np.int64)),
+                       pb_utils.Tensor("heard_states", np.ascontiguousarray(heard[1], dtype=np.float32))]
         inputs += [_text(name, value, batched=False) if isinstance(value, str)
                    else pb_utils.Tensor(name, np.array([value], dtype=_SPEECH_TYPES[name]))
                    for name, value in options.items()]
