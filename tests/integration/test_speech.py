@@ -491,7 +491,8 @@ def test_the_speech_endpoint_names_what_it_refuses(speech_server, body, param):
 
 def test_the_cli_writes_the_spoken_reply(speech_server, tmp_path):
     """`omni-triton generate --modalities text,audio --out reply.wav`: the reply's text on stdout, its
-    waveform in the WAV (generate's, to 16-bit PCM's step)."""
+    waveform in the WAV (generate's, to 16-bit PCM's step); with `--audio FILE` (twice), the reply to
+    the clips is the model's."""
     import subprocess
     import sys
     import wave
@@ -507,6 +508,16 @@ def test_the_cli_writes_the_spoken_reply(speech_server, tmp_path):
         assert file.getframerate() == 24000
         samples = pcm16(file.readframes(file.getnframes()))
     assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16
+
+    clips = []
+    for index, clip in enumerate(CLIPS):
+        clips += ["--audio", str(tmp_path / f"clip{index}.wav")]
+        (tmp_path / f"clip{index}.wav").write_bytes(heard.wav_bytes(clip))
+    heard_reply = heard.reference(heard.prompt(PROMPT, 2), [heard.as_heard(clip) for clip in CLIPS], 6)
+    done = subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate", PROMPT, "--url",
+                           speech_server.grpc_url, *clips, "--max-tokens", "6", "--param=temperature=0"],
+                          check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == heard.model()[0].decode(heard_reply, skip_special_tokens=True).strip()
 
 
 def test_the_speech_bench_measures_this_server(speech_server, tmp_path):

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     omni.add_argument("--out", type=Path, help="PNG file for the image (image_1.png, ... for several); with audio, "
                       "the WAV file of the spoken reply")
     omni.add_argument("--voice", help="with audio: one of the speaking model's voices (default: the model's)")
+    omni.add_argument("--audio", action="append", type=Path, default=[], dest="input_audio", metavar="IN.wav",
+                      help="an audio file the thinker hears before the prompt (WAV, MP3, FLAC, ...; a Qwen3-Omni "
+                      "thinker), repeatable")
     omni.add_argument("--url", help="gRPC address; default localhost:8001")
     omni.add_argument("--model", default="omni")
     omni.add_argument("--max-tokens", type=int)
@@ -318,6 +321,8 @@ def _generate(args) -> int:
         return 2
     options = _diffusion_options(args) | {k: getattr(args, k) for k in ("max_tokens", "num_images", "voice")
                                           if getattr(args, k) is not None}
+    if args.input_audio:
+        options["input_audio"] = [path.read_bytes() for path in args.input_audio]
     audio: list = []  # the spoken reply's chunks, and its rate
     bars: dict[int, tqdm] = {}
     written = []
