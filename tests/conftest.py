@@ -89,6 +89,7 @@ def _nothing_left_behind():
     before = made_here()
     yield
     shutil.rmtree(run, ignore_errors=True)
+    os.environ.pop("TRITON_OMNI_RUN_DIR", None)
     running = servers_still_running()
     assert not running, f"servers the suite started and never stopped: {running}"
     new = made_here() - before

@@ -27,8 +27,9 @@ class AudioLimits:
     sample_rate: int = 16000  # what the clips are resampled to: the model's feature extractor's rate
 
 
-def decode_audio(files: list[bytes] | None, limits: AudioLimits, field: str = "input_audio") -> list[np.ndarray]:
-    """The request's clips as mono float32 samples at ``limits.sample_rate`` (``[]``: none given)."""
+def check_clips(files: list[bytes] | None, limits: AudioLimits, field: str = "input_audio") -> list[bytes]:
+    """The request's clips as files, their count and sizes checked (``[]``: none given): what can be
+    refused before any is decoded, on the thread that takes requests."""
     if files is None:
         return []
     if limits.max_clips == 0:
@@ -38,16 +39,22 @@ def decode_audio(files: list[bytes] | None, limits: AudioLimits, field: str = "i
         raise RequestValidationError(field, "holds no audio clip", 0)
     if len(files) > limits.max_clips:
         raise RequestValidationError(field, f"this model takes at most {limits.max_clips} clips", len(files))
-    return [_decode(data, f"{field}[{index}]", limits) for index, data in enumerate(files)]
+    for index, data in enumerate(files):
+        if not data:
+            raise RequestValidationError(f"{field}[{index}]", "is empty (zero bytes)", 0)
+        if len(data) > limits.max_bytes:
+            raise RequestValidationError(f"{field}[{index}]", f"is larger than {limits.max_bytes} bytes", len(data))
+    return list(files)
+
+
+def decode_audio(files: list[bytes] | None, limits: AudioLimits, field: str = "input_audio") -> list[np.ndarray]:
+    """The request's clips as mono float32 samples at ``limits.sample_rate`` (``[]``: none given)."""
+    return [_decode(data, f"{field}[{index}]", limits) for index, data in enumerate(check_clips(files, limits, field))]
 
 
 def _decode(data: bytes, field: str, limits: AudioLimits) -> np.ndarray:
     import av
 
-    if not data:
-        raise RequestValidationError(field, "is empty (zero bytes)", 0)
-    if len(data) > limits.max_bytes:
-        raise RequestValidationError(field, f"is larger than {limits.max_bytes} bytes", len(data))
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.audio:

@@ -219,14 +219,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             if not body.stream:
                 return await unless_disconnected(request, answer)
-            events = await answer
+            events, close = await answer
         except OpenAIError as error:
             if error.param == "return_heard_states":  # the thinker's engine keeps its states to itself
                 raise invalid(body.audio_parts()[0], "a spoken reply to audio needs the thinker's hidden states at "
                               "it, which this model's engine does not hand on (a thinker served with engine: "
                               "transformers does)") from None
-            raise
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            raise audio_named(error, body) from None
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(close))
 
     @app.post("/v1/audio/speech")
     async def create_speech(request: Request):
@@ -270,6 +271,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await text_response(request, body, completion_endpoint(body), body.text(),
                                    *await served_by(body.model))
 
+    def audio_named(error: OpenAIError, body) -> OpenAIError:
+        """``ar``'s refusal of a clip (``input_audio[i]``) named by the chat's part it came from."""
+        part = body.audio_part_of(error.param) if isinstance(body, ChatRequest) else None
+        if part is None:
+            return error
+        return OpenAIError(error.status, error.message.replace(f"`{error.param}`", f"`{part}`"), param=part,
+                           code=error.code)
+
     async def served_by(name: str) -> tuple[str, str | None]:
         """(the Triton model, the LoRA adapter or None) a request's ``model`` names: an adapter of a
         model (vLLM's convention: an adapter is a model of its own), else a model."""
@@ -280,10 +289,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                             audio: list[bytes] | None = None):
         sampling = body.sampling() | ({"lora_name": adapter} if adapter else {})
         stream = deltas(triton, model, prompt, sampling, audio=audio)
-        if not body.stream:
-            return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
-        # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
-        first = await anext(stream)
+        try:
+            if not body.stream:
+                return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
+            # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
+            first = await anext(stream)
+        except OpenAIError as error:
+            raise audio_named(error, body) from None
 
         async def replayed():
             yield first

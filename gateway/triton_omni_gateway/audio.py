@@ -241,6 +241,9 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
+        """The chunks. ``close`` (the response's background task, which runs after a client that left
+        too: Starlette stops iterating where it stands) closes them, and with them the speech stream
+        they read, then the thinker's (``texts``, read here from its second text on)."""
         try:
             yield chunk({"role": "assistant", "content": None, "audio": {"id": ident_audio, "transcript": ""}})
             if first_text:
@@ -254,8 +257,12 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
             yield chunk({"audio": {"id": ident_audio, "expires_at": expires_at()}}, state["reason"])
         except OpenAIError as error:
             yield f"data: {json.dumps(error.body())}\n\n"
-        finally:
-            await texts.aclose()
         yield "data: [DONE]\n\n"
 
-    return events()
+    chunks = events()
+
+    async def close() -> None:
+        await chunks.aclose()
+        await texts.aclose()
+
+    return chunks, close

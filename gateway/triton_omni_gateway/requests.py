@@ -193,6 +193,15 @@ class ChatRequest(_Sampling):
                 for j, part in enumerate(message.content if isinstance(message.content, list) else ())
                 if isinstance(part, AudioPart)]
 
+    def audio_part_of(self, param: str | None) -> str | None:
+        """The part an ``ar`` refusal of ``input_audio`` (``input_audio[i]``: its i-th clip) is about,
+        in this body's names; None for another parameter."""
+        if not param or not param.startswith("input_audio"):
+            return None
+        parts = self.audio_parts() or ["messages"]
+        index = param.removeprefix("input_audio").strip("[]")
+        return parts[int(index)] if index.isdigit() and int(index) < len(parts) else parts[0]
+
     def audio_clips(self) -> list[bytes]:
         """The ``input_audio`` parts' files, in the order their markers appear in the prompt."""
         clips = []

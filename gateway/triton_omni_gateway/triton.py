@@ -156,15 +156,21 @@ def first(result: grpcclient.InferResult, name: str) -> Any:
 NUMERIC = {"UINT32": "<u4", "INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "BOOL": "?"}
 
 
+LARGE_OUTPUTS = {"heard_states"}  # read with as_numpy, where they are wanted: never as a list of floats
+
+
 def outputs(result: grpcclient.InferResult) -> dict[str, list[Any]]:
-    """Every output of a small response as a flat list (text decoded), read from the raw bytes.
+    """Every output of a small response as a flat list (text decoded), read from the raw bytes;
+    a large one (``LARGE_OUTPUTS``) only named, its value None.
 
     What a streamed token costs in the gateway: ``as_numpy`` for each output
     took several times as long as this one pass over the response."""
     response = result.get_response()
     found = {}
     for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        if output.datatype == "BYTES":
+        if output.name in LARGE_OUTPUTS:
+            found[output.name] = None
+        elif output.datatype == "BYTES":
             found[output.name] = _strings(raw)
         else:
             found[output.name] = np.frombuffer(raw, dtype=NUMERIC[output.datatype]).tolist()

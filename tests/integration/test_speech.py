@@ -246,6 +246,13 @@ def test_the_gateway_reads_input_audio_parts(speech_server):
         speech_server.openai.chat.completions.create(model="ar", messages=messages, modalities=["text", "audio"],
                                                      audio={"voice": "ethan", "format": "wav"})
     assert refused.value.body["param"] == "messages.0.content.0"
+    junk = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not audio").decode(), "format": "wav"}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            speech_server.openai.chat.completions.create(
+                model="ar", messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}, junk]}],
+                stream=stream)
+        assert refused.value.body["param"] == "messages.0.content.1"
 
 
 HEARD_TALKER = {"temperature": 0.0, "max_tokens": 10, "min_tokens": 10}

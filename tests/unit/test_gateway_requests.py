@@ -79,6 +79,9 @@ def test_input_audio_parts_reach_the_template_and_the_model_in_order():
                                                            {"type": "audio"}]}]
     assert request.audio_clips() == [b"first", b"second"]
     assert request.audio_parts() == ["messages.1.content.0", "messages.1.content.2"]
+    assert [request.audio_part_of(p) for p in ("input_audio[1]", "input_audio", "input_audio[7]", "max_tokens",
+                                               None)] == ["messages.1.content.2", "messages.1.content.0",
+                                                          "messages.1.content.0", None, None]
     assert ar_values("p", {}, audio=request.audio_clips())["input_audio"] == [b"first", b"second"]
     assert "input_audio" not in ar_values("p", {})
 

@@ -523,3 +523,19 @@ def test_an_aborted_reply_ends_its_speech(runner, tmp_path):
     with pytest.raises(RequestCancelledError):
         runner.loop.run(aborted())
     assert not runner._following  # the reply no longer followed
+
+
+@pytest.mark.parametrize(("inputs", "field", "says"), [
+    ({"reply_ids": [40, 10**6]}, "reply_ids", "outside the thinker's vocabulary"),
+    ({"reply_ids": [40, -1]}, "reply_ids", "outside the thinker's vocabulary"),
+    ({"prompt_ids": [3, 10**6]}, "prompt_ids", "outside the thinker's vocabulary"),
+    ({"prompt_ids": [3] * 6000}, "prompt_ids", "more than this model's talker_max_len"),
+    ({"heard_states": torch.zeros(2, 4)}, "heard_states", "comes with prompt_ids"),
+    ({"prompt_ids": [40, 41], "heard_states": torch.zeros(2, 4)}, "heard_states", "holds 2 states for the 0 audio"),
+])
+def test_ids_the_talker_cannot_read_are_refused_by_name(runner, inputs, field, says):
+    """An id past the thinker's embedding table would fail the device (and every request after it),
+    not the request: refused when the request is read, naming its input."""
+    with pytest.raises(RequestValidationError, match=says) as error:
+        runner.parse({"text_input": templated("a red fox"), "reply_ids": [40, 41], **TALKER, **inputs})
+    assert error.value.parameter == field

@@ -82,10 +82,11 @@ class ThinkerEars:
         self.tower.to(device).eval()
         self.embed_tokens = weights["thinker.model.embed_tokens.weight"].to(device, dtype)
 
-    def prompt(self, ids: list[int], clips: list[np.ndarray], field: str = "input_audio") \
-            -> tuple[list[int], torch.Tensor]:
+    def prompt(self, ids: list[int], clips: list[np.ndarray], field: str = "input_audio",
+               max_tokens: int | None = None) -> tuple[list[int], torch.Tensor]:
         """``ids`` (one audio marker per clip) with each marker repeated as many times as its clip has
-        tokens, and the prompt's embeddings ``[tokens, hidden]``: the clips' in the markers' places."""
+        tokens, and the prompt's embeddings ``[tokens, hidden]``: the clips' in the markers' places.
+        A prompt that grows past ``max_tokens`` is refused before the tower runs."""
         markers = [i for i, token in enumerate(ids) if token == self.audio_token_id]
         if len(markers) != len(clips):
             raise RequestValidationError(field, f"the prompt holds {len(markers)} audio markers (the chat "
@@ -100,6 +101,9 @@ class ThinkerEars:
             expanded += ids[start:marker] + [self.audio_token_id] * count
             start = marker + 1
         expanded += ids[start:]
+        if max_tokens is not None and len(expanded) > max_tokens:
+            raise RequestValidationError(field, f"the prompt with its audio has {len(expanded)} tokens; this model "
+                                         f"allows at most {max_tokens}", f"{len(clips)} clips")
         with torch.inference_mode():
             mel = features["input_features"].permute(0, 2, 1)[features["attention_mask"].bool()].permute(1, 0)
             heard = self.tower(mel.to(self.device, self.dtype), feature_lens=frames.to(self.device)).last_hidden_state

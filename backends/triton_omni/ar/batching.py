@@ -213,12 +213,10 @@ class StepBatcher(ContinuousBatch):
         else:
             prompt = {"inputs_embeds": sequence.prompt_embeds.to(self.device)[None]}
         kept = sequence.states_at
-        with self._adapted([sequence]):
-            out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                             output_hidden_states=kept is not None)
+        with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states:
+            out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if kept is not None:
-            layer, positions = kept
-            sequence.prompt_states = out.hidden_states[layer][0, positions].float().cpu()
+            sequence.prompt_states = states[0][0, kept[1]].float().cpu()
         self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])
@@ -240,6 +238,27 @@ class StepBatcher(ContinuousBatch):
         if self.adapter_rows is None:
             return contextlib.nullcontext()
         return self.adapter_rows.bind([sequence.lora for sequence in rows], self.device)
+
+
+@contextlib.contextmanager
+def _layer_output(model, layer: int | None):
+    """Around a forward pass: a list that then holds what ``hidden_states[layer]`` would (the
+    embeddings for 0, else the output of decoder layer ``layer - 1``), kept by a hook on that
+    module alone: ``output_hidden_states`` would keep every layer's states of the whole prompt."""
+    if layer is None:
+        yield None
+        return
+    layers = model.model.layers
+    if not 0 <= layer < len(layers):  # the last entry is the final norm's output: no module gives it alone
+        raise ValueError(f"hidden state {layer} is not kept here (0 to {len(layers) - 1})")
+    found: list[torch.Tensor] = []
+    module = model.get_input_embeddings() if layer == 0 else layers[layer - 1]
+    hook = module.register_forward_hook(
+        lambda _module, _args, output: found.append(output[0] if isinstance(output, tuple) else output))
+    try:
+        yield found
+    finally:
+        hook.remove()
 
 
 class PaddedCache:

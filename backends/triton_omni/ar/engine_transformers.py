@@ -102,8 +102,8 @@ class TransformersEngine(ArEngine):
                 item = _coalesce(await queue.get(), queue)
                 if isinstance(item, BaseException):
                     raise item
-                if first:  # the prefill kept them before its first token went out
-                    item.prompt_states, first = sequence.prompt_states, False
+                if first:  # the prefill kept them before its first token went out; handed on, not held
+                    item.prompt_states, sequence.prompt_states, first = sequence.prompt_states, None, False
                 yield item
                 if item.finish_reason is not None:
                     break

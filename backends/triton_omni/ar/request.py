@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_omni.ar.sampling import ArLimits, SamplingOptions
-from triton_omni.audio import AudioLimits, decode_audio
+from triton_omni.audio import AudioLimits, check_clips
 from triton_omni.errors import RequestValidationError
 from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_bool, as_json_object, as_str, require
@@ -112,7 +112,7 @@ class GenerateRequest:
     outputs: ReturnOptions = field(default_factory=ReturnOptions)
     lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base weights)
     lora_field: str = "lora"  # where it came from: the `lora` input, or `lora_name` among the sampling options
-    audio: list = field(default_factory=list)  # the clips the prompt's audio markers stand for (mono float32)
+    audio: list[bytes] = field(default_factory=list)  # the files the prompt's audio markers stand for
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
@@ -137,7 +137,7 @@ class GenerateRequest:
                 sampling.logprobs)
         return cls(prompt=prompt, sampling=sampling, stream=stream,
                    include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora, lora_field=lora_field,
-                   audio=decode_audio(inputs.get("input_audio"), audio))
+                   audio=check_clips(inputs.get("input_audio"), audio))
 
 
 def _lora(tensor: Any, key: Any) -> str | None:

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits
 from triton_omni.ar.shared_engine import EngineSeat
-from triton_omni.audio import AudioLimits
+from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
 from triton_omni.dtypes import torch_dtype
@@ -146,6 +147,8 @@ class ArRunner:
         hears = config.mode == "generate" and config.max_audio_clips > 0 and has_ears(checkpoint)
         self.ears = ThinkerEars(checkpoint, torch.device(config.device), config.torch_dtype()) if hears else None
         self.audio_limits = AudioLimits(max_clips=config.max_audio_clips) if hears else AudioLimits()
+        # the clips decoded and heard one request at a time, off the engine's loop and Triton's thread
+        self._hearing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-ears") if hears else None
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
@@ -189,6 +192,9 @@ class ArRunner:
             cpus = parse_cpus(cfg.engine_cpus) if cfg.engine_cpus else None
             quantized = {"quantization": "fp8"} if cfg.quantization == "fp8" else {}
             heard = {"enable_prompt_embeds": True} if self.ears is not None else {}  # a prompt with audio
+            if heard and cfg.engine_args.get("enable_prompt_embeds") is False:
+                raise ValueError("model parameter engine_args: enable_prompt_embeds false, and this model hears "
+                                 "audio (its prompts reach vLLM as embeddings); set max_audio_clips 0 instead")
             return VllmEngine(str(self.model_path), cfg.mode, dtype, cfg.max_model_len,
                               share | quantized | heard | cfg.engine_args,
                               self.seat, cpus, cfg.lora_adapters, cfg.max_loras)
@@ -230,12 +236,12 @@ class ArRunner:
             )
         return ids
 
-    def _check_length(self, tokens: int, name: str, value: str) -> None:
-        """A prompt grown by its audio's tokens still leaves room for one new token."""
-        allowed = self.config.max_model_len - 1
-        if tokens > allowed:
-            raise RequestValidationError(name, f"the prompt with its audio has {tokens} tokens; this model allows "
-                                         f"at most {allowed}", value)
+    def _hear(self, prompt_ids: list[int], files: list[bytes]) -> tuple[list[int], torch.Tensor]:
+        """The prompt with its audio: its widened ids (leaving room for one new token) and its
+        embeddings, on the host for vLLM (whose engine core copies them to its device)."""
+        clips = decode_audio(files, self.audio_limits)
+        ids, embeds = self.ears.prompt(prompt_ids, clips, max_tokens=self.config.max_model_len - 1)
+        return ids, embeds.cpu() if self.engine_name == "vllm" else embeds
 
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
@@ -263,10 +269,9 @@ class ArRunner:
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
         embeds = None
-        if request.audio:  # the thinker's audio tower, off the loop (it is a forward pass)
+        if request.audio:  # decoded, and the thinker's audio tower run, off the loop
             prompt_ids, embeds = await asyncio.get_running_loop().run_in_executor(
-                None, self.ears.prompt, prompt_ids, request.audio)
-            self._check_length(len(prompt_ids), "input_audio", f"{len(request.audio)} clips")
+                self._hearing, self._hear, prompt_ids, request.audio)
         states_at = None
         if request.outputs.heard_states:  # checked by check(): the ears and an engine that hands them on
             states_at = (self.ears.talker_layer,
@@ -389,6 +394,8 @@ class ArRunner:
             self.loop.run(self.engine.shutdown(), timeout=60)
         finally:
             self.loop.stop()
+            if self._hearing is not None:
+                self._hearing.shutdown(wait=True)
 
 
 def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:

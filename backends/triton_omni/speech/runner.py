@@ -133,8 +133,11 @@ class SpeechRunner:
     def parse(self, inputs: dict) -> SpeechRequest:
         request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
                                             TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
+        vocab = self.talker.embedding.num_embeddings  # an id past it would fail the device, not the request
+        require(all(0 <= token < vocab for token in request.reply_ids), "reply_ids",
+                f"holds ids outside the thinker's vocabulary [0, {vocab})", request.reply_ids[:8])
         if request.prompt_ids is not None:
-            self.talker.check_heard(request.prompt_ids, request.heard)
+            self.talker.check_heard(request.prompt_ids, request.heard, self.config.talker_max_len)
         return request
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -240,8 +243,9 @@ class SpeechRunner:
         request's own refused when it does not fit."""
         limit = self.config.talker_max_len
         room = limit - prompt_length
-        require(room > 0, "text_input", f"makes a talker prompt of {prompt_length} positions, more than this "
-                f"model's talker_max_len {limit} leaves room for", request.prompt[:80])
+        require(room > 0, "text_input" if request.prompt_ids is None else "prompt_ids", f"makes a talker prompt of "
+                f"{prompt_length} positions, more than this model's talker_max_len {limit} leaves room for",
+                request.prompt[:80])
         if request.talker.max_tokens <= room:
             return request.talker
         require(not request.max_tokens_given, "max_tokens", f"and the talker prompt's {prompt_length} positions "

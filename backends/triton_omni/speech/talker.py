@@ -123,14 +123,22 @@ class Qwen3Talker:
         return self._project([self.config.tts_eos_token_id])[0]
 
     def _heard_at(self, prompt_ids: list[int]) -> list[int]:
-        """The positions of the prompt's audio (and image and video) tokens: where the talker reads the
-        thinker's hidden states, not its embeddings."""
-        thinker = self.config.thinker_config
-        heard = {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id}
-        return [i for i, token in enumerate(prompt_ids) if token in heard]
+        """The positions of the prompt's audio tokens: where the talker reads the thinker's hidden
+        states, not its embeddings (the model reads them at images and video too, which this stage
+        does not take: their markers read as text)."""
+        audio = self.config.thinker_config.audio_token_id
+        return [i for i, token in enumerate(prompt_ids) if token == audio]
 
-    def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None) -> None:
-        """``heard`` holds a state of the thinker's width for each audio token of ``prompt_ids``."""
+    def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None, max_len: int) -> None:
+        """``prompt_ids`` are the thinker's token ids, at most ``max_len`` of them, and ``heard`` holds
+        a state of the thinker's width for each of their audio tokens."""
+        vocab = self.embedding.num_embeddings
+        if len(prompt_ids) > max_len:
+            raise RequestValidationError("prompt_ids", f"holds {len(prompt_ids)} tokens, more than this model's "
+                                         f"talker_max_len {max_len}", len(prompt_ids))
+        if not all(0 <= token < vocab for token in prompt_ids):
+            raise RequestValidationError("prompt_ids", f"holds ids outside the thinker's vocabulary [0, {vocab})",
+                                         [t for t in prompt_ids if not 0 <= t < vocab][:4])
         positions = len(self._heard_at(prompt_ids))
         rows = 0 if heard is None else heard.shape[0]
         if rows != positions:
@@ -150,8 +158,7 @@ class Qwen3Talker:
         rest to come (``TalkerPrompt.extend``). ``heard``: the thinker's states at the prompt's audio
         tokens (``check_heard``), which the talker reads there through its ``hidden_projection``."""
         cfg = self.config
-        user = [i for i in range(len(prompt_ids))
-                if _role_at(prompt_ids, i, cfg.im_start_token_id) == cfg.user_token_id]
+        user = [i for i, role in enumerate(_roles(prompt_ids, cfg.im_start_token_id)) if role == cfg.user_token_id]
         start = max(i for i in range(len(prompt_ids) - 1)
                     if prompt_ids[i] == cfg.im_start_token_id and prompt_ids[i + 1] == cfg.assistant_token_id)
         assistant = self._project((prompt_ids + reply_ids)[start:])
@@ -183,12 +190,15 @@ class Qwen3Talker:
         return self._project([self.config.tts_pad_token_id])[0]
 
 
-def _role_at(ids: list[int], position: int, im_start: int) -> int | None:
-    """The role token of the turn ``position`` is in: the token after the last ``<|im_start|>`` at or before it."""
-    for i in range(position, -1, -1):
-        if ids[i] == im_start:
-            return ids[i + 1] if i + 1 < len(ids) else None
-    return None
+def _roles(ids: list[int], im_start: int) -> list[int | None]:
+    """Each position's role token: the token after the last ``<|im_start|>`` at or before it (one pass:
+    a prompt of a few minutes of audio is tens of thousands of tokens)."""
+    roles, role = [], None
+    for i, token in enumerate(ids):
+        if token == im_start:
+            role = ids[i + 1] if i + 1 < len(ids) else None
+        roles.append(role)
+    return roles
 
 
 @dataclass(eq=False)  # one utterance is itself only (the runner keys what it follows by it)

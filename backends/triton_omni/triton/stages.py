@@ -122,6 +122,9 @@ class TritonStages:
     def chat_prompt(self, prompt: str, clips: int = 0) -> str:
         """The speaking model's chat template (read once), around ``prompt`` as the user's turn
         (after ``clips`` audio parts)."""
+        if not self.speech_checkpoint and clips:
+            raise RequestValidationError("input_audio", "needs the chat template of a model that hears: this "
+                                         "server's omni names none (set omni's speech_checkpoint)", clips)
         if not self.speech_checkpoint:
             raise RequestValidationError("modalities", "'audio' needs a model that speaks: this server's omni has "
                                          "no speech stage (serve a speech demo, or set omni's speech_checkpoint)",
