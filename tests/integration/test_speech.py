@@ -26,8 +26,6 @@ import openai
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
-from triton_omni.demo_models import resolve_model
 from triton_omni.speech.demos import THINKER_CONTEXT
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.gateway import Gateway, text_model_tokenizers
@@ -73,37 +71,15 @@ def speech_server(tmp_path_factory):
 
 
 @functools.cache
-def model() -> tuple:
-    folder = resolve_model("demo:tiny-qwen3-omni")
-    return AutoTokenizer.from_pretrained(folder), Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval()
-
-
-@functools.cache
 def reference(prompt: str = PROMPT, voice: str = "ethan") -> tuple[str, str, np.ndarray, np.ndarray]:
     """The model's own generate, greedy: (the templated prompt, the reply's text, codes, waveform)."""
-    tokenizer, omni = model()
+    tokenizer, _, _ = heard.model()
     templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                               tokenize=False)
-    inputs = tokenizer(templated, return_tensors="pt")
-    codes = {}
-    decode = omni.code2wav.chunked_decode
-
-    def keep(frames, **options):  # generate's codec frames, as they go to its decoder
-        codes["frames"] = frames[0].numpy()
-        return decode(frames, **options)
-
-    omni.code2wav.chunked_decode = keep
-    try:
-        with torch.no_grad():
-            ids, wav = omni.generate(**inputs, speaker=voice, thinker_max_new_tokens=THINKER["max_tokens"],
-                                     thinker_do_sample=False, talker_do_sample=False,
-                                     thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                     talker_max_new_tokens=TALKER["talker_max_tokens"],
-                                     talker_min_new_tokens=TALKER["talker_min_tokens"])
-    finally:
-        omni.code2wav.chunked_decode = decode
-    reply = tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    return templated, reply, codes["frames"], wav.flatten().numpy()
+    assert TALKER["talker_max_tokens"] == TALKER["talker_min_tokens"]  # one length: generate_spoken's
+    ids, codes, wav = heard.generate_spoken(tokenizer(templated, return_tensors="pt"), THINKER["max_tokens"],
+                                            TALKER["talker_max_tokens"], voice)
+    return templated, tokenizer.decode(ids, skip_special_tokens=True), codes, wav
 
 
 def spoken(events) -> tuple[str, np.ndarray, np.ndarray]:
@@ -139,7 +115,7 @@ def test_the_speech_stage_streams_chunks_that_join_into_the_whole_decode(speech_
     equal the whole utterance's decode (and generate's waveform); a chunk boundary decoded as its
     own utterance (code2wav's chunked_decode) would not."""
     templated, _, codes, wav = reference()
-    omni = model()[1]
+    omni = heard.model()[2]
     chunks = speak_directly(speech_server.grpc_url, templated, _ar_reply_ids(speech_server.grpc_url, templated),
                             chunk_frames=3)
     audio = np.concatenate([c["audio"] for c in chunks])

@@ -85,14 +85,22 @@ def reference(text: str, clips: list[np.ndarray], max_tokens: int) -> list[int]:
 
 def spoken_reference(text: str, clips: list[np.ndarray], thinker_tokens: int, talker_tokens: int,
                      voice: str = "ethan") -> tuple[list[int], np.ndarray, np.ndarray]:
-    """The whole model's ``generate(..., return_audio=True)``, greedy in the thinker and the talker
-    (the talker held to ``talker_tokens`` frames): the reply's ids, its codec frames, its waveform."""
-    tokenizer, processor, omni = model()
-    inputs = processor(text=text, audio=clips, return_tensors="pt")
+    """The whole model's ``generate(..., return_audio=True)`` for ``text`` with ``clips`` (through the
+    processor), greedy in the thinker and the talker: the reply's ids, its codec frames, its waveform."""
+    return generate_spoken(model()[1](text=text, audio=clips, return_tensors="pt"), thinker_tokens, talker_tokens,
+                           voice)
+
+
+def generate_spoken(inputs, thinker_tokens: int, talker_tokens: int,
+                    voice: str = "ethan") -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The whole model's ``generate(..., return_audio=True)`` on ``inputs`` (the tokenizer's or the
+    processor's), greedy in the thinker and the talker (the talker held to ``talker_tokens`` frames):
+    the reply's ids, its codec frames (as they go to its decoder), its waveform."""
+    tokenizer, _, omni = model()
     codes = {}
     decode = omni.code2wav.chunked_decode
 
-    def keep(frames, **options):  # generate's codec frames, as they go to its decoder
+    def keep(frames, **options):
         codes["frames"] = frames[0].numpy()
         return decode(frames, **options)
 

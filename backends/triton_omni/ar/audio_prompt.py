@@ -17,12 +17,12 @@ beside it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from triton_omni.ar.language_model import architecture
 from triton_omni.errors import RequestValidationError
 
 # the omni classes whose audio tower this module runs (Qwen2.5-Omni's encoder is another)
@@ -33,8 +33,7 @@ SAMPLE_RATE = 16000  # what every Qwen-Omni feature extractor reads
 def has_ears(model: Path) -> bool:
     """Whether ``model`` is a checkpoint whose thinker hears through this module: its class one of
     ``EARS_OF``, its audio tower saved (a benchmark's realistic checkpoint may leave the thinker out)."""
-    config = model / "config.json"
-    if not config.exists() or (json.loads(config.read_text()).get("architectures") or [""])[0] not in EARS_OF:
+    if architecture(model) not in EARS_OF:
         return False
     from safetensors import safe_open
 

@@ -133,9 +133,7 @@ class SpeechRunner:
     def parse(self, inputs: dict) -> SpeechRequest:
         request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
                                             TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
-        vocab = self.talker.embedding.num_embeddings  # an id past it would fail the device, not the request
-        require(all(0 <= token < vocab for token in request.reply_ids), "reply_ids",
-                f"holds ids outside the thinker's vocabulary [0, {vocab})", request.reply_ids[:8])
+        self.talker.check_ids("reply_ids", request.reply_ids)
         if request.prompt_ids is not None:
             self.talker.check_heard(request.prompt_ids, request.heard, self.config.talker_max_len)
         return request

@@ -129,16 +129,21 @@ class Qwen3Talker:
         audio = self.config.thinker_config.audio_token_id
         return [i for i, token in enumerate(prompt_ids) if token == audio]
 
+    def check_ids(self, field: str, ids: list[int]) -> None:
+        """``ids`` are the thinker's token ids: one past its embedding table would fail the device
+        (and every request after it), not the request."""
+        vocab = self.embedding.num_embeddings
+        if not all(0 <= token < vocab for token in ids):
+            raise RequestValidationError(field, f"holds ids outside the thinker's vocabulary [0, {vocab})",
+                                         [t for t in ids if not 0 <= t < vocab][:4])
+
     def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None, max_len: int) -> None:
         """``prompt_ids`` are the thinker's token ids, at most ``max_len`` of them, and ``heard`` holds
         a state of the thinker's width for each of their audio tokens."""
-        vocab = self.embedding.num_embeddings
         if len(prompt_ids) > max_len:
             raise RequestValidationError("prompt_ids", f"holds {len(prompt_ids)} tokens, more than this model's "
                                          f"talker_max_len {max_len}", len(prompt_ids))
-        if not all(0 <= token < vocab for token in prompt_ids):
-            raise RequestValidationError("prompt_ids", f"holds ids outside the thinker's vocabulary [0, {vocab})",
-                                         [t for t in prompt_ids if not 0 <= t < vocab][:4])
+        self.check_ids("prompt_ids", prompt_ids)
         positions = len(self._heard_at(prompt_ids))
         rows = 0 if heard is None else heard.shape[0]
         if rows != positions:
