@@ -16,7 +16,9 @@ own parts in one process, with no server, so each part's cost per step is seen a
 - with ``--cold-codec``, first of all: the streams' first chunks decoded together (as
   ``Code2WavBatcher`` decodes urgent chunks) at each of ``--rows``' stream counts and at 1, 2 and 4
   frames, the first decode of each shape in this process against the second (what a server's first
-  burst of new streams pays that later ones do not);
+  burst of new streams pays that later ones do not); then the stage's warm-up (``warm``: each shape
+  its chunks make at a ladder of batch sizes, run at load) timed, and first decodes at stream counts
+  off that ladder on the warmed decoder, which pads them onto it;
 - on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
   stage's default) and without, and the ratio of their steps; with ``--compile PARTS``, also with
   those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
@@ -359,6 +361,20 @@ def main() -> None:
             figures["cold_first_chunks_ms"][f"{streams}x{frames}"] = found
             print(f"code2wav, {streams} streams' first chunks of {frames} frames together, the first and the "
                   f"second time: {json.dumps(found)}", flush=True)
+        # then a decoder warmed as the stage warms it: stream counts off its ladder, first decodes
+        started = time.perf_counter()
+        warmed = StreamingCode2Wav(code2wav)
+        shapes = warmed.warm(max(levels), 1, args.chunk_frames)
+        figures["warm_s"], figures["warmed_shapes"] = time.perf_counter() - started, len(shapes)
+        print(f"code2wav warmed for {max(levels)} streams: {len(shapes)} shapes in {figures['warm_s']:.1f} s",
+              flush=True)
+        figures["warmed_first_chunks_ms"] = {}
+        for streams, frames in itertools.product(sorted({3, max(levels) - 1, max(levels) // 2 + 5}), (1, 3, 7)):
+            if 0 < streams <= max(levels):
+                found = cold_first_chunks_ms(warmed, talker.groups, timers, streams, frames)
+                figures["warmed_first_chunks_ms"][f"{streams}x{frames}"] = found
+                print(f"code2wav warmed, {streams} streams' first chunks of {frames} frames, the first and the "
+                      f"second time: {json.dumps(found)}; shapes not planned: {warmed.unplanned}", flush=True)
     figures["first_chunk_decode_ms"] = {frames: first_chunk_decode_ms(decoder, talker.groups, frames, timers)
                                         for frames in (1, 2)}
     print(f"code2wav, a stream's first chunk of 1 and 2 frames: {json.dumps(figures['first_chunk_decode_ms'])}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import threading
 from dataclasses import replace
 
@@ -179,6 +180,40 @@ def test_chunks_of_streams_decoded_together_equal_each_decoded_alone(runner):
     finally:
         del decoder.transform, decoder.convolve
     assert float((expected[0][0][0] - expected[0][1][0]).abs().max()) > 100 * 1e-5  # other codes, other samples
+
+
+def decoded_together(decoder, codes: list[torch.Tensor], chunks: list[int]) -> list[torch.Tensor]:
+    """``codes``' streams decoded together, chunk by chunk (``chunks``' sizes), as the codec thread
+    decodes streams that step together: each stream's samples."""
+    streams, samples, start = [decoder.stream() for _ in codes], [[] for _ in codes], 0
+    for size in chunks:
+        windows = decoder.windows(streams, [c[:, start:start + size] for c in codes])
+        for index, (stream, chunk) in enumerate(zip(streams, decoder.convolve_windows(windows), strict=True)):
+            samples[index].append(stream.settle(chunk))
+        start += size
+    return [torch.cat(parts) for parts in samples]
+
+
+def test_a_warmed_decoder_meets_only_the_shapes_it_planned_and_decodes_the_same(runner):
+    """``warm`` runs each convolution shape a stage meets (its batches padded to ``CONV_ROWS``, each
+    window length the default chunks make) once: five streams through the default chunks then meet
+    no shape it did not plan, and decode the samples of a decoder that pads nothing, which meets a
+    batch of five. A first chunk of another size is a shape it did not plan, and is counted."""
+    from triton_omni.speech.codec import StreamingCode2Wav, chunk_schedule
+
+    plain, warmed = StreamingCode2Wav(runner.decoder.model), StreamingCode2Wav(runner.decoder.model)
+    shapes = warmed.warm(6, 1, 8)
+    assert {rows for rows, _ in shapes} == {1, 2, 4, 8} and warmed.unplanned == 0
+    generator = torch.Generator().manual_seed(5)
+    codes = [torch.randint(0, 32, (runner.talker.groups, 40), generator=generator) for _ in range(5)]
+    chunks = list(itertools.islice(chunk_schedule(1, 8), 6))
+    assert chunks == [1, 2, 4, 8, 8, 8]
+    expected, found = decoded_together(plain, codes, chunks), decoded_together(warmed, codes, chunks)
+    assert warmed.unplanned == 0 and not {shape for shape in plain.planned if shape[0] == 5} <= set(shapes)
+    for wanted, got in zip(expected, found, strict=True):
+        assert wanted.shape == got.shape and float((wanted - got).abs().max()) < 1e-5
+    decoded_together(warmed, codes[:1], [5])
+    assert warmed.unplanned == 1
 
 
 @contextlib.contextmanager

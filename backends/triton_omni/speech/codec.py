@@ -28,6 +28,7 @@ first window has no such frames, and joins only windows of its own length.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import queue
 import threading
@@ -41,6 +42,27 @@ from transformers.cache_utils import DynamicCache
 
 # frames of random states the convolutions' receptive field is measured on at load
 _PROBE_FRAMES = 48
+# Once ``warm`` has run, a convolution batch of n windows is padded with zero rows to the smallest
+# of these that holds it. A GPU plans each new convolution shape the first time it runs (cuDNN, for
+# every layer of the decoder): unbounded batch sizes would make new shapes for as long as the
+# server runs, each a stall in every stream waiting for that batch. Past the last, multiples of it.
+CONV_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# a warmed stream's chunks: enough for its windows to settle to the length of a full chunk's
+_WARM_CHUNKS = 8
+
+
+def chunk_schedule(first: int, full: int):
+    """A stream's chunk sizes in frames: ``first``, then each at most twice the one before, up to
+    ``full`` (1, 2, 4, 8, 8, ...): a chunk's audio lasts while the next one's frames are spoken."""
+    size = first
+    while True:
+        yield size
+        size = min(full, 2 * size)
+
+
+def conv_rows(windows: int) -> int:
+    """The rows a convolution batch of ``windows`` windows is padded to once warmed (``CONV_ROWS``)."""
+    return next((n for n in CONV_ROWS if n >= windows), -(-windows // CONV_ROWS[-1]) * CONV_ROWS[-1])
 
 
 class StreamingCode2Wav:
@@ -49,6 +71,9 @@ class StreamingCode2Wav:
     def __init__(self, code2wav: torch.nn.Module):
         self.model = code2wav
         self.samples_per_frame = int(code2wav.total_upsample)
+        self.padded = False  # convolution batches padded to ``conv_rows`` (``warm``)
+        self.planned: set[tuple[int, int]] = set()  # the convolution shapes (rows, frames) run so far
+        self.unplanned = 0  # shapes first met while serving, after ``warm``
         self.lookback = self._measure_lookback()
 
     def stream(self) -> Code2WavStream:
@@ -120,6 +145,10 @@ class StreamingCode2Wav:
 
     def convolve(self, states: torch.Tensor) -> torch.Tensor:
         """The convolutions after the transformer: states [batch, frames, width] to samples [batch, n]."""
+        shape = tuple(states.shape[:2])
+        if shape not in self.planned:
+            self.planned.add(shape)
+            self.unplanned += self.padded
         hidden = states.permute(0, 2, 1)
         for blocks in self.model.upsample:
             for block in blocks:
@@ -141,10 +170,36 @@ class StreamingCode2Wav:
             length = max(windows[i].frames for i in members)
             batch = torch.cat([torch.nn.functional.pad(windows[i].states, (0, 0, length - windows[i].frames, 0))
                                for i in members])
+            if self.padded:  # zero rows after the windows', unread
+                batch = torch.nn.functional.pad(batch, (0, 0, 0, 0, 0, conv_rows(len(members)) - len(members)))
             samples = self.convolve(batch)
             for row, i in enumerate(members):
                 chunks[i] = samples[row, (length - windows[i].frames) * self.samples_per_frame + windows[i].start:]
         return chunks
+
+    @torch.inference_mode()
+    def warm(self, max_streams: int, first_chunk: int, full_chunk: int) -> list[tuple[int, int]]:
+        """Run every convolution shape a stage of ``max_streams`` streams meets with this chunk
+        schedule once, and pad batches to ``CONV_ROWS`` from now on: each window length a stream's
+        chunks make (its first windows, then a full chunk behind its lookback) at each padded batch
+        size. A batch of windows behind earlier frames is padded to its longest, a full chunk's
+        once the streams are past their first. The shapes run, (rows, frames)."""
+        size = self.model.config.codebook_size
+        codes = torch.randint(0, size, (self.model.config.num_quantizers, full_chunk * _WARM_CHUNKS),
+                              generator=torch.Generator().manual_seed(0))
+        stream, lengths, start = self.stream(), set(), 0
+        for chunk in itertools.islice(chunk_schedule(first_chunk, full_chunk), _WARM_CHUNKS):
+            window = stream.window(codes[:, start:start + chunk])
+            lengths.add(window.frames)
+            [samples] = self.convolve_windows([window])
+            stream.settle(samples)
+            start += chunk
+        width = self.model.config.hidden_size
+        shapes = sorted({(conv_rows(n), frames) for n in range(1, max_streams + 1) for frames in lengths})
+        for rows, frames in shapes:
+            self.convolve(torch.zeros(rows, frames, width, device=self.model.device, dtype=self.model.dtype))
+        self.padded = True
+        return shapes
 
     @torch.inference_mode()
     def _measure_lookback(self) -> int:
@@ -229,13 +284,17 @@ class Code2WavBatcher:
     chunk of a stream that has sent 80 ms, would otherwise wait for; a full chunk comes with
     seconds of audio still to play."""
 
-    def __init__(self, decoder: StreamingCode2Wav):
+    def __init__(self, decoder: StreamingCode2Wav, warm: tuple[int, int, int] | None = None):
+        """``warm``: ``decoder.warm``'s (max_streams, first_chunk, full_chunk), run on the thread
+        before it decodes (cuDNN keeps its plans per thread); the constructor waits for it."""
         self.decoder = decoder
         self.max_batch_seen = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="omni-codec", daemon=True)
+        self._warmed: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(warm,), name="omni-codec", daemon=True)
         self._thread.start()
+        self.warmed_shapes: list[tuple[int, int]] = self._warmed.result()
 
     def decode(self, stream: Code2WavStream, codes: torch.Tensor, urgent: bool = False) -> Future:
         """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded;
@@ -253,8 +312,13 @@ class Code2WavBatcher:
         self._jobs.put(None)
         self._thread.join(timeout_s)
 
-    def _run(self) -> None:
+    def _run(self, warm: tuple[int, int, int] | None) -> None:
         with self._own_stream():
+            try:
+                self._warmed.set_result(self.decoder.warm(*warm) if warm else [])
+            except Exception as exc:  # the load fails with it
+                self._warmed.set_exception(exc)
+                return
             self._serve()
 
     def _own_stream(self):

@@ -31,7 +31,7 @@ from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.channel import ReplyReader
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestCancelledError
-from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav
+from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav, chunk_schedule
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
 from triton_omni.speech.talker import (
     COMPILE_PARTS,
@@ -120,15 +120,19 @@ class SpeechRunner:
         self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len,
                                      compile=config.compile_parts())
         self.loop = EventLoopThread(name="omni-speech")
-        self.codec = Code2WavBatcher(self.decoder)
+        # on a GPU, every convolution shape the default chunks meet planned now, not mid-stream
+        warm = (config.max_num_seqs, config.first_chunk_frames, config.chunk_frames) \
+            if self.device.type == "cuda" else None
+        self.codec = Code2WavBatcher(self.decoder, warm)
         # the talker's prompts are built off the event loop, one at a time
         self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-speech-prompt")
         self._lock = threading.Lock()
         self._following: dict[Utterance, ReplyReader] = {}  # replies still being written (the loop's)
         self._follower: asyncio.Task | None = None
         self.counters = {"started": 0, "finished": 0, "cancelled": 0, "chunks": 0}
-        logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames", folder, self.device,
-                    sorted(self.voices), self.decoder.lookback)
+        logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames, %d codec shapes "
+                    "planned", folder, self.device, sorted(self.voices), self.decoder.lookback,
+                    len(self.codec.warmed_shapes))
 
     def parse(self, inputs: dict) -> SpeechRequest:
         request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
@@ -167,7 +171,8 @@ class SpeechRunner:
             self._follow(reply, utterance)
         try:
             pending: list[list[int]] = []
-            wanted = request.first_chunk_frames
+            sizes = chunk_schedule(request.first_chunk_frames, request.chunk_frames)
+            wanted = next(sizes)
             while True:
                 item = await frames.get()
                 if isinstance(item, BaseException):
@@ -186,7 +191,7 @@ class SpeechRunner:
                     samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
                     self._count("chunks")
-                    pending, wanted = [], min(request.chunk_frames, 2 * wanted)
+                    pending, wanted = [], next(sizes)
                 if final:
                     self._count("finished")
                     return
