@@ -16,7 +16,9 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   the first audio;
 - where the first audio's time goes inside the server, from its metrics over each round (means;
   a server this run starts, or ``--metrics-url``'s): the thinker's first token in ``ar`` and the
-  speech stage's own first audio (from its request to its first chunk).
+  speech stage's own first audio (from its request to its first chunk), and that split into its
+  phases (``omni_speech_first_audio_phase_seconds``: the talker's prompt, joining the step batch,
+  the first frame, the first chunk's decode).
 
 On this host's CPU with the tiny demo (``--preset tiny``, the default) it only shows the benchmark
 works; the figures are a GPU's, with ``--preset realistic``: Qwen3-Omni-30B-A3B at its real shapes
@@ -110,16 +112,32 @@ async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> 
 
 STAGE_METRICS = {"ar_ttft_ms": ("omni_ar_time_to_first_token_seconds", "ar"),
                  "speech_ttfa_ms": ("omni_speech_time_to_first_audio_seconds", "speech")}
+# the speech stage's first audio split into its phases (the histograms' ``phase`` label)
+PHASES = ("prompt", "join", "first_frame", "decode")
 
 
 def stage_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
-    """Each stage histogram's (sum, count) now, over the model's instances."""
+    """Each stage histogram's (sum, count) now, over the model's instances, and the speech stage's
+    first-audio phases' (``speech_<phase>_ms``)."""
     from triton_omni_tools.bench.harness import metric_by_device, metrics_text
 
     text = metrics_text(metrics_url)
-    return {name: (sum(metric_by_device(text, f"{family}_sum", model).values()),
-                   sum(metric_by_device(text, f"{family}_count", model).values()))
-            for name, (family, model) in STAGE_METRICS.items()}
+    found = {name: (sum(metric_by_device(text, f"{family}_sum", model).values()),
+                    sum(metric_by_device(text, f"{family}_count", model).values()))
+             for name, (family, model) in STAGE_METRICS.items()}
+    for phase in PHASES:
+        series = [labelled_value(text, f"omni_speech_first_audio_phase_seconds_{part}", phase)
+                  for part in ("sum", "count")]
+        found[f"speech_{phase}_ms"] = (series[0], series[1])
+    return found
+
+
+def labelled_value(text: str, name: str, phase: str) -> float:
+    """The sum of ``name``'s series labelled ``phase``."""
+    import re
+
+    return sum(float(value) for labels, value in re.findall(rf'^{name}{{([^}}]*)}} (\S+)$', text, flags=re.M)
+               if f'phase="{phase}"' in labels)
 
 
 def stage_means(before: dict, after: dict) -> dict[str, float]:

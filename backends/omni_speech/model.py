@@ -63,6 +63,8 @@ class TritonPythonModel:
             nonlocal first
             if first:
                 self.metrics.time_to_first_audio.observe(time.monotonic() - started)
+                for phase, seconds in (chunk.phases or {}).items():
+                    self.metrics.first_audio_phases[phase].observe(seconds)
                 first = False
             self.metrics.audio_seconds.increment(len(chunk.samples) / SAMPLE_RATE)
             self.responses.send(sender, speech_io.chunk_response(chunk, SAMPLE_RATE),

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -22,6 +23,8 @@ from triton_omni.errors import RequestCancelledError, RequestValidationError
 from triton_omni.speech import talker_graphs
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import TalkerBatcher
+
+from tests.support import fake_pb_utils
 
 TALKER = {"temperature": 0.0, "max_tokens": 12, "min_tokens": 3}
 
@@ -116,6 +119,27 @@ def test_chunks_grow_from_the_first_frame_to_chunk_frames(runner):
     assert sizes == [1, 2, 4, 8, 8, 6], sizes  # max_tokens 30: the last code drawn makes no frame
     [chunks] = speak(runner, request(runner, chunk_frames=8, first_chunk_frames=3, max_tokens=30, min_tokens=30))
     assert [c.codes.shape[1] for c in chunks] == [3, 6, 8, 8, 4]
+
+
+def test_the_first_chunk_says_where_its_wait_went(runner):
+    """The first chunk carries its wait split into ``FIRST_AUDIO_PHASES`` (the speech model's
+    ``omni_speech_first_audio_phase_seconds``, whose phases are the same names), which add up to
+    no more than the wait itself; the chunks after it carry none."""
+    from triton_omni.speech.runner import FIRST_AUDIO_PHASES
+
+    fake_pb_utils.install()
+    from triton_omni.triton.metrics import SPEECH_PHASES
+
+    started = time.monotonic()
+    arrived = []
+    [chunks] = speak(runner, request(runner, chunk_frames=4, max_tokens=12, min_tokens=12),
+                     steps=arrived)
+    first_wait = time.monotonic() - started
+    assert SPEECH_PHASES == FIRST_AUDIO_PHASES
+    phases = chunks[0].phases
+    assert list(phases) == list(FIRST_AUDIO_PHASES) and all(value >= 0 for value in phases.values()), phases
+    assert 0 < sum(phases.values()) <= first_wait and len(chunks) > 1
+    assert all(chunk.phases is None for chunk in chunks[1:])
 
 
 @pytest.mark.parametrize("frames", [1, 5])

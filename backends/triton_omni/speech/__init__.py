@@ -1,7 +1,7 @@
 """Speech out: the Qwen-Omni models' thinker -> talker -> codec decoder (issue 74).
 
-Today: the tiny demos of Qwen3-Omni and Qwen2.5-Omni (``demos.py``), built
-locally with random weights at tiny configurations, whose own ``generate``
-makes the text and the waveform every served route will be held to. The stages that serve it come
-next (see ``benchmarks/records/research/qwen-omni-speech.md``).
+The thinker is ``ar``'s; this package is the ``speech`` stage after it: the talker's step batch
+(``talker.py``, on a GPU ``talker_graphs.py`` and ``predictor_graphs.py``), ``code2wav`` decoded as
+frames arrive (``codec.py``), the runner that chains them (``runner.py``), and the tiny demos
+(``demos.py``) whose own ``generate`` every served route is held to.
 """

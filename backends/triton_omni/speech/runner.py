@@ -18,6 +18,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -98,6 +99,14 @@ class AudioChunk:
     samples: np.ndarray  # float32 in [-1, 1], the next samples of the waveform
     codes: np.ndarray  # int64 [codebooks, frames]: the frames whose decode ended with these samples
     finish_reason: str | None = None  # on the last chunk: "stop" (end of speech) or "length"
+    # on the first chunk: where its wait went, in seconds (FIRST_AUDIO_PHASES)
+    phases: dict[str, float] | None = None
+
+
+# A first chunk's wait, in order: the talker's prompt built; its utterance in the talker's step batch
+# (waiting for the running step, then its prefill); its first frame (its reply's next tokens, the
+# step); the rest of the chunk's frames and their decode (waiting for the codec thread's batch).
+FIRST_AUDIO_PHASES = ("prompt", "join", "first_frame", "decode")
 
 
 class SpeechRunner:
@@ -153,11 +162,13 @@ class SpeechRunner:
         of a reply still being written (``request.reply_ids`` its first tokens), read as it comes."""
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue = asyncio.Queue()
+        marks = [time.monotonic()]  # FIRST_AUDIO_PHASES' ends, after the start
         try:
             prompt = await loop.run_in_executor(
                 self._prompts, lambda: self.talker.prompt(request.prompt_ids or self.prompt_ids(request.prompt),
                                                           request.reply_ids, request.voice, whole=reply is None,
                                                           heard=request.heard))
+            marks.append(time.monotonic())
             options = self._bounded(request, len(prompt.embeds))
             utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
             self.batcher.submit(utterance)
@@ -180,6 +191,8 @@ class SpeechRunner:
                 if item is None and utterance.reason == "abort":  # its reply aborted, or the stage stopping
                     raise RequestCancelledError("the speech was stopped before its end")
                 if item is not None:
+                    if len(marks) == 2:  # the first frame
+                        marks += [utterance.joined_at or time.monotonic(), time.monotonic()]
                     pending.append(item)
                     if len(pending) < wanted:
                         continue
@@ -189,7 +202,11 @@ class SpeechRunner:
                     # a chunk short of chunk_frames is one of the first: little audio plays before it
                     urgent = wanted < request.chunk_frames
                     samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent))
-                    on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None))
+                    phases = None
+                    if len(marks) == 4:  # the first chunk
+                        marks.append(time.monotonic())
+                        phases = dict(zip(FIRST_AUDIO_PHASES, np.diff(marks).tolist(), strict=True))
+                    on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None, phases))
                     self._count("chunks")
                     pending, wanted = [], next(sizes)
                 if final:

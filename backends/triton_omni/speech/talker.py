@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -223,6 +224,7 @@ class Utterance:
     stop_ids: list[int] = field(default_factory=list)  # the end of speech, set by the batcher
     done: bool = False
     reason: str | None = None  # "stop" (end of speech), "length", "abort"
+    joined_at: float | None = None  # time.monotonic() once prefilled into the step batch
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -313,6 +315,7 @@ class TalkerBatcher(ContinuousBatch):
         # its last position's state: the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept([utterance], self.model.codec_head(normed))
+        utterance.joined_at = time.monotonic()  # after _accept's draw, which waits for the prefill
 
     def _join_all(self, utterances: list[Utterance]) -> None:
         """The utterances that arrived since the last step prefilled in one pass, their prompts
@@ -336,6 +339,9 @@ class TalkerBatcher(ContinuousBatch):
         last = out.hidden_states[-1][:, -1:]  # each prompt ends at the last column
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept(utterances, self.model.codec_head(out.last_hidden_state[:, -1]))
+        joined = time.monotonic()
+        for utterance in utterances:
+            utterance.joined_at = joined
 
     def _accept(self, rows: list[Utterance], logits: torch.Tensor) -> None:
         logits = logits.float()
