@@ -4,7 +4,9 @@ for two kinds of frames: smooth moving gradients (what a trained model's video i
 uniform noise (what the realistic presets' random weights make, the encoder's worst case).
 
 Why: a ``/v1/videos`` client waits for the encode after the frames are made, so the preset is
-a trade of that wait against the file's size; the gateway's ``--video-preset`` sets it.
+a trade of that wait against the file's size; the gateway's ``--video-preset`` sets it. The last
+row of each kind is the default preset with x264's threads over each frame's slices (PyAV's
+default) instead of over frames (the gateway's).
 
     .venv/bin/python benchmarks/video_encode.py                      # 832x480, 81 frames
     .venv/bin/python benchmarks/video_encode.py --size 1280x704 --frames 121
@@ -36,16 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     width, height = (int(side) for side in args.size.split("x"))
     print(f"x264 at CRF {CRF}, {args.frames} frames of {width}x{height}; the gateway's default preset: {PRESET}")
-    print(f"{'frames':<8} {'preset':<10} {'seconds':>8} {'KiB':>8}")
+    print(f"{'frames':<8} {'preset':<10} {'threads':<8} {'seconds':>8} {'KiB':>8}")
     for kind in ("smooth", "noise"):
         video = frames(kind, args.frames, height, width)
-        for preset in args.presets.split(","):
+        for preset, threads in [(p, "FRAME") for p in args.presets.split(",")] + [(PRESET, "SLICE")]:
             best, size = float("inf"), 0
             for _ in range(args.rounds):
                 started = time.perf_counter()
-                size = len(encode_mp4(video, 16.0, preset=preset))
+                size = len(encode_mp4(video, 16.0, preset=preset, threads=threads))
                 best = min(best, time.perf_counter() - started)
-            print(f"{kind:<8} {preset:<10} {best:>8.2f} {size // 1024:>8d}", flush=True)
+            print(f"{kind:<8} {preset:<10} {threads.lower():<8} {best:>8.2f} {size // 1024:>8d}", flush=True)
 
 
 if __name__ == "__main__":

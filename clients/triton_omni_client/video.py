@@ -21,9 +21,12 @@ PRESET = "veryfast"
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 
 
-def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF, preset: str = PRESET) -> bytes:
+def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF, preset: str = PRESET, threads: str = "FRAME") -> bytes:
     """``frames`` ``[F, H, W, 3]`` uint8 (even H and W: yuv420p halves the chroma) as an MP4 file
-    played at ``fps``, at x264's ``crf`` and speed ``preset``."""
+    played at ``fps``, at x264's ``crf`` and speed ``preset``. ``threads``: x264's threading, by
+    frames as the ffmpeg CLI runs it, or ``SLICE`` (PyAV's default: each frame's rows spread over
+    the threads, which keeps far fewer of a machine's cores busy; benchmarks/video_encode.py prints
+    both). Frame-threaded x264 is still deterministic: the same frames give the same file."""
     import av
 
     _, height, width, channels = frames.shape
@@ -36,6 +39,7 @@ def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF, preset: str = PRE
         stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": str(crf), "preset": preset}
+        stream.codec_context.thread_type = threads
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # what the encoder still holds
