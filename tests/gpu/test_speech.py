@@ -104,7 +104,7 @@ def test_a_talker_prompt_and_a_replys_next_tokens_never_wait_for_the_gpu(bf16):
     talker.prompt(prompt_ids, [40, 41], bf16.default_voice, whole=False)  # warm: lazy set-ups may synchronise
     with no_host_syncs(talker, "prompt", "reply_states") as failures:
         talker.prompt(prompt_ids, [40, 41], bf16.default_voice, whole=False)
-        talker.reply_states([42, 43])
+        talker.reply_states([[42, 43], [44]])
     assert not failures, failures[0]
 
 

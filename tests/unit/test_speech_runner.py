@@ -564,6 +564,38 @@ def test_a_reply_still_being_written_speaks_as_the_whole_reply(runner, tmp_path,
     assert waits > 0
 
 
+def test_replies_written_together_speak_as_each_whole_and_a_bad_one_fails_alone(runner, tmp_path):
+    """Two replies written at once (each poll projects every reply's new tokens in one pass) speak as
+    their whole replies; a third, whose thinker wrote an id past the embedding table, is cancelled
+    alone, the others never failing in its pass."""
+    replies = [(40, 41, 42, 43, 44, 3), (50, 51, 52, 53, 3), (60, 61, 10**6, 62, 3)]
+    whole = [joined(speak(runner, request(runner, reply=reply, min_tokens=10))[0]) for reply in replies[:2]]
+    writers = [ReplyWriter(tmp_path) for _ in replies]
+
+    async def written_together():
+        for index in range(1, max(len(reply) for reply in replies)):
+            await asyncio.sleep(0.02)
+            for writer, reply in zip(writers, replies, strict=True):
+                if index < len(reply):
+                    writer.add([reply[index]])
+        for writer in writers:
+            writer.end()
+
+    async def spoken():
+        chunks: list[list] = [[], [], []]
+        speaking = [runner.speak(request(runner, reply=reply[:1], min_tokens=10), chunks[i].append,
+                                 ReplyReader(writer.name, tmp_path))
+                    for i, (reply, writer) in enumerate(zip(replies, writers, strict=True))]
+        outcomes = await asyncio.gather(*speaking, written_together(), return_exceptions=True)
+        return chunks, outcomes
+
+    chunks, outcomes = runner.loop.run(spoken())
+    assert outcomes[:2] == [None, None] and isinstance(outcomes[2], RequestCancelledError), outcomes
+    for spoken_now, (audio, codes) in zip(chunks[:2], whole, strict=True):
+        np.testing.assert_array_equal(joined(spoken_now)[1], codes)
+        assert np.abs(joined(spoken_now)[0] - audio).max() < 1e-5
+
+
 def test_an_aborted_reply_ends_its_speech(runner, tmp_path):
     """The thinker failed (the scheduler wrote ``abort``): the utterance ends, cancelled."""
     writer = ReplyWriter(tmp_path)

@@ -125,6 +125,7 @@ class SpeechRunner:
         self.talker = Qwen3Talker(talker, embedding, model_config)
         self.decoder = StreamingCode2Wav(code2wav)
         self.voices = self.talker.voices
+        self.talker.end_state  # noqa: B018 - made once now, not on the loop at the first reply's end
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
         self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len,
                                      compile=config.compile_parts())
@@ -230,32 +231,45 @@ class SpeechRunner:
 
     async def _follow_all(self) -> None:
         """Every ``REPLY_POLL_S``, the new tokens of each reply still being written into its
-        utterance's prompt, then its end; an aborted reply (the thinker failed) cancels its
-        utterance. The talker is woken where a reply grew."""
+        utterance's prompt (all replies' projected in one pass, on the prompts' thread), then its
+        end; an aborted reply (the thinker failed) cancels its utterance. The talker is woken
+        where a reply grew."""
         loop = asyncio.get_running_loop()
         while self._following:
-            grew = False
+            read: dict[Utterance, list[int]] = {}
             for utterance, reply in list(self._following.items()):
-                ids: list[int] = []
                 try:
-                    if ids := reply.read():  # projected on the prompts' thread (one at a time, in order)
-                        states = await loop.run_in_executor(self._prompts, self.talker.reply_states, ids)
-                        utterance.prompt.extend(states)
-                    if reply.state == "end":
-                        utterance.prompt.finish(await loop.run_in_executor(self._prompts,
-                                                                           lambda: self.talker.end_state))
-                    elif reply.state == "abort":
-                        utterance.cancel()
+                    if ids := reply.read():
+                        self.talker.check_ids("omni_reply", ids)  # one bad reply cannot fail the others' pass
+                        read[utterance] = ids
                 except Exception:  # an unreadable reply: its utterance cannot go on, the others can
                     logger.exception("speech: reading a reply failed; its utterance is cancelled")
+                    self._abort(utterance, reply)
+            if read:
+                try:
+                    states = await loop.run_in_executor(self._prompts, self.talker.reply_states, list(read.values()))
+                    for utterance, grown in zip(read, states, strict=True):
+                        utterance.prompt.extend(grown)
+                except Exception:  # the device failed the pass: none of these replies can go on
+                    logger.exception("speech: projecting the replies' tokens failed; their utterances are cancelled")
+                    for utterance in read:
+                        self._abort(utterance, self._following[utterance])
+            changed = bool(read)
+            for utterance, reply in list(self._following.items()):
+                if reply.state == "end":
+                    utterance.prompt.finish(self.talker.end_state)
+                elif reply.state == "abort":
                     utterance.cancel()
-                    reply.state = "abort"
                 if reply.state or utterance.done:
                     self._following.pop(utterance, None)
-                grew = grew or bool(ids) or reply.state is not None
-            if grew:
+                    changed = True
+            if changed:
                 self.batcher.wake()
             await asyncio.sleep(REPLY_POLL_S)
+
+    def _abort(self, utterance: Utterance, reply: ReplyReader) -> None:
+        utterance.cancel()
+        reply.state = "abort"
 
     def _bounded(self, request: SpeechRequest, prompt_length: int) -> SamplingOptions:
         """The talker's options with room for the prompt and ``max_tokens`` in ``talker_max_len``

@@ -28,6 +28,7 @@ ends or is cancelled.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -114,14 +115,17 @@ class Qwen3Talker:
         return to_device(ids, torch.long, self.device)
 
     @torch.inference_mode()
-    def reply_states(self, token_ids: list[int]) -> torch.Tensor:
-        """More of a reply's tokens as the talker reads them, one a step: [tokens, width]."""
-        return self._project(token_ids)
+    def reply_states(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """More of several replies' tokens as the talker reads them, one a step: [tokens, width]
+        for each, projected in one pass (at 64 replies a token each, one pass, not 64)."""
+        states = self._project([token for ids in token_ids for token in ids])
+        return list(states.split([len(ids) for ids in token_ids]))
 
-    @property
+    @functools.cached_property
     def end_state(self) -> torch.Tensor:
         """The state the talker reads after a reply's last token (its end-of-text marker)."""
-        return self._project([self.config.tts_eos_token_id])[0]
+        with torch.inference_mode():
+            return self._project([self.config.tts_eos_token_id])[0]
 
     def _heard_at(self, prompt_ids: list[int]) -> list[int]:
         """The positions of the prompt's audio tokens: where the talker reads the thinker's hidden
