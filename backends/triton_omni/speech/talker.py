@@ -171,15 +171,14 @@ class Qwen3Talker:
         user = [i for i, role in enumerate(_roles(prompt_ids, cfg.im_start_token_id)) if role == cfg.user_token_id]
         start = max(i for i in range(len(prompt_ids) - 1)
                     if prompt_ids[i] == cfg.im_start_token_id and prompt_ids[i + 1] == cfg.assistant_token_id)
-        assistant = self._project((prompt_ids + reply_ids)[start:])
-        pad, bos, eos = self._project([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id])
-        codec = cfg.talker_config
+        # the user turns' and the assistant turn's tokens projected in one pass (at 64 utterances
+        # arriving together, each prompt's launches are a share of the last one's first audio)
+        user_states, assistant = self._project([prompt_ids[i] for i in user] + (prompt_ids + reply_ids)[start:]
+                                               ).split([len(user), len(prompt_ids) + len(reply_ids) - start])
+        user_states = user_states.clone()  # written at the heard positions below
+        pad, bos, eos = self._specials
         opening_text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
-        opening_codec = torch.cat([opening_text.new_zeros(3, opening_text.shape[1]),
-                                   self._codec([codec.codec_nothink_id, codec.codec_think_bos_id,
-                                                codec.codec_think_eos_id, self.voices[voice], codec.codec_pad_id,
-                                                codec.codec_bos_id])])
-        user_states = self._project([prompt_ids[i] for i in user])
+        opening_codec = self._opening_codec(voice)
         if heard is not None and len(heard):
             row = {position: r for r, position in enumerate(self._heard_at(prompt_ids))}
             at = [(k, row[i]) for k, i in enumerate(user) if i in row]
@@ -197,7 +196,23 @@ class Qwen3Talker:
 
     @property
     def pad(self) -> torch.Tensor:
-        return self._project([self.config.tts_pad_token_id])[0]
+        return self._specials[0]
+
+    @functools.cached_property
+    def _specials(self) -> torch.Tensor:
+        """The text side's pad, bos and eos states, the same in every prompt: made once."""
+        cfg = self.config
+        with torch.inference_mode():
+            return self._project([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id])
+
+    @functools.cache  # noqa: B019 - one talker a stage, a few voices: kept for the stage's life
+    def _opening_codec(self, voice: str) -> torch.Tensor:
+        """The codec side of the assistant turn's opening for ``voice``: the same in every prompt."""
+        codec = self.config.talker_config
+        with torch.inference_mode():
+            codes = self._codec([codec.codec_nothink_id, codec.codec_think_bos_id, codec.codec_think_eos_id,
+                                 self.voices[voice], codec.codec_pad_id, codec.codec_bos_id])
+            return torch.cat([codes.new_zeros(3, codes.shape[1]), codes])
 
 
 def _roles(ids: list[int], im_start: int) -> list[int | None]:
