@@ -175,7 +175,6 @@ class Qwen3Talker:
         # arriving together, each prompt's launches are a share of the last one's first audio)
         user_states, assistant = self._project([prompt_ids[i] for i in user] + (prompt_ids + reply_ids)[start:]
                                                ).split([len(user), len(prompt_ids) + len(reply_ids) - start])
-        user_states = user_states.clone()  # written at the heard positions below
         pad, bos, eos = self._specials
         opening_text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         opening_codec = self._opening_codec(voice)
@@ -185,6 +184,7 @@ class Qwen3Talker:
             if at:
                 columns, rows = (list(values) for values in zip(*at, strict=True))
                 states = heard[rows].to(self.device, user_states.dtype)
+                user_states = user_states.clone()  # a view of the pass's output: written here
                 user_states[columns] = self.talker.hidden_projection(states).to(user_states.dtype)
         embeds = torch.cat([user_states, opening_text + opening_codec])
         if whole:
