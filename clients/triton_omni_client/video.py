@@ -26,7 +26,8 @@ def encode_mp4(frames: np.ndarray, fps: float, crf: int = CRF, preset: str = PRE
     played at ``fps``, at x264's ``crf`` and speed ``preset``. ``threads``: x264's threading, by
     frames as the ffmpeg CLI runs it, or ``SLICE`` (PyAV's default: each frame's rows spread over
     the threads, which keeps far fewer of a machine's cores busy; benchmarks/video_encode.py prints
-    both). Frame-threaded x264 is still deterministic: the same frames give the same file."""
+    both). Frame-threaded x264 is still deterministic at one thread count (one per CPU here):
+    the same frames give the same file on the same machine."""
     import av
 
     _, height, width, channels = frames.shape

@@ -252,8 +252,10 @@ class SpeechRunner:
                         utterance.prompt.extend(grown)
                 except Exception:  # the device failed the pass: none of these replies can go on
                     logger.exception("speech: projecting the replies' tokens failed; their utterances are cancelled")
-                    for utterance in read:
-                        self._abort(utterance, self._following[utterance])
+                    for utterance in read:  # one that ended during the pass is no longer followed
+                        utterance.cancel()
+                        if (reply := self._following.get(utterance)) is not None:
+                            reply.state = "abort"
             changed = bool(read)
             for utterance, reply in list(self._following.items()):
                 if reply.state == "end":

@@ -101,6 +101,7 @@ class Qwen3Talker:
         self.suppressed = torch.tensor([code for code in range(vocab - 1024, vocab) if code != self.eos],
                                        device=self.device)
         self.groups = codec.num_code_groups
+        self._openings: dict[str, torch.Tensor] = {}  # a voice's codec opening (_opening_codec)
 
     def _project(self, token_ids: list[int]) -> torch.Tensor:
         return self.talker.text_projection(self.embedding(self._on_device(token_ids)))
@@ -187,11 +188,13 @@ class Qwen3Talker:
                 user_states = user_states.clone()  # a view of the pass's output: written here
                 user_states[columns] = self.talker.hidden_projection(states).to(user_states.dtype)
         embeds = torch.cat([user_states, opening_text + opening_codec])
+        # the reply's states in memory of their own: a view would hold the user turns' for the utterance's life
+        reply = assistant[4:].clone()
         if whole:
-            return TalkerPrompt(embeds, [*assistant[4:-1].unbind(0), eos])
+            return TalkerPrompt(embeds, [*reply[:-1].unbind(0), eos])
         prompt = TalkerPrompt(embeds, [], whole=False)
-        if len(assistant) > 4:
-            prompt.extend(assistant[4:])
+        if len(reply):
+            prompt.extend(reply)
         return prompt
 
     @property
@@ -205,14 +208,16 @@ class Qwen3Talker:
         with torch.inference_mode():
             return self._project([cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id])
 
-    @functools.cache  # noqa: B019 - one talker a stage, a few voices: kept for the stage's life
     def _opening_codec(self, voice: str) -> torch.Tensor:
-        """The codec side of the assistant turn's opening for ``voice``: the same in every prompt."""
-        codec = self.config.talker_config
-        with torch.inference_mode():
-            codes = self._codec([codec.codec_nothink_id, codec.codec_think_bos_id, codec.codec_think_eos_id,
-                                 self.voices[voice], codec.codec_pad_id, codec.codec_bos_id])
-            return torch.cat([codes.new_zeros(3, codes.shape[1]), codes])
+        """The codec side of the assistant turn's opening for ``voice``: the same in every prompt,
+        made at its first use (kept on this talker, not in a process-wide cache)."""
+        if voice not in self._openings:
+            codec = self.config.talker_config
+            with torch.inference_mode():
+                codes = self._codec([codec.codec_nothink_id, codec.codec_think_bos_id, codec.codec_think_eos_id,
+                                     self.voices[voice], codec.codec_pad_id, codec.codec_bos_id])
+                self._openings[voice] = torch.cat([codes.new_zeros(3, codes.shape[1]), codes])
+        return self._openings[voice]
 
 
 def _roles(ids: list[int], im_start: int) -> list[int | None]:
