@@ -27,7 +27,7 @@ MODEL = "demo:tiny-qwen2"
 @pytest.fixture(scope="module")
 def runner():
     build_all()
-    runner = ArRunner(ArRunnerConfig(MODEL, "generate", engine="vllm"))
+    runner = ArRunner(ArRunnerConfig(MODEL, "generate", engine="vllm", warmup_requests=3, warmup_prompt_tokens=40))
     yield runner
     runner.close()
 
@@ -45,6 +45,12 @@ def unfinished(runner: ArRunner) -> bool:
 
 def test_on_the_cpu_the_engine_starts_eager(runner):
     assert runner.engine.engine.vllm_config.model_config.enforce_eager
+
+
+def test_the_load_runs_its_warm_up_burst_and_leaves_nothing_behind(runner):
+    # one request alone, then the burst of three together; none left in the engine, and it serves on
+    assert runner.warmed == 4
+    assert not unfinished(runner)
 
 
 def test_a_failing_callback_fails_its_own_request_and_the_engine_serves_on(runner):

@@ -49,6 +49,7 @@ class ArEngine(ABC):
 
     hidden_size: int
     name: str
+    max_num_seqs: int  # the most requests decoded together
 
     @abstractmethod
     def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:

@@ -43,6 +43,7 @@ class TransformersEngine(ArEngine):
         ``adapters``: LoRA adapters (name -> PEFT folder) requests may name, ``max_loras`` of them on
         the device, requests with different ones decoded in one forward pass (``triton_omni.lora``)."""
         self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
         load = AutoModel if encoder else AutoModelForCausalLM
         self.model = load.from_pretrained(model, dtype=dtype).to(self.device).eval()
         self.hidden_size = self.model.config.get_text_config().hidden_size

@@ -120,6 +120,7 @@ class VllmEngine(ArEngine):
                 raise
         self.hidden_size = config.hidden_size
         self.max_logprobs = self.engine.vllm_config.model_config.max_logprobs
+        self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
 
     def check(self, options: SamplingOptions, logprobs: int | None = None) -> None:
         self.sampling_params(options, logprobs)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from triton_omni.ar.engine_pipeline import PipelineTextEngine
 from triton_omni.ar.language_model import architecture, has_language_model, is_omni, language_model
 from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
-from triton_omni.ar.sampling import ArLimits
+from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat
 from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.cpu_affinity import parse_cpus
@@ -47,6 +48,7 @@ VLLM_CPU_LORA = ("vLLM's CPU LoRA kernels give a request without an adapter anot
                  "prefill and decode share a step")
 Side = tuple[str, list[int]]  # a text to encode and its token ids (none: zero tokens, the encoder not run)
 Mode = Literal["generate", "encode"]
+WARMUP_TOKENS = 4  # each warm-up request's tokens out: its prefill, then a few decode steps at its batch's size
 
 __all__ = ["ArResponse", "ArRunner", "ArRunnerConfig", "Delta", "Embedding"]
 
@@ -75,6 +77,10 @@ class ArRunnerConfig:
     # the most audio clips one prompt holds, for a model that hears (a Qwen3-Omni thinker); 0: it hears
     # none, and its audio tower is not loaded
     max_audio_clips: int = 8
+    # generate mode: a burst of this many requests of `warmup_prompt_tokens` random token ids run as the
+    # model loads, before it is ready (None: the vLLM engine's max_num_seqs on a GPU, none elsewhere)
+    warmup_requests: int | None = None
+    warmup_prompt_tokens: int = 128
 
     def __post_init__(self):
         if self.mode not in ("generate", "encode"):
@@ -84,6 +90,11 @@ class ArRunnerConfig:
         recipe(self.recipe)  # a name it does not know fails the load, naming the parameter
         if self.quantization not in ("none", "fp8"):
             raise ValueError(f"model parameter quantization must be 'none' or 'fp8', got {self.quantization!r}")
+        if self.warmup_requests is not None and self.warmup_requests < 0:
+            raise ValueError(f"model parameter warmup_requests must be 0 or more, got {self.warmup_requests}")
+        if not 1 <= self.warmup_prompt_tokens <= self.max_model_len - WARMUP_TOKENS:
+            raise ValueError(f"model parameter warmup_prompt_tokens must be 1 to max_model_len - {WARMUP_TOKENS} "
+                             f"({self.max_model_len - WARMUP_TOKENS}), got {self.warmup_prompt_tokens}")
 
     def resolved_engine(self) -> str:
         """The configured engine; ``auto``: vLLM when importable, except for an
@@ -153,9 +164,29 @@ class ArRunner:
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
         self.engine: ArEngine | PipelineTextEngine = self.loop.run(self._build_engine())
+        self.warmed = 0  # the warm-up requests that ran
+        if (burst := warmup_burst(config, self.engine_name, self.engine.max_num_seqs)) > 0:
+            self.loop.run(self._warm_up(burst))
         logger.info("AR runner ready: model=%s engine=%s mode=%s%s", self.model_path, self.engine_name, config.mode,
                     f" recipe={self.recipe.name}" if config.mode == "encode" else "")
 
+
+    async def _warm_up(self, requests: int) -> None:
+        """One request alone, then ``requests`` together (the batch shapes of a quiet server and of a
+        full one), each ``warmup_prompt_tokens`` random token ids and a few tokens out; their output is
+        thrown away. A failure here fails the load: a model that cannot answer these cannot serve."""
+        cfg = self.config
+        generator = torch.Generator().manual_seed(0)
+        vocab = len(self.tokenizer)
+        options = SamplingOptions(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.0)
+        started = time.monotonic()
+        for burst in dict.fromkeys((1, requests)):  # in order, once each
+            prompts = torch.randint(vocab, (burst, cfg.warmup_prompt_tokens), generator=generator).tolist()
+            await asyncio.gather(*(self.engine.stream(ids, options, f"warmup-{burst}-{i}", None, lambda delta: None)
+                                   for i, ids in enumerate(prompts)))
+            self.warmed += burst
+        logger.info("warm-up: %d requests of %d prompt tokens in %.1f s", self.warmed, cfg.warmup_prompt_tokens,
+                    time.monotonic() - started)
 
     def _check_quantization(self) -> None:
         """``quantization: fp8`` is vLLM's FP8 on a GPU: refused by name on any other engine or host."""
@@ -396,6 +427,19 @@ class ArRunner:
             self.loop.stop()
             if self._hearing is not None:
                 self._hearing.shutdown(wait=True)
+
+
+def warmup_burst(config: ArRunnerConfig, engine: str, max_num_seqs: int) -> int:
+    """How many requests the load's warm-up sends together (``warmup_requests``; by default, for
+    vLLM on a GPU, its ``max_num_seqs``: a fresh engine compiles some kernels (Triton's, a MoE's
+    experts' among them) at their first real call for each new batch shape, so a fresh server's
+    first burst waited for those compiles; on a 30B-A3B thinker the first token of the first 64
+    prompts together took twenty times the next bursts'). An encoder warms nothing."""
+    if config.mode != "generate":
+        return 0
+    if config.warmup_requests is not None:
+        return config.warmup_requests
+    return max_num_seqs if engine == "vllm" and config.device.startswith("cuda") else 0
 
 
 def _vllm_cannot_encode(encoding: EncoderRecipe, model: str) -> str | None:
