@@ -220,24 +220,42 @@ def decoded_together(decoder, codes: list[torch.Tensor], chunks: list[int]) -> l
 
 def test_a_warmed_decoder_meets_only_the_shapes_it_planned_and_decodes_the_same(runner):
     """``warm`` runs each convolution shape a stage meets (its batches padded to ``CONV_ROWS``, each
-    window length the default chunks make) once: five streams through the default chunks then meet
-    no shape it did not plan, and decode the samples of a decoder that pads nothing, which meets a
-    batch of five. A first chunk of another size is a shape it did not plan, and is counted."""
+    window length the default chunks make) once: five streams through the default chunks and a
+    last, shorter chunk (padded to a full one's window), and then more streams than it was warmed
+    for (cut into batches it planned), meet no shape it did not plan, and decode the samples of a
+    decoder that pads nothing, which meets a batch of five. A first chunk of another size is a
+    shape it did not plan, and is counted."""
     from triton_omni.speech.codec import StreamingCode2Wav, chunk_schedule
 
     plain, warmed = StreamingCode2Wav(runner.decoder.model), StreamingCode2Wav(runner.decoder.model)
     shapes = warmed.warm(6, 1, 8)
     assert {rows for rows, _ in shapes} == {1, 2, 4, 8} and warmed.unplanned == 0
+    # a full chunk behind its lookback, and one frame more: the decode of n frames ends a little
+    # short of n frames' samples, so a window's first frame is the one before
+    assert warmed.behind_lengths == (warmed.lookback + 1 + 8,)
     generator = torch.Generator().manual_seed(5)
-    codes = [torch.randint(0, 32, (runner.talker.groups, 40), generator=generator) for _ in range(5)]
+    codes = [torch.randint(0, 32, (runner.talker.groups, 40), generator=generator) for _ in range(11)]
     chunks = list(itertools.islice(chunk_schedule(1, 8), 6))
     assert chunks == [1, 2, 4, 8, 8, 8]
-    expected, found = decoded_together(plain, codes, chunks), decoded_together(warmed, codes, chunks)
-    assert warmed.unplanned == 0 and not {shape for shape in plain.planned if shape[0] == 5} <= set(shapes)
-    for wanted, got in zip(expected, found, strict=True):
-        assert wanted.shape == got.shape and float((wanted - got).abs().max()) < 1e-5
+    for streams, sizes in ((5, [*chunks, 5]), (11, chunks)):
+        expected = decoded_together(plain, codes[:streams], sizes)
+        found = decoded_together(warmed, codes[:streams], sizes)
+        assert warmed.unplanned == 0, (streams, sizes)
+        for wanted, got in zip(expected, found, strict=True):
+            assert wanted.shape == got.shape and float((wanted - got).abs().max()) < 1e-5
+    assert {(5, warmed.lookback + 1 + 5), (11, warmed.lookback + 1 + 8)} <= plain.planned  # what padding spared
     decoded_together(warmed, codes[:1], [5])
     assert warmed.unplanned == 1
+
+
+def test_warm_runs_a_stream_until_its_windows_settle(runner):
+    """Chunks of one frame take more chunks than the lookback's frames to reach a full chunk's window
+    behind the lookback; the warm-up runs until they do, whatever the chunk size."""
+    from triton_omni.speech.codec import StreamingCode2Wav
+
+    decoder = StreamingCode2Wav(runner.decoder.model)
+    decoder.warm(2, 1, 1)
+    assert decoder.lookback >= 6 and decoder.behind_lengths == (decoder.lookback + 1 + 1,)
 
 
 @contextlib.contextmanager

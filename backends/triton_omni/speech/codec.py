@@ -47,8 +47,8 @@ _PROBE_FRAMES = 48
 # every layer of the decoder): unbounded batch sizes would make new shapes for as long as the
 # server runs, each a stall in every stream waiting for that batch. Past the last, multiples of it.
 CONV_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# a warmed stream's chunks: enough for its windows to settle to the length of a full chunk's
-_WARM_CHUNKS = 8
+# the most chunks a warmed stream runs before its windows settle to a full chunk's length
+_WARM_CHUNKS_MAX = 4096
 
 
 def chunk_schedule(first: int, full: int):
@@ -72,6 +72,8 @@ class StreamingCode2Wav:
         self.model = code2wav
         self.samples_per_frame = int(code2wav.total_upsample)
         self.padded = False  # convolution batches padded to ``conv_rows`` (``warm``)
+        self.max_rows = 0  # once padded: the most windows one convolution batch takes
+        self.behind_lengths: tuple[int, ...] = ()  # once padded: the lengths windows behind earlier frames take
         self.planned: set[tuple[int, int]] = set()  # the convolution shapes (rows, frames) run so far
         self.unplanned = 0  # shapes first met while serving, after ``warm``
         self.lookback = self._measure_lookback()
@@ -166,38 +168,58 @@ class StreamingCode2Wav:
         for index, window in enumerate(windows):
             groups[None if window.behind else window.frames].append(index)
         chunks: list[torch.Tensor] = [torch.empty(0)] * len(windows)
-        for members in groups.values():
-            length = max(windows[i].frames for i in members)
-            batch = torch.cat([torch.nn.functional.pad(windows[i].states, (0, 0, length - windows[i].frames, 0))
-                               for i in members])
-            if self.padded:  # zero rows after the windows', unread
-                batch = torch.nn.functional.pad(batch, (0, 0, 0, 0, 0, conv_rows(len(members)) - len(members)))
-            samples = self.convolve(batch)
-            for row, i in enumerate(members):
-                chunks[i] = samples[row, (length - windows[i].frames) * self.samples_per_frame + windows[i].start:]
+        for key, group in groups.items():
+            for members in self._batches(group):
+                length = max(windows[i].frames for i in members)
+                if key is None and self.padded:  # behind earlier frames: padded to a length warmed
+                    length = next((n for n in self.behind_lengths if n >= length), length)
+                for i, chunk in zip(members, self._convolve_batch([windows[i] for i in members], length), strict=True):
+                    chunks[i] = chunk
         return chunks
+
+    def _batches(self, members: list[int]) -> list[list[int]]:
+        """``members`` in batches of at most ``max_rows`` once padded (streams whose talker has
+        finished still decode their last chunk as new ones start: more than ``max_streams``)."""
+        step = self.max_rows if self.padded and self.max_rows else len(members)
+        return [members[i:i + step] for i in range(0, len(members), step)]
+
+    def _convolve_batch(self, windows: list[Window], length: int) -> list[torch.Tensor]:
+        """One convolution batch: ``windows`` padded on the left to ``length`` frames (and with zero
+        rows after them, unread, once padded); each one's samples from its ``start`` on."""
+        batch = torch.cat([torch.nn.functional.pad(window.states, (0, 0, length - window.frames, 0))
+                           for window in windows])
+        if self.padded:
+            batch = torch.nn.functional.pad(batch, (0, 0, 0, 0, 0, conv_rows(len(windows)) - len(windows)))
+        samples = self.convolve(batch)
+        return [samples[row, (length - window.frames) * self.samples_per_frame + window.start:]
+                for row, window in enumerate(windows)]
 
     @torch.inference_mode()
     def warm(self, max_streams: int, first_chunk: int, full_chunk: int) -> list[tuple[int, int]]:
         """Run every convolution shape a stage of ``max_streams`` streams meets with this chunk
-        schedule once, and pad batches to ``CONV_ROWS`` from now on: each window length a stream's
-        chunks make (its first windows, then a full chunk behind its lookback) at each padded batch
-        size. A batch of windows behind earlier frames is padded to its longest, a full chunk's
-        once the streams are past their first. The shapes run, (rows, frames)."""
-        size = self.model.config.codebook_size
-        codes = torch.randint(0, size, (self.model.config.num_quantizers, full_chunk * _WARM_CHUNKS),
-                              generator=torch.Generator().manual_seed(0))
-        stream, lengths, start = self.stream(), set(), 0
-        for chunk in itertools.islice(chunk_schedule(first_chunk, full_chunk), _WARM_CHUNKS):
-            window = stream.window(codes[:, start:start + chunk])
-            lengths.add(window.frames)
+        schedule once, and pad batches from now on: each window length a stream's chunks make (its
+        first windows, then a full chunk behind its lookback) at each batch size of ``CONV_ROWS`` up
+        to ``max_streams``'s. From then on a batch of windows behind earlier frames is padded to the
+        next length warmed (an utterance's last, shorter chunk to a full one's), and a larger batch
+        than ``max_streams`` is cut into batches of that many. The shapes run, (rows, frames)."""
+        generator = torch.Generator().manual_seed(0)
+        groups, size = self.model.config.num_quantizers, self.model.config.codebook_size
+        stream, first, behind = self.stream(), set(), set()
+        last = None
+        for chunk in itertools.islice(chunk_schedule(first_chunk, full_chunk), _WARM_CHUNKS_MAX):
+            window = stream.window(torch.randint(0, size, (groups, chunk), generator=generator))
+            (behind if window.behind else first).add(window.frames)
             [samples] = self.convolve_windows([window])
             stream.settle(samples)
-            start += chunk
+            if (window.frames, window.behind) == last and chunk == full_chunk:
+                break  # settled: every later full chunk's window is this one's
+            last = window.frames, window.behind
         width = self.model.config.hidden_size
-        shapes = sorted({(conv_rows(n), frames) for n in range(1, max_streams + 1) for frames in lengths})
+        self.max_rows = conv_rows(max_streams)
+        shapes = sorted({(conv_rows(n), frames) for n in range(1, max_streams + 1) for frames in first | behind})
         for rows, frames in shapes:
             self.convolve(torch.zeros(rows, frames, width, device=self.model.device, dtype=self.model.dtype))
+        self.behind_lengths = tuple(sorted(behind))
         self.padded = True
         return shapes
 
@@ -313,12 +335,14 @@ class Code2WavBatcher:
         self._thread.join(timeout_s)
 
     def _run(self, warm: tuple[int, int, int] | None) -> None:
-        with self._own_stream():
-            try:
+        try:
+            own_stream = self._own_stream()
+            with own_stream:
                 self._warmed.set_result(self.decoder.warm(*warm) if warm else [])
-            except Exception as exc:  # the load fails with it
-                self._warmed.set_exception(exc)
-                return
+        except Exception as exc:  # the load fails with it
+            self._warmed.set_exception(exc)
+            return
+        with own_stream:
             self._serve()
 
     def _own_stream(self):

@@ -133,7 +133,12 @@ class SpeechRunner:
         # on a GPU, every convolution shape the default chunks meet planned now, not mid-stream
         warm = (config.max_num_seqs, config.first_chunk_frames, config.chunk_frames) \
             if self.device.type == "cuda" else None
-        self.codec = Code2WavBatcher(self.decoder, warm)
+        try:
+            self.codec = Code2WavBatcher(self.decoder, warm)
+        except BaseException:  # the load fails: nothing of it left running
+            self.batcher.stop()
+            self.loop.stop()
+            raise
         # the talker's prompts are built off the event loop, one at a time
         self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-speech-prompt")
         self._lock = threading.Lock()
