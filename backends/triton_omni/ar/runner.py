@@ -92,9 +92,8 @@ class ArRunnerConfig:
             raise ValueError(f"model parameter quantization must be 'none' or 'fp8', got {self.quantization!r}")
         if self.warmup_requests is not None and self.warmup_requests < 0:
             raise ValueError(f"model parameter warmup_requests must be 0 or more, got {self.warmup_requests}")
-        if not 1 <= self.warmup_prompt_tokens <= self.max_model_len - WARMUP_TOKENS:
-            raise ValueError(f"model parameter warmup_prompt_tokens must be 1 to max_model_len - {WARMUP_TOKENS} "
-                             f"({self.max_model_len - WARMUP_TOKENS}), got {self.warmup_prompt_tokens}")
+        if self.warmup_prompt_tokens < 1:
+            raise ValueError(f"model parameter warmup_prompt_tokens must be 1 or more, got {self.warmup_prompt_tokens}")
 
     def resolved_engine(self) -> str:
         """The configured engine; ``auto``: vLLM when importable, except for an
@@ -165,7 +164,8 @@ class ArRunner:
         # handler to the loop that is running when it is created.
         self.engine: ArEngine | PipelineTextEngine = self.loop.run(self._build_engine())
         self.warmed = 0  # the warm-up requests that ran
-        if (burst := warmup_burst(config, self.engine_name, self.engine.max_num_seqs)) > 0:
+        if config.mode == "generate" and (burst := warmup_burst(config, self.engine_name,
+                                                                 self.engine.max_num_seqs)) > 0:
             self.loop.run(self._warm_up(burst))
         logger.info("AR runner ready: model=%s engine=%s mode=%s%s", self.model_path, self.engine_name, config.mode,
                     f" recipe={self.recipe.name}" if config.mode == "encode" else "")
@@ -176,16 +176,17 @@ class ArRunner:
         full one), each ``warmup_prompt_tokens`` random token ids and a few tokens out; their output is
         thrown away. A failure here fails the load: a model that cannot answer these cannot serve."""
         cfg = self.config
+        tokens = min(cfg.warmup_prompt_tokens, cfg.max_model_len - WARMUP_TOKENS)  # room for its tokens out
         generator = torch.Generator().manual_seed(0)
         vocab = len(self.tokenizer)
         options = SamplingOptions(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.0)
         started = time.monotonic()
         for burst in dict.fromkeys((1, requests)):  # in order, once each
-            prompts = torch.randint(vocab, (burst, cfg.warmup_prompt_tokens), generator=generator).tolist()
+            prompts = torch.randint(vocab, (burst, tokens), generator=generator).tolist()
             await asyncio.gather(*(self.engine.stream(ids, options, f"warmup-{burst}-{i}", None, lambda delta: None)
                                    for i, ids in enumerate(prompts)))
             self.warmed += burst
-        logger.info("warm-up: %d requests of %d prompt tokens in %.1f s", self.warmed, cfg.warmup_prompt_tokens,
+        logger.info("warm-up: %d requests of %d prompt tokens in %.1f s", self.warmed, tokens,
                     time.monotonic() - started)
 
     def _check_quantization(self) -> None:
