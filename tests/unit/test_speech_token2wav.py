@@ -1,0 +1,76 @@
+"""Qwen2.5-Omni's ``token2wav`` streamed (``StreamingToken2Wav``) against the model's own decode of
+the whole code sequence, on the tiny demo: the same samples whatever the codes' arrival, the
+first of them out before the last code; and a test that can fail: the demo's DiT made to mix its
+frames (its attention and gates scaled, as ``benchmarks/records/research/qwen25_token2wav_chunks.py``
+measures), where a stream with no context either side of its blocks is far from the whole decode
+and one with the default context is not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen2_5OmniForConditionalGeneration
+from triton_omni.demo_models import resolve_model
+from triton_omni.speech.token2wav import StreamingToken2Wav
+
+CODES = 70
+ARRIVALS = [1, 5, 13, 7, 20, 11, 13]  # codes a batch, as a talker's steps hand them on; 70 in all
+SCALED = ("to_q", "to_k", "to_v", "to_out", "attn_norm.linear")
+STEPS = 4  # ODE time points (generate's default is 10; as the demo's own test, fewer on a CPU)
+TOLERANCE = 1e-5  # of full scale; the demo's samples peak near 0.18
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(resolve_model("demo:tiny-qwen2.5-omni")).eval()
+
+
+@pytest.fixture(scope="module")
+def codes():
+    return torch.randint(0, 60, (1, CODES), generator=torch.Generator().manual_seed(1))
+
+
+def whole(token2wav, speaker, codes, seed: int = 7) -> torch.Tensor:
+    """The model's own decode, its noise from the global generator seeded as a user seeds ``generate``."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return token2wav(codes, conditioning=speaker["cond"].float(), reference_mel=speaker["ref_mel"].float(),
+                         num_steps=STEPS).flatten()
+
+
+def streamed(decoder, speaker, codes, seed: int = 7) -> list[torch.Tensor]:
+    stream = decoder.stream(speaker["cond"].float(), speaker["ref_mel"].float(), torch.Generator().manual_seed(seed))
+    ids, parts, start = codes[0].tolist(), [], 0
+    for count in ARRIVALS:
+        parts.append(stream.add(ids[start:start + count], final=start + count == len(ids)))
+        start += count
+    return parts
+
+
+def test_a_stream_gives_the_whole_decodes_samples_the_first_before_the_last_code(model, codes):
+    speaker = model.speaker_map["Chelsie"]
+    decoder = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
+    expected = whole(model.token2wav, speaker, codes)
+    parts = streamed(decoder, speaker, codes)
+    got = torch.cat(parts)
+    assert got.shape == expected.shape
+    assert float((got - expected).abs().max()) < TOLERANCE
+    assert len(parts[-2]) > 0 and sum(map(len, parts[:-1])) > len(expected) // 4  # audio before the last code
+    other = whole(model.token2wav, speaker, codes, seed=8)  # other noise: far past the tolerance
+    assert float((other - expected).abs().max()) > 1000 * TOLERANCE
+
+
+def test_the_context_either_side_of_a_block_is_what_makes_it_the_whole_decodes(model, codes):
+    mixing = copy.deepcopy(model.token2wav)
+    with torch.no_grad():
+        for name, weight in mixing.code2wav_dit_model.named_parameters():
+            if weight.dim() == 2 and any(part in name for part in SCALED):
+                weight.mul_(10.0)
+    speaker = model.speaker_map["Ethan"]
+    expected = whole(mixing, speaker, codes)
+    apart = {blocks: float((torch.cat(streamed(StreamingToken2Wav(mixing, blocks, num_steps=STEPS), speaker, codes))
+                            - expected).abs().max()) for blocks in (0, 2)}
+    # measured: 2.7e-7 with two blocks either side, 1.5e-4 with none (at 10 steps)
+    assert apart[2] < TOLERANCE and apart[0] > 10 * TOLERANCE, apart
