@@ -1,0 +1,103 @@
+"""Qwen2.5-Omni's talker prompt: the thinker's states as the model's own ``generate`` hands them on.
+
+Unlike Qwen3-Omni's talker, which reads the thinker's token embeddings, Qwen2.5-Omni's reads at every
+position the thinker's layer-0 input (the token's embedding, or zeros at audio, image and video
+tokens) plus its last layer's state, summed in the thinker's dtype: of the prompt, then of each reply
+token but the last (no pass ever runs on it). The ``ar`` stage's thinker hands those sums on
+(``ThinkerStates``); this stage holds the thinker's embedding table for the rest (a voice's marker,
+the end-of-text and pad markers), never the thinker. As ``generate`` (transformers 5.19) builds it
+for one conversation (held to it, codes and waveform, by
+``benchmarks/records/research/qwen25_speech_recipe.py``):
+
+- the prefill: the prompt's states, the voice's ``bos_token`` embedding, the first reply token's
+  state, through ``thinker_to_talker_proj``. Not the codec pad and bos embeddings the talker's own
+  forward adds at those last two positions: ``generate`` passes the talker no attention mask, and the
+  forward adds them only with one, so the model's speech never has them;
+- then a step each: the last code's embedding plus the next of the reply tokens' states, then the
+  end-of-text marker's embedding, then the pad marker's for every step after, projected together;
+- its repetition penalty reads the prefill's codec ids (a mask id a prompt token, then pad, bos)
+  beside the codes drawn; the codec bos is never drawn; the codec pad or eos ends the speech and is
+  not spoken.
+
+Not served yet: the speech stage speaks Qwen3-Omni; this is the prompt its Qwen2.5-Omni path reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from triton_omni.errors import RequestValidationError
+
+
+@dataclass
+class Qwen25Prompt:
+    """One reply's talker input: the prefill (projected) and the states its steps add to their codes."""
+
+    embeds: torch.Tensor  # [prompt + 2, talker width], projected
+    trailing: list[torch.Tensor]  # [thinker width] each: reply tokens 1 .. n-2, then the end-of-text marker
+    pad: torch.Tensor  # [thinker width]: what every step after reads
+    prompt_codes: list[int]  # the prefill's codec ids, which the repetition penalty reads
+
+    def step_state(self, step: int) -> torch.Tensor:
+        """What the talker's step ``step`` (from 0, after the prefill) adds to its last code's embedding."""
+        return self.trailing[step] if step < len(self.trailing) else self.pad
+
+
+class Qwen25Talker:
+    """The talker of a Qwen2.5-Omni checkpoint, with the thinker's embedding table and its voices."""
+
+    def __init__(self, talker: torch.nn.Module, thinker_embedding: torch.nn.Embedding, speakers: dict, config):
+        """``speakers``: the checkpoint's ``spk_dict.pt`` (a voice's name to its ``bos_token``, ``cond``
+        and ``ref_mel``); ``config``: the whole model's."""
+        self.talker = talker
+        self.embedding = thinker_embedding
+        self.speakers = {name.lower(): params for name, params in speakers.items()}
+        codec = config.talker_config
+        self.codec_pad, self.codec_bos = codec.tts_codec_pad_token_id, codec.tts_codec_start_token_id
+        self.codec_mask = codec.tts_codec_mask_token_id
+        self.stop_ids = [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id]
+        self.suppressed = [codec.tts_codec_start_token_id]
+        self.text_eos, self.text_pad = codec.tts_text_end_token_id, codec.tts_text_pad_token_id
+        self.width = config.thinker_config.text_config.hidden_size
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.speakers)
+
+    def _embed(self, token_id: int) -> torch.Tensor:
+        return self.embedding(torch.tensor([token_id], device=self.embedding.weight.device))[0]
+
+    def check(self, prompt_ids: list[int], reply_ids: list[int], states: torch.Tensor, voice: str) -> None:
+        """``states`` hold one of the thinker's width for each prompt token and each reply token but
+        the last, and ``voice`` is one of the checkpoint's; each refusal names its field."""
+        if voice not in self.speakers:
+            raise RequestValidationError("voice", f"unknown voice; this model speaks {self.voices}", voice)
+        if not reply_ids:
+            raise RequestValidationError("reply_ids", "holds no token: the talker starts from the reply's first", [])
+        expected = [len(prompt_ids) + len(reply_ids) - 1, self.width]
+        if list(states.shape) != expected:
+            raise RequestValidationError("thinker_states", f"must be {expected}: one state of the thinker's width "
+                                         "for each prompt token and each reply token but the last",
+                                         list(states.shape))
+
+    @torch.inference_mode()
+    def prompt(self, prompt_ids: list[int], reply_ids: list[int], states: torch.Tensor, voice: str) -> Qwen25Prompt:
+        """The talker's input for a whole reply (``check``'s arguments): ``states`` the thinker's
+        layer-0 input plus last layer at each position, in the thinker's dtype."""
+        self.check(prompt_ids, reply_ids, states, voice)
+        count = len(prompt_ids)
+        states = states.to(self.embedding.weight.device)
+        opening = torch.cat([states[:count], self._embed(self.speakers[voice]["bos_token"])[None],
+                             states[count:count + 1]])
+        trailing = [*states[count + 1:].unbind(0), self._embed(self.text_eos)]
+        return Qwen25Prompt(embeds=self.talker.thinker_to_talker_proj(opening), trailing=trailing,
+                            pad=self._embed(self.text_pad),
+                            prompt_codes=[self.codec_mask] * count + [self.codec_pad, self.codec_bos])
+
+    @torch.inference_mode()
+    def step_inputs(self, codes: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """A step's talker inputs: ``codes`` [rows] (each row's last code) and ``states`` [rows, thinker
+        width] (each row's ``step_state``) to [rows, 1, talker width]."""
+        return self.talker.thinker_to_talker_proj(self.talker.model.embed_tokens(codes) + states)[:, None]

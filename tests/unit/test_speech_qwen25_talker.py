@@ -1,0 +1,129 @@
+"""Qwen2.5-Omni's talker prompt (``Qwen25Talker``) from the thinker's states, held to the model's own
+``generate(return_audio=True)`` on the tiny demo: the prefill and the states its steps read equal
+what ``generate`` hands its talker; a greedy talker over them draws ``generate``'s codes, and
+``StreamingToken2Wav`` turns those into ``generate``'s waveform; another voice draws other codes; a
+bad voice or states are refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniForConditionalGeneration
+from triton_omni.demo_models import resolve_model
+from triton_omni.errors import RequestValidationError
+from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
+from triton_omni.speech.qwen25_talker import Qwen25Talker
+from triton_omni.speech.token2wav import StreamingToken2Wav
+
+REPLY_TOKENS, MAX_CODES, STEPS, SEED = 12, 40, 4, 7
+
+
+@pytest.fixture(scope="module")
+def demo():
+    folder = resolve_model("demo:tiny-qwen2.5-omni")
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "a lighthouse at night"}], tokenize=False,
+                                         add_generation_prompt=True)
+    talker = Qwen25Talker(model.talker, model.thinker.get_input_embeddings(), model.speaker_map, model.config)
+    return model, tokenizer(text, return_tensors="pt").input_ids, talker
+
+
+def generated(model, ids, voice: str):
+    """generate's reply ids, what it handed its talker, its codes and its waveform (greedy)."""
+    seen = {}
+    talker_generate, token2wav = model.talker.generate, model.token2wav.forward
+
+    def keep_talker(*args, **kwargs):
+        seen.update(kwargs)
+        return talker_generate(*args, **kwargs)
+
+    def keep_codes(code, *args, **kwargs):
+        seen["codes"] = code[0].tolist()
+        return token2wav(code, *args, **kwargs)
+
+    model.talker.generate, model.token2wav.forward = keep_talker, keep_codes
+    try:
+        torch.manual_seed(SEED)
+        with torch.no_grad():
+            sequences, wav = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_do_sample=False,
+                thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False, talker_max_new_tokens=MAX_CODES,
+                talker_eos_token_id=[CODEC_PAD, CODEC_EOS], token2wav_num_steps=STEPS)
+    finally:
+        del model.talker.generate, model.token2wav.forward
+    return sequences[0, ids.shape[1]:].tolist(), seen, wav.flatten()
+
+
+def thinker_states(model, ids, reply):
+    """What the ar stage's thinker hands on: layer 0's input plus the last layer's state at the prompt
+    and every reply token but the last (here from one pass over them)."""
+    tokens = torch.tensor([ids[0].tolist() + reply[:-1]])
+    with torch.no_grad():
+        states = model.thinker(input_ids=tokens, output_hidden_states=True).hidden_states
+    return states[0][0] + states[-1][0]
+
+
+@torch.no_grad()
+def greedy_codes(talker: Qwen25Talker, prompt, max_codes: int) -> list[int]:
+    """One utterance through the talker a step at a time, greedy, as generate draws."""
+    model, cache = talker.talker, DynamicCache()
+    positions = torch.arange(len(prompt.embeds))[None, None].expand(3, 1, -1)
+    hidden = model.model(inputs_embeds=prompt.embeds[None], position_ids=positions, past_key_values=cache,
+                         use_cache=True).last_hidden_state
+    drawn: list[int] = []
+    for step in range(max_codes):
+        logits = model.codec_head(hidden[:, -1]).float()[0]
+        seen = torch.tensor(sorted(set(prompt.prompt_codes + drawn)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.05, logits[seen] * 1.05)
+        logits[talker.suppressed] = float("-inf")
+        code = int(logits.argmax())
+        if code in talker.stop_ids:
+            break
+        drawn.append(code)
+        inputs = talker.step_inputs(torch.tensor([code]), prompt.step_state(step)[None])
+        position = torch.full((3, 1, 1), len(prompt.embeds) + step)
+        hidden = model.model(inputs_embeds=inputs, position_ids=position, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+    return drawn
+
+
+def test_the_prompt_codes_and_waveform_are_generates(demo):
+    model, ids, talker = demo
+    reply, seen, wav = generated(model, ids, "Chelsie")
+    prompt = talker.prompt(ids[0].tolist(), reply, thinker_states(model, ids, reply), "chelsie")
+    with torch.no_grad():
+        expected = model.talker.thinker_to_talker_proj(seen["inputs_embeds"][0])
+    assert prompt.embeds.shape == expected.shape and float((prompt.embeds - expected).abs().max()) < 1e-5
+    reply_part = seen["thinker_reply_part"][0]  # generate's: the trailing states, then the pad marker's
+    assert float((torch.stack([*prompt.trailing, prompt.pad]) - reply_part).abs().max()) < 1e-5
+    codes = greedy_codes(talker, prompt, MAX_CODES)
+    assert codes == seen["codes"] and len(codes) > 12
+    speaker = talker.speakers["chelsie"]
+    stream = StreamingToken2Wav(model.token2wav, num_steps=STEPS).stream(
+        speaker["cond"].float(), speaker["ref_mel"].float(), torch.Generator().manual_seed(SEED))
+    samples = torch.cat([stream.add(codes[:20]), stream.add(codes[20:], final=True)])
+    assert samples.shape == wav.shape and float((samples - wav).abs().max()) < 1e-5
+
+
+def test_another_voice_draws_other_codes(demo):
+    model, ids, talker = demo
+    reply, seen, _ = generated(model, ids, "Chelsie")
+    states = thinker_states(model, ids, reply)
+    codes = {voice: greedy_codes(talker, talker.prompt(ids[0].tolist(), reply, states, voice), MAX_CODES)
+             for voice in ("chelsie", "ethan")}
+    assert codes["chelsie"] == seen["codes"] and codes["ethan"] != codes["chelsie"]
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"voice": "nobody"}, "voice"),
+    ({"reply_ids": []}, "reply_ids"),
+    ({"states": torch.zeros(3, 8)}, "thinker_states"),
+])
+def test_bad_input_is_refused_naming_its_field(demo, change, field):
+    _, ids, talker = demo
+    arguments = {"prompt_ids": ids[0].tolist(), "reply_ids": [5, 6], "voice": "chelsie",
+                 "states": torch.zeros(ids.shape[1] + 1, talker.width)} | change
+    with pytest.raises(RequestValidationError) as error:
+        talker.prompt(**arguments)
+    assert error.value.parameter == field
