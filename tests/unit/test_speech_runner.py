@@ -140,6 +140,9 @@ def test_the_first_chunk_says_where_its_wait_went(runner):
     assert list(phases) == list(FIRST_AUDIO_PHASES) and all(value >= 0 for value in phases.values()), phases
     assert 0 < sum(phases.values()) <= first_wait and len(chunks) > 1
     assert all(chunk.phases is None for chunk in chunks[1:])
+    # the talker marked when the utterance joined its batch: without that mark the first frame's
+    # wait would read as the time between two clock reads, and the join phase as all of it
+    assert phases["first_frame"] > 1e-4 and phases["join"] > 0, phases
 
 
 @pytest.mark.parametrize("frames", [1, 5])
