@@ -127,3 +127,41 @@ def test_bad_input_is_refused_naming_its_field(demo, change, field):
     with pytest.raises(RequestValidationError) as error:
         talker.prompt(**arguments)
     assert error.value.parameter == field
+
+
+def test_utterances_stepped_together_speak_as_each_alone(demo):
+    """The talker's continuous batching (``TalkerBatcher``, eager) with Qwen2.5-Omni's talker: two
+    voices' utterances arriving together, and a third joining mid-speech, each draw the codes the
+    talker alone draws for them (greedy), spoken a code a frame as they are drawn."""
+    import queue
+
+    from triton_omni.ar.sampling import SamplingOptions
+    from triton_omni.speech.talker import TalkerBatcher, Utterance
+
+    model, ids, talker = demo
+    reply, _, _ = generated(model, ids, "Chelsie")
+    states = thinker_states(model, ids, reply)
+    prompts = {voice: talker.prompt(ids[0].tolist(), reply, states, voice) for voice in ("chelsie", "ethan")}
+    alone = {voice: greedy_codes(talker, prompt, MAX_CODES) for voice, prompt in prompts.items()}
+    batcher = TalkerBatcher(talker, 4, cuda_graphs=False)
+    spoken: dict[str, queue.SimpleQueue] = {}
+    try:
+        def utterance(name: str, voice: str) -> Utterance:
+            spoken[name] = queue.SimpleQueue()
+            return Utterance(prompts[voice], SamplingOptions(temperature=0.0, repetition_penalty=1.05,
+                                                             max_tokens=MAX_CODES),
+                             spoken[name].put, prompt_ids=prompts[voice].prompt_codes)
+
+        batcher.submit(utterance("first", "chelsie"))
+        batcher.submit(utterance("second", "ethan"))
+        frames = {"first": [spoken["first"].get(timeout=60)], "second": [], "third": []}
+        batcher.submit(utterance("third", "ethan"))  # the first is speaking: the third joins mid-speech
+        for name, frames_of in spoken.items():
+            while (item := frames_of.get(timeout=60)) is not None:
+                assert not isinstance(item, BaseException), item
+                frames[name].append(item)
+    finally:
+        batcher.stop()
+    assert [code for [code] in frames["first"]] == alone["chelsie"]
+    assert [code for [code] in frames["second"]] == alone["ethan"]
+    assert [code for [code] in frames["third"]] == alone["ethan"]

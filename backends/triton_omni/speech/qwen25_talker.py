@@ -39,6 +39,10 @@ class Qwen25Prompt:
     trailing: list[torch.Tensor]  # [thinker width] each: reply tokens 1 .. n-2, then the end-of-text marker
     pad: torch.Tensor  # [thinker width]: what every step after reads
     prompt_codes: list[int]  # the prefill's codec ids, which the repetition penalty reads
+    whole: bool = True  # the whole reply is in (``TalkerBatcher`` reads it as it reads ``TalkerPrompt``'s)
+
+    def ready(self, step: int) -> bool:
+        return True
 
     def step_state(self, step: int) -> torch.Tensor:
         """What the talker's step ``step`` (from 0, after the prefill) adds to its last code's embedding."""
@@ -58,7 +62,9 @@ class Qwen25Talker:
         self.codec_pad, self.codec_bos = codec.tts_codec_pad_token_id, codec.tts_codec_start_token_id
         self.codec_mask = codec.tts_codec_mask_token_id
         self.stop_ids = [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id]
-        self.suppressed = [codec.tts_codec_start_token_id]
+        self.device = next(talker.parameters()).device
+        self.suppressed = torch.tensor([codec.tts_codec_start_token_id], device=self.device)
+        self.groups = 1  # a code a frame: no code predictor (``TalkerBatcher`` reads it)
         self.text_eos, self.text_pad = codec.tts_text_end_token_id, codec.tts_text_pad_token_id
         self.width = config.thinker_config.text_config.hidden_size
 

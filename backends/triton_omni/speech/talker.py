@@ -94,6 +94,7 @@ class Qwen3Talker:
         codec = config.talker_config
         self.voices: dict[str, int] = {name.lower(): int(code) for name, code in codec.speaker_id.items()}
         self.eos = codec.codec_eos_token_id
+        self.stop_ids = [self.eos]  # the end of speech (``TalkerBatcher`` reads it)
         vocab = codec.text_config.vocab_size
         self.device = next(talker.parameters()).device
         # generate's suppress_tokens: the 1024 special codes at the top of the vocabulary, but the end of
@@ -286,9 +287,12 @@ class TalkerBatcher(ContinuousBatch):
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
-        self._pad = talker.pad
+        # a talker whose code is the whole frame (Qwen2.5-Omni's, ``Qwen25Talker``): no code predictor, each
+        # code spoken as it is drawn, its steps eager (the captured passes are Qwen3-Omni's)
+        self.whole_codes = talker.groups == 1
+        self._pad = None if self.whole_codes else talker.pad
         self.graphs = None
-        graphs = cuda_graphs and self.device.type == "cuda"
+        graphs = cuda_graphs and self.device.type == "cuda" and not self.whole_codes
         if graphs:
             from triton_omni.speech.predictor_graphs import PredictorGraphs
 
@@ -301,7 +305,7 @@ class TalkerBatcher(ContinuousBatch):
         if graphs and not capture:
             logger.info("the talker's step runs eagerly: in %s its MoE cannot be captured", self.model.dtype)
         self.talker_steps = None
-        if slot_cache if slot_cache is not None else capture:
+        if not self.whole_codes and (slot_cache if slot_cache is not None else capture):
             from triton_omni.speech.talker_graphs import TalkerSteps
 
             self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
@@ -314,7 +318,7 @@ class TalkerBatcher(ContinuousBatch):
         self._start()
 
     def submit(self, utterance: Utterance) -> None:
-        utterance.stop_ids = [self.talker.eos]
+        utterance.stop_ids = list(self.talker.stop_ids)
         super().submit(utterance)
 
     def _reset(self) -> None:
@@ -372,10 +376,14 @@ class TalkerBatcher(ContinuousBatch):
         logits[:, self.talker.suppressed] = float("-inf")
         for utterance, code in zip(rows, sample(logits, rows, self.generator), strict=True):
             utterance.output_ids.append(code)
-            if code == self.talker.eos:
+            if code in utterance.stop_ids:
                 utterance.finish("stop")
-            elif len(utterance.output_ids) >= utterance.options.max_tokens:
-                utterance.finish("length")  # generate drops the last code drawn: its frame is never predicted
+                continue
+            if self.whole_codes:  # the code is its frame
+                utterance.emit([code])
+            if len(utterance.output_ids) >= utterance.options.max_tokens:
+                # Qwen3-Omni's generate drops the last code drawn: its frame is never predicted
+                utterance.finish("length")
 
     def _step(self) -> None:
         rows = self.rows
@@ -394,15 +402,7 @@ class TalkerBatcher(ContinuousBatch):
             self.waits += len(rows) - len(moving)
             rows = [u for u, r in zip(rows, ready, strict=True) if r]
             steps = [s for s, r in zip(steps, ready, strict=True) if r]
-        first = to_device([[u.output_ids[-1]] for u in rows], torch.long, self.device)
-        first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
-        hidden = self._hidden if moving is None else self._hidden.index_select(0, moving)
-        residual, residual_embeds = self._predict_residuals(hidden, first_embeds, rows)
-        for utterance, codes in zip(rows, residual.tolist(), strict=True):
-            utterance.emit([utterance.output_ids[-1], *codes])
-        trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
-                    for u, s in zip(rows, steps, strict=True)]
-        inputs = first_embeds + residual_embeds + torch.stack(trailing)[:, None]
+        inputs = self._whole_code_inputs(rows, steps) if self.whole_codes else self._frame_inputs(rows, steps, moving)
         if moving is None:
             self._hidden, logits = self._talker_forward(inputs, rows, steps)
         else:  # the waiting rows' passes are made and thrown away: their caches do not keep them
@@ -413,6 +413,26 @@ class TalkerBatcher(ContinuousBatch):
             logits = logits.index_select(0, moving)
         self.steps += 1
         self._accept(rows, logits)
+
+    def _frame_inputs(self, rows: list[Utterance], steps: list[int], moving: torch.Tensor | None) -> torch.Tensor:
+        """Qwen3-Omni's step: each row's frame finished by the code predictor and spoken, then the
+        talker's inputs, its codes' embeddings and its reply's next state [rows, 1, width]."""
+        first = to_device([[u.output_ids[-1]] for u in rows], torch.long, self.device)
+        first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
+        hidden = self._hidden if moving is None else self._hidden.index_select(0, moving)
+        residual, residual_embeds = self._predict_residuals(hidden, first_embeds, rows)
+        for utterance, codes in zip(rows, residual.tolist(), strict=True):
+            utterance.emit([utterance.output_ids[-1], *codes])
+        trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
+                    for u, s in zip(rows, steps, strict=True)]
+        return first_embeds + residual_embeds + torch.stack(trailing)[:, None]
+
+    def _whole_code_inputs(self, rows: list[Utterance], steps: list[int]) -> torch.Tensor:
+        """Qwen2.5-Omni's step (its codes spoken as drawn): the talker's inputs from each row's last
+        code and its reply's next state (``Qwen25Talker.step_inputs``)."""
+        codes = to_device([u.output_ids[-1] for u in rows], torch.long, self.device)
+        states = torch.stack([u.prompt.step_state(step) for u, step in zip(rows, steps, strict=True)])
+        return self.talker.step_inputs(codes, states)
 
     def wake(self) -> None:
         """A waiting row's reply has grown (``TalkerPrompt.extend``): step again."""
