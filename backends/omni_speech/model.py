@@ -49,7 +49,7 @@ class TritonPythonModel:
             try:
                 _, key, _ = split_parameters(request)
                 parsed = self.runner.parse(read_inputs(request, SPEECH_INPUTS))
-                reply = _open_reply(reply_name(request))
+                reply = _open_reply(reply_name(request), self.runner.states_width)
             except Exception as exc:
                 self.responses.fail(sender, exc, self.context, self.metrics, started)
                 continue
@@ -81,11 +81,12 @@ class TritonPythonModel:
         release_families()
 
 
-def _open_reply(name: str | None) -> ReplyReader | None:
-    """The rest of a reply the ``omni`` scheduler is still writing (its ``omni_reply``), if any."""
+def _open_reply(name: str | None, states_width: int | None) -> ReplyReader | None:
+    """The rest of a reply the ``omni`` scheduler is still writing (its ``omni_reply``), if any, and
+    the thinker's states beside it where the talker reads them (``states_width``)."""
     if name is None:
         return None
     try:
-        return ReplyReader(name)
+        return ReplyReader(name, states_width=states_width)
     except FileNotFoundError:
         raise RequestValidationError("omni_reply", "names no reply being written on this server", name) from None

@@ -17,7 +17,10 @@ one server shares:
   to ``<run dir>/<id>.reply`` as they come (a line of ids at a time, then
   ``end``, or ``abort``), so that ``speech`` starts speaking at the reply's
   first token; Triton streams a decoupled model's responses, never a
-  request's inputs.
+  request's inputs. Where the talker reads the thinker's states (Qwen2.5-Omni's),
+  they go to ``<run dir>/<id>.states`` as float32 rows, each batch written
+  before the line of ids it came with, so a reader that has read ``end``
+  finds every row there.
 
 * a stage's error in the middle of a stream: Triton 2.51's BLS loses an
   error response that is not its stream's first, final flag and all
@@ -44,6 +47,8 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -186,15 +191,25 @@ class ProgressListener:
         self.path.unlink(missing_ok=True)
 
 
-class ReplyWriter:
-    """Scheduler side: a reply's token ids, a line at a time as the thinker writes them."""
+def _create(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
 
-    def __init__(self, directory: Path | None = None):
+
+class ReplyWriter:
+    """Scheduler side: a reply's token ids, a line at a time as the thinker writes them (and, with
+    ``states``, the thinker's states beside them)."""
+
+    def __init__(self, directory: Path | None = None, states: bool = False):
         self.name = new_id()
         self.path = (directory or run_dir()) / f"{self.name}.reply"
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        self.states_path = self.path.with_suffix(".states")
+        self._states_fd: int | None = _create(self.states_path) if states else None
+        self._fd: int | None = _create(self.path)
 
-    def add(self, token_ids: list[int]) -> None:
+    def add(self, token_ids: list[int], states: np.ndarray | None = None) -> None:
+        """``states``: float32 rows of the thinker's width, written ahead of the ids they came with."""
+        if states is not None and len(states) and self._states_fd is not None:
+            os.write(self._states_fd, np.ascontiguousarray(states, dtype=np.float32).tobytes())
         if token_ids:
             self._write(" ".join(map(str, token_ids)))
 
@@ -204,22 +219,30 @@ class ReplyWriter:
             self._write("end" if complete else "abort")
             os.close(self._fd)
             self._fd = None
+        if self._states_fd is not None:
+            os.close(self._states_fd)
+            self._states_fd = None
 
     def remove(self) -> None:
         self.end(complete=False)
         self.path.unlink(missing_ok=True)
+        self.states_path.unlink(missing_ok=True)
 
     def _write(self, line: str) -> None:
         os.write(self._fd, f"{line}\n".encode())  # one write: O_APPEND keeps lines whole and in order
 
 
 class ReplyReader:
-    """Stage side: what a ``ReplyWriter`` has written so far (its lines read whole)."""
+    """Stage side: what a ``ReplyWriter`` has written so far (its lines read whole; with
+    ``states_width``, its states too, in whole rows)."""
 
-    def __init__(self, name: str, directory: Path | None = None):
+    def __init__(self, name: str, directory: Path | None = None, states_width: int | None = None):
         path = (directory or run_dir()) / f"{name}.reply"
         self._fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: no such reply
+        self._states_fd = os.open(path.with_suffix(".states"), os.O_RDONLY) if states_width else None
+        self._row_bytes = 4 * (states_width or 0)
         self._partial = b""
+        self._partial_states = b""
         self.state: str | None = None  # "end" or "abort" once written
 
     def read(self) -> list[int]:
@@ -234,5 +257,16 @@ class ReplyReader:
                 ids += [int(token) for token in line.split()]
         return ids
 
+    def read_states(self) -> np.ndarray:
+        """The states written since the last call, float32 [rows, width] (whole rows only)."""
+        data = self._partial_states
+        while self._states_fd is not None and (more := os.read(self._states_fd, 1 << 20)):
+            data += more
+        whole = len(data) - len(data) % self._row_bytes if self._row_bytes else 0
+        self._partial_states = data[whole:]
+        return np.frombuffer(data[:whole], dtype=np.float32).reshape(-1, self._row_bytes // 4 or 1)
+
     def close(self) -> None:
         os.close(self._fd)
+        if self._states_fd is not None:
+            os.close(self._states_fd)

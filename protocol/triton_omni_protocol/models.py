@@ -17,7 +17,7 @@ from triton_omni_protocol.tensors import EMBEDS_TYPES, TensorSpec
 # sampling option with the names TensorRT-LLM models use, so that clients
 # written for either drive it unchanged.
 RETURN_FLAGS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
-                "token_ids", "heard_states")
+                "token_ids", "heard_states", "thinker_states")
 AR_GENERATE_INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", optional=False),
     TensorSpec("stream", "TYPE_BOOL"),
@@ -61,6 +61,11 @@ AR_GENERATE_OUTPUTS = [
     # talker reads ([audio tokens, hidden]): what the speech stage needs to speak a reply to audio
     TensorSpec("prompt_token_ids", "TYPE_INT64", dims=(-1,)),
     TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1)),
+    # return_thinker_states (the transformers engine): on each response, the states of the positions the
+    # model read since the one before (the prompt's on the first, with prompt_token_ids; then each
+    # token fed back), each its layer 0's input plus its last layer's output ([positions, hidden]):
+    # what a Qwen2.5-Omni talker reads of its thinker at every prompt and reply token
+    TensorSpec("thinker_states", "TYPE_FP32", dims=(-1, -1)),
 ]
 
 # -- ar_encoder (dynamic batching): a prompt and, optionally, its negative prompt. The negative
@@ -176,6 +181,10 @@ SPEECH_INPUTS = [
                "read them (its audio markers widened; ar's prompt_token_ids), in place of text_input's"),
     TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1), kind="array", doc="the thinker's states at the "
                "prompt's audio tokens, of the layer the talker reads (ar's heard_states)"),
+    # a Qwen2.5-Omni talker's input: what ar's return_thinker_states gives
+    TensorSpec("thinker_states", "TYPE_FP32", dims=(-1, -1), kind="array", doc="the thinker's states (layer 0's "
+               "input plus the last layer's) at each token of prompt_ids and each of reply_ids but the last "
+               "(ar's thinker_states, its responses' one after another): what a Qwen2.5-Omni talker reads"),
 ]
 SPEECH_OUTPUTS = [
     TensorSpec("audio", "TYPE_FP32", dims=(-1,)),  # the next samples of the waveform, in [-1, 1]
@@ -189,7 +198,8 @@ TALKER_PREFIX = "talker_"
 UNPREFIXED = ("voice", "chunk_frames", "first_chunk_frames")  # the speech stage's own, not the talker's sampling
 SPEECH_OPTIONS = [
     replace(spec, name=spec.name if spec.name in UNPREFIXED else TALKER_PREFIX + spec.name)
-    for spec in SPEECH_INPUTS if spec.name not in ("text_input", "reply_ids", "prompt_ids", "heard_states")
+    for spec in SPEECH_INPUTS
+    if spec.name not in ("text_input", "reply_ids", "prompt_ids", "heard_states", "thinker_states")
 ]
 
 

@@ -91,7 +91,7 @@ def greedy_codes(talker: Qwen25Talker, prompt, max_codes: int) -> list[int]:
 def test_the_prompt_codes_and_waveform_are_generates(demo):
     model, ids, talker = demo
     reply, seen, wav = generated(model, ids, "Chelsie")
-    prompt = talker.prompt(ids[0].tolist(), reply, thinker_states(model, ids, reply), "chelsie")
+    prompt = talker.prompt(ids[0].tolist(), reply, "chelsie", states=thinker_states(model, ids, reply))
     with torch.no_grad():
         expected = model.talker.thinker_to_talker_proj(seen["inputs_embeds"][0])
     assert prompt.embeds.shape == expected.shape and float((prompt.embeds - expected).abs().max()) < 1e-5
@@ -110,7 +110,7 @@ def test_another_voice_draws_other_codes(demo):
     model, ids, talker = demo
     reply, seen, _ = generated(model, ids, "Chelsie")
     states = thinker_states(model, ids, reply)
-    codes = {voice: greedy_codes(talker, talker.prompt(ids[0].tolist(), reply, states, voice), MAX_CODES)
+    codes = {voice: greedy_codes(talker, talker.prompt(ids[0].tolist(), reply, voice, states=states), MAX_CODES)
              for voice in ("chelsie", "ethan")}
     assert codes["chelsie"] == seen["codes"] and codes["ethan"] != codes["chelsie"]
 
@@ -141,7 +141,7 @@ def test_utterances_stepped_together_speak_as_each_alone(demo):
     model, ids, talker = demo
     reply, _, _ = generated(model, ids, "Chelsie")
     states = thinker_states(model, ids, reply)
-    prompts = {voice: talker.prompt(ids[0].tolist(), reply, states, voice) for voice in ("chelsie", "ethan")}
+    prompts = {voice: talker.prompt(ids[0].tolist(), reply, voice, states=states) for voice in ("chelsie", "ethan")}
     alone = {voice: greedy_codes(talker, prompt, MAX_CODES) for voice, prompt in prompts.items()}
     batcher = TalkerBatcher(talker, 4, cuda_graphs=False)
     spoken: dict[str, queue.SimpleQueue] = {}

@@ -44,11 +44,13 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
                  emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None,
-                 states_at: tuple[int, list[int]] | None = None):
+                 states_at: tuple[int, list[int]] | None = None, keep_states: bool = False):
         self.prompt_ids = prompt_ids
         self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
         self.states_at = states_at  # (layer, positions): the prefill's states to keep (ArEngine.stream)
         self.prompt_states: torch.Tensor | None = None  # kept by the prefill, on the host
+        self.keep_states = keep_states  # every position's states, handed on with the deltas (ArEngine.stream)
+        self.new_states: list[torch.Tensor] = []  # kept since the last delta, on the host
         self.options = options
         self.output_ids: list[int] = []
         self.position = len(prompt_ids)  # of the next token fed to the model
@@ -56,7 +58,7 @@ class Sequence:
         # both are suppressed until min_tokens are out.
         self.stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_ids)))
         self.generator: torch.Generator | None = None  # set by the batcher for seeded requests
-        self.text = _TextStream(tokenizer, options, emit)
+        self.text = _TextStream(tokenizer, options, self._emit_delta)
         self.emit = emit
         self.lora: tuple[int, float] | None = None  # its LoRA adapter's (slot, scale) (triton_omni.lora)
         self.done = False
@@ -68,6 +70,11 @@ class Sequence:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def _emit_delta(self, delta: Delta) -> None:
+        if self.new_states:  # the states of the positions read since the last delta go with this one
+            delta.states, self.new_states = torch.cat(self.new_states), []
+        self.emit(delta)
 
     def accept(self, token: int) -> None:
         """Take the sampled token; finish on a stop token, a stop string or max_tokens."""
@@ -213,10 +220,13 @@ class StepBatcher(ContinuousBatch):
         else:
             prompt = {"inputs_embeds": sequence.prompt_embeds.to(self.device)[None]}
         kept = sequence.states_at
-        with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states:
+        with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states, \
+                _thinker_states(self.model, sequence.keep_states, prompt.get("inputs_embeds")) as thinker:
             out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if kept is not None:
             sequence.prompt_states = states[0][0, kept[1]].float().cpu()
+        if thinker is not None:
+            sequence.new_states.append(thinker()[0].float().cpu())
         self._cache.add(cache, len(sequence.prompt_ids))
         self.rows.append(sequence)
         sequence.accept(sample(out.logits[:, -1], [sequence], self.generator)[0])
@@ -226,9 +236,14 @@ class StepBatcher(ContinuousBatch):
         input_ids = torch.tensor([[s.output_ids[-1]] for s in rows], device=self.device)
         position_ids = torch.tensor([[s.position] for s in rows], device=self.device)
         mask = self._cache.extend()
-        with self._adapted(rows):
+        keeping = [i for i, s in enumerate(rows) if s.keep_states]
+        with self._adapted(rows), _thinker_states(self.model, bool(keeping)) as thinker:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                              past_key_values=self._cache.cache, use_cache=True)
+        if keeping:  # the token each row was fed: its states, copied to the host in one go
+            states = thinker()[to_device(keeping, torch.long, self.device), 0].float().cpu()
+            for i, row_states in zip(keeping, states.unbind(0), strict=True):
+                rows[i].new_states.append(row_states[None])
         for sequence, token in zip(rows, sample(out.logits[:, -1], rows, self.generator), strict=True):
             sequence.position += 1
             sequence.accept(token)
@@ -259,6 +274,28 @@ def _layer_output(model, layer: int | None):
         yield found
     finally:
         hook.remove()
+
+
+@contextlib.contextmanager
+def _thinker_states(model, wanted: bool, inputs_embeds: torch.Tensor | None = None):
+    """Around a forward pass: a callable that then gives each position's layer 0 input (the token's
+    embedding, or ``inputs_embeds`` where the pass read those) plus its last layer's output (after
+    the final norm), summed in the model's dtype [rows, positions, hidden]: what a Qwen2.5-Omni
+    talker reads of its thinker. Kept by hooks on those two modules alone (None where not ``wanted``)."""
+    if not wanted:
+        yield None
+        return
+    found: dict[str, torch.Tensor] = {}
+    if inputs_embeds is not None:
+        found["input"] = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
+    hooks = [module.register_forward_hook(lambda _m, _a, output, name=name: found.__setitem__(name, output))
+             for name, module in (("input", model.get_input_embeddings()), ("last", model.model.norm))
+             if not (name == "input" and inputs_embeds is not None)]
+    try:
+        yield lambda: found["input"].to(found["last"].dtype) + found["last"]
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class PaddedCache:

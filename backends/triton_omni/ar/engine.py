@@ -42,6 +42,10 @@ class Delta:
     # the prompt's positions asked for, [positions, hidden] (what Qwen3-Omni's talker reads of the
     # thinker at the prompt's audio)
     prompt_states: torch.Tensor | None = None
+    # where ``stream`` was asked to ``keep_states``: the states of the positions the model read since
+    # the previous delta (the prompt's on the first, then the token fed back before this delta's),
+    # each its layer 0's input plus its last layer's output, [positions, hidden] float32 on the host
+    states: torch.Tensor | None = None
 
 
 class ArEngine(ABC):
@@ -62,11 +66,12 @@ class ArEngine(ABC):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
         """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
         these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
         is; ``states_at``: (layer, positions), the prefill's hidden states of that layer (0: the
-        embeddings) at those prompt positions handed on in the first delta's ``prompt_states``, by an
+        embeddings) at those prompt positions handed on in the first delta's ``prompt_states``;
+        ``keep_states``: every position's states handed on in the deltas' ``states``; both by an
         engine that can: ``check_states`` says), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
@@ -79,8 +84,9 @@ class ArEngine(ABC):
         produces a delta for every running request at every step, and a
         callback called where the engine has it costs no task switch per delta."""
 
-    def check_states(self) -> None:  # noqa: B027 - an engine that keeps states needs no check
-        """Raise ``RequestValidationError`` where this engine cannot hand on a prompt's hidden states."""
+    def check_states(self, field: str) -> None:  # noqa: B027 - an engine that keeps states needs no check
+        """Raise ``RequestValidationError`` (naming the request's ``field``) where this engine cannot
+        hand on hidden states."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

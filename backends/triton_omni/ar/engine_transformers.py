@@ -70,13 +70,14 @@ class TransformersEngine(ArEngine):
     async def generate(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                        logprobs: int | None = None, lora: str | None = None,
                        prompt_embeds: torch.Tensor | None = None,
-                       states_at: tuple[int, list[int]] | None = None) -> AsyncIterator[Delta]:
+                       states_at: tuple[int, list[int]] | None = None,
+                       keep_states: bool = False) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
                             emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                            prompt_embeds=prompt_embeds, states_at=states_at)
+                            prompt_embeds=prompt_embeds, states_at=states_at, keep_states=keep_states)
         async with self._adapter(lora) as slot:
             sequence.lora = slot
             async for delta in self._run(sequence, request_id, queue):
@@ -115,9 +116,9 @@ class TransformersEngine(ArEngine):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
         async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds,
-                                         states_at):
+                                         states_at, keep_states):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:
@@ -175,5 +176,10 @@ def _coalesce(first: Delta | BaseException, queue: asyncio.Queue) -> Delta | Bas
         if isinstance(following, BaseException):
             return following
         merged = Delta(merged.text + following.text, merged.num_tokens + following.num_tokens,
-                       following.finish_reason, token_ids=merged.token_ids + following.token_ids)
+                       following.finish_reason, token_ids=merged.token_ids + following.token_ids,
+                       prompt_states=merged.prompt_states, states=_joined(merged.states, following.states))
     return merged
+
+
+def _joined(first: torch.Tensor | None, then: torch.Tensor | None) -> torch.Tensor | None:
+    return then if first is None else first if then is None else torch.cat([first, then])

@@ -143,7 +143,7 @@ class VllmEngine(ArEngine):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -153,8 +153,8 @@ class VllmEngine(ArEngine):
         the output where the handler produces it, and the task wakes once,
         when the request is done. The collector is vLLM's own (``add_request``
         returns it; its output processor calls ``put``), so nothing else of
-        the request's life changes: aborts, errors, the engine's death. (``states_at``: never asked
-        of this engine, ``check_states`` refuses it.)"""
+        the request's life changes: aborts, errors, the engine's death. (``states_at``, ``keep_states``:
+        never asked of this engine, ``check_states`` refuses them.)"""
         params = self.sampling_params(options, logprobs)
         done = asyncio.get_running_loop().create_future()
 
@@ -191,8 +191,8 @@ class VllmEngine(ArEngine):
                 await self.engine.abort(collector.request_id, internal=True)
             raise
 
-    def check_states(self) -> None:
-        raise RequestValidationError("return_heard_states", "the vLLM engine hands on no hidden states (its outputs "
+    def check_states(self, field: str) -> None:
+        raise RequestValidationError(field, "the vLLM engine hands on no hidden states (its outputs "
                                      "are tokens); a thinker whose talker reads them runs on engine: transformers",
                                      True)
 

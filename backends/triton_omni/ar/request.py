@@ -59,6 +59,7 @@ class ReturnOptions:
     num_output_tokens: bool = False
     token_ids: bool = False
     heard_states: bool = False
+    thinker_states: bool = False
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any]) -> ReturnOptions:

@@ -35,7 +35,9 @@ class ArResponse:
     token_ids: list[list[int]] = field(default_factory=list)  # per completion, the new ones (streamed) or all
     # on the first response, where asked for (return_heard_states): the prompt's token ids as the
     # model read them (its audio markers widened) and its states at the audio (the talker's layer)
-    heard: tuple[list[int], torch.Tensor] | None = None
+    heard: tuple[list[int], torch.Tensor | None] | None = None
+    # where asked for (return_thinker_states): the states of the positions read since the last response
+    thinker_states: torch.Tensor | None = None
 
     def absorb(self, later: ArResponse) -> ArResponse:
         """This streamed response and the next one as one, in place (what a
@@ -54,6 +56,9 @@ class ArResponse:
             self.token_ids = [ids + new for ids, new in zip(self.token_ids or [[]] * len(later.token_ids),
                                                             later.token_ids, strict=True)]
         self.heard = self.heard if self.heard is not None else later.heard
+        if later.thinker_states is not None:
+            self.thinker_states = later.thinker_states if self.thinker_states is None \
+                else torch.cat([self.thinker_states, later.thinker_states])
         self.num_input_tokens = later.num_input_tokens
         self.cumulative_logprobs = later.cumulative_logprobs
         self.finish_reasons = later.finish_reasons

@@ -37,6 +37,7 @@ from triton_omni.errors import RequestValidationError
 from triton_omni.families import EncoderRecipe, recipe
 from triton_omni.gpu_memory import cap_torch
 from triton_omni.images import ImageLimits
+from triton_omni.validation import require
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,11 @@ class ArRunner:
             if self.ears is None or self.ears.talker_layer is None:
                 raise RequestValidationError("return_heard_states", "this model hears no audio for a talker (a "
                                              "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
-            self.engine.check_states()
+            self.engine.check_states("return_heard_states")
+        if request.outputs.thinker_states:
+            require(self.config.mode == "generate" and request.sampling.n == 1, "return_thinker_states",
+                    "hands on one completion's states: n must be 1", request.sampling.n)
+            self.engine.check_states("return_thinker_states")
 
     def check_lora(self, name: str | None, field: str = "lora") -> None:
         """``name`` (a request's ``lora``, sent as ``field``) is one of this model's adapters."""
@@ -309,6 +314,9 @@ class ArRunner:
             states_at = (self.ears.talker_layer,
                          [i for i, token in enumerate(prompt_ids) if token == self.ears.audio_token_id])
         heard = None
+        if request.outputs.thinker_states:  # the prompt's states come on the first response, its ids with them
+            heard = (prompt_ids, None)
+        states: list[torch.Tensor] = []  # the states read since the last response that left
         if request.lora is not None:
             self._on_lora("request", request.lora)
         assembler = ResponseAssembler(n=request.sampling.n, num_input_tokens=len(prompt_ids), stream=request.stream,
@@ -321,14 +329,20 @@ class ArRunner:
                 on_first_token = None
             if delta.prompt_states is not None:
                 heard = (prompt_ids, delta.prompt_states)
+            if delta.states is not None:
+                states.append(delta.states)
             response = assembler.add(delta)
             if response is not None:
                 if heard is not None:  # on the first response that leaves
                     response.heard, heard = heard, None
+                if states:
+                    response.thinker_states = torch.cat(states)
+                    states.clear()
                 on_response(response)
 
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
-                                 request.lora, prompt_embeds=embeds, states_at=states_at)
+                                 request.lora, prompt_embeds=embeds, states_at=states_at,
+                                 keep_states=request.outputs.thinker_states)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

@@ -318,9 +318,11 @@ class Code2WavBatcher:
         self._thread.start()
         self.warmed_shapes: list[tuple[int, int]] = self._warmed.result()
 
-    def decode(self, stream: Code2WavStream, codes: torch.Tensor, urgent: bool = False) -> Future:
+    def decode(self, stream: Code2WavStream, codes: torch.Tensor, urgent: bool = False,
+               final: bool = False) -> Future:
         """The chunk ``codes`` ([groups, n]) settle in ``stream``, as float32 samples, when decoded;
-        ``urgent``: ahead of the chunks that are not."""
+        ``urgent``: ahead of the chunks that are not. (``final``: the stream's last chunk, which
+        settles nothing more here: the decode is causal, every frame's samples leave with it.)"""
         future: Future = Future()
         if self._stopped:
             future.set_exception(RuntimeError("the speech stage's decoder is shutting down"))

@@ -33,6 +33,8 @@ class SpeechRequest:
     max_tokens_given: bool = False  # the request's own max_tokens, not the default (which the runner may bound)
     prompt_ids: list[int] | None = None  # the prompt as the thinker read it (its audio widened), else text_input's
     heard: torch.Tensor | None = None  # [audio tokens, thinker width]: the thinker's states at the prompt's audio
+    # [prompt + reply tokens - 1, thinker width]: the thinker's states a Qwen2.5-Omni talker reads
+    states: torch.Tensor | None = None
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
@@ -65,8 +67,15 @@ class SpeechRequest:
             require(bool(torch.isfinite(heard).all()), "heard_states", "must be finite", "nan or inf")
             require(prompt_ids is not None, "heard_states", "comes with prompt_ids (the prompt whose audio they are)",
                     list(heard.shape))
+        states = inputs.get("thinker_states")
+        if states is not None:
+            require(states.ndim == 2, "thinker_states", "must be [positions, the thinker's width]",
+                    list(states.shape))
+            require(bool(torch.isfinite(states).all()), "thinker_states", "must be finite", "nan or inf")
+            require(prompt_ids is not None, "thinker_states", "comes with prompt_ids (the prompt they are the "
+                    "states of)", list(states.shape))
         return cls(prompt, reply, voice.lower(), talker, chunk, first, inputs.get("max_tokens") is not None,
-                   prompt_ids, heard)
+                   prompt_ids, heard, states)
 
 
 def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:

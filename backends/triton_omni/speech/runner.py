@@ -1,7 +1,9 @@
 """The speech stage: a thinker's reply to a waveform, streamed in chunks.
 
 ``SpeechRunner`` holds a Qwen3-Omni checkpoint's talker, its ``code2wav`` and
-the thinker's embedding table (the thinker itself is the ``ar`` stage's). Each
+the thinker's embedding table (the thinker itself is the ``ar`` stage's), or a
+Qwen2.5-Omni checkpoint's talker, its ``token2wav``, voices and the same table
+(its talker reads the thinker's states, which come with the reply). Each
 request's utterance joins the talker's step batch (``TalkerBatcher``); its
 frames are decoded on the codec thread every ``chunk_frames`` frames (the first chunk after
 ``first_chunk_frames``, fewer, so that the first audio leaves soon, and each after it at most
@@ -33,6 +35,7 @@ from triton_omni.channel import ReplyReader
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestCancelledError
 from triton_omni.speech.codec import Code2WavBatcher, StreamingCode2Wav, chunk_schedule
+from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
 from triton_omni.speech.talker import (
     COMPILE_PARTS,
@@ -42,6 +45,7 @@ from triton_omni.speech.talker import (
     TalkerBatcher,
     Utterance,
 )
+from triton_omni.speech.token2wav import StreamingToken2Wav, Token2WavDecoder
 from triton_omni.validation import require
 
 logger = logging.getLogger(__name__)
@@ -116,25 +120,34 @@ class SpeechRunner:
         self.config = config
         folder = Path(resolve_model(config.model))
         model_config = AutoConfig.from_pretrained(folder)
-        if model_config.model_type != "qwen3_omni_moe":
-            raise ValueError(f"model parameter model {config.model!r}: the speech stage speaks Qwen3-Omni "
-                             f"checkpoints, not {model_config.model_type!r}")
+        if model_config.model_type not in ("qwen3_omni_moe", "qwen2_5_omni"):
+            raise ValueError(f"model parameter model {config.model!r}: the speech stage speaks Qwen3-Omni and "
+                             f"Qwen2.5-Omni checkpoints, not {model_config.model_type!r}")
         self.device = torch.device(config.device)
-        talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.talker = Qwen3Talker(talker, embedding, model_config)
-        self.decoder = StreamingCode2Wav(code2wav)
+        qwen3 = model_config.model_type == "qwen3_omni_moe"
+        if qwen3:
+            talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
+            self.talker = Qwen3Talker(talker, embedding, model_config)
+            self.decoder = StreamingCode2Wav(code2wav)
+        else:
+            talker, token2wav, embedding, speakers = load_qwen25_speech(folder, model_config, self.device,
+                                                                        config.torch_dtype())
+            self.talker = Qwen25Talker(talker, embedding, speakers, model_config)
+            self.decoder = StreamingToken2Wav(token2wav)
+        # the width of the thinker's states a reply brings (a Qwen2.5-Omni talker reads them), else None
+        self.states_width = None if qwen3 else self.talker.width
         self.voices = self.talker.voices
         self.talker.end_state  # noqa: B018 - made once now, not on the loop at the first reply's end
-        self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
+        self.default_voice = self.talker.default_voice
         self.batcher = TalkerBatcher(self.talker, config.max_num_seqs, config.cuda_graphs, config.talker_max_len,
-                                     compile=config.compile_parts())
+                                     compile=config.compile_parts() if qwen3 else ())
         self.loop = EventLoopThread(name="omni-speech")
         # on a GPU, every convolution shape the default chunks meet planned now, not mid-stream
         warm = (config.max_num_seqs, config.first_chunk_frames, config.chunk_frames) \
             if self.device.type == "cuda" else None
         try:
-            self.codec = Code2WavBatcher(self.decoder, warm)
+            self.codec = Code2WavBatcher(self.decoder, warm) if qwen3 else Token2WavDecoder(self.decoder)
         except BaseException:  # the load fails: nothing of it left running
             self.batcher.stop()
             self.loop.stop()
@@ -145,16 +158,13 @@ class SpeechRunner:
         self._following: dict[Utterance, ReplyReader] = {}  # replies still being written (the loop's)
         self._follower: asyncio.Task | None = None
         self.counters = {"started": 0, "finished": 0, "cancelled": 0, "chunks": 0}
-        logger.info("speech runner ready: model=%s device=%s voices=%s, lookback %d frames, %d codec shapes "
-                    "planned", folder, self.device, sorted(self.voices), self.decoder.lookback,
-                    len(self.codec.warmed_shapes))
+        logger.info("speech runner ready: model=%s (%s) device=%s voices=%s, %d codec shapes planned", folder,
+                    model_config.model_type, self.device, sorted(self.voices), len(self.codec.warmed_shapes))
 
     def parse(self, inputs: dict) -> SpeechRequest:
         request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
                                             TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
-        self.talker.check_ids("reply_ids", request.reply_ids)
-        if request.prompt_ids is not None:
-            self.talker.check_heard(request.prompt_ids, request.heard, self.config.talker_max_len)
+        self.talker.check_request(request, self.config.talker_max_len)
         return request
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -173,21 +183,23 @@ class SpeechRunner:
             prompt = await loop.run_in_executor(
                 self._prompts, lambda: self.talker.prompt(request.prompt_ids or self.prompt_ids(request.prompt),
                                                           request.reply_ids, request.voice, whole=reply is None,
-                                                          heard=request.heard))
+                                                          heard=request.heard, states=request.states))
             marks.append(time.monotonic())
             options = self._bounded(request, len(prompt.embeds))
-            utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item))
+            utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item),
+                                  prompt_ids=prompt.prompt_codes)
             self.batcher.submit(utterance)
         except BaseException:
             if reply is not None:
                 reply.close()
             raise
-        stream = self.decoder.stream()
+        stream = self._decoder_stream(request)
         self._count("started")
         if reply is not None:
             self._follow(reply, utterance)
         try:
             pending: list[list[int]] = []
+            held: list[torch.Tensor] = []  # frames decoded whose samples have not left yet (token2wav's context)
             sizes = chunk_schedule(request.first_chunk_frames, request.chunk_frames)
             wanted = next(sizes)
             while True:
@@ -207,14 +219,18 @@ class SpeechRunner:
                     codes = torch.tensor(pending, dtype=torch.long).reshape(-1, self.talker.groups).T.contiguous()
                     # a chunk short of chunk_frames is one of the first: little audio plays before it
                     urgent = wanted < request.chunk_frames
-                    samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent))
+                    samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent, final))
+                    held.append(codes)
+                    pending, wanted = [], next(sizes)
+                    if len(samples) == 0 and not final:  # the decoder waits for what follows these frames
+                        continue
+                    codes, held = torch.cat(held, dim=1), []  # the frames these samples end
                     phases = None
                     if len(marks) == 4:  # the first chunk
                         marks.append(time.monotonic())
                         phases = dict(zip(FIRST_AUDIO_PHASES, np.diff(marks).tolist(), strict=True))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None, phases))
                     self._count("chunks")
-                    pending, wanted = [], next(sizes)
                 if final:
                     self._count("finished")
                     return
@@ -226,6 +242,18 @@ class SpeechRunner:
             if reply is not None:
                 self._following.pop(utterance, None)
                 reply.close()
+
+    def _decoder_stream(self, request: SpeechRequest):
+        """A new stream of this model's decoder for ``request`` (Qwen2.5-Omni's in its voice, its noise
+        from a generator seeded by the request's seed, as the model's own decode draws it)."""
+        if self.states_width is None:
+            return self.decoder.stream()
+        generator = torch.Generator()
+        if request.talker.seed is not None:
+            generator.manual_seed(request.talker.seed)
+        else:
+            generator.seed()
+        return self.decoder.stream(*self.talker.voice_conditioning(request.voice), generator)
 
     def _follow(self, reply: ReplyReader, utterance: Utterance) -> None:
         """Read ``reply`` into ``utterance``'s prompt as it is written (on this loop, one task for
@@ -241,20 +269,24 @@ class SpeechRunner:
         where a reply grew."""
         loop = asyncio.get_running_loop()
         while self._following:
-            read: dict[Utterance, list[int]] = {}
+            read: dict[Utterance, tuple[list[int], np.ndarray | None]] = {}
             for utterance, reply in list(self._following.items()):
                 try:
-                    if ids := reply.read():
+                    ids = reply.read()
+                    states = reply.read_states() if self.states_width is not None else None
+                    if ids or (states is not None and len(states)):
                         self.talker.check_ids("omni_reply", ids)  # one bad reply cannot fail the others' pass
-                        read[utterance] = ids
+                        read[utterance] = ids, states
                 except Exception:  # an unreadable reply: its utterance cannot go on, the others can
                     logger.exception("speech: reading a reply failed; its utterance is cancelled")
                     self._abort(utterance, reply)
             if read:
                 try:
-                    states = await loop.run_in_executor(self._prompts, self.talker.reply_states, list(read.values()))
-                    for utterance, grown in zip(read, states, strict=True):
-                        utterance.prompt.extend(grown)
+                    ids, states = zip(*read.values(), strict=True)
+                    grown = await loop.run_in_executor(self._prompts, self.talker.reply_states, list(ids),
+                                                       list(states))
+                    for utterance, more in zip(read, grown, strict=True):
+                        utterance.prompt.extend(more)
                 except Exception:  # the device failed the pass: none of these replies can go on
                     logger.exception("speech: projecting the replies' tokens failed; their utterances are cancelled")
                     for utterance in read:  # one that ended during the pass is no longer followed
@@ -315,7 +347,6 @@ def load_qwen3_speech(folder: Path, config, device: torch.device, dtype: torch.d
     """The talker, ``code2wav`` and the thinker's embedding table of a Qwen3-Omni checkpoint, and
     nothing of the thinker besides: each built empty on ``device`` and given its tensors, shard by
     shard (the experts' per-expert tensors fused as transformers' modules hold them)."""
-    from safetensors import safe_open
     from transformers.initialization import no_init_weights
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeCode2Wav,
@@ -327,19 +358,52 @@ def load_qwen3_speech(folder: Path, config, device: torch.device, dtype: torch.d
         code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
         embedding = torch.nn.Embedding(config.thinker_config.text_config.vocab_size,
                                        config.thinker_config.text_config.hidden_size)
-    parts = {"talker.": {}, "code2wav.": {}, "thinker.model.embed_tokens.": {}}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as source:
-            for key in source.keys():  # noqa: SIM118 - a safetensors file is not iterable
-                prefix = next((p for p in parts if key.startswith(p)), None)
-                if prefix is not None:
-                    parts[prefix][key.removeprefix(prefix)] = source.get_tensor(key)
+    parts = _read_parts(folder, ("talker.", "code2wav.", "thinker.model.embed_tokens."))
     for module, state in ((talker, _fuse_experts(parts["talker."])), (code2wav, parts["code2wav."]),
                           (embedding, parts["thinker.model.embed_tokens."])):
         module.load_state_dict(state, strict=True)
         module.to(device, dtype).eval()
     code2wav.float()  # the decoder in float32, as the model's generate runs it (its samples are float32)
     return talker, code2wav, embedding
+
+
+def load_qwen25_speech(folder: Path, config, device: torch.device, dtype: torch.dtype):
+    """The talker, ``token2wav``, the thinker's embedding table and the voices (``spk_dict.pt``) of a
+    Qwen2.5-Omni checkpoint, and nothing of the thinker besides; ``token2wav`` in float32, as the
+    model's ``generate`` runs it."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniToken2WavModel,
+    )
+
+    with torch.device(device), no_init_weights():
+        talker = Qwen2_5OmniTalkerForConditionalGeneration(config.talker_config)
+        token2wav = Qwen2_5OmniToken2WavModel(config.token2wav_config)
+        text = config.thinker_config.text_config
+        embedding = torch.nn.Embedding(text.vocab_size, text.hidden_size)
+    parts = _read_parts(folder, ("talker.", "token2wav.", "thinker.model.embed_tokens."))
+    for module, state in ((talker, parts["talker."]), (token2wav, parts["token2wav."]),
+                          (embedding, parts["thinker.model.embed_tokens."])):
+        module.load_state_dict(state, strict=True)
+        module.to(device, dtype).eval()
+    token2wav.float()
+    speakers = torch.load(folder / "spk_dict.pt", map_location="cpu", weights_only=True)
+    return talker, token2wav, embedding, speakers
+
+
+def _read_parts(folder: Path, prefixes: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's tensors under each of ``prefixes`` (the prefix taken off), shard by shard."""
+    from safetensors import safe_open
+
+    parts: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in prefixes}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as source:
+            for key in source.keys():  # noqa: SIM118 - a safetensors file is not iterable
+                prefix = next((p for p in prefixes if key.startswith(p)), None)
+                if prefix is not None:
+                    parts[prefix][key.removeprefix(prefix)] = source.get_tensor(key)
+    return parts
 
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")

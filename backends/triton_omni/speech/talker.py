@@ -69,6 +69,7 @@ class TalkerPrompt:
     trailing: list[torch.Tensor]  # [width] each
     whole: bool = True  # the end-of-text marker is in ``trailing``
     held: torch.Tensor | None = None  # the latest token's state, read only if another token follows
+    prompt_codes: list[int] = field(default_factory=list)  # none: the repetition penalty reads the codes drawn
 
     def extend(self, states: torch.Tensor) -> None:
         states = ([self.held] if self.held is not None else []) + list(states.unbind(0))
@@ -103,6 +104,7 @@ class Qwen3Talker:
                                        device=self.device)
         self.groups = codec.num_code_groups
         self._openings: dict[str, torch.Tensor] = {}  # a voice's codec opening (_opening_codec)
+        self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
 
     def _project(self, token_ids: list[int]) -> torch.Tensor:
         return self.talker.text_projection(self.embedding(self._on_device(token_ids)))
@@ -117,9 +119,10 @@ class Qwen3Talker:
         return to_device(ids, torch.long, self.device)
 
     @torch.inference_mode()
-    def reply_states(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+    def reply_states(self, token_ids: list[list[int]], states: list | None = None) -> list[torch.Tensor]:
         """More of several replies' tokens as the talker reads them, one a step: [tokens, width]
-        for each, projected in one pass (at 64 replies a token each, one pass, not 64)."""
+        for each, projected in one pass (at 64 replies a token each, one pass, not 64). ``states``:
+        the thinker's, which this talker does not read (its embeddings of the tokens are what it reads)."""
         states = self._project([token for ids in token_ids for token in ids])
         return list(states.split([len(ids) for ids in token_ids]))
 
@@ -144,6 +147,17 @@ class Qwen3Talker:
             raise RequestValidationError(field, f"holds ids outside the thinker's vocabulary [0, {vocab})",
                                          [t for t in ids if not 0 <= t < vocab][:4])
 
+    def check_request(self, request, max_len: int) -> None:
+        """A speech request (``SpeechRequest``) this talker can speak: the thinker's ids, and where the
+        prompt comes as the thinker read it, its states at the audio (``check_heard``)."""
+        if request.states is not None:
+            raise RequestValidationError("thinker_states", "is a Qwen2.5-Omni talker's input; this Qwen3-Omni "
+                                         "talker reads the thinker's token embeddings (and heard_states at audio)",
+                                         list(request.states.shape))
+        self.check_ids("reply_ids", request.reply_ids)
+        if request.prompt_ids is not None:
+            self.check_heard(request.prompt_ids, request.heard, max_len)
+
     def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None, max_len: int) -> None:
         """``prompt_ids`` are the thinker's token ids, at most ``max_len`` of them, and ``heard`` holds
         a state of the thinker's width for each of their audio tokens."""
@@ -163,12 +177,13 @@ class Qwen3Talker:
 
     @torch.inference_mode()
     def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True,
-               heard: torch.Tensor | None = None) -> TalkerPrompt:
+               heard: torch.Tensor | None = None, states: torch.Tensor | None = None) -> TalkerPrompt:
         """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
         user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn.
         ``whole``: ``reply_ids`` is the whole reply; else its first tokens (at least one), the
         rest to come (``TalkerPrompt.extend``). ``heard``: the thinker's states at the prompt's audio
-        tokens (``check_heard``), which the talker reads there through its ``hidden_projection``."""
+        tokens (``check_heard``), which the talker reads there through its ``hidden_projection``.
+        ``states``: a Qwen2.5-Omni talker's input (``check_request`` refuses it here)."""
         cfg = self.config
         user = [i for i, role in enumerate(_roles(prompt_ids, cfg.im_start_token_id)) if role == cfg.user_token_id]
         start = max(i for i in range(len(prompt_ids) - 1)

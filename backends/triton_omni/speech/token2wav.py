@@ -14,14 +14,16 @@ at a time: the same numbers as one draw for the whole). The vocoder's convolutio
 measured number of mel frames either side (``vocoder_reach``): a frame's samples leave once that
 many frames after it are there, decoded from a window that reaches as far back.
 
-Not served yet: the speech stage speaks Qwen3-Omni; this is the decoder its Qwen2.5-Omni path
-will stream through.
+``Token2WavDecoder`` runs the streams' decodes on a thread of their own, one chunk at a time,
+beside the talker's steps.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
@@ -149,3 +151,23 @@ class Token2WavStream:
         new = samples[(self.sent_frames - first) * per:(ready - first) * per]
         self.sent_frames = ready
         return new
+
+
+class Token2WavDecoder:
+    """The speech stage's decoder thread for ``token2wav`` streams (``Code2WavBatcher``'s interface):
+    each chunk decoded in turn, on a thread of its own. (One stream's blocks at a time: its DiT's
+    passes over several streams' windows together are not batched yet.)"""
+
+    warmed_shapes: tuple = ()  # nothing planned at load
+
+    def __init__(self, decoder: StreamingToken2Wav):
+        self.decoder = decoder
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-token2wav")
+
+    def decode(self, stream: Token2WavStream, codes: torch.Tensor, urgent: bool = False,
+               final: bool = False) -> Future:
+        """The samples ``codes`` ([1, n]) settle in ``stream`` (all it holds, ``final``), float32."""
+        return self._thread.submit(lambda: stream.add(codes[0].tolist(), final).numpy().astype(np.float32))
+
+    def stop(self, timeout_s: float = 30) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)

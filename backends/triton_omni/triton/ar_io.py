@@ -125,10 +125,13 @@ def generate_response(response: ArResponse, wanted: ReturnOptions):
         outputs.append(GENERATE_OUTPUTS.tensor("num_output_tokens", response.num_output_tokens))
     if wanted.token_ids:
         outputs.append(GENERATE_OUTPUTS.tensor("token_ids", [i for ids in response.token_ids for i in ids]))
-    if wanted.heard_states and response.heard is not None:
+    if (wanted.heard_states or wanted.thinker_states) and response.heard is not None:
         prompt_ids, states = response.heard
         outputs.append(GENERATE_OUTPUTS.tensor("prompt_token_ids", prompt_ids))
-        outputs.append(GENERATE_OUTPUTS.tensor("heard_states", states.contiguous()))
+        if states is not None:
+            outputs.append(GENERATE_OUTPUTS.tensor("heard_states", states.contiguous()))
+    if wanted.thinker_states and response.thinker_states is not None:
+        outputs.append(GENERATE_OUTPUTS.tensor("thinker_states", response.thinker_states.contiguous()))
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
