@@ -28,6 +28,8 @@ class FakeStages:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     replies: list[list[int]] = field(default_factory=list)  # the whole reply each speak call read
+    speaks_from_states: bool = False  # a talker that reads the thinker's states (Qwen2.5-Omni's)
+    spoken_states: list[list[Any]] = field(default_factory=list)  # the states each speak call read
 
     async def _enter(self, stage: str, argument: Any) -> None:
         self.calls.append((stage, argument))
@@ -41,12 +43,14 @@ class FakeStages:
                 raise
 
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
-                       audio: list[bytes] = (), heard: bool = False) -> AsyncIterator[TextDelta]:
-        await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio))
+                       audio: list[bytes] = (), heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
+        await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio)
+                          + (("states",),) * states)
         for i, word in enumerate(self.words):
             await asyncio.sleep(0)
             yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [],
-                            heard=(["heard"], f"states of {len(audio)} clips") if heard and i == 0 else None)
+                            heard=(["heard"], f"states of {len(audio)} clips") if heard and i == 0 else None,
+                            states=("prompt" if i == 0 else f"token {i - 1}") if states else None)
 
     def chat_prompt(self, prompt: str, clips: int = 0) -> str:
         return f"<user>{'<audio>' * clips}{prompt}<assistant>"
@@ -55,9 +59,10 @@ class FakeStages:
                     heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
         """Records the reply's tokens there at the call (``calls``) and the whole reply (``replies``)."""
         await self._enter("speak", (prompt, list(reply.ids), options) + (heard,) * (heard is not None))
-        async for _ in reply.changes(len(reply.ids)):
+        async for _ in reply.changes(len(reply.ids), len(reply.states)):
             pass
         self.replies.append(list(reply.ids))
+        self.spoken_states.append(list(reply.states))
         for chunk in range(self.steps):
             await asyncio.sleep(0)
             yield AudioChunk(f"samples {chunk}", f"codes {chunk}", 24000)

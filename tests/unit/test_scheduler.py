@@ -176,6 +176,18 @@ def test_the_audio_route_speaks_the_thinkers_reply_in_its_chat_template(modaliti
     assert 1 <= len(first) < 3 and first == [0, 1, 2][:len(first)]  # called before the reply was whole
 
 
+def test_a_talker_that_reads_the_thinkers_states_gets_them_and_starts_at_the_second_token():
+    """Qwen2.5-Omni's talker reads the thinker's states at every token: ar is asked for them, each
+    delta's go to the talker with the reply, and speech is called once the reply's first token has
+    its state (which comes with the second token), before the reply is whole."""
+    stages = FakeStages(words=("once ", "upon ", "a ", "time"), speaks_from_states=True)
+    scheduled(stages, text_input="a fox", modalities=["audio"])
+    [generate, (stage, (_, first, _))] = stages.calls
+    assert generate == ("generate", ("<user>a fox<assistant>", {}, ("states",)))
+    assert stage == "speak" and 2 <= len(first) < 4
+    assert stages.spoken_states == [["prompt", "token 0", "token 1", "token 2"]]
+
+
 def test_input_audio_goes_to_the_thinker_in_its_template_and_its_states_to_the_talker():
     """A prompt with audio is the user turn of the model's template, its audio parts before the
     text, on both routes; speaking, the thinker is asked for its states at the audio, which the

@@ -15,7 +15,7 @@ from typing import Any
 # The speech stage's repository, added by a speech demo: ar serves the checkpoint's thinker, speech
 # its talker and codec decoder; the image models stay Stable Diffusion's.
 SPEECH_REPOSITORY = Path(__file__).resolve().parents[2] / "speech_repository"
-SPEECH_DEMOS = {"qwen3-omni": "demo:tiny-qwen3-omni"}
+SPEECH_DEMOS = {"qwen3-omni": "demo:tiny-qwen3-omni", "qwen2.5-omni": "demo:tiny-qwen2.5-omni"}
 
 
 class DemoError(ValueError):
@@ -34,13 +34,17 @@ def demo_edits(demo: str) -> dict[str, dict[str, Any]]:
     from triton_omni.families import DEMOS, FAMILIES
 
     if demo in SPEECH_DEMOS:
-        from triton_omni.speech.demos import THINKER_CONTEXT
+        from triton_omni.speech.demos import THINKER_CONTEXT, THINKER_CONTEXT_25
 
-        context = str(THINKER_CONTEXT)
-        return {"ar": {"parameters": {"model": SPEECH_DEMOS[demo], "max_model_len": context,
-                                      "max_tokens_limit": context}},
-                "speech": {"parameters": {"model": SPEECH_DEMOS[demo]}},
-                "omni": {"parameters": {"speech_checkpoint": SPEECH_DEMOS[demo]}}}
+        model = SPEECH_DEMOS[demo]
+        qwen25 = demo == "qwen2.5-omni"
+        context = str(THINKER_CONTEXT_25 if qwen25 else THINKER_CONTEXT)
+        # Qwen2.5-Omni's talker reads the thinker's states at every token: the transformers engine hands them on
+        thinker = {"engine": "transformers"} if qwen25 else {}
+        return {"ar": {"parameters": {"model": model, "max_model_len": context, "max_tokens_limit": context,
+                                      **thinker}},
+                "speech": {"parameters": {"model": model, **({"talker_max_len": context} if qwen25 else {})}},
+                "omni": {"parameters": {"speech_checkpoint": model}}}
     if demo not in DEMOS:
         raise DemoError(f"--demo must be one of {', '.join([*DEMOS, *SPEECH_DEMOS])}, got {demo!r}")
     if DEMOS[demo].model == DIFFUSION_DEMO:  # what model_repository/ serves already

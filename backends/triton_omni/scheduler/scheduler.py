@@ -39,8 +39,12 @@ class TextDelta:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by the audio route)
     # on the first delta where asked for (the audio route of a prompt with audio): the prompt as the
-    # thinker read it and its states at the audio, which the talker reads (whatever the stages return)
+    # thinker read it and its states at the audio, which the talker reads (whatever the stages return);
+    # where the thinker's states are asked for, the prompt's ids with no states at the audio
     heard: tuple[list[int], Any] | None = None
+    # where asked for (a talker that reads them: Qwen2.5-Omni's): the thinker's states of the positions
+    # it read since the previous delta, [positions, width] (the prompt's on the first)
+    states: Any = None
 
 
 @dataclass
@@ -75,32 +79,38 @@ Event = TextDelta | EnhancedPrompt | Progress | ImageResult | AudioChunk
 
 
 class Reply:
-    """The thinker's reply as it is written: its token ids so far, and whether it has ended."""
+    """The thinker's reply as it is written: its token ids so far, the thinker's states where they
+    are asked for, and whether it has ended."""
 
     def __init__(self):
         self.ids: list[int] = []
+        self.states: list[Any] = []  # a delta's states each (a talker that reads them)
         self.ended = False
         self._changed = asyncio.Event()
 
-    def add(self, token_ids: list[int]) -> None:
+    def add(self, token_ids: list[int], states: Any = None) -> None:
         self.ids += token_ids
+        if states is not None:
+            self.states.append(states)
         self._changed.set()
 
     def end(self) -> None:
         self.ended = True
         self._changed.set()
 
-    async def started(self) -> None:
-        """Once the reply has a token, or has ended without one."""
-        while not (self.ids or self.ended):
+    async def started(self, tokens: int = 1) -> None:
+        """Once the reply has ``tokens`` tokens, or has ended."""
+        while not (len(self.ids) >= tokens or self.ended):
             await self._wait()
 
-    async def changes(self, sent: int = 0) -> AsyncIterator[list[int]]:
-        """The token ids past the first ``sent``, as they are added, until the reply ends."""
+    async def changes(self, sent: int = 0, sent_states: int = 0) -> AsyncIterator[tuple[list[int], list[Any]]]:
+        """The token ids past the first ``sent`` and the states past the first ``sent_states``
+        deltas' (``Reply.states``), as they are added, until the reply ends."""
         while True:
-            if sent < len(self.ids):
+            if sent < len(self.ids) or sent_states < len(self.states):
                 new, sent = self.ids[sent:], len(self.ids)
-                yield new
+                states, sent_states = self.states[sent_states:], len(self.states)
+                yield new, states
             elif self.ended:
                 return
             else:
@@ -119,10 +129,14 @@ class Embeds(Protocol):
 
 
 class Stages(Protocol):
+    # the speaking model's talker reads the thinker's states at every token (Qwen2.5-Omni's)
+    speaks_from_states: bool
+
     def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False, audio: list[bytes] = (),
-                 heard: bool = False) -> AsyncIterator[TextDelta]:
+                 heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
         """``audio``: the files the prompt's audio markers stand for; ``heard``: the first delta
-        carries the thinker's states at them (``TextDelta.heard``)."""
+        carries the thinker's states at them (``TextDelta.heard``); ``states``: each delta the
+        thinker's states of the positions it read since the one before (``TextDelta.states``)."""
         ...
 
     def chat_prompt(self, prompt: str, clips: int = 0) -> str:
@@ -133,7 +147,8 @@ class Stages(Protocol):
     def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
               heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
         """``reply`` spoken from its first token on (it is still being written); ``heard``: a
-        prompt with audio as the thinker read it, and its states there."""
+        prompt with audio as the thinker read it, and its states there (or the prompt's ids alone,
+        where the reply's ``states`` hold the thinker's states)."""
         ...
 
     async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
@@ -200,18 +215,21 @@ class OmniScheduler:
         reply = Reply()
         heard = None
 
+        states = self.stages.speaks_from_states
+
         async def think() -> None:
             nonlocal heard
             async for delta in self.stages.generate(prompt, request.text_options, token_ids=True,
-                                                    audio=request.audio, heard=bool(request.audio)):
+                                                    audio=request.audio, heard=bool(request.audio), states=states):
                 heard = heard or delta.heard  # on the first delta, before its tokens reach the talker
-                reply.add(delta.token_ids)
+                reply.add(delta.token_ids, delta.states)
                 if request.wants_text and (delta.text or delta.finish_reason):
                     emit(delta)
             reply.end()
 
         async def speak() -> None:
-            await reply.started()
+            # a talker reading states starts at the reply's second token: the first one's state comes with it
+            await reply.started(2 if states else 1)
             async for chunk in self.stages.speak(prompt, reply, request.speech_options, heard):
                 emit(chunk)
 

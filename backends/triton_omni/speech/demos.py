@@ -19,6 +19,7 @@ THINKER_WIDTH, TALKER_WIDTH = 32, 16
 # The thinker's context: long enough that a client can leave mid-reply even on starved cores, where
 # the thinker (vLLM's own busy process) writes a thousand tokens before the first reaches the client
 THINKER_CONTEXT = 8192
+THINKER_CONTEXT_25 = 1024  # the tiny Qwen2.5-Omni's thinker and talker positions
 CODEBOOK, CODE_GROUPS = 32, 4  # the code predictor's vocabulary is one codebook; code2wav's quantizers are the groups
 VOICES = ("ethan", "chelsie")
 SAMPLE_RATE = 24000
@@ -302,7 +303,8 @@ def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
         thinker_config=dict(
             text_config=dict(vocab_size=vocab_size, hidden_size=THINKER_WIDTH, intermediate_size=64,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=1024, rope_parameters=mrope, tie_word_embeddings=False,
+                             max_position_embeddings=THINKER_CONTEXT_25, rope_parameters=mrope,
+                             tie_word_embeddings=False,
                              eos_token_id=ids["<|im_end|>"]),
             audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
                               d_model=16, output_dim=THINKER_WIDTH, n_window=100, max_source_positions=1500),
@@ -313,7 +315,7 @@ def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
         talker_config=dict(
             vocab_size=TALKER_VOCAB_25, embedding_size=THINKER_WIDTH, hidden_size=16, intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-            max_position_embeddings=1024, rope_parameters=mrope, tts_codec_pad_token_id=CODEC_PAD,
+            max_position_embeddings=THINKER_CONTEXT_25, rope_parameters=mrope, tts_codec_pad_token_id=CODEC_PAD,
             tts_codec_start_token_id=CODEC_BOS, tts_codec_end_token_id=CODEC_EOS, tts_codec_mask_token_id=CODEC_MASK,
             tts_text_pad_token_id=ids["<|tts_pad|>"], tts_text_start_token_id=ids["<|tts_bos|>"],
             tts_text_end_token_id=ids["<|tts_eos|>"], vision_end_token_id=ids["<|vision_eos|>"], **markers),

@@ -33,6 +33,9 @@ import torch
 
 from triton_omni.errors import RequestValidationError
 
+# the model's own talker defaults (Qwen2_5OmniForConditionalGeneration.generate)
+TALKER_DEFAULTS_25 = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": 4096}
+
 
 @dataclass
 class Qwen25Prompt:
@@ -78,6 +81,7 @@ class Qwen25Talker:
         self.device = next(talker.parameters()).device
         self.suppressed = torch.tensor([codec.tts_codec_start_token_id], device=self.device)
         self.groups = 1  # a code a frame: no code predictor (``TalkerBatcher`` reads it)
+        self.defaults = TALKER_DEFAULTS_25
         self.text_eos, self.text_pad = codec.tts_text_end_token_id, codec.tts_text_pad_token_id
         self.width = config.thinker_config.text_config.hidden_size
         self.default_voice = "chelsie" if "chelsie" in self.speakers else self.voices[0]  # generate's default

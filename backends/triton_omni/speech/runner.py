@@ -39,7 +39,6 @@ from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.request import SpeechLimits, SpeechRequest
 from triton_omni.speech.talker import (
     COMPILE_PARTS,
-    TALKER_DEFAULTS,
     TALKER_MAX_LEN,
     Qwen3Talker,
     TalkerBatcher,
@@ -163,7 +162,8 @@ class SpeechRunner:
 
     def parse(self, inputs: dict) -> SpeechRequest:
         request = SpeechRequest.from_inputs(inputs, self.config.limits, self.voices, self.default_voice,
-                                            TALKER_DEFAULTS, self.config.chunk_frames, self.config.first_chunk_frames)
+                                            self.talker.defaults, self.config.chunk_frames,
+                                            self.config.first_chunk_frames)
         self.talker.check_request(request, self.config.talker_max_len)
         return request
 

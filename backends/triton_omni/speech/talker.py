@@ -103,6 +103,7 @@ class Qwen3Talker:
         self.suppressed = torch.tensor([code for code in range(vocab - 1024, vocab) if code != self.eos],
                                        device=self.device)
         self.groups = codec.num_code_groups
+        self.defaults = TALKER_DEFAULTS  # a request's sampling where it sets none
         self._openings: dict[str, torch.Tensor] = {}  # a voice's codec opening (_opening_codec)
         self.default_voice = "ethan" if "ethan" in self.voices else next(iter(self.voices))  # generate's default
 

@@ -21,9 +21,11 @@ daemon thread, so that it does not keep the stub from exiting.)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,8 +89,18 @@ class TritonStages:
         self.errors = StageErrors(cancellations.directory)
         self.pool = DaemonPool(max_threads, "omni-bls")
 
+    @functools.cached_property
+    def speaks_from_states(self) -> bool:
+        """Whether the speaking model's talker reads the thinker's states at every token (Qwen2.5-Omni's)."""
+        if not self.speech_checkpoint:
+            return False
+        from triton_omni.demo_models import resolve_model
+
+        config = Path(resolve_model(self.speech_checkpoint)) / "config.json"
+        return json.loads(config.read_text()).get("model_type") == "qwen2_5_omni"
+
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
-                       audio: list[bytes] = (), heard: bool = False) -> AsyncIterator[TextDelta]:
+                       audio: list[bytes] = (), heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
         key = new_id()
         inputs = [_text("text_input", prompt, batched=False), _bool("stream", True),
                   _bool("return_finish_reason", True), _bool("return_token_ids", token_ids),
@@ -97,10 +109,13 @@ class TritonStages:
             inputs.append(pb_utils.Tensor("input_audio", np.array(list(audio), dtype=np.object_)))
         if heard:
             inputs.append(_bool("return_heard_states", True))
+        if states:
+            inputs.append(_bool("return_thinker_states", True))
         request = pb_utils.InferenceRequest(
             model_name=self.models["ar"], inputs=inputs,
             requested_output_names=["text_output", "finish_reason", "token_ids"]
-            + (["prompt_token_ids", "heard_states"] if heard else []),
+            + (["prompt_token_ids"] if heard or states else []) + (["heard_states"] if heard else [])
+            + (["thinker_states"] if states else []),
             parameters={KEY_PARAMETER: key},
         )
         async for response in self._stream(key, self.models["ar"], request):
@@ -111,10 +126,14 @@ class TritonStages:
             ids = pb_utils.get_output_tensor_by_name(response, "token_ids")
             delta = TextDelta(_string(text), _string(finish) if finish is not None else None,
                               ids.as_numpy().reshape(-1).tolist() if ids is not None else [])
-            states = pb_utils.get_output_tensor_by_name(response, "heard_states") if heard else None
-            if states is not None:
-                prompt_ids = pb_utils.get_output_tensor_by_name(response, "prompt_token_ids")
-                delta.heard = (prompt_ids.as_numpy().reshape(-1).tolist(), states.as_numpy())
+            prompt_ids = pb_utils.get_output_tensor_by_name(response, "prompt_token_ids") if heard or states else None
+            if prompt_ids is not None:  # on the first response
+                at_audio = pb_utils.get_output_tensor_by_name(response, "heard_states") if heard else None
+                delta.heard = (prompt_ids.as_numpy().reshape(-1).tolist(),
+                               at_audio.as_numpy() if at_audio is not None else None)
+            thinker = pb_utils.get_output_tensor_by_name(response, "thinker_states") if states else None
+            if thinker is not None:
+                delta.states = thinker.as_numpy()
             # vLLM sends empty deltas for partial UTF-8 characters (their tokens still count)
             if delta.text or delta.finish_reason or delta.token_ids:
                 yield delta
@@ -130,8 +149,6 @@ class TritonStages:
                                          "no speech stage (serve a speech demo, or set omni's speech_checkpoint)",
                                          "audio")
         if self._chat_template is None:
-            from pathlib import Path
-
             from triton_omni.demo_models import resolve_model
             from triton_omni.scheduler.chat import ChatTemplate
 
@@ -150,13 +167,20 @@ class TritonStages:
         inputs = [_text("text_input", prompt, batched=False),
                   pb_utils.Tensor("reply_ids", np.array(reply.ids, dtype=np.int64))]
         if heard is not None:
-            inputs += [pb_utils.Tensor("prompt_ids", np.array(heard[0], dtype=np.int64)),
-                       pb_utils.Tensor("heard_states", np.ascontiguousarray(heard[1], dtype=np.float32))]
+            inputs.append(pb_utils.Tensor("prompt_ids", np.array(heard[0], dtype=np.int64)))
+            if heard[1] is not None:
+                inputs.append(pb_utils.Tensor("heard_states", np.ascontiguousarray(heard[1], dtype=np.float32)))
+        # the reply's tokens and the thinker's states with them, taken together: rows for the prompt and
+        # each token so far but the last (the speech stage checks the count)
+        sent_ids, sent_states = len(reply.ids), len(reply.states)
+        if self.speaks_from_states:
+            inputs.append(pb_utils.Tensor("thinker_states", np.ascontiguousarray(
+                np.concatenate(reply.states), dtype=np.float32)))
         inputs += [_text(name, value, batched=False) if isinstance(value, str)
                    else pb_utils.Tensor(name, np.array([value], dtype=_SPEECH_TYPES[name]))
                    for name, value in options.items()]
         parameters = {KEY_PARAMETER: key}
-        writer = None if reply.ended else ReplyWriter()
+        writer = None if reply.ended else ReplyWriter(states=self.speaks_from_states)
         if writer is not None:
             parameters[REPLY_PARAMETER] = writer.name
         feeding = None
@@ -165,7 +189,7 @@ class TritonStages:
                                                 requested_output_names=["audio", "codes", "sample_rate"],
                                                 parameters=parameters)
             if writer is not None:
-                feeding = asyncio.create_task(_feed(reply, len(reply.ids), writer))
+                feeding = asyncio.create_task(_feed(reply, sent_ids, sent_states, writer))
             async for response in self._stream(key, model, request):
                 audio = pb_utils.get_output_tensor_by_name(response, "audio")
                 if audio is None or audio.as_numpy().size == 0:
@@ -322,10 +346,11 @@ def _stage_error(model: str, tagged: str, code: int | None = None) -> StageError
     return StageError(model, status, message)
 
 
-async def _feed(reply: Reply, sent: int, writer: ReplyWriter) -> None:
-    """The reply's tokens past the first ``sent`` to ``writer`` as they come, then its end."""
-    async for ids in reply.changes(sent):
-        writer.add(ids)
+async def _feed(reply: Reply, sent: int, sent_states: int, writer: ReplyWriter) -> None:
+    """The reply's tokens past the first ``sent`` (and its states past the first ``sent_states``
+    deltas') to ``writer`` as they come, then its end."""
+    async for ids, states in reply.changes(sent, sent_states):
+        writer.add(ids, np.concatenate(states) if states else None)
     writer.end()
 
 

@@ -1,0 +1,123 @@
+"""Qwen2.5-Omni's speech through Triton (``serve --demo qwen2.5-omni``): ``ar`` serves the tiny
+model's thinker on the transformers engine, handing on its states at every token
+(``return_thinker_states``), ``speech`` its talker and ``token2wav``, ``omni`` chains them.
+
+Held to the model's own ``generate(..., return_audio=True)``, greedy in the thinker and the talker,
+``token2wav``'s noise from the same seed: the same text, the same codes, the waveform within
+``TOLERANCE``; another voice, or another seed of the decoder's noise, moves the waveform more than a
+hundred times as far (checked here, so that the tolerance can fail)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+from triton_omni.demo_models import resolve_model
+from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
+from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+PROMPT = "a red fox"
+SEED = 5
+THINKER = {"max_tokens": 8, "temperature": 0.0}
+# enough codes that the first audio (token2wav decodes a block of 12 codes once two more follow it)
+# leaves before the talker's end: the end of speech held off to max_tokens
+TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 60, "talker_min_tokens": 60, "talker_seed": SEED}
+TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is about 1e-6
+
+
+@pytest.fixture(scope="module")
+def qwen25_server(tmp_path_factory):
+    options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                            model_control_mode="explicit", demo="qwen2.5-omni", load_models=["ar", "speech", "omni"],
+                            log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
+    with TritonServer(options) as server:
+        yield server
+
+
+@functools.cache
+def demo():
+    folder = resolve_model("demo:tiny-qwen2.5-omni")
+    return AutoTokenizer.from_pretrained(folder), Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).eval()
+
+
+@functools.cache
+def reference(voice: str = "Chelsie", seed: int = SEED) -> tuple[str, np.ndarray, np.ndarray]:
+    """The model's own generate, greedy: (the reply's text, its codes, its waveform)."""
+    tokenizer, model = demo()
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                              tokenize=False)
+    ids = tokenizer(templated, return_tensors="pt").input_ids
+    seen = {}
+    token2wav = model.token2wav.forward
+
+    def keep_codes(code, *args, **kwargs):
+        seen["codes"] = code[0].numpy()
+        return token2wav(code, *args, **kwargs)
+
+    model.token2wav.forward = keep_codes
+    try:
+        torch.manual_seed(seed)  # the only draw: token2wav's noise (the thinker and the talker are greedy)
+        with torch.no_grad():
+            sequences, wav = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_do_sample=False,
+                thinker_max_new_tokens=THINKER["max_tokens"], talker_do_sample=False,
+                talker_max_new_tokens=TALKER["talker_max_tokens"], talker_min_new_tokens=TALKER["talker_min_tokens"],
+                talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+    finally:
+        del model.token2wav.forward
+    return (tokenizer.decode(sequences[0, ids.shape[1]:], skip_special_tokens=True), seen["codes"],
+            wav.flatten().numpy())
+
+
+def spoken(events) -> tuple[str, np.ndarray, np.ndarray, list[int]]:
+    """(text, audio, codes, each audio chunk's frames) of an ``OmniClient.generate`` stream."""
+    events = list(events)
+    chunks = [e for e in events if e.audio is not None]
+    return ("".join(e.text for e in events if e.text), np.concatenate([e.audio for e in chunks]),
+            np.concatenate([e.audio_codes for e in chunks], axis=1)[0], [e.audio_codes.shape[1] for e in chunks])
+
+
+def test_omni_speaks_as_the_models_generate(qwen25_server):
+    reply, codes, wav = reference()
+    assert len(codes) > 36  # long enough that audio could leave before the talker's end
+    for other in (reference(voice="Ethan")[2], reference(seed=SEED + 1)[2]):
+        n = min(len(other), len(wav))
+        assert len(other) != len(wav) or np.abs(other[:n] - wav[:n]).max() > 100 * TOLERANCE
+    client = OmniClient(qwen25_server.grpc_url)
+    for stream in (True, False):
+        text, audio, served_codes, frames = spoken(client.generate(
+            PROMPT, modalities=["text", "audio"], stream=stream, voice="chelsie", **THINKER, **TALKER))
+        assert text == reply
+        np.testing.assert_array_equal(served_codes, codes)
+        assert audio.shape == wav.shape and np.abs(audio - wav).max() <= TOLERANCE
+        if stream:  # the first audio left with the frames it ends, before the talker had drawn them all
+            assert len(frames) > 1 and frames[0] < len(codes)
+    _, audio, _, _ = spoken(client.generate(PROMPT, modalities=["audio"], voice="ethan", **THINKER, **TALKER))
+    assert np.abs(audio - reference(voice="Ethan")[2]).max() <= TOLERANCE
+
+
+def test_bad_input_is_refused_by_name_and_the_next_request_is_served(qwen25_server):
+    client = OmniClient(qwen25_server.grpc_url)
+    with pytest.raises(OmniError, match="voice"):
+        list(client.generate(PROMPT, modalities=["audio"], voice="nobody", **THINKER, **TALKER))
+    # the speech stage called without the thinker's states it reads
+    with grpcclient.InferenceServerClient(qwen25_server.grpc_url) as triton:
+        inputs = []
+        for name, value, kind in (("text_input", np.array([PROMPT.encode()], dtype=np.object_), "BYTES"),
+                                  ("reply_ids", np.array([5, 6], dtype=np.int64), "INT64")):
+            tensor = grpcclient.InferInput(name, list(value.shape), kind)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        errors = []
+        triton.start_stream(callback=lambda result, error: errors.append(error))
+        triton.async_stream_infer("speech", inputs)
+        triton.stop_stream()
+    assert errors and errors[0] is not None and "thinker_states" in str(errors[0])
+    text, _, codes, _ = spoken(client.generate(PROMPT, modalities=["text", "audio"], **THINKER, **TALKER))
+    assert text == reference()[0] and np.array_equal(codes, reference()[1])
