@@ -25,6 +25,8 @@ from triton_omni_gateway.audio import (
     Voices,
     encoded,
     no_speech_model,
+    read_as_thinker,
+    reads_states,
     speak,
     spoken_chat,
     sse,
@@ -215,7 +217,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if SPEECH_MODEL not in await triton.models():
             raise no_speech_model(body.model)
         answer = spoken_chat(triton, model, prompt, body.sampling(), body.audio.voice, body.audio.format, body.stream,
-                             body.talker.values() if body.talker else {}, audio=body.audio_clips())
+                             body.talker.values() if body.talker else {}, audio=body.audio_clips(),
+                             states=reads_states(templates.paths.get(SPEECH_MODEL)))
         try:
             if not body.stream:
                 return await unless_disconnected(request, answer)
@@ -239,9 +242,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         tokenizer = await templates.tokenizer(body.model)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": body.input}], tokenize=False,
                                                add_generation_prompt=True)
-        reply = tokenizer(body.input, add_special_tokens=False)["input_ids"] + [
-            tokenizer.convert_tokens_to_ids("<|im_end|>")]  # the end of the reply, as a thinker ends it
-        chunks = speak(triton, prompt, reply, body.voice, body.model, body.talker.values() if body.talker else None)
+        talker = body.talker.values() if body.talker else None
+        if reads_states(templates.paths.get(body.model)):  # its talker reads the thinker's states at the input
+            prompt_ids, reply, states = await read_as_thinker(triton, thinker_of(body.model), prompt, body.input,
+                                                              tokenizer)
+            chunks = speak(triton, prompt, reply, body.voice, body.model, talker, states=(prompt_ids, states))
+        else:
+            reply = tokenizer(body.input, add_special_tokens=False)["input_ids"] + [
+                tokenizer.convert_tokens_to_ids("<|im_end|>")]  # the end of the reply, as a thinker ends it
+            chunks = speak(triton, prompt, reply, body.voice, body.model, talker)
         media_type = MEDIA_TYPES[body.response_format]
         if body.stream_format is None:
             return Response(await unless_disconnected(request, whole_audio(chunks, body.response_format)),
@@ -278,6 +287,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return error
         return OpenAIError(error.status, error.message.replace(f"`{error.param}`", f"`{part}`"), param=part,
                            code=error.code)
+
+    def thinker_of(speech_model: str) -> str:
+        """The text model serving the same checkpoint as ``speech_model`` (its thinker)."""
+        folder = templates.paths.get(speech_model)
+        for name, path in templates.paths.items():
+            if name != speech_model and path == folder:
+                return name
+        raise OpenAIError(400, f"model '{speech_model}' reads its thinker's states, and this gateway knows no text "
+                          "model serving its checkpoint", param="model", code="model_not_found")
 
     async def served_by(name: str) -> tuple[str, str | None]:
         """(the Triton model, the LoRA adapter or None) a request's ``model`` names: an adapter of a

@@ -40,16 +40,21 @@ SPEECH_FIELDS = {"text_input": "input", "reply_ids": "input", "voice": "voice"}
 
 
 async def speak(triton: Triton, prompt: str, reply_ids: list[int], voice: str, model: str = SPEECH_MODEL,
-                talker: dict[str, Any] | None = None,
-                heard: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
+                talker: dict[str, Any] | None = None, heard: tuple[list[int], np.ndarray] | None = None,
+                states: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
     """The reply's samples (float32) and their rate, chunk by chunk as the speech model sends them;
     ``talker``: its sampling options, by the speech model's names; ``heard``: a prompt with audio as
-    the thinker read it, and its states at the audio (``ar``'s ``return_heard_states``)."""
+    the thinker read it, and its states at the audio (``ar``'s ``return_heard_states``); ``states``:
+    the prompt as the thinker read it and its states at every prompt and reply token but the last
+    (``ar``'s ``return_thinker_states``), which a Qwen2.5-Omni talker reads."""
     values = {"text_input": prompt, "reply_ids": np.asarray(reply_ids, dtype=np.int64), "voice": voice,
               **(talker or {})}
     if heard is not None:
         values |= {"prompt_ids": np.asarray(heard[0], dtype=np.int64),
                    "heard_states": np.ascontiguousarray(heard[1], dtype=np.float32)}
+    if states is not None:
+        values |= {"prompt_ids": np.asarray(states[0], dtype=np.int64),
+                   "thinker_states": np.ascontiguousarray(states[1], dtype=np.float32)}
     ended = lambda result: result.as_numpy("finish_reason") is not None  # noqa: E731
     try:
         async with aclosing(triton.stream(model, values, ended)) as results:
@@ -157,8 +162,16 @@ def sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     return events()
 
 
+def reads_states(folder: str | None) -> bool:
+    """Whether the speaking checkpoint's talker reads the thinker's states at every token (a
+    Qwen2.5-Omni's), which the thinker then hands on (``return_thinker_states``)."""
+    return folder is not None and json.loads((Path(folder) / "config.json").read_text()).get("model_type") \
+        == "qwen2_5_omni"
+
+
 class Voices:
-    """The speech model's voices, from its checkpoint's config (``talker_config.speaker_id``)."""
+    """The speech model's voices, from its checkpoint: Qwen3-Omni's config (``talker_config.speaker_id``),
+    Qwen2.5-Omni's ``spk_dict.pt``."""
 
     def __init__(self, folder: str | None):
         self.folder = folder
@@ -166,6 +179,10 @@ class Voices:
     def names(self) -> list[str]:
         if self.folder is None:
             return []
+        if reads_states(self.folder):
+            import torch
+
+            return sorted(torch.load(Path(self.folder) / "spk_dict.pt", map_location="cpu", weights_only=True))
         config = json.loads((Path(self.folder) / "config.json").read_text())
         return sorted((config.get("talker_config") or {}).get("speaker_id") or {})
 
@@ -191,23 +208,28 @@ def no_speech_model(model: str) -> OpenAIError:
 
 async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[str, Any], voice: str, format: str,
                       stream: bool, talker: dict[str, Any], speech_model: str = SPEECH_MODEL,
-                      audio: list[bytes] | None = None):
+                      audio: list[bytes] | None = None, states: bool = False):
     """A chat's reply, spoken: the thinker's (``model``) text, then its audio. Whole: OpenAI's
     ``message.audio`` (``data`` the file in ``format``, ``transcript`` the text). Streamed: the
     transcript's deltas as ``delta.audio.transcript`` while the thinker writes, then the samples as
     ``delta.audio.data`` (16-bit PCM) while the talker speaks. ``audio``: the files the prompt's
-    audio markers stand for; the thinker hands on its states at them, which the talker reads."""
+    audio markers stand for; the thinker hands on its states at them, which the talker reads.
+    ``states``: the talker reads the thinker's states at every token (Qwen2.5-Omni's), asked for here."""
     from triton_omni_gateway.text import deltas
 
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-    state = {"text": "", "ids": [], "reason": "stop", "prompt_tokens": 0, "tokens": 0, "heard": None}
+    state = {"text": "", "ids": [], "reason": "stop", "prompt_tokens": 0, "tokens": 0, "heard": None,
+             "prompt_ids": [], "states": []}
 
     async def reply() -> AsyncIterator[str]:
         async with aclosing(deltas(triton, model, prompt, sampling, token_ids=True, audio=audio,
-                                   heard=bool(audio))) as parts:
+                                   heard=bool(audio), states=states)) as parts:
             async for delta in parts:
                 if delta.heard_states is not None:
                     state["heard"] = (delta.prompt_token_ids, delta.heard_states)
+                if delta.thinker_states is not None:
+                    state["prompt_ids"] = state["prompt_ids"] or delta.prompt_token_ids
+                    state["states"].append(delta.thinker_states)
                 state["text"] += delta.texts[0] if delta.texts else ""
                 state["ids"] += delta.token_ids
                 state["tokens"] += delta.tokens[0] if delta.tokens else 0
@@ -221,11 +243,14 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
         return {"prompt_tokens": state["prompt_tokens"], "completion_tokens": state["tokens"],
                 "total_tokens": state["prompt_tokens"] + state["tokens"]}
 
+    def spoken() -> AsyncIterator[tuple[np.ndarray, int]]:
+        thinker = (state["prompt_ids"], np.concatenate(state["states"])) if state["states"] else None
+        return speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"], thinker)
+
     if not stream:
         async for _ in reply():
             pass
-        data = await whole(speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"]),
-                           "pcm" if format == "pcm16" else format)
+        data = await whole(spoken(), "pcm" if format == "pcm16" else format)
         message = {"role": "assistant", "content": None, "audio": chat_audio(data, state["text"])}
         return {"id": ident, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": state["reason"]}],
@@ -250,8 +275,7 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
                 yield chunk({"audio": {"id": ident_audio, "transcript": first_text}})
             async for text in texts:
                 yield chunk({"audio": {"id": ident_audio, "transcript": text}})
-            spoken = speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"])
-            async with aclosing(encoded(spoken, "pcm")) as pcm:
+            async with aclosing(encoded(spoken(), "pcm")) as pcm:
                 async for data in pcm:
                     yield chunk({"audio": {"id": ident_audio, "data": base64.b64encode(data).decode()}})
             yield chunk({"audio": {"id": ident_audio, "expires_at": expires_at()}}, state["reason"])
@@ -266,3 +290,29 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
         await texts.aclose()
 
     return chunks, close
+
+
+
+async def read_as_thinker(triton: Triton, thinker: str, prompt: str, text: str,
+                          tokenizer) -> tuple[list[int], list[int], np.ndarray]:
+    """What a Qwen2.5-Omni talker reads of a reply it is handed rather than one its thinker wrote
+    (``/v1/audio/speech``'s ``input``): the thinker (the model ``thinker``) reads the prompt and the
+    text after it, one token asked of it, and hands on its states there. The prompt's ids and the
+    reply's (the text's, then the end of the turn), and the states at the prompt and the reply but
+    its last token."""
+    from triton_omni_gateway.text import deltas
+
+    read: list[int] = []
+    found: list[np.ndarray] = []
+    async with aclosing(deltas(triton, thinker, prompt + text, {"max_tokens": 1, "temperature": 0.0},
+                               states=True)) as parts:
+        async for delta in parts:
+            read = read or delta.prompt_token_ids
+            if delta.thinker_states is not None:
+                found.append(delta.thinker_states)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    if read[:len(prompt_ids)] != prompt_ids or len(read) == len(prompt_ids):
+        raise OpenAIError(400, "the model's tokenizer joins the input's first characters to the prompt before "
+                          "it; begin the input with a word", param="input")
+    reply = [*read[len(prompt_ids):], tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return prompt_ids, reply, np.concatenate(found)

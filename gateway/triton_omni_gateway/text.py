@@ -49,31 +49,37 @@ class Delta:
     # a spoken reply to audio, on the first delta: the prompt as the thinker read it, its states at the audio
     prompt_token_ids: list[int] = field(default_factory=list)
     heard_states: np.ndarray | None = None
+    # a spoken reply whose talker reads the thinker's states (Qwen2.5-Omni's): those of the positions the
+    # thinker read since the previous delta (the prompt's on the first, with prompt_token_ids)
+    thinker_states: np.ndarray | None = None
 
 
 def ar_values(prompt: str, sampling: dict[str, Any], token_ids: bool = False,
-              audio: list[bytes] | None = None, heard: bool = False) -> dict[str, Any]:
+              audio: list[bytes] | None = None, heard: bool = False, states: bool = False) -> dict[str, Any]:
     """The ``ar`` model's inputs for one streamed request (``audio``: the files the prompt's audio
-    markers stand for; ``heard``: the thinker's states at them asked for, which a talker reads)."""
+    markers stand for; ``heard``: the thinker's states at them asked for, which a talker reads;
+    ``states``: its states at every position, which a Qwen2.5-Omni talker reads)."""
     return {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
             "return_logprobs": "logprobs" in sampling, "return_token_ids": token_ids} \
-        | ({"input_audio": audio} if audio else {}) | ({"return_heard_states": True} if heard else {})
+        | ({"input_audio": audio} if audio else {}) | ({"return_heard_states": True} if heard else {}) \
+        | ({"return_thinker_states": True} if states else {})
 
 
 async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any],
                  token_ids: bool = False, audio: list[bytes] | None = None,
-                 heard: bool = False) -> AsyncIterator[Delta]:
+                 heard: bool = False, states: bool = False) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
     finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
     # aclosing: closing this generator closes Triton's stream, which cancels the request in the model
     # (an `async for` left early does not close what it iterates)
-    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids, audio, heard),
+    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids, audio, heard, states),
                                       finished)) as results:
         async for result in results:
             found = outputs(result)
-            states = result.as_numpy("heard_states") if "heard_states" in found else None
+            heard_states = result.as_numpy("heard_states") if "heard_states" in found else None
+            thinker_states = result.as_numpy("thinker_states") if "thinker_states" in found else None
             texts = found.get("text_output", [])
             logprobs = found.get("logprobs")
             yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
@@ -81,7 +87,8 @@ async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, An
                         finish_reasons=found.get("finish_reason"),
                         prompt_tokens=(found.get("num_input_tokens") or [0])[0],
                         token_ids=found.get("token_ids") or [],
-                        prompt_token_ids=found.get("prompt_token_ids") or [], heard_states=states)
+                        prompt_token_ids=found.get("prompt_token_ids") or [], heard_states=heard_states,
+                        thinker_states=thinker_states)
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:

@@ -156,7 +156,8 @@ def first(result: grpcclient.InferResult, name: str) -> Any:
 NUMERIC = {"UINT32": "<u4", "INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "BOOL": "?"}
 
 
-LARGE_OUTPUTS = {"heard_states"}  # read with as_numpy, where they are wanted: never as a list of floats
+# read with as_numpy, where they are wanted: never as a list of floats
+LARGE_OUTPUTS = {"heard_states", "thinker_states"}
 
 
 def outputs(result: grpcclient.InferResult) -> dict[str, list[Any]]:

@@ -9,18 +9,32 @@ hundred times as far (checked here, so that the tolerance can fail)."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
+import json
+import subprocess
+import sys
+import urllib.request
+import wave
 from pathlib import Path
 
+import av
 import numpy as np
+import openai
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 from triton_omni.demo_models import resolve_model
 from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
+from triton_omni.speech.qwen25_talker import Qwen25Talker
+from triton_omni.speech.token2wav import StreamingToken2Wav
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+
+from tests.support.qwen25 import greedy_codes, thinker_states
 
 PROMPT = "a red fox"
 SEED = 5
@@ -29,6 +43,8 @@ THINKER = {"max_tokens": 8, "temperature": 0.0}
 # leaves before the talker's end: the end of speech held off to max_tokens
 TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 60, "talker_min_tokens": 60, "talker_seed": SEED}
 TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is about 1e-6
+PCM16 = 1 / 32767  # a 16-bit sample's step (the gateway's WAV and pcm16)
+GATEWAY_TALKER = {key.removeprefix("talker_"): value for key, value in TALKER.items()}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +53,14 @@ def qwen25_server(tmp_path_factory):
                             model_control_mode="explicit", demo="qwen2.5-omni", load_models=["ar", "speech", "omni"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
     with TritonServer(options) as server:
-        yield server
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories))
+        gateway.start()
+        try:
+            server.gateway_url = f"http://{gateway.url}"
+            server.openai = openai.OpenAI(base_url=f"{server.gateway_url}/v1", api_key="unused")
+            yield server
+        finally:
+            gateway.stop()
 
 
 @functools.cache
@@ -121,3 +144,74 @@ def test_bad_input_is_refused_by_name_and_the_next_request_is_served(qwen25_serv
     assert errors and errors[0] is not None and "thinker_states" in str(errors[0])
     text, _, codes, _ = spoken(client.generate(PROMPT, modalities=["text", "audio"], **THINKER, **TALKER))
     assert text == reference()[0] and np.array_equal(codes, reference()[1])
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767
+
+
+def test_the_gateway_speaks_a_chat_as_the_models_generate(qwen25_server):
+    """``/v1/chat/completions`` with audio through the ``openai`` SDK: the transcript is generate's text
+    and the audio its waveform (to 16-bit PCM's step), whole and streamed; the voices are the model's."""
+    reply, _, wav = reference()
+    chat = {"model": "ar", "messages": [{"role": "user", "content": PROMPT}], "modalities": ["text", "audio"],
+            "max_tokens": THINKER["max_tokens"], "temperature": 0.0, "extra_body": {"talker": GATEWAY_TALKER}}
+    answer = qwen25_server.openai.chat.completions.create(audio={"voice": "chelsie", "format": "wav"}, **chat)
+    audio = answer.choices[0].message.audio
+    assert audio.transcript == reply
+    with av.open(io.BytesIO(base64.b64decode(audio.data))) as container:
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+    transcript, data = "", b""
+    for chunk in qwen25_server.openai.chat.completions.create(audio={"voice": "chelsie", "format": "pcm16"},
+                                                             stream=True, **chat):
+        if chunk.choices and chunk.choices[0].delta.audio is not None:
+            transcript += chunk.choices[0].delta.audio.transcript or ""
+            data += base64.b64decode(chunk.choices[0].delta.audio.data or "")
+    assert transcript == reply and np.abs(pcm16(data) - wav).max() <= TOLERANCE + PCM16
+    voices = json.loads(urllib.request.urlopen(f"{qwen25_server.gateway_url}/v1/audio/voices").read())
+    assert voices == {"voices": ["Chelsie", "Ethan"]}
+
+
+def spoken_input(text: str, voice: str) -> np.ndarray:
+    """``text`` spoken as the reply to itself as a user turn, from the model's parts driven as its
+    generate drives them: the thinker's states over the prompt and the text, the talker greedy, the
+    decode from the same seed."""
+    tokenizer, model = demo()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    reply = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    talker = Qwen25Talker(model.talker, model.thinker.get_input_embeddings(), model.speaker_map, model.config)
+    prompt_of = talker.prompt(ids[0].tolist(), reply, voice, states=thinker_states(model, ids, reply))
+    codes = greedy_codes(talker, prompt_of, TALKER["talker_max_tokens"], TALKER["talker_min_tokens"])
+    stream = StreamingToken2Wav(model.token2wav).stream(*talker.voice_conditioning(voice),
+                                                       torch.Generator().manual_seed(SEED))
+    return stream.add(codes, final=True).numpy()
+
+
+def test_the_speech_endpoint_speaks_its_input_as_the_models_parts_do(qwen25_server):
+    """``/v1/audio/speech``: the thinker reads the input (its states, which the talker reads), the
+    talker speaks it; the WAV's samples are the model's parts' (to 16-bit PCM's step), another
+    voice's far from them."""
+    speech = {"model": "speech", "input": "a red fox", "extra_body": {"talker": GATEWAY_TALKER}}
+    expected = spoken_input("a red fox", "chelsie")
+    assert np.abs(spoken_input("a red fox", "ethan") - expected).max() > 100 * TOLERANCE
+    wav = qwen25_server.openai.audio.speech.create(response_format="wav", voice="chelsie", **speech).content
+    samples = pcm16(wav[44:])
+    assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16
+
+
+def test_the_cli_writes_the_spoken_reply(qwen25_server, tmp_path):
+    """`omni-triton generate --modalities text,audio --out reply.wav`: generate's text and waveform."""
+    reply, _, expected = reference()
+    talker = [f"--param={key}={value}" for key, value in TALKER.items()]
+    done = subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate", PROMPT, "--url",
+                           qwen25_server.grpc_url, "--modalities", "text,audio", "--out", str(tmp_path / "reply.wav"),
+                           "--max-tokens", str(THINKER["max_tokens"]), "--param=temperature=0",
+                           "--param=voice=chelsie", *talker], check=True, capture_output=True, text=True)
+    assert done.stdout.startswith(reply) and "wrote" in done.stdout
+    with wave.open(str(tmp_path / "reply.wav")) as file:
+        samples = pcm16(file.readframes(file.getnframes()))
+    assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16

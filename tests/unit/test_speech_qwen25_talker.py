@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniForConditionalGeneration
+from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.token2wav import StreamingToken2Wav
+
+from tests.support.qwen25 import greedy_codes, thinker_states
 
 REPLY_TOKENS, MAX_CODES, STEPS, SEED = 12, 40, 4, 7
 
@@ -53,39 +55,6 @@ def generated(model, ids, voice: str):
     finally:
         del model.talker.generate, model.token2wav.forward
     return sequences[0, ids.shape[1]:].tolist(), seen, wav.flatten()
-
-
-def thinker_states(model, ids, reply):
-    """What the ar stage's thinker hands on: layer 0's input plus the last layer's state at the prompt
-    and every reply token but the last (here from one pass over them)."""
-    tokens = torch.tensor([ids[0].tolist() + reply[:-1]])
-    with torch.no_grad():
-        states = model.thinker(input_ids=tokens, output_hidden_states=True).hidden_states
-    return states[0][0] + states[-1][0]
-
-
-@torch.no_grad()
-def greedy_codes(talker: Qwen25Talker, prompt, max_codes: int) -> list[int]:
-    """One utterance through the talker a step at a time, greedy, as generate draws."""
-    model, cache = talker.talker, DynamicCache()
-    positions = torch.arange(len(prompt.embeds))[None, None].expand(3, 1, -1)
-    hidden = model.model(inputs_embeds=prompt.embeds[None], position_ids=positions, past_key_values=cache,
-                         use_cache=True).last_hidden_state
-    drawn: list[int] = []
-    for step in range(max_codes):
-        logits = model.codec_head(hidden[:, -1]).float()[0]
-        seen = torch.tensor(sorted(set(prompt.prompt_codes + drawn)))
-        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.05, logits[seen] * 1.05)
-        logits[talker.suppressed] = float("-inf")
-        code = int(logits.argmax())
-        if code in talker.stop_ids:
-            break
-        drawn.append(code)
-        inputs = talker.step_inputs(torch.tensor([code]), prompt.step_state(step)[None])
-        position = torch.full((3, 1, 1), len(prompt.embeds) + step)
-        hidden = model.model(inputs_embeds=inputs, position_ids=position, past_key_values=cache,
-                             use_cache=True).last_hidden_state
-    return drawn
 
 
 def test_the_prompt_codes_and_waveform_are_generates(demo):

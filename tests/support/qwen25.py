@@ -1,0 +1,45 @@
+"""Qwen2.5-Omni's talker driven one utterance at a time, as the model's ``generate`` drives it: the
+reference a reply the thinker did not write (``/v1/audio/speech``'s ``input``) is held to, the
+talker's prompt and the decoder being held to ``generate`` itself in the unit tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from triton_omni.speech.qwen25_talker import Qwen25Talker
+
+
+def thinker_states(model, ids, reply):
+    """What the ar stage's thinker hands on: layer 0's input plus the last layer's state at the prompt
+    and every reply token but the last (here from one pass over them)."""
+    tokens = torch.tensor([ids[0].tolist() + reply[:-1]])
+    with torch.no_grad():
+        states = model.thinker(input_ids=tokens, output_hidden_states=True).hidden_states
+    return states[0][0] + states[-1][0]
+
+
+@torch.no_grad()
+def greedy_codes(talker: Qwen25Talker, prompt, max_codes: int, min_codes: int = 0) -> list[int]:
+    """One utterance through the talker a step at a time, greedy, as generate draws (its end of speech
+    held off for ``min_codes``)."""
+    model, cache = talker.talker, DynamicCache()
+    positions = torch.arange(len(prompt.embeds))[None, None].expand(3, 1, -1)
+    hidden = model.model(inputs_embeds=prompt.embeds[None], position_ids=positions, past_key_values=cache,
+                         use_cache=True).last_hidden_state
+    drawn: list[int] = []
+    for step in range(max_codes):
+        logits = model.codec_head(hidden[:, -1]).float()[0]
+        seen = torch.tensor(sorted(set(prompt.prompt_codes + drawn)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.05, logits[seen] * 1.05)
+        logits[talker.suppressed] = float("-inf")
+        if step < min_codes:
+            logits[talker.stop_ids] = float("-inf")
+        code = int(logits.argmax())
+        if code in talker.stop_ids:
+            break
+        drawn.append(code)
+        inputs = talker.step_inputs(torch.tensor([code]), prompt.step_state(step)[None])
+        position = torch.full((3, 1, 1), len(prompt.embeds) + step)
+        hidden = model.model(inputs_embeds=inputs, position_ids=position, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+    return drawn
