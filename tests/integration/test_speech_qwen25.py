@@ -15,6 +15,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 import wave
 from pathlib import Path
@@ -35,6 +36,7 @@ from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
 from tests.support.qwen25 import greedy_codes, thinker_states
+from tests.support.server import metric_value
 
 PROMPT = "a red fox"
 SEED = 5
@@ -215,3 +217,24 @@ def test_the_cli_writes_the_spoken_reply(qwen25_server, tmp_path):
     with wave.open(str(tmp_path / "reply.wav")) as file:
         samples = pcm16(file.readframes(file.getnframes()))
     assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16
+
+
+def test_a_client_that_leaves_mid_speech_stops_the_talker_and_the_decoder(qwen25_server):
+    """A long utterance (the end of speech held off), left after its first audio: the speech stage
+    counts the request cancelled, and its audio stops growing."""
+    speech = lambda name, **labels: metric_value(qwen25_server, name, model="speech", **labels)  # noqa: E731
+    before = speech("omni_speech_requests_total", outcome="cancelled")
+    events = OmniClient(qwen25_server.grpc_url).generate(
+        PROMPT, modalities=["audio"], **THINKER, talker_temperature=0.0, talker_max_tokens=900,
+        talker_min_tokens=900, chunk_frames=12)
+    next(e for e in events if e.audio is not None)
+    events.close()
+    deadline = time.monotonic() + 30
+    while speech("omni_speech_requests_total", outcome="cancelled") == before:
+        assert time.monotonic() < deadline, "the speech stage never saw the cancellation"
+        time.sleep(0.2)
+    time.sleep(0.5)  # a decode under way when it was cancelled ends
+    spoken_seconds = speech("omni_speech_audio_seconds_total")
+    time.sleep(1.0)
+    assert speech("omni_speech_audio_seconds_total") == spoken_seconds
+    assert spoken_seconds < 900 / 50  # far from the whole utterance (50 codes a second)
