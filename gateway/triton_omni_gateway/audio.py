@@ -180,11 +180,30 @@ class Voices:
         if self.folder is None:
             return []
         if reads_states(self.folder):
-            import torch
-
-            return sorted(torch.load(Path(self.folder) / "spk_dict.pt", map_location="cpu", weights_only=True))
+            return sorted(_speaker_names(Path(self.folder) / "spk_dict.pt"))
         config = json.loads((Path(self.folder) / "config.json").read_text())
         return sorted((config.get("talker_config") or {}).get("speaker_id") or {})
+
+
+def _speaker_names(path: Path) -> list[str]:
+    """The voices of a Qwen2.5-Omni ``spk_dict.pt`` (a torch zip: a pickled dict, a voice's name to its
+    tensors), read without torch (the gateway loads no ML library): the dict's keys, its tensors left
+    unbuilt."""
+    import pickle
+    import zipfile
+
+    class Names(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if module == "collections" and name == "OrderedDict":
+                return dict
+            return lambda *args, **kwargs: None  # torch's rebuild functions and storages: not needed
+
+        def persistent_load(self, pid):
+            return None
+
+    with zipfile.ZipFile(path) as archive:
+        [data] = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        return list(Names(io.BytesIO(archive.read(data))).load())
 
 
 def audio_id() -> str:
