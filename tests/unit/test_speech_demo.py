@@ -86,3 +86,32 @@ def test_the_realistic_builder_writes_what_the_speech_stage_and_the_thinker_load
         {k: v.shape for k, v in code2wav.state_dict().items()}
     assert model.thinker.model.embed_tokens.weight.shape == embedding.weight.shape
     assert all(torch.isfinite(p).all() for p in model.talker.parameters())  # its experts drawn, not torch.empty
+
+
+def test_the_realistic_qwen25_builder_writes_what_the_speech_stage_and_the_thinker_load(tmp_path):
+    """``demo:realistic-qwen2.5-omni``'s builder, run at the tiny shapes (the real ones are 10 B
+    parameters, for a GPU): the speech stage loads its parts strictly, the thinker's causal LM folder
+    is taken from it and loads on the transformers engine, and the whole model built in memory has
+    the saved parts' shapes and voices."""
+    from transformers import AutoConfig
+    from triton_omni.ar.engine_transformers import TransformersEngine
+    from triton_omni.ar.language_model import language_model
+    from triton_omni.speech.demos import _config_25, build_qwen2_5_omni_in_memory, build_realistic_qwen2_5_omni
+    from triton_omni.speech.runner import load_qwen25_speech
+
+    build_realistic_qwen2_5_omni(tmp_path, config_of=_config_25)
+    talker, token2wav, embedding, speakers = load_qwen25_speech(tmp_path, AutoConfig.from_pretrained(tmp_path),
+                                                                torch.device("cpu"), torch.float32)
+    assert sorted(speakers) == list(VOICES_25)
+    engine = TransformersEngine(str(language_model(tmp_path, tmp_path)), "cpu", torch.float32, max_num_seqs=1)
+    try:
+        assert torch.equal(engine.model.get_input_embeddings().weight, embedding.weight)
+    finally:
+        import asyncio
+
+        asyncio.run(engine.shutdown())
+    model = build_qwen2_5_omni_in_memory(tmp_path, "cpu")
+    for built, loaded in ((model.talker, talker), (model.token2wav, token2wav)):
+        assert {k: v.shape for k, v in built.state_dict().items()} == \
+            {k: v.shape for k, v in loaded.state_dict().items()}
+    assert sorted(model.speaker_map) == list(VOICES_25)

@@ -36,6 +36,9 @@ THINKER_LANGUAGE_MODEL_OF = {
 }
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # the checkpoint's weights: never the tokenizer's
+
+
 def language_key(key: str, omni: bool = False) -> str | None:
     """The causal LM's name of a checkpoint's tensor, or None for the towers' and
     the other stages': a vision-language checkpoint names the language model
@@ -88,7 +91,8 @@ def _write(model: Path, tokenizer: Path, out: Path) -> None:
         shutil.copy(model / "generation_config.json", out)
     _copy_language_weights(model, out, omni)
     for path in tokenizer.iterdir():  # an omni's tokenizer sits beside its own config and weights
-        if path.is_file() and not path.name.startswith((".", "config.json", "generation_config.json", "model")):
+        if path.is_file() and not path.name.startswith((".", "config.json", "generation_config.json", "model")) \
+                and path.suffix not in WEIGHT_SUFFIXES:  # a shard of the same name would undo its copy's
             shutil.copy(path, out)
 
 

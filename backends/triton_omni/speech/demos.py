@@ -267,13 +267,9 @@ def build_tiny_qwen2_5_omni(out: Path) -> None:
     import torch
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
-    from triton_omni.demo_models import AR_SHAPE, amplify, build_tokenizer
+    from triton_omni.demo_models import amplify
 
-    voices = tuple(f"<|spk_{voice.lower()}|>" for voice in VOICES_25)
-    tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS_25 + voices)
-    ids = {token: tokenizer.convert_tokens_to_ids(token)
-           for token in (*MARKERS_25, *voices, "<|im_start|>", "<|im_end|>")}
-    [ids["user"]] = tokenizer.encode("user", add_special_tokens=False)
+    tokenizer, ids, voices = _qwen25_tokenizer(out)
     config = Qwen2_5OmniConfig(**_config_25(len(tokenizer), ids), enable_audio_output=True)
     torch.manual_seed(0)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
@@ -332,6 +328,85 @@ def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
                                 upsample_kernel_sizes=[11, 7, 4, 4, 4, 4])))
 
 
+def _qwen25_tokenizer(out: Path):
+    """The offline tokenizer with Qwen2.5-Omni's markers and its voices', saved in ``out``, and the
+    ids the config names."""
+    from triton_omni.demo_models import AR_SHAPE, build_tokenizer
+
+    voices = tuple(f"<|spk_{voice.lower()}|>" for voice in VOICES_25)
+    tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS_25 + voices)
+    ids = {token: tokenizer.convert_tokens_to_ids(token)
+           for token in (*MARKERS_25, *voices, "<|im_start|>", "<|im_end|>")}
+    [ids["user"]] = tokenizer.encode("user", add_special_tokens=False)
+    return tokenizer, ids, voices
+
+
+def build_realistic_qwen2_5_omni(out: Path, config_of=None) -> None:
+    """Qwen2.5-Omni-7B at its real shapes (the config classes' defaults are the 7B's), random weights,
+    for GPU benchmarks. Saved: the config, the offline tokenizer, the voices, and what ``ar`` (the
+    thinker's language model, 7.6 B parameters: the transformers engine loads it, the talker reads
+    its states) and the speech stage (the talker, ``token2wav`` and the thinker's embedding table)
+    load; not the audio and vision towers, which a text prompt never reaches (a direct comparison
+    builds the whole model in memory: ``build_qwen2_5_omni_in_memory``). ``config_of``: the config's
+    arguments from the tokenizer's size and marker ids, in place of the 7B's (the tests' tiny shapes)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5OmniConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        Qwen2_5OmniToken2WavModel,
+    )
+
+    from triton_omni.demo_models import built_as
+
+    tokenizer, ids, voices = _qwen25_tokenizer(out)
+    config = Qwen2_5OmniConfig(**(config_of(len(tokenizer), ids) if config_of else {}), enable_audio_output=True)
+    config.thinker_config.text_config.eos_token_id = ids["<|im_end|>"]
+    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]  # what is_omni reads
+    config.save_pretrained(out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with built_as(device, torch.bfloat16):
+        thinker = Qwen2_5OmniThinkerForConditionalGeneration(config.thinker_config)
+    for prefix, module in (("thinker.model.", thinker.model), ("thinker.lm_head.", thinker.lm_head)):
+        tensors = {prefix + name: tensor.contiguous().cpu() for name, tensor in module.state_dict().items()
+                   if not name.startswith(("audio_tower.", "visual."))}
+        save_file(tensors, str(out / f"{prefix.rstrip('.').replace('.', '-')}.safetensors"), metadata={"format": "pt"})
+    del thinker, tensors
+    with built_as(device, torch.bfloat16):
+        talker = Qwen2_5OmniTalkerForConditionalGeneration(config.talker_config)
+        token2wav = Qwen2_5OmniToken2WavModel(config.token2wav_config)
+    for prefix, module in (("talker.", talker), ("token2wav.", token2wav)):
+        tensors = {prefix + name: tensor.contiguous().cpu() for name, tensor in module.state_dict().items()}
+        save_file(tensors, str(out / f"{prefix.split('.')[0]}.safetensors"), metadata={"format": "pt"})
+    generator = torch.Generator().manual_seed(0)
+    dit = config.token2wav_config.dit_config
+    torch.save({voice: {"bos_token": ids[marker], "cond": torch.randn(1, dit.enc_emb_dim, generator=generator),
+                        "ref_mel": torch.randn(1, 300, dit.mel_dim, generator=generator)}
+                for voice, marker in zip(VOICES_25, voices, strict=True)}, out / "spk_dict.pt")
+    del talker, token2wav, tensors
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_qwen2_5_omni_in_memory(folder: Path, device: str):
+    """The whole model of a ``build_realistic_qwen2_5_omni`` folder on ``device`` in bf16 (``token2wav``
+    in float32, as its generate runs it), its weights drawn at random, its voices the folder's."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    from triton_omni.demo_models import built_as
+
+    config = AutoConfig.from_pretrained(folder)
+    with built_as(device, torch.bfloat16):
+        model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    model.token2wav.float()
+    model.load_speakers(str(folder / "spk_dict.pt"))
+    model.thinker.generation_config.pad_token_id = AutoTokenizer.from_pretrained(folder).pad_token_id
+    return model
+
+
 # ``demo:<name>`` -> its builder (``demo_models.resolve_model``)
 SPEECH_DEMOS = {"tiny-qwen3-omni": build_tiny_qwen3_omni, "tiny-qwen2.5-omni": build_tiny_qwen2_5_omni,
-                "realistic-qwen3-omni": build_realistic_qwen3_omni}
+                "realistic-qwen3-omni": build_realistic_qwen3_omni,
+                "realistic-qwen2.5-omni": build_realistic_qwen2_5_omni}
