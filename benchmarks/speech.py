@@ -39,14 +39,38 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from triton_omni_client import OmniClient
 from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
 
-FRAMES_PER_SECOND = 12.5  # Qwen3-Omni's codec frames a second of audio (24 kHz / 1920 samples)
 SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class SpeakingModel:
+    """What the benchmark needs to know of a model family."""
+
+    demo: str  # serve --demo's name
+    frames_per_second: float  # codec frames a second of audio
+    frame_after_last: int  # Qwen3-Omni's last code drawn makes no frame: one more drawn for the same audio
+    realistic: str  # its random-weight checkpoint at the real shapes
+    thinker: dict  # ar's parameters at the real shapes
+
+
+MODELS = {
+    # 24 kHz / 1920 samples a frame; the thinker's 31 B on vLLM (61 GB in bf16) and its KV cache, the
+    # talker and code2wav (7.7 GB) beside it, on one GPU
+    "qwen3-omni": SpeakingModel("qwen3-omni", 12.5, 1, "demo:realistic-qwen3-omni",
+                                {"engine": "vllm", "dtype": "bfloat16", "gpu_memory_utilization": "0.70",
+                                 "engine_args": {"load_format": "dummy"}}),
+    # 24 kHz / 480 samples a code; the thinker on the transformers engine, which hands on the states its
+    # talker reads
+    "qwen2.5-omni": SpeakingModel("qwen2.5-omni", 50.0, 0, "demo:realistic-qwen2.5-omni",
+                                  {"engine": "transformers", "dtype": "bfloat16", "engine_args": {"max_num_seqs": 64}}),
+}
 
 
 def prompts(tokenizer, count: int, tokens: int) -> list[str]:
@@ -60,8 +84,14 @@ def prompts(tokenizer, count: int, tokens: int) -> list[str]:
     return [tokenizer.decode(tokenizer(text)["input_ids"][:tokens]) for text in texts]
 
 
+def codes_for(args) -> int:
+    """The talker's codes for ``--audio-seconds`` of audio."""
+    model = MODELS[args.model]
+    return int(args.audio_seconds * model.frames_per_second) + model.frame_after_last
+
+
 def omni_values(prompt: str, args) -> dict:
-    frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1  # the talker's last code makes no frame
+    frames = codes_for(args)
     modalities = ["text", "audio"] if args.with_text else ["audio"]
     return {"text_input": prompt, "modalities": modalities, "stream": True, "max_tokens": args.text_tokens,
             "parameters": {"min_tokens": args.text_tokens, "temperature": 0.0},
@@ -166,18 +196,22 @@ def summary(results: list[dict], wall: float) -> dict:
 def direct(model_path: str, texts: list[str], args) -> dict:
     """The model's own generate, one request at a time: its waveform comes at the end."""
     import torch
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
+    from triton_omni.speech.demos import build_qwen2_5_omni_in_memory, build_qwen3_omni_in_memory
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if args.preset == "realistic":  # its thinker's weights are not on disk
-        from triton_omni.speech.demos import build_qwen3_omni_in_memory
-
-        model = build_qwen3_omni_in_memory(Path(model_path), device)
+    qwen3 = args.model == "qwen3-omni"
+    if args.preset == "realistic":  # its weights are not all on disk (Qwen3-Omni's thinker's, either tower)
+        model = (build_qwen3_omni_in_memory if qwen3 else build_qwen2_5_omni_in_memory)(Path(model_path), device)
     else:
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    frames = int(args.audio_seconds * FRAMES_PER_SECOND) + 1
+        model = (Qwen3OmniMoeForConditionalGeneration if qwen3 else Qwen2_5OmniForConditionalGeneration
+                 ).from_pretrained(model_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32
+                                   ).to(device).eval()
+    frames = codes_for(args)
+    codec = model.config.talker_config
+    # Qwen2.5-Omni's generate stops its talker at ids of the real checkpoint's vocabulary: the model's own here
+    stops = {} if qwen3 else {"talker_eos_token_id": [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id]}
     results = []
     started = time.perf_counter()
     for text in texts:
@@ -189,26 +223,22 @@ def direct(model_path: str, texts: list[str], args) -> dict:
             _, wav = model.generate(**inputs, thinker_max_new_tokens=args.text_tokens,
                                     thinker_min_new_tokens=args.text_tokens, thinker_do_sample=False,
                                     talker_max_new_tokens=frames, talker_min_new_tokens=frames,
-                                    thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+                                    thinker_eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **stops)
         seconds = time.perf_counter() - begun
         results.append({"ttfa": seconds, "seconds": seconds, "audio_s": wav.numel() / SAMPLE_RATE})
     return summary(results, time.perf_counter() - started)
 
 
-# --preset realistic: the thinker's 31 B on vLLM (61 GB in bf16) and its KV cache, the talker and
-# code2wav (7.7 GB) beside it, on one GPU
-REALISTIC_MODEL = "demo:realistic-qwen3-omni"
-REALISTIC = {
-    "ar": {"parameters": {"model": REALISTIC_MODEL, "engine": "vllm", "dtype": "bfloat16",
-                          "gpu_memory_utilization": "0.70", "engine_args": {"load_format": "dummy"}}},
-    "speech": {"parameters": {"model": REALISTIC_MODEL}},
-    "omni": {"parameters": {"speech_checkpoint": REALISTIC_MODEL}},
-}
+def realistic_configs(model: SpeakingModel, speech_parameters: dict) -> dict:
+    """``--preset realistic``'s model configs: ``ar``, ``speech`` and ``omni`` serving its checkpoint."""
+    return {"ar": {"parameters": {"model": model.realistic, **model.thinker}},
+            "speech": {"parameters": {"model": model.realistic, **speech_parameters}},
+            "omni": {"parameters": {"speech_checkpoint": model.realistic}}}
 
 
 @contextlib.contextmanager
-def serve(preset: str, speech_parameters: dict | None = None):
-    """``ar``, ``speech`` and ``omni`` serving the preset's model, on a server of this run's own;
+def serve(preset: str, model: SpeakingModel, speech_parameters: dict | None = None):
+    """``ar``, ``speech`` and ``omni`` serving the preset's ``model``, on a server of this run's own;
     ``speech_parameters``: the realistic ``speech`` model's parameters beside the preset's."""
     from triton_omni_tools.demos import SPEECH_REPOSITORY
     from triton_omni_tools.launcher import DEFAULT_REPOSITORIES
@@ -218,12 +248,11 @@ def serve(preset: str, speech_parameters: dict | None = None):
     log.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if preset == "realistic":
-            configs = {**REALISTIC, "speech": {"parameters": {**REALISTIC["speech"]["parameters"],
-                                                              **(speech_parameters or {})}}}
             where = {"model_repositories": copy_repositories([*DEFAULT_REPOSITORIES, SPEECH_REPOSITORY],
-                                                             Path(tmp) / "repos", configs)}
+                                                             Path(tmp) / "repos",
+                                                             realistic_configs(model, speech_parameters or {}))}
         else:
-            where = {"demo": "qwen3-omni"}
+            where = {"demo": model.demo}
         with TritonServer(ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                                         model_control_mode="explicit", load_models=["ar", "speech", "omni"],
                                         log_file=log, **where)) as server:
@@ -232,8 +261,10 @@ def serve(preset: str, speech_parameters: dict | None = None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-omni")
     parser.add_argument("--preset", choices=("tiny", "realistic"), default="tiny",
-                        help="tiny: the CPU demo; realistic: Qwen3-Omni-30B-A3B's shapes, on a GPU")
+                        help="tiny: the CPU demo; realistic: the real shapes (Qwen3-Omni-30B-A3B's, "
+                        "Qwen2.5-Omni-7B's), on a GPU")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated; none: no Triton side")
     parser.add_argument("--requests", type=int, default=8, help="per concurrency (at least the concurrency)")
     parser.add_argument("--direct-requests", type=int, default=2, help="0: no direct side")
@@ -261,7 +292,8 @@ def main() -> None:
     from transformers import AutoTokenizer
     from triton_omni.demo_models import resolve_model
 
-    path = resolve_model(REALISTIC_MODEL if args.preset == "realistic" else "demo:tiny-qwen3-omni")
+    model = MODELS[args.model]
+    path = resolve_model(model.realistic if args.preset == "realistic" else f"demo:tiny-{model.demo}")
     levels = [] if args.concurrency == "none" else [int(c) for c in args.concurrency.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(path)
     texts = prompts(tokenizer, max(args.requests, args.direct_requests, *levels), args.prompt_tokens)
@@ -269,7 +301,8 @@ def main() -> None:
                                                                                for t in texts), "triton": {}}
     print(f"prompts of {figures['prompt_tokens']:.0f} tokens (median)", flush=True)
     if levels:
-        with contextlib.nullcontext(args.url) if args.url else serve(args.preset, args.speech_params) as server:
+        with contextlib.nullcontext(args.url) if args.url else serve(args.preset, model,
+                                                                      args.speech_params) as server:
             url = args.url or server.grpc_url
             asyncio.run(at_concurrency(url, texts[:1], 1, args))  # warm-up
             metrics = args.metrics_url if args.url else server.metrics_url

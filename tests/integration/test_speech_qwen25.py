@@ -238,3 +238,25 @@ def test_a_client_that_leaves_mid_speech_stops_the_talker_and_the_decoder(qwen25
     time.sleep(1.0)
     assert speech("omni_speech_audio_seconds_total") == spoken_seconds
     assert spoken_seconds < 900 / 50  # far from the whole utterance (50 codes a second)
+
+
+def test_the_speech_bench_measures_this_server(qwen25_server, tmp_path):
+    """``benchmarks/speech.py --model qwen2.5-omni --url`` against this server and the tiny demo's own
+    generate: each figure printed at each concurrency, never checked (docs/benchmarks.md quotes a GPU's)."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "speech.json"
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "speech.py"), "--model", "qwen2.5-omni",
+                             "--url", qwen25_server.grpc_url, "--metrics-url", qwen25_server.metrics_url,
+                             "--concurrency", "1,2", "--requests", "2", "--direct-requests", "1",
+                             "--prompt-tokens", "20", "--text-tokens", "6", "--audio-seconds", "1.0",
+                             "--with-text", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for level in ("1", "2"):
+        found = report["triton"][level]
+        assert found["requests"] == 2 and found["requests_per_s"] > 0
+        assert abs(found["audio_s"] - 1.0) < 0.05  # 50 codes, 480 samples each
+        assert min(found["ttfa_ms"], found["ttft_ms"], found["rtf"]) > 0
+        assert min(found["stages"][name] for name in ("ar_ttft_ms", "speech_ttfa_ms")) > 0
+    assert abs(report["direct"]["audio_s"] - 1.0) < 0.05 and "Triton / direct at concurrency 1" in result.stdout
