@@ -1,0 +1,81 @@
+"""Qwen2.5-Omni's speech on a GPU, the tiny demo in float32: the transformers engine hands on the
+thinker's states the CPU hands on, and the speech stage (its talker, then ``token2wav`` on its
+thread) speaks the codes and the waveform it speaks on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+from triton_omni.ar.engine_transformers import TransformersEngine
+from triton_omni.ar.language_model import language_model
+from triton_omni.ar.sampling import ArLimits, SamplingOptions
+from triton_omni.demo_models import resolve_model
+from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+
+from tests.support.qwen25 import thinker_states
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+DEMO = "demo:tiny-qwen2.5-omni"
+DEVICES = ("cpu", "cuda:0")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    folder = resolve_model(DEMO)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "a red fox"}], add_generation_prompt=True,
+                                         tokenize=False)
+    return text, tokenizer(text)["input_ids"]
+
+
+def thinker_states_on(device: str, prompt_ids: list[int]) -> torch.Tensor:
+    """The states the transformers engine on ``device`` hands on over a greedy reply of 6 tokens."""
+    folder = Path(resolve_model(DEMO))
+    engine = TransformersEngine(str(language_model(folder, folder)), device, torch.float32, max_num_seqs=2)
+    options = SamplingOptions.from_values({"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}, ArLimits())
+
+    async def states():
+        return [delta.states async for delta in engine.generate(prompt_ids, options, device, keep_states=True)
+                if delta.states is not None]
+
+    try:
+        return torch.cat(asyncio.run(states()))
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_the_thinker_hands_on_the_states_it_hands_on_on_the_cpu(prompt):
+    cpu, gpu = (thinker_states_on(device, prompt[1]) for device in DEVICES)
+    assert cpu.shape == gpu.shape and float((cpu - gpu).abs().max()) < 1e-4
+
+
+def test_the_speech_stage_speaks_on_the_gpu_what_it_speaks_on_the_cpu(prompt):
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False  # the CPU's float32
+    text, ids = prompt
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(resolve_model(DEMO)).eval()
+    reply = [40, 41, 42, 43, 3]
+    states = thinker_states(model, torch.tensor([ids]), reply)
+    spoken = {}
+    try:
+        for device in DEVICES:
+            runner = SpeechRunner(SpeechConfig(model=DEMO, device=device, dtype="float32"))
+            request = runner.parse({"text_input": text, "reply_ids": reply, "prompt_ids": ids, "thinker_states": states,
+                                    "temperature": 0.0, "max_tokens": 60, "min_tokens": 60, "seed": 5,
+                                    "chunk_frames": 12})
+            chunks = []
+            try:
+                runner.loop.run(runner.speak(request, chunks.append))
+            finally:
+                runner.close()
+            spoken[device] = chunks
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    cpu, gpu = spoken["cpu"], spoken["cuda:0"]
+    assert [c.codes.tolist() for c in gpu] == [c.codes.tolist() for c in cpu] and len(cpu) > 1
+    for ours, theirs in zip(gpu, cpu, strict=True):
+        assert ours.samples.shape == theirs.samples.shape and abs(ours.samples - theirs.samples).max() < 1e-4
