@@ -13,7 +13,7 @@ import logging
 import time
 
 import triton_omni.triton  # noqa: F401 - first: fixes the stub's locale before torch reads files
-from triton_omni.channel import Cancellations, ReplyReader
+from triton_omni.channel import Cancellations, ReplyReader, run_dir
 from triton_omni.errors import RequestValidationError
 from triton_omni.speech.runner import SAMPLE_RATE, AudioChunk, SpeechRunner
 from triton_omni.triton import speech_io
@@ -89,4 +89,7 @@ def _open_reply(name: str | None, states_width: int | None) -> ReplyReader | Non
     try:
         return ReplyReader(name, states_width=states_width)
     except FileNotFoundError:
+        if states_width and (run_dir(create=False) / f"{name}.reply").exists():
+            raise RequestValidationError("omni_reply", "is written without the thinker's states this model's "
+                                         "talker reads (is omni's speech_checkpoint this model's?)", name) from None
         raise RequestValidationError("omni_reply", "names no reply being written on this server", name) from None

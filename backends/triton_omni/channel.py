@@ -203,8 +203,13 @@ class ReplyWriter:
         self.name = new_id()
         self.path = (directory or run_dir()) / f"{self.name}.reply"
         self.states_path = self.path.with_suffix(".states")
-        self._states_fd: int | None = _create(self.states_path) if states else None
         self._fd: int | None = _create(self.path)
+        try:
+            self._states_fd: int | None = _create(self.states_path) if states else None
+        except OSError:
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)
+            raise
 
     def add(self, token_ids: list[int], states: np.ndarray | None = None) -> None:
         """``states``: float32 rows of the thinker's width, written ahead of the ids they came with."""
@@ -239,7 +244,11 @@ class ReplyReader:
     def __init__(self, name: str, directory: Path | None = None, states_width: int | None = None):
         path = (directory or run_dir()) / f"{name}.reply"
         self._fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: no such reply
-        self._states_fd = os.open(path.with_suffix(".states"), os.O_RDONLY) if states_width else None
+        try:  # FileNotFoundError: a reply written without the states this reader needs
+            self._states_fd = os.open(path.with_suffix(".states"), os.O_RDONLY) if states_width else None
+        except OSError:
+            os.close(self._fd)
+            raise
         self._row_bytes = 4 * (states_width or 0)
         self._partial = b""
         self._partial_states = b""
@@ -264,7 +273,8 @@ class ReplyReader:
             data += more
         whole = len(data) - len(data) % self._row_bytes if self._row_bytes else 0
         self._partial_states = data[whole:]
-        return np.frombuffer(data[:whole], dtype=np.float32).reshape(-1, self._row_bytes // 4 or 1)
+        # a copy: frombuffer's array is read-only, which torch warns of when it takes it
+        return np.frombuffer(data[:whole], dtype=np.float32).reshape(-1, self._row_bytes // 4 or 1).copy()
 
     def close(self) -> None:
         os.close(self._fd)

@@ -287,8 +287,12 @@ class ArRunner:
                                              "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
             self.engine.check_states("return_heard_states")
         if request.outputs.thinker_states:
-            require(self.config.mode == "generate" and request.sampling.n == 1, "return_thinker_states",
-                    "hands on one completion's states: n must be 1", request.sampling.n)
+            require(request.sampling.n == 1, "return_thinker_states", "hands on one completion's states: n must "
+                    "be 1", request.sampling.n)
+            # a prompt with audio reaches the model as embeddings, its layer-0 input there not what a
+            # Qwen2.5-Omni talker reads (zeros at the audio): not taken rather than handed on wrong
+            require(not request.audio, "return_thinker_states", "is not taken with input_audio (a Qwen2.5-Omni "
+                    "talker reads its thinker's states at text only here)", True)
             self.engine.check_states("return_thinker_states")
 
     def check_lora(self, name: str | None, field: str = "lora") -> None:

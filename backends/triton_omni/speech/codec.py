@@ -71,6 +71,7 @@ class StreamingCode2Wav:
     def __init__(self, code2wav: torch.nn.Module):
         self.model = code2wav
         self.samples_per_frame = int(code2wav.total_upsample)
+        self.lags = False  # every frame's samples leave with it (the runner reads it)
         self.padded = False  # convolution batches padded to ``conv_rows`` (``warm``)
         self.max_rows = 0  # once padded: the most windows one convolution batch takes
         self.behind_lengths: tuple[int, ...] = ()  # once padded: the lengths windows behind earlier frames take

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from triton_omni.errors import RequestValidationError
+from triton_omni.speech.talker import check_thinker_ids
 
 # the model's own talker defaults (Qwen2_5OmniForConditionalGeneration.generate)
 TALKER_DEFAULTS_25 = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": 4096}
@@ -104,11 +105,7 @@ class Qwen25Talker:
             return self._embed(self.text_eos)
 
     def check_ids(self, field: str, ids: list[int]) -> None:
-        """``ids`` are the thinker's token ids (its embedding table's rows)."""
-        vocab = self.embedding.num_embeddings
-        if not all(0 <= token < vocab for token in ids):
-            raise RequestValidationError(field, f"holds ids outside the thinker's vocabulary [0, {vocab})",
-                                         [t for t in ids if not 0 <= t < vocab][:4])
+        check_thinker_ids(self.embedding, field, ids)
 
     def check_request(self, request, max_len: int) -> None:
         """A speech request (``SpeechRequest``) this talker can speak: the prompt as the thinker read it

@@ -177,6 +177,12 @@ class SpeechRunner:
         decoded; cancelled, the talker drops the utterance at its next step. ``reply``: the rest
         of a reply still being written (``request.reply_ids`` its first tokens), read as it comes."""
         loop = asyncio.get_running_loop()
+        if self.states_width is not None and reply is None and len(request.reply_ids) < 2:
+            # a reply of one token (its end): the model's own generate has nothing to read after it and
+            # fails; there is nothing to speak
+            on_chunk(AudioChunk(np.zeros(0, np.float32), np.zeros((self.talker.groups, 0), np.int64), "stop"))
+            self._count("finished")
+            return
         frames: asyncio.Queue = asyncio.Queue()
         marks = [time.monotonic()]  # FIRST_AUDIO_PHASES' ends, after the start
         try:
@@ -199,7 +205,9 @@ class SpeechRunner:
             self._follow(reply, utterance)
         try:
             pending: list[list[int]] = []
-            held: list[torch.Tensor] = []  # frames decoded whose samples have not left yet (token2wav's context)
+            # frames decoded whose samples have not all left (a decoder that waits for context: token2wav)
+            held = torch.zeros(self.talker.groups, 0, dtype=torch.long)
+            samples_sent = codes_sent = 0
             sizes = chunk_schedule(request.first_chunk_frames, request.chunk_frames)
             wanted = next(sizes)
             while True:
@@ -220,11 +228,15 @@ class SpeechRunner:
                     # a chunk short of chunk_frames is one of the first: little audio plays before it
                     urgent = wanted < request.chunk_frames
                     samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent, final))
-                    held.append(codes)
+                    held, samples_sent = torch.cat([held, codes], dim=1), samples_sent + len(samples)
                     pending, wanted = [], next(sizes)
                     if len(samples) == 0 and not final:  # the decoder waits for what follows these frames
                         continue
-                    codes, held = torch.cat(held, dim=1), []  # the frames these samples end
+                    # the frames these samples end: all of them, but where the decoder's samples lag its codes
+                    ended = held.shape[1] if final or not self.decoder.lags \
+                        else samples_sent // self.decoder.samples_per_code - codes_sent
+                    codes, held = held[:, :ended], held[:, ended:]
+                    codes_sent += ended
                     phases = None
                     if len(marks) == 4:  # the first chunk
                         marks.append(time.monotonic())

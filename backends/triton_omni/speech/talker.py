@@ -141,12 +141,7 @@ class Qwen3Talker:
         return [i for i, token in enumerate(prompt_ids) if token == audio]
 
     def check_ids(self, field: str, ids: list[int]) -> None:
-        """``ids`` are the thinker's token ids: one past its embedding table would fail the device
-        (and every request after it), not the request."""
-        vocab = self.embedding.num_embeddings
-        if not all(0 <= token < vocab for token in ids):
-            raise RequestValidationError(field, f"holds ids outside the thinker's vocabulary [0, {vocab})",
-                                         [t for t in ids if not 0 <= t < vocab][:4])
+        check_thinker_ids(self.embedding, field, ids)
 
     def check_request(self, request, max_len: int) -> None:
         """A speech request (``SpeechRequest``) this talker can speak: the thinker's ids, and where the
@@ -235,6 +230,15 @@ class Qwen3Talker:
                                      self.voices[voice], codec.codec_pad_id, codec.codec_bos_id])
                 self._openings[voice] = torch.cat([codes.new_zeros(3, codes.shape[1]), codes])
         return self._openings[voice]
+
+
+def check_thinker_ids(embedding: torch.nn.Embedding, field: str, ids: list[int]) -> None:
+    """``ids`` are the thinker's token ids (rows of its ``embedding`` table): one past it would fail the
+    device (and every request after it), not the request."""
+    vocab = embedding.num_embeddings
+    if not all(0 <= token < vocab for token in ids):
+        raise RequestValidationError(field, f"holds ids outside the thinker's vocabulary [0, {vocab})",
+                                     [t for t in ids if not 0 <= t < vocab][:4])
 
 
 def _roles(ids: list[int], im_start: int) -> list[int | None]:

@@ -21,7 +21,9 @@ beside the talker's steps.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -47,6 +49,8 @@ class StreamingToken2Wav:
         self.num_steps, self.guidance_scale, self.sway_coefficient = num_steps, guidance_scale, sway_coefficient
         self.mel_bins = self.dit.mel_dim
         self.samples_per_frame = math.prod(self.vocoder.config.upsample_rates)
+        self.samples_per_code = self.repeats * self.samples_per_frame
+        self.lags = True  # a code's samples leave once the context after it has come (the runner reads it)
         self.vocoder_reach = self._measure_vocoder_reach()
 
     def stream(self, conditioning: torch.Tensor, reference_mel: torch.Tensor,
@@ -155,19 +159,48 @@ class Token2WavStream:
 
 class Token2WavDecoder:
     """The speech stage's decoder thread for ``token2wav`` streams (``Code2WavBatcher``'s interface):
-    each chunk decoded in turn, on a thread of its own. (One stream's blocks at a time: its DiT's
-    passes over several streams' windows together are not batched yet.)"""
+    each chunk decoded in turn, on a daemon thread of its own (a stub's exit never waits for it).
+    (One stream's blocks at a time: its DiT's passes over several streams' windows together are not
+    batched yet, and ``urgent`` chunks go in turn.)"""
 
     warmed_shapes: tuple = ()  # nothing planned at load
 
     def __init__(self, decoder: StreamingToken2Wav):
         self.decoder = decoder
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-token2wav")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="omni-token2wav", daemon=True)
+        self._thread.start()
 
     def decode(self, stream: Token2WavStream, codes: torch.Tensor, urgent: bool = False,
                final: bool = False) -> Future:
         """The samples ``codes`` ([1, n]) settle in ``stream`` (all it holds, ``final``), float32."""
-        return self._thread.submit(lambda: stream.add(codes[0].tolist(), final).numpy().astype(np.float32))
+        future: Future = Future()
+        if self._stopped:
+            future.set_exception(RuntimeError("the speech stage's decoder is shutting down"))
+        else:
+            self._jobs.put((stream, codes, final, future))
+        return future
 
     def stop(self, timeout_s: float = 30) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        """Decode what is queued, fail what comes after, and wait for the thread (``timeout_s`` at most)."""
+        self._stopped = True
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            stream, codes, final, future = job
+            if not future.set_running_or_notify_cancel():  # its caller left
+                continue
+            try:
+                future.set_result(stream.add(codes[0].tolist(), final).numpy().astype(np.float32))
+            except Exception as exc:  # this stream hears of it; the thread decodes on
+                future.set_exception(exc)
+        while True:  # queued as stop() came (decode() fails the later ones itself)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job[3].set_running_or_notify_cancel():
+                job[3].set_exception(RuntimeError("the speech stage's decoder is shutting down"))
