@@ -129,9 +129,9 @@ def test_tensorrt_llm_tensor_names(grpc_url, model):
 
 
 def flag_combinations(model):
-    # heard_states: a thinker's states at a prompt's audio, which a model that hears hands on
-    # (tests/integration/test_speech.py); this text model refuses it by name
-    flags = tuple(f for f in RETURN_FLAGS if f != "heard_states") if model == "ar" \
+    # heard_states, thinker_states: a thinker's states, which the transformers engine hands on
+    # (tests/integration/test_speech.py, test_speech_qwen25.py); vLLM refuses them by name (below)
+    flags = tuple(f for f in RETURN_FLAGS if f not in ("heard_states", "thinker_states")) if model == "ar" \
         else ("finish_reason", "num_input_tokens", "num_output_tokens")
     return [dict(zip(flags, values, strict=True)) for values in itertools.product([False, True], repeat=len(flags))]
 
@@ -153,6 +153,13 @@ def test_every_return_combination_sends_exactly_the_outputs_asked_for(grpc_url, 
             assert sum(int(o["num_output_tokens"][0]) for o in got) == 5  # per response, as the vLLM backend
         if combination.get("finish_reason"):
             assert got[-1]["finish_reason"].tolist() == [b"length"]
+
+
+@pytest.mark.parametrize("flag", ["heard_states", "thinker_states"])
+def test_the_vllm_engine_refuses_to_hand_on_hidden_states_by_name(grpc_url, flag):
+    with pytest.raises(OmniError, match=f"return_{flag}") as error:
+        responses(grpc_url, "ar", request_inputs(stream=True, sampling={"max_tokens": 2}, **{f"return_{flag}": True}))
+    assert error.value.status == "INVALID_ARG"
 
 
 def test_logprobs_are_a_list_of_dicts_per_token_whose_rank_1_tokens_spell_the_text(grpc_url):
