@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import json
 import secrets
@@ -162,6 +163,7 @@ def sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     return events()
 
 
+@functools.cache  # asked at every spoken request: the checkpoint's config read once
 def reads_states(folder: str | None) -> bool:
     """Whether the speaking checkpoint's talker reads the thinker's states at every token (a
     Qwen2.5-Omni's), which the thinker then hands on (``return_thinker_states``)."""

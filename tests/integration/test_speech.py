@@ -28,12 +28,11 @@ import torch
 import tritonclient.grpc as grpcclient
 from triton_omni.speech.demos import THINKER_CONTEXT
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_tools.gateway import Gateway, text_model_tokenizers
-from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import DEFAULT_REPOSITORIES, ServerOptions, free_port
 from triton_omni_tools.repository import copy_model
 
 from tests.support import heard
-from tests.support.server import documented_metrics, metric_value
+from tests.support.server import documented_metrics, metric_value, serving_openai
 
 PROMPT = "a red fox"
 THINKER = {"max_tokens": 8, "temperature": 0.0}
@@ -59,15 +58,8 @@ def speech_server(tmp_path_factory):
                             model_control_mode="explicit", demo="qwen3-omni",
                             load_models=["ar", "speech", "omni", "ar_heard", "omni_heard"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
-    with TritonServer(options) as server:
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories))
-        gateway.start()
-        try:
-            server.gateway_url = f"http://{gateway.url}"
-            server.openai = openai.OpenAI(base_url=f"{server.gateway_url}/v1", api_key="unused")
-            yield server
-        finally:
-            gateway.stop()
+    with serving_openai(options, chat=True) as server:
+        yield server
 
 
 @functools.cache

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import av
 import numpy as np
-import openai
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
@@ -32,11 +31,10 @@ from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.token2wav import StreamingToken2Wav
 from triton_omni_client import OmniClient, OmniError
-from triton_omni_tools.gateway import Gateway, text_model_tokenizers
-from triton_omni_tools.launcher import ServerOptions, TritonServer, free_port
+from triton_omni_tools.launcher import ServerOptions, free_port
 
 from tests.support.qwen25 import greedy_codes, thinker_states
-from tests.support.server import metric_value
+from tests.support.server import metric_value, serving_openai
 
 PROMPT = "a red fox"
 SEED = 5
@@ -54,15 +52,8 @@ def qwen25_server(tmp_path_factory):
     options = ServerOptions(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                             model_control_mode="explicit", demo="qwen2.5-omni", load_models=["ar", "speech", "omni"],
                             log_file=Path(tmp_path_factory.mktemp("logs") / "tritonserver.log"))
-    with TritonServer(options) as server:
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, text_model_tokenizers(server.repositories))
-        gateway.start()
-        try:
-            server.gateway_url = f"http://{gateway.url}"
-            server.openai = openai.OpenAI(base_url=f"{server.gateway_url}/v1", api_key="unused")
-            yield server
-        finally:
-            gateway.stop()
+    with serving_openai(options, chat=True) as server:
+        yield server
 
 
 @functools.cache

@@ -156,16 +156,20 @@ def xfail_if_triton_aborted_on_a_dead_stub(server: TritonServer) -> None:
 
 
 @contextlib.contextmanager
-def serving_openai(options: ServerOptions):
+def serving_openai(options: ServerOptions, chat: bool = False):
     """A tritonserver with ``options`` and the OpenAI gateway in front of it, as `serve` runs them:
-    the server, its ``openai`` attribute an ``openai.OpenAI`` client of the gateway."""
+    the server, its ``openai`` attribute an ``openai.OpenAI`` client of the gateway, its
+    ``gateway_url`` the gateway's. ``chat``: the gateway knows the text and speech models'
+    tokenizers (chat templates, ``/v1/audio/speech``), as `serve` passes them."""
     import openai
-    from triton_omni_tools.gateway import Gateway
+    from triton_omni_tools.gateway import Gateway, text_model_tokenizers
 
     with TritonServer(options) as server:
-        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, {}).start()
+        tokenizers = text_model_tokenizers(server.repositories) if chat else {}
+        gateway = Gateway(free_port(), "127.0.0.1", server.grpc_url, tokenizers).start()
         try:
-            server.openai = openai.OpenAI(base_url=f"http://{gateway.url}/v1", api_key="unused")
+            server.gateway_url = f"http://{gateway.url}"
+            server.openai = openai.OpenAI(base_url=f"{server.gateway_url}/v1", api_key="unused")
             yield server
         finally:
             gateway.stop()
