@@ -235,7 +235,8 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
     transcript's deltas as ``delta.audio.transcript`` while the thinker writes, then the samples as
     ``delta.audio.data`` (16-bit PCM) while the talker speaks. ``audio``: the files the prompt's
     audio markers stand for; the thinker hands on its states at them, which the talker reads.
-    ``states``: the talker reads the thinker's states at every token (Qwen2.5-Omni's), asked for here."""
+    ``states``: the talker reads the thinker's states at every token (Qwen2.5-Omni's), asked for here,
+    the audio's among them (in place of the states at the audio alone)."""
     from triton_omni_gateway.text import deltas
 
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
@@ -244,7 +245,7 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
 
     async def reply() -> AsyncIterator[str]:
         async with aclosing(deltas(triton, model, prompt, sampling, token_ids=True, audio=audio,
-                                   heard=bool(audio), states=states)) as parts:
+                                   heard=bool(audio) and not states, states=states)) as parts:
             async for delta in parts:
                 if delta.heard_states is not None:
                     state["heard"] = (delta.prompt_token_ids, delta.heard_states)

@@ -111,7 +111,7 @@ class InputAudio(_Body):
 
 
 class AudioPart(_Body):
-    """OpenAI's ``input_audio`` part: a clip the model hears (a Qwen3-Omni thinker), in a user message."""
+    """OpenAI's ``input_audio`` part: a clip the model hears (a Qwen-Omni thinker), in a user message."""
 
     type: Literal["input_audio"]
     input_audio: InputAudio

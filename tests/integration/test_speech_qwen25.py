@@ -33,7 +33,8 @@ from triton_omni.speech.token2wav import StreamingToken2Wav
 from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.launcher import ServerOptions, free_port
 
-from tests.support.qwen25 import greedy_codes, thinker_states
+from tests.support import heard
+from tests.support.qwen25 import greedy_codes, processor, thinker_states, user_turn
 from tests.support.server import metric_value, serving_openai
 
 PROMPT = "a red fox"
@@ -122,6 +123,69 @@ def test_omni_speaks_as_the_models_generate(qwen25_server):
     assert np.abs(audio - reference(voice="Ethan")[2]).max() <= TOLERANCE
 
 
+CLIPS = ((1.2, 440, 0), (0.6, 220, 1))  # two tones: (seconds, hertz, the noise's seed)
+
+
+@functools.cache
+def reference_to_audio(tones: tuple[tuple[float, int, int], ...] = CLIPS) -> tuple[str, np.ndarray, np.ndarray]:
+    """The model's own generate for PROMPT after clips of ``tones`` (its processor's features), greedy:
+    (the reply's text, its codes, its waveform)."""
+    clips = [heard.tone(seconds, hertz, seed) for seconds, hertz, seed in tones]
+    tokenizer, model = demo()
+    made = processor(resolve_model("demo:tiny-qwen2.5-omni"))
+    inputs = made(text=user_turn(tokenizer, PROMPT, len(clips)), audio=[heard.as_heard(c) for c in clips],
+                  return_tensors="pt")
+    seen = {}
+    token2wav = model.token2wav.forward
+
+    def keep_codes(code, *args, **kwargs):
+        seen["codes"] = code[0].numpy()
+        return token2wav(code, *args, **kwargs)
+
+    model.token2wav.forward = keep_codes
+    try:
+        torch.manual_seed(SEED)
+        with torch.no_grad():
+            sequences, wav = model.generate(
+                **inputs, speaker="Chelsie", thinker_do_sample=False, thinker_max_new_tokens=THINKER["max_tokens"],
+                talker_do_sample=False, talker_max_new_tokens=TALKER["talker_max_tokens"],
+                talker_min_new_tokens=TALKER["talker_min_tokens"], talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+    finally:
+        del model.token2wav.forward
+    reply = sequences[0, inputs["input_ids"].shape[1]:]
+    return tokenizer.decode(reply, skip_special_tokens=True), seen["codes"], wav.flatten().numpy()
+
+
+def test_a_spoken_reply_to_audio_is_the_models_through_omni_and_the_gateway(qwen25_server):
+    """Speech in, speech out: ``omni`` (gRPC, ``input_audio``) and the gateway (the ``openai`` SDK,
+    ``input_audio`` parts) give generate's text, codes and waveform for the same clips. The talker
+    reads zeros of the thinker's layer-0 input at the audio (tests/unit/test_audio_input_qwen25.py
+    shows other codes without them). Another clip gives another text and other codes (half of them;
+    the tiny ``token2wav`` moves its waveform little for other codes: the voice and the seed move it,
+    test_omni_speaks_as_the_models_generate)."""
+    reply, codes, wav = reference_to_audio()
+    other_reply, other_codes, _ = reference_to_audio(((1.2, 880, 2), CLIPS[1]))
+    assert other_reply != reply and (other_codes != codes).mean() > 0.3
+    files = [heard.wav_bytes(heard.tone(seconds, hertz, seed)) for seconds, hertz, seed in CLIPS]
+    text, audio, served_codes, _ = spoken(OmniClient(qwen25_server.grpc_url).generate(
+        PROMPT, modalities=["text", "audio"], input_audio=files, voice="chelsie", **THINKER, **TALKER))
+    assert text == reply
+    np.testing.assert_array_equal(served_codes, codes)
+    assert audio.shape == wav.shape and np.abs(audio - wav).max() <= TOLERANCE
+
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(f).decode(), "format": "wav"}}
+             for f in files]
+    answer = qwen25_server.openai.chat.completions.create(
+        model="ar", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+        modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"},
+        max_tokens=THINKER["max_tokens"], temperature=0.0, extra_body={"talker": GATEWAY_TALKER})
+    assert answer.choices[0].message.audio.transcript == reply
+    with av.open(io.BytesIO(base64.b64decode(answer.choices[0].message.audio.data))) as container:
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+
+
 def test_a_reply_of_one_token_is_spoken_as_no_audio(qwen25_server):
     """The thinker's reply is its end alone (one token asked for): nothing to speak (the model's own
     generate fails there), the text still comes."""
@@ -134,6 +198,10 @@ def test_bad_input_is_refused_by_name_and_the_next_request_is_served(qwen25_serv
     client = OmniClient(qwen25_server.grpc_url)
     with pytest.raises(OmniError, match="voice"):
         list(client.generate(PROMPT, modalities=["audio"], voice="nobody", **THINKER, **TALKER))
+    # a clip past the 30 s Qwen2.5-Omni's processor hears whole (it would cut it)
+    with pytest.raises(OmniError, match=r"input_audio\[0\].*longer than 30 s"):
+        list(client.generate(PROMPT, modalities=["text", "audio"], input_audio=[heard.wav_bytes(heard.tone(31.0, 440))],
+                             **THINKER, **TALKER))
     # the speech stage called without the thinker's states it reads
     with grpcclient.InferenceServerClient(qwen25_server.grpc_url) as triton:
         inputs = []

@@ -1,12 +1,43 @@
 """Qwen2.5-Omni's talker driven one utterance at a time, as the model's ``generate`` drives it: the
 reference a reply the thinker did not write (``/v1/audio/speech``'s ``input``) is held to, the
-talker's prompt and the decoder being held to ``generate`` itself in the unit tests."""
+talker's prompt and the decoder being held to ``generate`` itself in the unit tests. And the
+model's processor, for prompts with audio (the reference ``ar``'s hearing is held to)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import (
+    AutoTokenizer,
+    DynamicCache,
+    Qwen2_5OmniProcessor,
+    Qwen2VLImageProcessorPil,
+    WhisperFeatureExtractor,
+)
 from triton_omni.speech.qwen25_talker import Qwen25Talker
+
+MARKERS = {"audio_token": "<|AUDIO|>", "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>",
+           "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+           "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def processor(folder) -> Qwen2_5OmniProcessor:
+    """The model's processor, assembled from the checkpoint's parts (the tiny demo saves no processor
+    config; its image side is the PIL image processor, which audio-only prompts never call)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    made = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)  # no video processor without torchvision
+    made.tokenizer, made.feature_extractor = tokenizer, WhisperFeatureExtractor.from_pretrained(folder)
+    made.image_processor = made.video_processor = Qwen2VLImageProcessorPil()
+    for name, token in MARKERS.items():
+        setattr(tokenizer, name, token)
+        setattr(made, name, token)
+    return made
+
+
+def user_turn(tokenizer, text: str, clips: int) -> str:
+    """The chat template's prompt of one user message: ``clips`` audio parts, then ``text``."""
+    content = [{"type": "audio"}] * clips + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
 
 
 def thinker_states(model, ids, reply):

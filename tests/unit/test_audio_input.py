@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from triton_omni.ar import ArLimits, ArRunner, ArRunnerConfig, GenerateRequest
-from triton_omni.ar.audio_prompt import ThinkerEars, output_lengths
+from triton_omni.ar.audio_prompt import ThinkerEars, ears_of, output_lengths
 from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
@@ -90,7 +90,7 @@ def test_the_token_count_of_a_clip_is_the_model_s():
 
 @pytest.fixture(scope="module")
 def ears() -> ThinkerEars:
-    return ThinkerEars(resolve_model(DEMO), torch.device("cpu"), torch.float32)
+    return ears_of(resolve_model(DEMO), torch.device("cpu"), torch.float32)
 
 
 def test_the_prompt_widens_each_marker_as_the_processor_does(ears):

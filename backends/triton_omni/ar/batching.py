@@ -44,12 +44,14 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
                  emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None,
-                 states_at: tuple[int, list[int]] | None = None, keep_states: bool = False):
+                 states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
+                 states_input: torch.Tensor | None = None):
         self.prompt_ids = prompt_ids
         self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
         self.states_at = states_at  # (layer, positions): the prefill's states to keep (ArEngine.stream)
         self.prompt_states: torch.Tensor | None = None  # kept by the prefill, on the host
         self.keep_states = keep_states  # every position's states, handed on with the deltas (ArEngine.stream)
+        self.states_input = states_input  # [prompt, hidden]: the prompt's layer-0 input in those states
         self.new_states: list[torch.Tensor] = []  # kept since the last delta, on the host
         self.options = options
         self.output_ids: list[int] = []
@@ -220,8 +222,12 @@ class StepBatcher(ContinuousBatch):
         else:
             prompt = {"inputs_embeds": sequence.prompt_embeds.to(self.device)[None]}
         kept = sequence.states_at
+        # the layer-0 input the thinker's states add at the prompt: where not given, what the prefill reads
+        layer0 = prompt.get("inputs_embeds")
+        if sequence.states_input is not None:
+            layer0 = sequence.states_input.to(self.device)
         with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states, \
-                _thinker_states(self.model, sequence.keep_states, prompt.get("inputs_embeds")) as thinker:
+                _thinker_states(self.model, sequence.keep_states, layer0) as thinker:
             out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if kept is not None:
             sequence.prompt_states = states[0][0, kept[1]].float().cpu()

@@ -66,12 +66,15 @@ class ArEngine(ABC):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
+                     states_input: torch.Tensor | None = None) -> None:
         """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
         these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
         is; ``states_at``: (layer, positions), the prefill's hidden states of that layer (0: the
         embeddings) at those prompt positions handed on in the first delta's ``prompt_states``;
-        ``keep_states``: every position's states handed on in the deltas' ``states``; both by an
+        ``keep_states``: every position's states handed on in the deltas' ``states``, the prompt's
+        layer-0 input there ``states_input`` where given (``[len(prompt_ids), hidden]``: a Qwen2.5-Omni
+        talker reads zeros at the audio) in place of the embeddings the model reads; both by an
         engine that can: ``check_states`` says), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.

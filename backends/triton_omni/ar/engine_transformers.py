@@ -71,13 +71,14 @@ class TransformersEngine(ArEngine):
                        logprobs: int | None = None, lora: str | None = None,
                        prompt_embeds: torch.Tensor | None = None,
                        states_at: tuple[int, list[int]] | None = None,
-                       keep_states: bool = False) -> AsyncIterator[Delta]:
+                       keep_states: bool = False, states_input: torch.Tensor | None = None) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
                             emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                            prompt_embeds=prompt_embeds, states_at=states_at, keep_states=keep_states)
+                            prompt_embeds=prompt_embeds, states_at=states_at, keep_states=keep_states,
+                            states_input=states_input)
         async with self._adapter(lora) as slot:
             sequence.lora = slot
             async for delta in self._run(sequence, request_id, queue):
@@ -116,9 +117,10 @@ class TransformersEngine(ArEngine):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
+                     states_input: torch.Tensor | None = None) -> None:
         async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds,
-                                         states_at, keep_states):
+                                         states_at, keep_states, states_input):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:

@@ -143,7 +143,8 @@ class VllmEngine(ArEngine):
     async def stream(self, prompt_ids: list[int], options: SamplingOptions, request_id: str,
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
-                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False) -> None:
+                     states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
+                     states_input: torch.Tensor | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -153,8 +154,8 @@ class VllmEngine(ArEngine):
         the output where the handler produces it, and the task wakes once,
         when the request is done. The collector is vLLM's own (``add_request``
         returns it; its output processor calls ``put``), so nothing else of
-        the request's life changes: aborts, errors, the engine's death. (``states_at``, ``keep_states``:
-        never asked of this engine, ``check_states`` refuses them.)"""
+        the request's life changes: aborts, errors, the engine's death. (``states_at``, ``keep_states``,
+        ``states_input``: never asked of this engine, ``check_states`` refuses them.)"""
         params = self.sampling_params(options, logprobs)
         done = asyncio.get_running_loop().create_future()
 

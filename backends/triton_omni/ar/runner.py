@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from triton_omni.aio import EventLoopThread
-from triton_omni.ar.audio_prompt import ThinkerEars, has_ears
+from triton_omni.ar.audio_prompt import ears_of, has_ears
 from triton_omni.ar.engine import ArEngine, Delta
 from triton_omni.ar.engine_pipeline import PipelineTextEngine
 from triton_omni.ar.language_model import architecture, has_language_model, is_omni, language_model
@@ -75,7 +75,7 @@ class ArRunnerConfig:
     max_loras: int = 4
     # "fp8": vLLM's own FP8 weights (its `quantization` engine argument, scales computed at load)
     quantization: str = "none"
-    # the most audio clips one prompt holds, for a model that hears (a Qwen3-Omni thinker); 0: it hears
+    # the most audio clips one prompt holds, for a model that hears (a Qwen-Omni thinker); 0: it hears
     # none, and its audio tower is not loaded
     max_audio_clips: int = 8
     # generate mode: a burst of this many requests of `warmup_prompt_tokens` random token ids run as the
@@ -156,8 +156,9 @@ class ArRunner:
         self._token_ids = _token_ids_of(self.tokenizer, config.mode != "encode" or self.recipe.special_tokens)
         # what the thinker hears with (the prompt handed to the engine as embeddings), and how much
         hears = config.mode == "generate" and config.max_audio_clips > 0 and has_ears(checkpoint)
-        self.ears = ThinkerEars(checkpoint, torch.device(config.device), config.torch_dtype()) if hears else None
-        self.audio_limits = AudioLimits(max_clips=config.max_audio_clips) if hears else AudioLimits()
+        self.ears = ears_of(checkpoint, torch.device(config.device), config.torch_dtype()) if hears else None
+        self.audio_limits = AudioLimits() if self.ears is None else AudioLimits(
+            max_clips=config.max_audio_clips, max_seconds=self.ears.max_seconds or AudioLimits.max_seconds)
         # the clips decoded and heard one request at a time, off the engine's loop and Triton's thread
         self._hearing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-ears") if hears else None
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
@@ -289,10 +290,6 @@ class ArRunner:
         if request.outputs.thinker_states:
             require(request.sampling.n == 1, "return_thinker_states", "hands on one completion's states: n must "
                     "be 1", request.sampling.n)
-            # a prompt with audio reaches the model as embeddings, its layer-0 input there not what a
-            # Qwen2.5-Omni talker reads (zeros at the audio): not taken rather than handed on wrong
-            require(not request.audio, "return_thinker_states", "is not taken with input_audio (a Qwen2.5-Omni "
-                    "talker reads its thinker's states at text only here)", True)
             self.engine.check_states("return_thinker_states")
 
     def check_lora(self, name: str | None, field: str = "lora") -> None:
@@ -344,9 +341,12 @@ class ArRunner:
                     states.clear()
                 on_response(response)
 
+        # a talker reading the thinker's states reads zeros at the audio in place of its layer-0 input there
+        unheard = self.ears.unheard(prompt_ids, embeds) if embeds is not None and request.outputs.thinker_states \
+            else None
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
                                  request.lora, prompt_embeds=embeds, states_at=states_at,
-                                 keep_states=request.outputs.thinker_states)
+                                 keep_states=request.outputs.thinker_states, states_input=unheard)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

@@ -215,12 +215,15 @@ class OmniScheduler:
         reply = Reply()
         heard = None
 
+        # a Qwen2.5-Omni talker reads the thinker's states at every position, the audio's too (zeros there
+        # of the layer-0 input); a Qwen3-Omni one reads a middle layer's at the audio alone (``heard``)
         states = self.stages.speaks_from_states
 
         async def think() -> None:
             nonlocal heard
             async for delta in self.stages.generate(prompt, request.text_options, token_ids=True,
-                                                    audio=request.audio, heard=bool(request.audio), states=states):
+                                                    audio=request.audio, heard=bool(request.audio) and not states,
+                                                    states=states):
                 heard = heard or delta.heard  # on the first delta, before its tokens reach the talker
                 reply.add(delta.token_ids, delta.states)
                 if request.wants_text and (delta.text or delta.finish_reason):

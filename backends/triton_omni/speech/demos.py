@@ -258,6 +258,10 @@ def _merged(base: dict, changes: dict) -> dict:
 MARKERS_25 = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|IMAGE|>", "<|VIDEO|>", "<|vision_bos|>",
               "<|vision_eos|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>")
 VOICES_25 = ("Chelsie", "Ethan")
+# Qwen2.5-Omni's template as far as the demo reads it (its markers' names; no default system turn)
+CHAT_TEMPLATE_25 = (
+    CHAT_TEMPLATE.replace("<|audio_start|><|audio_pad|><|audio_end|>", "<|audio_bos|><|AUDIO|><|audio_eos|>")
+    .replace("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_bos|><|IMAGE|><|vision_eos|>"))
 TALKER_VOCAB_25 = 64
 CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 60, 61, 62, 63
 SPEAKER_WIDTH, MEL_BINS = 16, 80
@@ -265,7 +269,7 @@ SPEAKER_WIDTH, MEL_BINS = 16, 80
 
 def build_tiny_qwen2_5_omni(out: Path) -> None:
     import torch
-    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
 
     from triton_omni.demo_models import amplify
 
@@ -281,6 +285,12 @@ def build_tiny_qwen2_5_omni(out: Path) -> None:
         for layer in model.token2wav.code2wav_bigvgan_model.modules():
             if isinstance(layer, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
                 layer.weight.mul_(4.0)
+    # as the Qwen3 demo's audio tower, one that tells clips apart (tests/unit/test_audio_input.py holds it)
+    amplify(model.thinker.audio_tower, 8.0)
+    with torch.no_grad():
+        for layer in model.thinker.audio_tower.modules():
+            if isinstance(layer, torch.nn.Conv1d):
+                layer.weight.mul_(16.0)
     model.thinker.generation_config.eos_token_id = ids["<|im_end|>"]
     model.thinker.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
@@ -288,6 +298,9 @@ def build_tiny_qwen2_5_omni(out: Path) -> None:
                         "ref_mel": torch.randn(1, 40, MEL_BINS)}
                 for voice, marker in zip(VOICES_25, voices, strict=True)}
     torch.save(speakers, out / "spk_dict.pt")
+    # Qwen2.5-Omni's processor's: Whisper's log-mel at 16 kHz, each clip padded to (and cut at) 30 s
+    WhisperFeatureExtractor(feature_size=config.thinker_config.audio_config.num_mel_bins, sampling_rate=16000,
+                            chunk_length=30).save_pretrained(out)
 
 
 def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
@@ -335,6 +348,8 @@ def _qwen25_tokenizer(out: Path):
 
     voices = tuple(f"<|spk_{voice.lower()}|>" for voice in VOICES_25)
     tokenizer = build_tokenizer(out, AR_SHAPE["vocab_size"], chat=True, template=ROLES, markers=MARKERS_25 + voices)
+    tokenizer.chat_template = CHAT_TEMPLATE_25
+    tokenizer.save_pretrained(out)
     ids = {token: tokenizer.convert_tokens_to_ids(token)
            for token in (*MARKERS_25, *voices, "<|im_start|>", "<|im_end|>")}
     [ids["user"]] = tokenizer.encode("user", add_special_tokens=False)
