@@ -244,7 +244,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                                add_generation_prompt=True)
         talker = body.talker.values() if body.talker else None
         if reads_states(templates.paths.get(body.model)):  # its talker reads the thinker's states at the input
-            prompt_ids, reply, states = await read_as_thinker(triton, thinker_of(body.model), prompt, body.input,
+            prompt_ids, reply, states = await read_as_thinker(triton, await thinker_of(body.model), prompt, body.input,
                                                               tokenizer)
             chunks = speak(triton, prompt, reply, body.voice, body.model, talker, states=(prompt_ids, states))
         else:
@@ -288,14 +288,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return OpenAIError(error.status, error.message.replace(f"`{error.param}`", f"`{part}`"), param=part,
                            code=error.code)
 
-    def thinker_of(speech_model: str) -> str:
-        """The text model serving the same checkpoint as ``speech_model`` (its thinker)."""
+    async def thinker_of(speech_model: str) -> str:
+        """The text model serving the same checkpoint as ``speech_model`` (its thinker): one served
+        with ``engine: transformers`` where there is one, the engine that hands on the states its
+        talker reads (another's refusal, by name, is the answer where there is none)."""
         folder = templates.paths.get(speech_model)
-        for name, path in templates.paths.items():
-            if name != speech_model and path == folder:
+        serving = [name for name, path in templates.paths.items() if name != speech_model and path == folder]
+        if not serving:
+            raise OpenAIError(400, f"model '{speech_model}' reads its thinker's states, and this gateway knows no "
+                              "text model serving its checkpoint", param="model", code="model_not_found")
+        for name in serving:
+            if (await triton.parameters(name)).get("engine") == "transformers":
                 return name
-        raise OpenAIError(400, f"model '{speech_model}' reads its thinker's states, and this gateway knows no text "
-                          "model serving its checkpoint", param="model", code="model_not_found")
+        return serving[0]
 
     async def served_by(name: str) -> tuple[str, str | None]:
         """(the Triton model, the LoRA adapter or None) a request's ``model`` names: an adapter of a

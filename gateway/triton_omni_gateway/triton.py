@@ -97,6 +97,14 @@ class Triton:
                 found.setdefault(name, model)
         return found
 
+    async def parameters(self, model: str) -> dict[str, str]:
+        """The ``parameters`` of ``model``'s configuration, as strings ({} where Triton gives none)."""
+        try:
+            config = (await self.client.get_model_config(model, as_json=True))["config"]
+        except InferenceServerException:
+            return {}
+        return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
         try:
