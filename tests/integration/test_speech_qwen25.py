@@ -34,7 +34,7 @@ from triton_omni_client import OmniClient, OmniError
 from triton_omni_tools.launcher import ServerOptions, free_port
 
 from tests.support import heard
-from tests.support.qwen25 import greedy_codes, processor, thinker_states, user_turn
+from tests.support.qwen25 import generate_seen, greedy_codes, processor, thinker_states, user_turn
 from tests.support.server import metric_value, serving_openai
 
 PROMPT = "a red fox"
@@ -46,6 +46,7 @@ TALKER = {"talker_temperature": 0.0, "talker_max_tokens": 60, "talker_min_tokens
 TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is about 1e-6
 PCM16 = 1 / 32767  # a 16-bit sample's step (the gateway's WAV and pcm16)
 GATEWAY_TALKER = {key.removeprefix("talker_"): value for key, value in TALKER.items()}
+CLIPS = ((1.2, 440, 0), (0.6, 220, 1))  # the clips a prompt with audio holds: (seconds, hertz, the noise's seed)
 
 
 @pytest.fixture(scope="module")
@@ -64,32 +65,24 @@ def demo():
 
 
 @functools.cache
-def reference(voice: str = "Chelsie", seed: int = SEED) -> tuple[str, np.ndarray, np.ndarray]:
-    """The model's own generate, greedy: (the reply's text, its codes, its waveform)."""
+def reference(voice: str = "Chelsie", seed: int = SEED, tones: tuple[tuple[float, int, int], ...] = ()
+              ) -> tuple[str, np.ndarray, np.ndarray]:
+    """The model's own generate for PROMPT, greedy (after clips of ``tones``, (seconds, hertz, the
+    noise's seed) each, through its processor): (the reply's text, its codes, its waveform)."""
     tokenizer, model = demo()
-    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                              tokenize=False)
-    ids = tokenizer(templated, return_tensors="pt").input_ids
-    seen = {}
-    token2wav = model.token2wav.forward
-
-    def keep_codes(code, *args, **kwargs):
-        seen["codes"] = code[0].numpy()
-        return token2wav(code, *args, **kwargs)
-
-    model.token2wav.forward = keep_codes
-    try:
-        torch.manual_seed(seed)  # the only draw: token2wav's noise (the thinker and the talker are greedy)
-        with torch.no_grad():
-            sequences, wav = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_do_sample=False,
-                thinker_max_new_tokens=THINKER["max_tokens"], talker_do_sample=False,
-                talker_max_new_tokens=TALKER["talker_max_tokens"], talker_min_new_tokens=TALKER["talker_min_tokens"],
-                talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
-    finally:
-        del model.token2wav.forward
-    return (tokenizer.decode(sequences[0, ids.shape[1]:], skip_special_tokens=True), seen["codes"],
-            wav.flatten().numpy())
+    if tones:
+        clips = [heard.as_heard(heard.tone(*tone)) for tone in tones]
+        inputs = processor(resolve_model("demo:tiny-qwen2.5-omni"))(
+            text=user_turn(tokenizer, PROMPT, len(clips)), audio=clips, return_tensors="pt")
+    else:
+        ids = tokenizer(user_turn(tokenizer, PROMPT, 0), return_tensors="pt").input_ids
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    torch.manual_seed(seed)  # the only draw: token2wav's noise (the thinker and the talker are greedy)
+    reply, seen, wav = generate_seen(
+        model, inputs, voice, thinker_do_sample=False, thinker_max_new_tokens=THINKER["max_tokens"],
+        talker_do_sample=False, talker_max_new_tokens=TALKER["talker_max_tokens"],
+        talker_min_new_tokens=TALKER["talker_min_tokens"], talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+    return tokenizer.decode(reply, skip_special_tokens=True), np.array(seen["codes"]), wav.numpy()
 
 
 def spoken(events) -> tuple[str, np.ndarray, np.ndarray, list[tuple[int, int]]]:
@@ -123,39 +116,6 @@ def test_omni_speaks_as_the_models_generate(qwen25_server):
     assert np.abs(audio - reference(voice="Ethan")[2]).max() <= TOLERANCE
 
 
-CLIPS = ((1.2, 440, 0), (0.6, 220, 1))  # two tones: (seconds, hertz, the noise's seed)
-
-
-@functools.cache
-def reference_to_audio(tones: tuple[tuple[float, int, int], ...] = CLIPS) -> tuple[str, np.ndarray, np.ndarray]:
-    """The model's own generate for PROMPT after clips of ``tones`` (its processor's features), greedy:
-    (the reply's text, its codes, its waveform)."""
-    clips = [heard.tone(seconds, hertz, seed) for seconds, hertz, seed in tones]
-    tokenizer, model = demo()
-    made = processor(resolve_model("demo:tiny-qwen2.5-omni"))
-    inputs = made(text=user_turn(tokenizer, PROMPT, len(clips)), audio=[heard.as_heard(c) for c in clips],
-                  return_tensors="pt")
-    seen = {}
-    token2wav = model.token2wav.forward
-
-    def keep_codes(code, *args, **kwargs):
-        seen["codes"] = code[0].numpy()
-        return token2wav(code, *args, **kwargs)
-
-    model.token2wav.forward = keep_codes
-    try:
-        torch.manual_seed(SEED)
-        with torch.no_grad():
-            sequences, wav = model.generate(
-                **inputs, speaker="Chelsie", thinker_do_sample=False, thinker_max_new_tokens=THINKER["max_tokens"],
-                talker_do_sample=False, talker_max_new_tokens=TALKER["talker_max_tokens"],
-                talker_min_new_tokens=TALKER["talker_min_tokens"], talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
-    finally:
-        del model.token2wav.forward
-    reply = sequences[0, inputs["input_ids"].shape[1]:]
-    return tokenizer.decode(reply, skip_special_tokens=True), seen["codes"], wav.flatten().numpy()
-
-
 def test_a_spoken_reply_to_audio_is_the_models_through_omni_and_the_gateway(qwen25_server):
     """Speech in, speech out: ``omni`` (gRPC, ``input_audio``) and the gateway (the ``openai`` SDK,
     ``input_audio`` parts) give generate's text, codes and waveform for the same clips. The talker
@@ -163,8 +123,8 @@ def test_a_spoken_reply_to_audio_is_the_models_through_omni_and_the_gateway(qwen
     shows other codes without them). Another clip gives another text and other codes (half of them;
     the tiny ``token2wav`` moves its waveform little for other codes: the voice and the seed move it,
     test_omni_speaks_as_the_models_generate)."""
-    reply, codes, wav = reference_to_audio()
-    other_reply, other_codes, _ = reference_to_audio(((1.2, 880, 2), CLIPS[1]))
+    reply, codes, wav = reference(tones=CLIPS)
+    other_reply, other_codes, _ = reference(tones=((1.2, 880, 2), CLIPS[1]))
     assert other_reply != reply and (other_codes != codes).mean() > 0.3
     files = [heard.wav_bytes(heard.tone(seconds, hertz, seed)) for seconds, hertz, seed in CLIPS]
     text, audio, served_codes, _ = spoken(OmniClient(qwen25_server.grpc_url).generate(
@@ -198,10 +158,6 @@ def test_bad_input_is_refused_by_name_and_the_next_request_is_served(qwen25_serv
     client = OmniClient(qwen25_server.grpc_url)
     with pytest.raises(OmniError, match="voice"):
         list(client.generate(PROMPT, modalities=["audio"], voice="nobody", **THINKER, **TALKER))
-    # a clip past the 30 s Qwen2.5-Omni's processor hears whole (it would cut it)
-    with pytest.raises(OmniError, match=r"input_audio\[0\].*longer than 30 s"):
-        list(client.generate(PROMPT, modalities=["text", "audio"], input_audio=[heard.wav_bytes(heard.tone(31.0, 440))],
-                             **THINKER, **TALKER))
     # the speech stage called without the thinker's states it reads
     with grpcclient.InferenceServerClient(qwen25_server.grpc_url) as triton:
         inputs = []

@@ -74,3 +74,28 @@ def greedy_codes(talker: Qwen25Talker, prompt, max_codes: int, min_codes: int = 
         hidden = model.model(inputs_embeds=inputs, position_ids=position, past_key_values=cache,
                              use_cache=True).last_hidden_state
     return drawn
+
+
+def generate_seen(model, inputs: dict, voice: str, **options) -> tuple[list[int], dict, torch.Tensor]:
+    """The model's ``generate(return_audio=True)`` on ``inputs`` (the tokenizer's or the processor's),
+    with ``options`` (its keywords; a seed is the caller's ``torch.manual_seed``): the reply's ids, what
+    it handed its talker (the talker's keywords, and ``codes``: the codes ``token2wav`` decoded), and
+    its waveform."""
+    seen = {}
+    talker_generate, token2wav = model.talker.generate, model.token2wav.forward
+
+    def keep_talker(*args, **kwargs):
+        seen.update(kwargs)
+        return talker_generate(*args, **kwargs)
+
+    def keep_codes(code, *args, **kwargs):
+        seen["codes"] = code[0].tolist()
+        return token2wav(code, *args, **kwargs)
+
+    model.talker.generate, model.token2wav.forward = keep_talker, keep_codes
+    try:
+        with torch.no_grad():
+            sequences, wav = model.generate(**inputs, speaker=voice, **options)
+    finally:
+        del model.talker.generate, model.token2wav.forward
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), seen, wav.flatten()

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2_5OmniForConditionalGeneration
+from transformers import Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
 from triton_omni.ar import ArLimits, ArRunner, ArRunnerConfig, GenerateRequest
 from triton_omni.ar.audio_prompt import Qwen25Ears, ears_of
 from triton_omni.audio import decode_audio
@@ -23,7 +23,7 @@ from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 
 from tests.support.heard import as_heard, tone, wav_bytes
-from tests.support.qwen25 import greedy_codes, processor, user_turn
+from tests.support.qwen25 import generate_seen, greedy_codes, processor, user_turn
 
 DEMO = "demo:tiny-qwen2.5-omni"
 CLIPS = (tone(2.0, 440), tone(1.3, 220, seed=1))
@@ -48,7 +48,7 @@ def test_the_prompt_is_the_processor_s_and_the_thinker_s_input(demo):
     the thinker's own forward reads (its audio tower's in the markers' places)."""
     made, model = demo
     ears = ears_of(resolve_model(DEMO), torch.device("cpu"), torch.float32)
-    assert isinstance(ears, Qwen25Ears) and ears.max_seconds == 30.0
+    assert isinstance(ears, Qwen25Ears) and ears.max_seconds == 300.0
     text = user_turn(made.tokenizer, "What is this?", 2)
     clips = [as_heard(clip) for clip in CLIPS]
     ids, embeds = ears.prompt(made.tokenizer(text)["input_ids"], clips)
@@ -60,11 +60,15 @@ def test_the_prompt_is_the_processor_s_and_the_thinker_s_input(demo):
 
 
 def test_a_clip_longer_than_the_processor_hears_is_refused_by_name(runner):
-    """The processor cuts a clip at 30 s; ``ar`` refuses it instead, naming the clip."""
-    assert runner.audio_limits.max_seconds == 30.0
-    with pytest.raises(RequestValidationError, match="longer than 30 s") as error:
-        decode_audio([wav_bytes(tone(0.5, 440)), wav_bytes(tone(31.0, 440))], runner.audio_limits)
+    """The processor cuts a clip at its feature extractor's window (``n_samples``: 300 s in the model's);
+    ``ar`` refuses it instead, naming the clip."""
+    assert runner.audio_limits.max_seconds == runner.ears.max_seconds == 300.0
+    with pytest.raises(RequestValidationError, match="longer than 300 s") as error:
+        decode_audio([wav_bytes(tone(0.5, 440)), wav_bytes(tone(301.0, 440))], runner.audio_limits)
     assert error.value.parameter == "input_audio[1]"
+    shorter = ears_of(resolve_model(DEMO), torch.device("cpu"), torch.float32)
+    shorter.features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, chunk_length=30)
+    assert shorter.max_seconds == 30.0  # the window's, whatever the checkpoint's
 
 
 def served(runner: ArRunner, text: str, clips, states: bool = False):
@@ -89,32 +93,6 @@ def served(runner: ArRunner, text: str, clips, states: bool = False):
     return ids, responses[0].heard[0], torch.cat(kept)
 
 
-def generated(model, inputs, voice: str = "Chelsie"):
-    """``generate(return_audio=True)`` on the processor's ``inputs``, greedy: its reply ids, what it
-    handed its talker, and its codes."""
-    seen = {}
-    talker_generate, token2wav = model.talker.generate, model.token2wav.forward
-
-    def keep_talker(*args, **kwargs):
-        seen.update(kwargs)
-        return talker_generate(*args, **kwargs)
-
-    def keep_codes(code, *args, **kwargs):
-        seen["codes"] = code[0].tolist()
-        return token2wav(code, *args, **kwargs)
-
-    model.talker.generate, model.token2wav.forward = keep_talker, keep_codes
-    try:
-        with torch.no_grad():
-            sequences, _ = model.generate(**inputs, speaker=voice, thinker_do_sample=False,
-                                          thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False,
-                                          talker_max_new_tokens=MAX_CODES, talker_eos_token_id=[CODEC_PAD, CODEC_EOS],
-                                          token2wav_num_steps=2)
-    finally:
-        del model.talker.generate, model.token2wav.forward
-    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), seen
-
-
 def test_the_transformers_engine_answers_audio_as_the_thinker_does_and_another_clip_moves_it(demo, runner):
     made, model = demo
     text = user_turn(made.tokenizer, "What is this?", 2)
@@ -135,7 +113,10 @@ def test_the_states_for_a_talker_are_generate_s_and_its_talker_draws_generate_s_
     made, model = demo
     text = user_turn(made.tokenizer, "What is this?", 2)
     inputs = made(text=text, audio=[as_heard(clip) for clip in CLIPS], return_tensors="pt")
-    reply, seen = generated(model, inputs)
+    reply, seen, _ = generate_seen(model, inputs, "Chelsie", thinker_do_sample=False,
+                                   thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False,
+                                   talker_max_new_tokens=MAX_CODES, talker_eos_token_id=[CODEC_PAD, CODEC_EOS],
+                                   token2wav_num_steps=2)
     ids, prompt_ids, states = served(runner, text, CLIPS, states=True)
     assert ids == reply and prompt_ids == inputs["input_ids"][0].tolist()
     assert states.shape == (len(prompt_ids) + len(reply) - 1, model.config.thinker_config.text_config.hidden_size)

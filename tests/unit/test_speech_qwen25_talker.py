@@ -15,7 +15,7 @@ from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.token2wav import StreamingToken2Wav
 
-from tests.support.qwen25 import greedy_codes, thinker_states
+from tests.support.qwen25 import generate_seen, greedy_codes, thinker_states
 
 REPLY_TOKENS, MAX_CODES, STEPS, SEED = 12, 40, 4, 7
 
@@ -33,28 +33,11 @@ def demo():
 
 def generated(model, ids, voice: str):
     """generate's reply ids, what it handed its talker, its codes and its waveform (greedy)."""
-    seen = {}
-    talker_generate, token2wav = model.talker.generate, model.token2wav.forward
-
-    def keep_talker(*args, **kwargs):
-        seen.update(kwargs)
-        return talker_generate(*args, **kwargs)
-
-    def keep_codes(code, *args, **kwargs):
-        seen["codes"] = code[0].tolist()
-        return token2wav(code, *args, **kwargs)
-
-    model.talker.generate, model.token2wav.forward = keep_talker, keep_codes
-    try:
-        torch.manual_seed(SEED)
-        with torch.no_grad():
-            sequences, wav = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_do_sample=False,
-                thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False, talker_max_new_tokens=MAX_CODES,
-                talker_eos_token_id=[CODEC_PAD, CODEC_EOS], token2wav_num_steps=STEPS)
-    finally:
-        del model.talker.generate, model.token2wav.forward
-    return sequences[0, ids.shape[1]:].tolist(), seen, wav.flatten()
+    torch.manual_seed(SEED)
+    return generate_seen(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, voice,
+                         thinker_do_sample=False, thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False,
+                         talker_max_new_tokens=MAX_CODES, talker_eos_token_id=[CODEC_PAD, CODEC_EOS],
+                         token2wav_num_steps=STEPS)
 
 
 def test_the_prompt_codes_and_waveform_are_generates(demo):

@@ -170,8 +170,8 @@ class Qwen3Ears(ThinkerEars):
 
 
 class Qwen25Ears(ThinkerEars):
-    """Qwen2.5-Omni's: each clip padded to the extractor's window (30 s), which cuts a longer one (refused
-    here instead: ``max_seconds``), two stride-2 halvings a clip."""
+    """Qwen2.5-Omni's: each clip padded to the extractor's window (its ``n_samples``: 300 s in the
+    model's), which cuts a longer one (refused here instead: ``max_seconds``); two stride-2 halvings a clip."""
 
     tower_class, modeling = "Qwen2_5OmniAudioEncoder", "qwen2_5_omni.modeling_qwen2_5_omni"
 
@@ -182,7 +182,7 @@ class Qwen25Ears(ThinkerEars):
     def default_features(self, mel_bins: int):
         from transformers import WhisperFeatureExtractor
 
-        return WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE, chunk_length=30)
+        return WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=SAMPLE_RATE, chunk_length=300)
 
     def extract(self, clips: list[np.ndarray]):
         return self.features(clips, sampling_rate=SAMPLE_RATE, padding="max_length", return_attention_mask=True,

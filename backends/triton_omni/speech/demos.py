@@ -298,9 +298,9 @@ def build_tiny_qwen2_5_omni(out: Path) -> None:
                         "ref_mel": torch.randn(1, 40, MEL_BINS)}
                 for voice, marker in zip(VOICES_25, voices, strict=True)}
     torch.save(speakers, out / "spk_dict.pt")
-    # Qwen2.5-Omni's processor's: Whisper's log-mel at 16 kHz, each clip padded to (and cut at) 30 s
+    # Qwen2.5-Omni's processor's: Whisper's log-mel at 16 kHz, each clip padded to (and cut at) 300 s
     WhisperFeatureExtractor(feature_size=config.thinker_config.audio_config.num_mel_bins, sampling_rate=16000,
-                            chunk_length=30).save_pretrained(out)
+                            chunk_length=300).save_pretrained(out)
 
 
 def _config_25(vocab_size: int, ids: dict[str, int]) -> dict:
