@@ -211,7 +211,8 @@ def direct(model_path: str, texts: list[str], args) -> dict:
     frames = codes_for(args)
     codec = model.config.talker_config
     # Qwen2.5-Omni's generate stops its talker at ids of the real checkpoint's vocabulary: the model's own here
-    stops = {} if qwen3 else {"talker_eos_token_id": [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id]}
+    stops = {} if qwen3 else {"talker_eos_token_id": [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id],
+                              "talker_logits_processor": unreadable_codes(model, device)}
     results = []
     started = time.perf_counter()
     for text in texts:
@@ -227,6 +228,18 @@ def direct(model_path: str, texts: list[str], args) -> dict:
         seconds = time.perf_counter() - begun
         results.append({"ttfa": seconds, "seconds": seconds, "audio_s": wav.numel() / SAMPLE_RATE})
     return summary(results, time.perf_counter() - started)
+
+
+def unreadable_codes(model, device: str):
+    """Qwen2.5-Omni's talker kept from the codes its ``token2wav`` has no embedding for (the served
+    talker's rule, ``Qwen25Talker.suppressed``): random weights draw them, and the decoder's table ends
+    before them."""
+    from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
+
+    codec, readable = model.config.talker_config, model.config.token2wav_config.dit_config.num_embeds
+    stops = (codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id)
+    unreadable = [code for code in range(readable, codec.vocab_size) if code not in stops]
+    return LogitsProcessorList([SuppressTokensLogitsProcessor(unreadable, device=device)] if unreadable else [])
 
 
 def realistic_configs(model: SpeakingModel, speech_parameters: dict) -> dict:

@@ -98,7 +98,7 @@ class TritonPythonModel:
         try:
             parameters, key, _ = split_parameters(request)
             parsed = GenerateRequest.from_inputs(read_inputs(request, AR_GENERATE_INPUTS), self.config.limits,
-                                                 parameters, self.runner.audio_limits)
+                                                 parameters, self.runner.audio_limits, self.runner.image_limits)
             self.runner.check(parsed)
         except Exception as exc:
             self.responses.fail(sender, exc, self.context, self.metrics, started)

@@ -211,11 +211,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise
         if body.speaks:
             return await spoken_response(request, body, prompt, model)
-        return await text_response(request, body, chat_endpoint(body), prompt, model, adapter, body.audio_clips())
+        return await text_response(request, body, chat_endpoint(body), prompt, model, adapter, body.audio_clips(),
+                                   body.image_files())
 
     async def spoken_response(request: Request, body: ChatRequest, prompt: str, model: str):
         if SPEECH_MODEL not in await triton.models():
             raise no_speech_model(body.model)
+        if body.image_parts():  # the talker reads the thinker's states at its own image positions: not served
+            raise invalid(body.image_parts()[0], "a spoken reply to a prompt with images is not served; ask for "
+                          "a text reply (modalities [\"text\"])")
         answer = spoken_chat(triton, model, prompt, body.sampling(), body.audio.voice, body.audio.format, body.stream,
                              body.talker.values() if body.talker else {}, audio=body.audio_clips(),
                              states=reads_states(templates.paths.get(SPEECH_MODEL)))
@@ -228,7 +232,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 raise invalid(body.audio_parts()[0], "a spoken reply to audio needs the thinker's hidden states at "
                               "it, which this model's engine does not hand on (a thinker served with engine: "
                               "transformers does)") from None
-            raise audio_named(error, body) from None
+            raise part_named(error, body) from None
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(close))
 
@@ -280,9 +284,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await text_response(request, body, completion_endpoint(body), body.text(),
                                    *await served_by(body.model))
 
-    def audio_named(error: OpenAIError, body) -> OpenAIError:
-        """``ar``'s refusal of a clip (``input_audio[i]``) named by the chat's part it came from."""
-        part = body.audio_part_of(error.param) if isinstance(body, ChatRequest) else None
+    def part_named(error: OpenAIError, body) -> OpenAIError:
+        """``ar``'s refusal of a clip (``input_audio[i]``) or an image (``images[i]``) named by the
+        chat's part it came from."""
+        part = body.part_of(error.param) if isinstance(body, ChatRequest) else None
         if part is None:
             return error
         return OpenAIError(error.status, error.message.replace(f"`{error.param}`", f"`{part}`"), param=part,
@@ -309,16 +314,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return (name, None) if base is None else (base, name)
 
     async def text_response(request: Request, body, endpoint, prompt: str, model: str, adapter: str | None,
-                            audio: list[bytes] | None = None):
+                            audio: list[bytes] | None = None, images: list[bytes] | None = None):
         sampling = body.sampling() | ({"lora_name": adapter} if adapter else {})
-        stream = deltas(triton, model, prompt, sampling, audio=audio)
+        stream = deltas(triton, model, prompt, sampling, audio=audio, images=images)
         try:
             if not body.stream:
                 return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
             # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
             first = await anext(stream)
         except OpenAIError as error:
-            raise audio_named(error, body) from None
+            raise part_named(error, body) from None
 
         async def replayed():
             yield first

@@ -117,17 +117,29 @@ class AudioPart(_Body):
     input_audio: InputAudio
 
 
+class ImageUrl(_Body):
+    url: StrictStr  # a data: URL (the gateway fetches nothing)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    """OpenAI's ``image_url`` part: an image the model sees (a Qwen2.5-Omni thinker), in a user message."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class OtherPart(BaseModel):
     """A content part of OpenAI's other kinds: known, so that a request carrying one is refused by
     name (``ChatRequest``) rather than told its content should have been a string."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "file", "input_file", "refusal"]
+    type: Literal["file", "input_file", "refusal"]
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart | AudioPart | OtherPart] | None = None
+    content: StrictStr | list[TextPart | AudioPart | ImagePart | OtherPart] | None = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -136,12 +148,12 @@ class Message(_Body):
         return self.content or ""
 
     def template_content(self) -> str | list[dict[str, str]]:
-        """The content as a chat template reads it: the text, or, where the message holds audio,
-        its parts in order (the template writes each clip's audio marker)."""
-        if not isinstance(self.content, list) or not any(isinstance(p, AudioPart) for p in self.content):
+        """The content as a chat template reads it: the text, or, where the message holds audio or
+        images, its parts in order (the template writes each clip's and image's marker)."""
+        if not isinstance(self.content, list) or not any(isinstance(p, AudioPart | ImagePart) for p in self.content):
             return self.text()
-        return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "audio"}
-                for part in self.content]
+        return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else
+                {"type": "audio" if isinstance(part, AudioPart) else "image"} for part in self.content]
 
 
 class TalkerOptions(_Body):
@@ -181,26 +193,44 @@ class ChatRequest(_Sampling):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 if isinstance(part, OtherPart):
                     raise invalid(f"messages.{i}.content.{j}.type", f"{part.type!r} parts are not read by the "
-                                  "models this gateway serves: a message's content is text, and audio in a user "
-                                  "message")
-                if isinstance(part, AudioPart) and message.role != "user":
-                    raise invalid(f"messages.{i}.content.{j}.type", "'input_audio' parts go in user messages")
+                                  "models this gateway serves: a message's content is text, and audio and images "
+                                  "in a user message")
+                if isinstance(part, AudioPart | ImagePart) and message.role != "user":
+                    raise invalid(f"messages.{i}.content.{j}.type", f"{part.type!r} parts go in user messages")
         return self
 
     def audio_parts(self) -> list[str]:
         """Where each ``input_audio`` part is (``messages.0.content.1``), in order."""
+        return self._parts(AudioPart)
+
+    def image_parts(self) -> list[str]:
+        """Where each ``image_url`` part is, in order."""
+        return self._parts(ImagePart)
+
+    def _parts(self, kind: type) -> list[str]:
         return [f"messages.{i}.content.{j}" for i, message in enumerate(self.messages)
                 for j, part in enumerate(message.content if isinstance(message.content, list) else ())
-                if isinstance(part, AudioPart)]
+                if isinstance(part, kind)]
 
-    def audio_part_of(self, param: str | None) -> str | None:
-        """The part an ``ar`` refusal of ``input_audio`` (``input_audio[i]``: its i-th clip) is about,
-        in this body's names; None for another parameter."""
-        if not param or not param.startswith("input_audio"):
-            return None
-        parts = self.audio_parts() or ["messages"]
-        index = param.removeprefix("input_audio").strip("[]")
-        return parts[int(index)] if index.isdigit() and int(index) < len(parts) else parts[0]
+    def part_of(self, param: str | None) -> str | None:
+        """The part an ``ar`` refusal of ``input_audio`` or ``images`` (``input_audio[i]``: its i-th
+        clip) is about, in this body's names; None for another parameter."""
+        for tensor, parts in (("input_audio", self.audio_parts), ("images", self.image_parts)):
+            if param and param.startswith(tensor):
+                found = parts() or ["messages"]
+                index = param.removeprefix(tensor).strip("[]")
+                return found[int(index)] if index.isdigit() and int(index) < len(found) else found[0]
+        return None
+
+    def image_files(self) -> list[bytes]:
+        """The ``image_url`` parts' files (each a base64 ``data:`` URL), in the order their markers
+        appear in the prompt."""
+        files = []
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, ImagePart):
+                    files.append(_data_url(part.image_url.url, f"messages.{i}.content.{j}.image_url.url"))
+        return files
 
     def audio_clips(self) -> list[bytes]:
         """The ``input_audio`` parts' files, in the order their markers appear in the prompt."""
@@ -506,3 +536,16 @@ def parse(kind: type[_Body], raw: bytes) -> Any:
         reason = "unknown field (not part of this API)" if first["type"] == "extra_forbidden" else first["msg"]
         shown = "" if first["type"] in ("missing", "extra_forbidden") else f", got {first.get('input')!r:.80}"
         raise OpenAIError(400, f"{param}: {reason}{shown}", param=param, code="invalid_value") from None
+
+
+def _data_url(url: str, field: str) -> bytes:
+    """The bytes of a base64 ``data:`` URL (``data:image/png;base64,...``)."""
+    header, _, data = url.partition(",")
+    if not header.startswith("data:"):
+        raise invalid(field, "must be a data: URL (data:image/png;base64,...): this gateway fetches nothing")
+    if not header.endswith(";base64"):
+        raise invalid(field, "must be base64 (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(field, "is not base64") from None

@@ -55,26 +55,28 @@ class Delta:
 
 
 def ar_values(prompt: str, sampling: dict[str, Any], token_ids: bool = False,
-              audio: list[bytes] | None = None, heard: bool = False, states: bool = False) -> dict[str, Any]:
+              audio: list[bytes] | None = None, heard: bool = False, states: bool = False,
+              images: list[bytes] | None = None) -> dict[str, Any]:
     """The ``ar`` model's inputs for one streamed request (``audio``: the files the prompt's audio
     markers stand for; ``heard``: the thinker's states at them asked for, which a talker reads;
-    ``states``: its states at every position, which a Qwen2.5-Omni talker reads)."""
+    ``states``: its states at every position, which a Qwen2.5-Omni talker reads; ``images``: the
+    image files the prompt's image markers stand for)."""
     return {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
             "sampling_parameters": json.dumps(sampling), "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
             "return_logprobs": "logprobs" in sampling, "return_token_ids": token_ids} \
         | ({"input_audio": audio} if audio else {}) | ({"return_heard_states": True} if heard else {}) \
-        | ({"return_thinker_states": True} if states else {})
+        | ({"return_thinker_states": True} if states else {}) | ({"images": images} if images else {})
 
 
 async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, Any],
                  token_ids: bool = False, audio: list[bytes] | None = None,
-                 heard: bool = False, states: bool = False) -> AsyncIterator[Delta]:
+                 heard: bool = False, states: bool = False, images: list[bytes] | None = None) -> AsyncIterator[Delta]:
     # The last response carries the finish reasons (of all `n` completions).
     finished = lambda result: any(o.name == "finish_reason" for o in result.get_response().outputs)  # noqa: E731
     # aclosing: closing this generator closes Triton's stream, which cancels the request in the model
     # (an `async for` left early does not close what it iterates)
-    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids, audio, heard, states),
+    async with aclosing(triton.stream(model, ar_values(prompt, sampling, token_ids, audio, heard, states, images),
                                       finished)) as results:
         async for result in results:
             found = outputs(result)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+import openai
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
@@ -31,10 +32,11 @@ from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 from triton_omni.speech.token2wav import StreamingToken2Wav
 from triton_omni_client import OmniClient, OmniError
+from triton_omni_client.client import stream_infer
 from triton_omni_tools.launcher import ServerOptions, free_port
 
 from tests.support import heard
-from tests.support.qwen25 import generate_seen, greedy_codes, processor, thinker_states, user_turn
+from tests.support.qwen25 import generate_seen, greedy_codes, noise, png, processor, thinker_states, user_turn
 from tests.support.server import metric_value, serving_openai
 
 PROMPT = "a red fox"
@@ -144,6 +146,59 @@ def test_a_spoken_reply_to_audio_is_the_models_through_omni_and_the_gateway(qwen
         samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
     samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
     assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+
+
+def seen_reply(url: str, text: str, images: list[bytes]) -> str:
+    """``ar``'s greedy reply (over gRPC, tritonclient) to a prompt with ``images`` (one file per marker)."""
+    values = {"text_input": np.array([text.encode()], dtype=object), "images": np.array(images, dtype=object),
+              "max_tokens": np.array([THINKER["max_tokens"]], np.int32), "temperature": np.array([0.0], np.float32),
+              "exclude_input_in_output": np.array([True])}
+    inputs = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), {np.dtype(object): "BYTES", np.dtype(np.int32): "INT32",
+                                                                 np.dtype(np.float32): "FP32"}.get(value.dtype, "BOOL"))
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    results = list(stream_infer(url, "ar", inputs, timeout_s=120))
+    return "".join(v.decode() for r in results for v in r.as_numpy("text_output"))
+
+
+def test_the_thinker_sees_images_through_ar_and_the_gateway_as_generate_does(qwen25_server):
+    """Image in, text out: ``ar`` over gRPC (``images``), ``omni`` (``images`` with modalities
+    ``["text"]``) and the gateway's chat (``image_url`` parts,
+    base64 ``data:`` URLs, through the ``openai`` SDK) give ``thinker.generate``'s reply to the
+    processor's pixels; another image gives another reply (tests/unit/test_image_input_qwen25.py holds
+    the positions and embeddings to the thinker's own). A spoken reply to images is refused by name."""
+    tokenizer, model = demo()
+    made = processor(resolve_model("demo:tiny-qwen2.5-omni"))
+    images = [noise(84, 112, 0), noise(56, 140, 1)]
+    text = user_turn(tokenizer, PROMPT, 0, images=2)
+    inputs = made(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.thinker.generate(**inputs, max_new_tokens=THINKER["max_tokens"], do_sample=False)
+    reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    files = [png(image) for image in images]
+    assert seen_reply(qwen25_server.grpc_url, text, files) == reply
+    assert seen_reply(qwen25_server.grpc_url, text, [png(noise(84, 112, 7)), files[1]]) != reply
+    events = OmniClient(qwen25_server.grpc_url).generate(PROMPT, modalities=["text"], images=files, **THINKER)
+    assert "".join(e.text for e in events if e.text) == reply  # omni: the user turn of the model's template
+
+    parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(f).decode()}"}}
+             for f in files]
+    chat = {"model": "ar", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+            "max_tokens": THINKER["max_tokens"], "temperature": 0.0}
+    answer = qwen25_server.openai.chat.completions.create(**chat)
+    assert answer.choices[0].message.content == reply
+    with pytest.raises(openai.BadRequestError) as error:
+        qwen25_server.openai.chat.completions.create(modalities=["text", "audio"],
+                                                     audio={"voice": "chelsie", "format": "wav"}, **chat)
+    assert error.value.body["param"] == "messages.0.content.0"
+    not_an_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
+    with pytest.raises(openai.BadRequestError) as error:  # ar's refusal of images[1], named by its part
+        qwen25_server.openai.chat.completions.create(**chat | {"messages": [{"role": "user", "content": [
+            parts[0], not_an_image, {"type": "text", "text": PROMPT}]}]})
+    assert error.value.body["param"] == "messages.0.content.1" and "not an image file" in error.value.body["message"]
+    assert qwen25_server.openai.chat.completions.create(**chat).choices[0].message.content == reply
 
 
 def test_a_reply_of_one_token_is_spoken_as_no_audio(qwen25_server):

@@ -43,17 +43,18 @@ class FakeStages:
                 raise
 
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
-                       audio: list[bytes] = (), heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
+                       audio: list[bytes] = (), heard: bool = False, states: bool = False,
+                       images: list[bytes] = ()) -> AsyncIterator[TextDelta]:
         await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio)
-                          + (("states",),) * states)
+                          + (("states",),) * states + (("images", list(images)),) * bool(images))
         for i, word in enumerate(self.words):
             await asyncio.sleep(0)
             yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [],
                             heard=(["heard"], f"states of {len(audio)} clips") if heard and i == 0 else None,
                             states=("prompt" if i == 0 else f"token {i - 1}") if states else None)
 
-    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
-        return f"<user>{'<audio>' * clips}{prompt}<assistant>"
+    def chat_prompt(self, prompt: str, clips: int = 0, images: int = 0) -> str:
+        return f"<user>{'<audio>' * clips}{'<image>' * images}{prompt}<assistant>"
 
     async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
                     heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:

@@ -1,11 +1,16 @@
 """Qwen2.5-Omni's talker driven one utterance at a time, as the model's ``generate`` drives it: the
 reference a reply the thinker did not write (``/v1/audio/speech``'s ``input``) is held to, the
 talker's prompt and the decoder being held to ``generate`` itself in the unit tests. And the
-model's processor, for prompts with audio (the reference ``ar``'s hearing is held to)."""
+model's processor, for prompts with audio and images (the reference ``ar``'s hearing and seeing are
+held to)."""
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import torch
+from PIL import Image
 from transformers import (
     AutoTokenizer,
     DynamicCache,
@@ -22,7 +27,8 @@ MARKERS = {"audio_token": "<|AUDIO|>", "image_token": "<|IMAGE|>", "video_token"
 
 def processor(folder) -> Qwen2_5OmniProcessor:
     """The model's processor, assembled from the checkpoint's parts (the tiny demo saves no processor
-    config; its image side is the PIL image processor, which audio-only prompts never call)."""
+    config; its image side is the PIL image processor at the family's defaults, as ``ar`` reads a
+    checkpoint that saved only its audio side)."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     made = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)  # no video processor without torchvision
     made.tokenizer, made.feature_extractor = tokenizer, WhisperFeatureExtractor.from_pretrained(folder)
@@ -33,11 +39,23 @@ def processor(folder) -> Qwen2_5OmniProcessor:
     return made
 
 
-def user_turn(tokenizer, text: str, clips: int) -> str:
-    """The chat template's prompt of one user message: ``clips`` audio parts, then ``text``."""
-    content = [{"type": "audio"}] * clips + [{"type": "text", "text": text}]
+def user_turn(tokenizer, text: str, clips: int, images: int = 0) -> str:
+    """The chat template's prompt of one user message: ``clips`` audio parts, ``images`` image parts,
+    then ``text``."""
+    content = [{"type": "audio"}] * clips + [{"type": "image"}] * images + [{"type": "text", "text": text}]
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
+
+
+def noise(height: int, width: int, seed: int) -> Image.Image:
+    """An image of random pixels (the tiny vision tower tells two apart)."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def thinker_states(model, ids, reply):

@@ -99,7 +99,7 @@ def test_the_prompt_widens_each_marker_as_the_processor_does(ears):
     tokenizer, processor, _ = model()
     text = prompt("What is this?", 2)
     clips = [tone(2.0, 440), tone(1.3, 220, seed=1)]
-    ids, embeds = ears.prompt(tokenizer(text)["input_ids"], clips)
+    ids, embeds, _ = ears.prompt(tokenizer(text)["input_ids"], clips)
     assert ids == processor(text=text, audio=clips, return_tensors="pt")["input_ids"][0].tolist()
     assert embeds.shape == (len(ids), ears.embed_tokens.shape[1])
     with pytest.raises(RequestValidationError, match=r"2 audio markers .* for 1 clips") as error:

@@ -51,7 +51,7 @@ def test_the_prompt_is_the_processor_s_and_the_thinker_s_input(demo):
     assert isinstance(ears, Qwen25Ears) and ears.max_seconds == 300.0
     text = user_turn(made.tokenizer, "What is this?", 2)
     clips = [as_heard(clip) for clip in CLIPS]
-    ids, embeds = ears.prompt(made.tokenizer(text)["input_ids"], clips)
+    ids, embeds, _ = ears.prompt(made.tokenizer(text)["input_ids"], clips)
     inputs = made(text=text, audio=clips, return_tensors="pt")
     assert ids == inputs["input_ids"][0].tolist()
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_the_states_for_a_talker_are_generate_s_and_its_talker_draws_generate_s_
     assert codes == seen["codes"] and len(codes) > 8
 
     ears = ears_of(resolve_model(DEMO), torch.device("cpu"), torch.float32)
-    _, embeds = ears.prompt(made.tokenizer(text)["input_ids"], [as_heard(clip) for clip in CLIPS])
+    _, embeds, _ = ears.prompt(made.tokenizer(text)["input_ids"], [as_heard(clip) for clip in CLIPS])
     audio = np.array(prompt_ids) == ears.audio_token_id
     heard_in = states.clone()
     heard_in[: len(prompt_ids)][audio] += embeds[audio]  # the layer-0 input the LM read, not zeros

@@ -54,8 +54,7 @@ def test_errors_name_the_field_without_pydantic_s_union_members():
 @pytest.mark.parametrize(("part", "param", "says"), [
     ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "ogg"}},
      "messages.0.content.1.input_audio.format", "Input should be 'wav' or 'mp3'"),
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}, "messages.0.content.1.type",
-     "'image_url' parts are not read"),
+    ({"type": "file", "file": {"file_id": "f"}}, "messages.0.content.1.type", "'file' parts are not read"),
     ({"type": "text"}, "messages.0.content.1.text", "Field required"),
     ({"type": "video"}, "messages.0.content.1.type", "Input should be 'text'"),
 ])
@@ -79,11 +78,44 @@ def test_input_audio_parts_reach_the_template_and_the_model_in_order():
                                                            {"type": "audio"}]}]
     assert request.audio_clips() == [b"first", b"second"]
     assert request.audio_parts() == ["messages.1.content.0", "messages.1.content.2"]
-    assert [request.audio_part_of(p) for p in ("input_audio[1]", "input_audio", "input_audio[7]", "max_tokens",
+    assert [request.part_of(p) for p in ("input_audio[1]", "input_audio", "input_audio[7]", "max_tokens",
                                                None)] == ["messages.1.content.2", "messages.1.content.0",
                                                           "messages.1.content.0", None, None]
     assert ar_values("p", {}, audio=request.audio_clips())["input_audio"] == [b"first", b"second"]
     assert "input_audio" not in ar_values("p", {})
+
+
+def image_part(data: bytes, kind: str = "png") -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64,{base64.b64encode(data).decode()}"}}
+
+
+def test_image_url_parts_reach_the_template_and_the_model_in_order():
+    request = parse(ChatRequest, json.dumps({"messages": [
+        {"role": "user", "content": [image_part(b"first"), audio_part(b"clip"), {"type": "text", "text": "and "},
+                                     image_part(b"second", "jpeg")]}]}).encode())
+    assert request.chat() == [{"role": "user", "content": [{"type": "image"}, {"type": "audio"},
+                                                           {"type": "text", "text": "and "}, {"type": "image"}]}]
+    assert request.image_files() == [b"first", b"second"] and request.audio_clips() == [b"clip"]
+    assert [request.part_of(p) for p in ("images[1]", "images", "input_audio[0]")] == [
+        "messages.0.content.3", "messages.0.content.0", "messages.0.content.1"]
+    assert ar_values("p", {}, images=request.image_files())["images"] == [b"first", b"second"]
+    assert "images" not in ar_values("p", {})
+
+
+@pytest.mark.parametrize(("part", "param", "says"), [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/fox.png"}}, "messages.0.content.0.image_url.url",
+     "this gateway fetches nothing"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "messages.0.content.0.image_url.url",
+     "must be base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "messages.0.content.0.image_url.url",
+     "is not base64"),
+])
+def test_an_image_url_the_gateway_cannot_pass_on_is_refused_naming_it(part, param, says):
+    with pytest.raises(OpenAIError) as error:
+        parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()).image_files()
+    assert error.value.param == param and says in error.value.message
+    assistant = {"messages": [{"role": "assistant", "content": [image_part(b"x")]}]}
+    assert refused(ChatRequest, assistant).param == "messages.0.content.0.type"
 
 
 @pytest.mark.parametrize(("messages", "extra", "param"), [

@@ -253,12 +253,20 @@ def test_a_failing_stage_fails_the_request_and_cancels_the_other_branch():
     assert stages.cancelled == ["generate"]
 
 
-def test_input_images_need_the_image_modality_and_pass_through_untouched():
+def test_input_images_go_to_diffusion_or_with_text_alone_to_the_thinker_and_pass_through_untouched():
     from triton_omni.errors import RequestValidationError
     from triton_omni.scheduler.request import OmniRequest, SchedulerLimits
 
-    with pytest.raises(RequestValidationError, match="`images`: input images need modalities"):
-        OmniRequest.from_inputs({"text_input": "a fox", "images": [b"png"]}, SchedulerLimits())
+    for modalities in (["audio"], ["text", "audio"]):  # a spoken reply to images: not served
+        with pytest.raises(RequestValidationError, match="`images`: input images need modalities"):
+            OmniRequest.from_inputs({"text_input": "a fox", "modalities": modalities, "images": [b"png"]},
+                                    SchedulerLimits())
+    stages = FakeStages()
+    scheduled(stages, text_input="a fox", modalities=["text"], images=[b"one", b"two"], input_audio=[b"clip"])
+    assert stages.calls == [("generate", ("<user><audio><image><image>a fox<assistant>", {}, ([b"clip"], False),
+                                          ("images", [b"one", b"two"])))]
+    assert OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image"], "images": [b"a"]},
+                                   SchedulerLimits()).seen == []
     request = OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image"], "images": [b"a", b"b"]},
                                       SchedulerLimits())
     assert request.images == [b"a", b"b"] and "images" not in request.image_options

@@ -117,3 +117,18 @@ def test_utterances_stepped_together_speak_as_each_alone(demo):
     assert [code for [code] in frames["first"]] == alone["chelsie"]
     assert [code for [code] in frames["second"]] == alone["ethan"]
     assert [code for [code] in frames["third"]] == alone["ethan"]
+
+
+def test_codes_token2wav_cannot_read_are_never_drawn_but_the_stop_codes(demo):
+    """The real model's talker draws from 8448 codes and its ``token2wav`` reads 8193: a random-weight
+    talker (the benchmarks') would draw the rest, past the decoder's table. Here the tiny model's
+    decoder reads 60 of its 64: 61 (the start code, suppressed as generate does) and 63 are never
+    drawn; 60 and 62 (pad and end) still stop the talker; 64 codes readable leave the start code alone."""
+    import copy
+
+    model, _, talker = demo
+    assert talker.suppressed.tolist() == [61]
+    config = copy.deepcopy(model.config)
+    config.token2wav_config.dit_config.num_embeds = 60
+    narrower = Qwen25Talker(model.talker, model.thinker.get_input_embeddings(), model.speaker_map, config)
+    assert sorted(set(narrower.suppressed.tolist())) == [61, 63] and narrower.stop_ids == [CODEC_PAD, CODEC_EOS]

@@ -84,13 +84,13 @@ class ThinkerEars:
         if self.features.sampling_rate != SAMPLE_RATE:
             raise ValueError(f"{checkpoint}: the feature extractor reads {self.features.sampling_rate} Hz, "
                              f"not {SAMPLE_RATE}")
-        weights = _weights(checkpoint, ("thinker.audio_tower.", "thinker.model.embed_tokens."))
+        found = weights(checkpoint, ("thinker.audio_tower.", "thinker.model.embed_tokens."))
         tower = getattr(importlib.import_module(f"transformers.models.{self.modeling}"), self.tower_class)
         self.tower = tower._from_config(thinker.audio_config, dtype=dtype)
-        self.tower.load_state_dict({k.removeprefix("thinker.audio_tower."): v for k, v in weights.items()
+        self.tower.load_state_dict({k.removeprefix("thinker.audio_tower."): v for k, v in found.items()
                                     if k.startswith("thinker.audio_tower.")})
         self.tower.to(device).eval()
-        self.embed_tokens = weights["thinker.model.embed_tokens.weight"].to(device, dtype)
+        self.embed_tokens = found["thinker.model.embed_tokens.weight"].to(device, dtype)
 
     @property
     def max_seconds(self) -> float | None:
@@ -113,9 +113,10 @@ class ThinkerEars:
         raise NotImplementedError
 
     def prompt(self, ids: list[int], clips: list[np.ndarray], field: str = "input_audio",
-               max_tokens: int | None = None) -> tuple[list[int], torch.Tensor]:
+               max_tokens: int | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """``ids`` (one audio marker per clip) with each marker repeated as many times as its clip has
-        tokens, and the prompt's embeddings ``[tokens, hidden]``: the clips' in the markers' places.
+        tokens, the prompt's embeddings ``[tokens, hidden]`` (the clips' in the markers' places), and
+        each clip's log-mel frames (what a Qwen2.5-Omni thinker's rotary positions read of it).
         A prompt that grows past ``max_tokens`` is refused before the tower runs."""
         markers = [i for i, token in enumerate(ids) if token == self.audio_token_id]
         if len(markers) != len(clips):
@@ -139,7 +140,7 @@ class ThinkerEars:
             tokens = torch.tensor(expanded, device=self.device)
             embeds = self.embed_tokens[tokens].clone()
             embeds[tokens == self.audio_token_id] = heard.to(embeds.dtype)
-        return expanded, embeds
+        return expanded, embeds, frames
 
     def unheard(self, ids: list[int], embeds: torch.Tensor) -> torch.Tensor:
         """``embeds`` with zeros at the audio: what a Qwen2.5-Omni talker reads of the thinker's layer-0
@@ -200,7 +201,7 @@ EARS_OF: dict[str, type[ThinkerEars]] = {"Qwen3OmniMoeForConditionalGeneration":
                                           "Qwen2_5OmniForConditionalGeneration": Qwen25Ears}
 
 
-def _weights(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def weights(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under ``prefixes``, read shard by shard."""
     from safetensors import safe_open
 

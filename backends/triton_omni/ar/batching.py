@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from triton_omni import transfers
 from triton_omni.ar.engine import Delta
 from triton_omni.ar.sampling import SamplingOptions
+from triton_omni.ar.vision_prompt import MropePositions, mrope
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
                  emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None,
                  states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                 states_input: torch.Tensor | None = None):
+                 states_input: torch.Tensor | None = None, positions: MropePositions | None = None):
         self.prompt_ids = prompt_ids
         self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
         self.states_at = states_at  # (layer, positions): the prefill's states to keep (ArEngine.stream)
@@ -55,7 +56,9 @@ class Sequence:
         self.new_states: list[torch.Tensor] = []  # kept since the last delta, on the host
         self.options = options
         self.output_ids: list[int] = []
-        self.position = len(prompt_ids)  # of the next token fed to the model
+        self.mrope = positions  # the prompt's multimodal rotary positions (a prompt with images), or None
+        # of the next token fed to the model: a prompt with images shifts its reply's (MropePositions)
+        self.position = len(prompt_ids) + (positions.delta if positions is not None else 0)
         # vLLM's rules: EOS ends a sequence unless ignore_eos; stop_token_ids always do;
         # both are suppressed until min_tokens are out.
         self.stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_ids)))
@@ -227,7 +230,8 @@ class StepBatcher(ContinuousBatch):
         if sequence.states_input is not None:
             layer0 = sequence.states_input.to(self.device)
         with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states, \
-                _thinker_states(self.model, sequence.keep_states, layer0) as thinker:
+                _thinker_states(self.model, sequence.keep_states, layer0) as thinker, \
+                _rotary_at(self.model, sequence.mrope):
             out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if kept is not None:
             sequence.prompt_states = states[0][0, kept[1]].float().cpu()
@@ -259,6 +263,22 @@ class StepBatcher(ContinuousBatch):
         if self.adapter_rows is None:
             return contextlib.nullcontext()
         return self.adapter_rows.bind([sequence.lora for sequence in rows], self.device)
+
+
+@contextlib.contextmanager
+def _rotary_at(model, positions: MropePositions | None):
+    """Around a prefill: the model's rotary embedding at ``positions``' three sections (a prompt with
+    images, read as the multimodal model reads it), not at each token's index."""
+    if positions is None:
+        yield
+        return
+    rotary = model.model.rotary_emb
+    plain = rotary.forward
+    rotary.forward = lambda hidden, _position_ids: mrope(plain, hidden, positions)
+    try:
+        yield
+    finally:
+        del rotary.forward
 
 
 @contextlib.contextmanager

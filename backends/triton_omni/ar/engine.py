@@ -5,10 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from triton_omni.ar.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from triton_omni.ar.vision_prompt import MropePositions
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class ArEngine(ABC):
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
                      states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                     states_input: torch.Tensor | None = None) -> None:
+                     states_input: torch.Tensor | None = None, positions: MropePositions | None = None) -> None:
         """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
         these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
         is; ``states_at``: (layer, positions), the prefill's hidden states of that layer (0: the
@@ -75,7 +79,8 @@ class ArEngine(ABC):
         ``keep_states``: every position's states handed on in the deltas' ``states``, the prompt's
         layer-0 input there ``states_input`` where given (``[len(prompt_ids), hidden]``: a Qwen2.5-Omni
         talker reads zeros at the audio) in place of the embeddings the model reads; both by an
-        engine that can: ``check_states`` says), handing each delta to ``on_delta``
+        engine that can: ``check_states`` says; ``positions``: the prompt's multimodal rotary positions,
+        a prompt with images' (by an engine that can: ``check_images`` says)), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
         Cancelled, the engine forgets the request and calls ``on_delta`` no more.
@@ -86,6 +91,10 @@ class ArEngine(ABC):
         A callback rather than an async iterator: under load an engine
         produces a delta for every running request at every step, and a
         callback called where the engine has it costs no task switch per delta."""
+
+    def check_images(self, field: str) -> None:  # noqa: B027 - an engine that reads them needs no check
+        """Raise ``RequestValidationError`` (naming the request's ``field``) where this engine cannot
+        read a prompt with images (its multimodal rotary positions)."""
 
     def check_states(self, field: str) -> None:  # noqa: B027 - an engine that keeps states needs no check
         """Raise ``RequestValidationError`` (naming the request's ``field``) where this engine cannot

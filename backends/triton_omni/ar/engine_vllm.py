@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm import AsyncEngineArgs, PoolingParams, SamplingParams
@@ -37,6 +37,9 @@ from triton_omni.ar.shared_engine import EngineSeat, watch_engine
 from triton_omni.cpu_affinity import descendants, pin_process_tree
 from triton_omni.errors import RequestValidationError
 from triton_omni.processes import alive, mapped_shared_memory, parents, start_ticks
+
+if TYPE_CHECKING:
+    from triton_omni.ar.vision_prompt import MropePositions
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +147,7 @@ class VllmEngine(ArEngine):
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
                      states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                     states_input: torch.Tensor | None = None) -> None:
+                     states_input: torch.Tensor | None = None, positions: MropePositions | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and
@@ -191,6 +194,11 @@ class VllmEngine(ArEngine):
             with contextlib.suppress(Exception):  # a dead engine cannot abort: its own error goes on
                 await self.engine.abort(collector.request_id, internal=True)
             raise
+
+    def check_images(self, field: str) -> None:
+        raise RequestValidationError(field, "the vLLM engine is handed the thinker's language model alone, "
+                                     "whose rotary embedding knows no image positions; a thinker that reads "
+                                     "images runs on engine: transformers", "images")
 
     def check_states(self, field: str) -> None:
         raise RequestValidationError(field, "the vLLM engine hands on no hidden states (its outputs "

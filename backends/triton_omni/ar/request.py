@@ -29,6 +29,7 @@ from triton_omni.images import ImageLimits, decode_images
 from triton_omni.validation import as_bool, as_json_object, as_str, require
 
 NO_AUDIO = AudioLimits()  # a model that hears nothing: `input_audio` is refused by name
+NO_IMAGES = ImageLimits()  # a model that sees nothing: `images` is refused by name
 
 # Input tensors that carry one sampling option each: tensor name -> option.
 SAMPLING_TENSORS = {
@@ -114,14 +115,15 @@ class GenerateRequest:
     lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base weights)
     lora_field: str = "lora"  # where it came from: the `lora` input, or `lora_name` among the sampling options
     audio: list[bytes] = field(default_factory=list)  # the files the prompt's audio markers stand for
+    images: list = field(default_factory=list)  # the RGB PIL images its image markers stand for
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: ArLimits,
                     request_parameters: dict[str, Any] | None = None,
-                    audio: AudioLimits = NO_AUDIO) -> GenerateRequest:
+                    audio: AudioLimits = NO_AUDIO, images: ImageLimits = NO_IMAGES) -> GenerateRequest:
         """Build from decoded tensors (name -> Python value; absent optional
-        inputs are left out) and the request's own parameters; ``audio``: the clips the model hears
-        (by default none: ``input_audio`` is refused by name)."""
+        inputs are left out) and the request's own parameters; ``audio``: the clips the model hears,
+        ``images``: the images it sees (by default none: ``input_audio`` and ``images`` are refused by name)."""
         if "text_input" not in inputs:
             raise RequestValidationError("text_input", "is required", None, show_value=False)
         prompt = _verify_prompt(inputs["text_input"], limits)
@@ -138,7 +140,8 @@ class GenerateRequest:
                 sampling.logprobs)
         return cls(prompt=prompt, sampling=sampling, stream=stream,
                    include_prompt=_include_prompt(inputs, stream), outputs=outputs, lora=lora, lora_field=lora_field,
-                   audio=check_clips(inputs.get("input_audio"), audio))
+                   audio=check_clips(inputs.get("input_audio"), audio),
+                   images=decode_images(None, inputs.get("images"), images))
 
 
 def _lora(tensor: Any, key: Any) -> str | None:

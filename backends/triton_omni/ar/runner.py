@@ -29,6 +29,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat
+from triton_omni.ar.vision_prompt import MropePositions, ThinkerEyes, has_eyes
 from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
@@ -78,6 +79,9 @@ class ArRunnerConfig:
     # the most audio clips one prompt holds, for a model that hears (a Qwen-Omni thinker); 0: it hears
     # none, and its audio tower is not loaded
     max_audio_clips: int = 8
+    # the most images one prompt holds, for a model that sees (a Qwen2.5-Omni thinker, on the
+    # transformers engine); 0: it sees none, and its vision tower is not loaded
+    max_images: int = 8
     # generate mode: a burst of this many requests of `warmup_prompt_tokens` random token ids run as the
     # model loads, before it is ready (None: the vLLM engine's max_num_seqs on a GPU, none elsewhere)
     warmup_requests: int | None = None
@@ -140,7 +144,8 @@ class ArRunner:
         self._on_lora = on_lora or (lambda event, adapter: None)
         self.seat = seat
         self.recipe: EncoderRecipe = recipe(config.recipe)
-        # the input images an encoding recipe reads with the prompt (None: it reads none)
+        # the input images an encoding recipe reads with the prompt (None: it reads none; see below for
+        # a thinker's)
         self.image_limits = ImageLimits(max_images=self.recipe.images) \
             if config.mode == "encode" and self.recipe.images else None
         self.model_path, tokenizer_path = _encoder_paths(resolve_model(config.model), self.recipe.tokenizer)
@@ -159,8 +164,14 @@ class ArRunner:
         self.ears = ears_of(checkpoint, torch.device(config.device), config.torch_dtype()) if hears else None
         self.audio_limits = AudioLimits() if self.ears is None else AudioLimits(
             max_clips=config.max_audio_clips, max_seconds=self.ears.max_seconds or AudioLimits.max_seconds)
-        # the clips decoded and heard one request at a time, off the engine's loop and Triton's thread
-        self._hearing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-ears") if hears else None
+        sees = config.mode == "generate" and config.max_images > 0 and has_eyes(checkpoint)
+        self.eyes = ThinkerEyes(checkpoint, torch.device(config.device), config.torch_dtype(),
+                                self.ears.embed_tokens if self.ears is not None else None) if sees else None
+        if config.mode == "generate":  # the images the thinker sees (none: `images` refused by name)
+            self.image_limits = ImageLimits(max_images=config.max_images if sees else 0)
+        # the clips heard and the images seen one request at a time, off the engine's loop and Triton's thread
+        self._hearing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-ar-senses") \
+            if hears or sees else None
         self.loop = EventLoopThread(name=f"omni-ar-{config.mode}")
         # Engines are built on the loop thread: AsyncLLM binds its output
         # handler to the loop that is running when it is created.
@@ -270,12 +281,20 @@ class ArRunner:
             )
         return ids
 
-    def _hear(self, prompt_ids: list[int], files: list[bytes]) -> tuple[list[int], torch.Tensor]:
-        """The prompt with its audio: its widened ids (leaving room for one new token) and its
-        embeddings, on the host for vLLM (whose engine core copies them to its device)."""
-        clips = decode_audio(files, self.audio_limits)
-        ids, embeds = self.ears.prompt(prompt_ids, clips, max_tokens=self.config.max_model_len - 1)
-        return ids, embeds.cpu() if self.engine_name == "vllm" else embeds
+    def _perceive(self, prompt_ids: list[int], files: list[bytes],
+                  images: list) -> tuple[list[int], torch.Tensor, MropePositions | None]:
+        """The prompt with its audio and images: its widened ids (leaving room for one new token), its
+        embeddings (on the host for vLLM, whose engine core copies them to its device), and, with
+        images, its multimodal rotary positions."""
+        room = self.config.max_model_len - 1
+        embeds, frames = None, None
+        if files:
+            prompt_ids, embeds, frames = self.ears.prompt(prompt_ids, decode_audio(files, self.audio_limits),
+                                                          max_tokens=room)
+        if not images:
+            return prompt_ids, embeds.cpu() if self.engine_name == "vllm" else embeds, None
+        prompt_ids, embeds, grid = self.eyes.prompt(prompt_ids, embeds, images, max_tokens=room)
+        return prompt_ids, embeds, self.eyes.positions(prompt_ids, grid, frames)
 
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
@@ -287,6 +306,11 @@ class ArRunner:
                 raise RequestValidationError("return_heard_states", "this model hears no audio for a talker (a "
                                              "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
             self.engine.check_states("return_heard_states")
+        if request.images:  # a model without eyes took none (image_limits)
+            self.engine.check_images("images")
+            require(not request.outputs.thinker_states, "return_thinker_states", "a talker reading the "
+                    "thinker's states of a prompt with images (its own image positions) is not served; ask "
+                    "for a text reply", True)
         if request.outputs.thinker_states:
             require(request.sampling.n == 1, "return_thinker_states", "hands on one completion's states: n must "
                     "be 1", request.sampling.n)
@@ -306,10 +330,10 @@ class ArRunner:
         the loop's thread, as the engine produces it; the last one is final.
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
-        embeds = None
-        if request.audio:  # decoded, and the thinker's audio tower run, off the loop
-            prompt_ids, embeds = await asyncio.get_running_loop().run_in_executor(
-                self._hearing, self._hear, prompt_ids, request.audio)
+        embeds, positions = None, None
+        if request.audio or request.images:  # decoded, and the thinker's towers run, off the loop
+            prompt_ids, embeds, positions = await asyncio.get_running_loop().run_in_executor(
+                self._hearing, self._perceive, prompt_ids, request.audio, request.images)
         states_at = None
         if request.outputs.heard_states:  # checked by check(): the ears and an engine that hands them on
             states_at = (self.ears.talker_layer,
@@ -346,7 +370,8 @@ class ArRunner:
             else None
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
                                  request.lora, prompt_embeds=embeds, states_at=states_at,
-                                 keep_states=request.outputs.thinker_states, states_input=unheard)
+                                 keep_states=request.outputs.thinker_states, states_input=unheard,
+                                 positions=positions)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

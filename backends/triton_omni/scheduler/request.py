@@ -63,7 +63,9 @@ class OmniRequest:
     stream: bool = False
     text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
-    images: list[bytes] = field(default_factory=list)  # input image files, for `diffusion` to decode and check
+    # input image files, for `diffusion` to decode and check, or, with modalities ['text'] alone, for `ar`
+    # (a thinker that sees them)
+    images: list[bytes] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)  # input audio files, for `ar` (the thinker) to hear
     speech_options: dict[str, Any] = field(default_factory=dict)  # by the speech stage's names, for it to validate
 
@@ -79,6 +81,11 @@ class OmniRequest:
     def wants_image(self) -> bool:
         """The diffusion route: an image, or a video's frames from a video model."""
         return "image" in self.modalities or "video" in self.modalities
+
+    @property
+    def seen(self) -> list[bytes]:
+        """The input images the thinker reads (a text reply's), none where diffusion reads them."""
+        return [] if self.wants_image else self.images
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SchedulerLimits,
@@ -120,8 +127,9 @@ class OmniRequest:
                 f"must be at most {INT64_MAX - (num_images - 1)} with num_images={num_images}", seed)
 
         images = list(inputs.get("images") or [])
-        require(not images or {"image", "video"} & set(modalities), "images",
-                "input images need modalities ['image'] (or ['video'])", len(images))
+        require(not images or {"image", "video"} & set(modalities) or set(modalities) == {"text"}, "images",
+                "input images need modalities ['image'] (or ['video']), or ['text'] for a thinker that sees them (a "
+                "spoken reply to images is not served)", len(images))
         audio = list(inputs.get("input_audio") or [])
         require(not audio or {"text", "audio"} & set(modalities), "input_audio",
                 "the thinker hears it: it needs modalities ['text'] or ['text', 'audio']", len(audio))

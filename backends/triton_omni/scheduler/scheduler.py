@@ -133,15 +133,16 @@ class Stages(Protocol):
     speaks_from_states: bool
 
     def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False, audio: list[bytes] = (),
-                 heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
+                 heard: bool = False, states: bool = False, images: list[bytes] = ()) -> AsyncIterator[TextDelta]:
         """``audio``: the files the prompt's audio markers stand for; ``heard``: the first delta
         carries the thinker's states at them (``TextDelta.heard``); ``states``: each delta the
-        thinker's states of the positions it read since the one before (``TextDelta.states``)."""
+        thinker's states of the positions it read since the one before (``TextDelta.states``);
+        ``images``: the files the prompt's image markers stand for."""
         ...
 
-    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
-        """``prompt`` as the speaking model's user turn (after ``clips`` audio parts), in its chat
-        template, ready for its reply."""
+    def chat_prompt(self, prompt: str, clips: int = 0, images: int = 0) -> str:
+        """``prompt`` as the speaking model's user turn (after ``clips`` audio parts and ``images``
+        image parts), in its chat template, ready for its reply."""
         ...
 
     def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
@@ -205,9 +206,11 @@ class OmniScheduler:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _text(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
-        # a prompt with audio is a user turn of the model's template (its audio parts there)
-        prompt = self.stages.chat_prompt(request.prompt, len(request.audio)) if request.audio else request.prompt
-        async for delta in self.stages.generate(prompt, request.text_options, audio=request.audio):
+        # a prompt with audio or images is a user turn of the model's template (their parts there)
+        seen = request.seen
+        prompt = self.stages.chat_prompt(request.prompt, len(request.audio), len(seen)) \
+            if request.audio or seen else request.prompt
+        async for delta in self.stages.generate(prompt, request.text_options, audio=request.audio, images=seen):
             emit(delta)
 
     async def _speech(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:

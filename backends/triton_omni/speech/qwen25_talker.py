@@ -80,7 +80,12 @@ class Qwen25Talker:
         self.codec_mask = codec.tts_codec_mask_token_id
         self.stop_ids = [codec.tts_codec_pad_token_id, codec.tts_codec_end_token_id]
         self.device = next(talker.parameters()).device
-        self.suppressed = torch.tensor([codec.tts_codec_start_token_id], device=self.device)
+        # generate's suppressed start code, and the codes token2wav has no embedding for but the stop codes
+        # (its DiT reads 8193 codes of the talker's 8448 in the model's: a trained talker never draws the
+        # rest, a random-weight one does, and the decoder would index past its table)
+        readable = config.token2wav_config.dit_config.num_embeds
+        unreadable = [code for code in range(readable, codec.vocab_size) if code not in self.stop_ids]
+        self.suppressed = torch.tensor([codec.tts_codec_start_token_id, *unreadable], device=self.device)
         self.groups = 1  # a code a frame: no code predictor (``TalkerBatcher`` reads it)
         self.defaults = TALKER_DEFAULTS_25
         self.text_eos, self.text_pad = codec.tts_text_end_token_id, codec.tts_text_pad_token_id

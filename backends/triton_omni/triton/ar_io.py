@@ -77,6 +77,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[ArRunnerConfig, Place
         engine_cpus=params.get("engine_cpus", ""),
         recipe=params.get("recipe", "last_hidden_state"),
         max_audio_clips=int(params.get("max_audio_clips", ArRunnerConfig.max_audio_clips)),
+        max_images=int(params.get("max_images", ArRunnerConfig.max_images)),
         warmup_requests=int(params["warmup_requests"]) if params.get("warmup_requests") not in (None, "") else None,
         warmup_prompt_tokens=int(params.get("warmup_prompt_tokens", ArRunnerConfig.warmup_prompt_tokens)),
         **lora,

@@ -100,13 +100,16 @@ class TritonStages:
         return json.loads(config.read_text()).get("model_type") == "qwen2_5_omni"
 
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
-                       audio: list[bytes] = (), heard: bool = False, states: bool = False) -> AsyncIterator[TextDelta]:
+                       audio: list[bytes] = (), heard: bool = False, states: bool = False,
+                       images: list[bytes] = ()) -> AsyncIterator[TextDelta]:
         key = new_id()
         inputs = [_text("text_input", prompt, batched=False), _bool("stream", True),
                   _bool("return_finish_reason", True), _bool("return_token_ids", token_ids),
                   _text("sampling_parameters", json.dumps(options), batched=False)]
         if audio:
             inputs.append(pb_utils.Tensor("input_audio", np.array(list(audio), dtype=np.object_)))
+        if images:
+            inputs.append(pb_utils.Tensor("images", np.array(list(images), dtype=np.object_)))
         if heard:
             inputs.append(_bool("return_heard_states", True))
         if states:
@@ -138,12 +141,13 @@ class TritonStages:
             if delta.text or delta.finish_reason or delta.token_ids:
                 yield delta
 
-    def chat_prompt(self, prompt: str, clips: int = 0) -> str:
+    def chat_prompt(self, prompt: str, clips: int = 0, images: int = 0) -> str:
         """The speaking model's chat template (read once), around ``prompt`` as the user's turn
-        (after ``clips`` audio parts)."""
-        if not self.speech_checkpoint and clips:
-            raise RequestValidationError("input_audio", "needs the chat template of a model that hears: this "
-                                         "server's omni names none (set omni's speech_checkpoint)", clips)
+        (after ``clips`` audio parts and ``images`` image parts)."""
+        for field, count in (("input_audio", clips), ("images", images)):
+            if not self.speech_checkpoint and count:
+                raise RequestValidationError(field, "needs the chat template of a model that hears and sees: this "
+                                             "server's omni names none (set omni's speech_checkpoint)", count)
         if not self.speech_checkpoint:
             raise RequestValidationError("modalities", "'audio' needs a model that speaks: this server's omni has "
                                          "no speech stage (serve a speech demo, or set omni's speech_checkpoint)",
@@ -153,7 +157,8 @@ class TritonStages:
             from triton_omni.scheduler.chat import ChatTemplate
 
             self._chat_template = ChatTemplate.of_model(Path(resolve_model(self.speech_checkpoint)))
-        content = [*[{"type": "audio"}] * clips, {"type": "text", "text": prompt}] if clips else prompt
+        content = [*[{"type": "audio"}] * clips, *[{"type": "image"}] * images, {"type": "text", "text": prompt}] \
+            if clips or images else prompt
         return self._chat_template.render([{"role": "user", "content": content}])
 
     async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
