@@ -123,7 +123,7 @@ class ImageUrl(_Body):
 
 
 class ImagePart(_Body):
-    """OpenAI's ``image_url`` part: an image the model sees (a Qwen2.5-Omni thinker), in a user message."""
+    """OpenAI's ``image_url`` part: an image the model sees (a Qwen-Omni thinker), in a user message."""
 
     type: Literal["image_url"]
     image_url: ImageUrl

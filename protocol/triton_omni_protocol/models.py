@@ -43,8 +43,8 @@ AR_GENERATE_INPUTS = [
     # audio files (WAV, MP3, FLAC, ...) a thinker hears, one per audio marker in the prompt (a Qwen3-Omni
     # model's; docs/models.md, "Input audio")
     TensorSpec("input_audio", "TYPE_STRING", dims=(-1,), kind="blobs"),
-    # image files (PNG, JPEG, WebP) a thinker sees, one per image marker in the prompt (a Qwen2.5-Omni
-    # model's on the transformers engine; docs/models.md, "Its input images")
+    # image files (PNG, JPEG, WebP) a thinker sees, one per image marker in the prompt (a Qwen-Omni
+    # thinker on the transformers engine; docs/models.md, "Thinker input images")
     TensorSpec("images", "TYPE_STRING", dims=(-1,), kind="blobs"),
 ]
 # One entry per completion (`n`), as in Triton's vLLM backend; all but

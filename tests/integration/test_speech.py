@@ -196,6 +196,20 @@ def test_the_thinker_hears_input_audio_as_the_model_does(speech_server):
     assert _heard_reply(speech_server.grpc_url, text, other) != served
 
 
+def test_images_to_a_thinker_on_vllm_are_refused_by_name_and_the_next_request_is_served(speech_server):
+    """vLLM is handed the thinker's language model alone, which knows no image positions: ``images``
+    on ``ar`` there is a typed error naming it (the transformers engine reads them:
+    tests/unit/test_image_input.py), and the model serves on."""
+    from tests.support.qwen25 import noise, png
+
+    text = heard.prompt(PROMPT, 0).replace(PROMPT, "<|vision_start|><|image_pad|><|vision_end|>" + PROMPT)
+    with pytest.raises(RuntimeError, match="`images`") as error:
+        _stream(speech_server.grpc_url, "ar", text_input=np.array([text.encode()], dtype=object),
+                images=np.array([png(noise(64, 64, 0))], dtype=object), max_tokens=np.array([4], np.int32))
+    assert "engine: transformers" in str(error.value)
+    assert _heard_reply(speech_server.grpc_url, heard.prompt(PROMPT, 1), [heard.wav_bytes(CLIPS[0])])
+
+
 def test_the_gateway_reads_input_audio_parts(speech_server):
     """``input_audio`` content parts through the ``openai`` SDK: the reply is the model's to the same
     clips, its prompt tokens the processor's; a spoken reply to audio from a thinker on vLLM (which

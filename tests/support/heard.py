@@ -59,7 +59,8 @@ def model():
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = Qwen3OmniMoeProcessor.__new__(Qwen3OmniMoeProcessor)  # no video processor without torchvision
     processor.tokenizer, processor.feature_extractor = tokenizer, WhisperFeatureExtractor.from_pretrained(folder)
-    processor.image_processor = processor.video_processor = Qwen2VLImageProcessorPil()
+    # its image processor: the model's vision grid (16-pixel patches, 2 x 2 merged)
+    processor.image_processor = processor.video_processor = Qwen2VLImageProcessorPil(patch_size=16)
     for name, token in MARKERS.items():
         setattr(tokenizer, name, token)
         setattr(processor, name, token)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from transformers import DynamicCache
 from triton_omni import transfers
 from triton_omni.ar.engine import Delta
 from triton_omni.ar.sampling import SamplingOptions
-from triton_omni.ar.vision_prompt import MropePositions, mrope
+from triton_omni.ar.vision_prompt import VisionInputs, mrope
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, tokenizer, eos_ids: list[int],
                  emit: Callable[[Delta | BaseException], None], prompt_embeds: torch.Tensor | None = None,
                  states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                 states_input: torch.Tensor | None = None, positions: MropePositions | None = None):
+                 states_input: torch.Tensor | None = None, vision: VisionInputs | None = None):
         self.prompt_ids = prompt_ids
         self.prompt_embeds = prompt_embeds  # [prompt, hidden]: what the prefill reads in place of the ids
         self.states_at = states_at  # (layer, positions): the prefill's states to keep (ArEngine.stream)
@@ -56,9 +57,9 @@ class Sequence:
         self.new_states: list[torch.Tensor] = []  # kept since the last delta, on the host
         self.options = options
         self.output_ids: list[int] = []
-        self.mrope = positions  # the prompt's multimodal rotary positions (a prompt with images), or None
-        # of the next token fed to the model: a prompt with images shifts its reply's (MropePositions)
-        self.position = len(prompt_ids) + (positions.delta if positions is not None else 0)
+        self.vision = vision  # what the prefill reads of the prompt's images beyond its embeddings, or None
+        # of the next token fed to the model: a prompt with images shifts its reply's (VisionInputs.delta)
+        self.position = len(prompt_ids) + (vision.delta if vision is not None else 0)
         # vLLM's rules: EOS ends a sequence unless ignore_eos; stop_token_ids always do;
         # both are suppressed until min_tokens are out.
         self.stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_ids)))
@@ -231,7 +232,7 @@ class StepBatcher(ContinuousBatch):
             layer0 = sequence.states_input.to(self.device)
         with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states, \
                 _thinker_states(self.model, sequence.keep_states, layer0) as thinker, \
-                _rotary_at(self.model, sequence.mrope):
+                _seeing(self.model, sequence.vision):
             out = self.model(**prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if kept is not None:
             sequence.prompt_states = states[0][0, kept[1]].float().cpu()
@@ -266,19 +267,33 @@ class StepBatcher(ContinuousBatch):
 
 
 @contextlib.contextmanager
-def _rotary_at(model, positions: MropePositions | None):
-    """Around a prefill: the model's rotary embedding at ``positions``' three sections (a prompt with
-    images, read as the multimodal model reads it), not at each token's index."""
-    if positions is None:
+def _seeing(model, vision: VisionInputs | None):
+    """Around a prefill of a prompt with images, read as the multimodal model reads it: the model's
+    rotary embedding at ``vision``'s three sections (not at each token's index), and each deepstack
+    feature added to its decoder layer's output at the images' tokens."""
+    if vision is None:
         yield
         return
     rotary = model.model.rotary_emb
     plain = rotary.forward
-    rotary.forward = lambda hidden, _position_ids: mrope(plain, hidden, positions)
+    rotary.forward = lambda hidden, *_positions, **_named: mrope(plain, hidden, vision)
+    layers = model.model.layers
+    hooks = [layers[i].register_forward_hook(functools.partial(_add_at, vision.image_at, features))
+             for i, features in enumerate(vision.deepstack)]
     try:
         yield
     finally:
         del rotary.forward
+        for hook in hooks:
+            hook.remove()
+
+
+def _add_at(at: torch.Tensor, features: torch.Tensor, _module, _args, output):
+    """A decoder layer's output with ``features`` added at the prompt positions ``at`` (one row)."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    hidden = hidden.clone()
+    hidden[0, at.to(hidden.device)] += features.to(hidden.device, hidden.dtype)
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 @contextlib.contextmanager

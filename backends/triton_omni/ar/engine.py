@@ -12,7 +12,7 @@ import torch
 from triton_omni.ar.sampling import SamplingOptions
 
 if TYPE_CHECKING:
-    from triton_omni.ar.vision_prompt import MropePositions
+    from triton_omni.ar.vision_prompt import VisionInputs
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class ArEngine(ABC):
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
                      states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                     states_input: torch.Tensor | None = None, positions: MropePositions | None = None) -> None:
+                     states_input: torch.Tensor | None = None, vision: VisionInputs | None = None) -> None:
         """Generate (``lora``: with that adapter of the model's; ``prompt_embeds``: the prompt read as
         these embeddings ``[len(prompt_ids), hidden]``, not as its ids' own, as a prompt holding audio
         is; ``states_at``: (layer, positions), the prefill's hidden states of that layer (0: the
@@ -79,8 +79,9 @@ class ArEngine(ABC):
         ``keep_states``: every position's states handed on in the deltas' ``states``, the prompt's
         layer-0 input there ``states_input`` where given (``[len(prompt_ids), hidden]``: a Qwen2.5-Omni
         talker reads zeros at the audio) in place of the embeddings the model reads; both by an
-        engine that can: ``check_states`` says; ``positions``: the prompt's multimodal rotary positions,
-        a prompt with images' (by an engine that can: ``check_images`` says)), handing each delta to ``on_delta``
+        engine that can: ``check_states`` says; ``vision``: what the LM reads of a prompt's images beyond
+        its embeddings, its multimodal rotary positions and deepstack features (by an engine that can:
+        ``check_images`` says)), handing each delta to ``on_delta``
         on the loop's thread as it comes; return when the request is done (each completion's last
         delta carries its ``finish_reason``), raise its error otherwise.
         Cancelled, the engine forgets the request and calls ``on_delta`` no more.
@@ -94,7 +95,7 @@ class ArEngine(ABC):
 
     def check_images(self, field: str) -> None:  # noqa: B027 - an engine that reads them needs no check
         """Raise ``RequestValidationError`` (naming the request's ``field``) where this engine cannot
-        read a prompt with images (its multimodal rotary positions)."""
+        read a prompt with images (its multimodal rotary positions, its deepstack features)."""
 
     def check_states(self, field: str) -> None:  # noqa: B027 - an engine that keeps states needs no check
         """Raise ``RequestValidationError`` (naming the request's ``field``) where this engine cannot

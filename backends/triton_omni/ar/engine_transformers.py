@@ -31,7 +31,7 @@ from triton_omni.errors import RequestValidationError
 from triton_omni.lora import Adapters, read_peft_adapter
 
 if TYPE_CHECKING:
-    from triton_omni.ar.vision_prompt import MropePositions
+    from triton_omni.ar.vision_prompt import VisionInputs
 
 DEFAULT_MAX_NUM_SEQS = 32  # rows decoded together; vLLM's name for the same bound
 
@@ -76,14 +76,14 @@ class TransformersEngine(ArEngine):
                        prompt_embeds: torch.Tensor | None = None,
                        states_at: tuple[int, list[int]] | None = None,
                        keep_states: bool = False, states_input: torch.Tensor | None = None,
-                       positions: MropePositions | None = None) -> AsyncIterator[Delta]:
+                       vision: VisionInputs | None = None) -> AsyncIterator[Delta]:
         self.check(options, logprobs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         sequence = Sequence(prompt_ids, options, self.tokenizer, self._eos_ids(),
                             emit=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
                             prompt_embeds=prompt_embeds, states_at=states_at, keep_states=keep_states,
-                            states_input=states_input, positions=positions)
+                            states_input=states_input, vision=vision)
         async with self._adapter(lora) as slot:
             sequence.lora = slot
             async for delta in self._run(sequence, request_id, queue):
@@ -123,9 +123,9 @@ class TransformersEngine(ArEngine):
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
                      states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                     states_input: torch.Tensor | None = None, positions: MropePositions | None = None) -> None:
+                     states_input: torch.Tensor | None = None, vision: VisionInputs | None = None) -> None:
         async for delta in self.generate(prompt_ids, options, request_id, logprobs, lora, prompt_embeds,
-                                         states_at, keep_states, states_input, positions):
+                                         states_at, keep_states, states_input, vision):
             on_delta(delta)
 
     def _eos_ids(self) -> list[int]:

@@ -39,7 +39,7 @@ from triton_omni.errors import RequestValidationError
 from triton_omni.processes import alive, mapped_shared_memory, parents, start_ticks
 
 if TYPE_CHECKING:
-    from triton_omni.ar.vision_prompt import MropePositions
+    from triton_omni.ar.vision_prompt import VisionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class VllmEngine(ArEngine):
                      logprobs: int | None, on_delta: Callable[[Delta], None], lora: str | None = None,
                      prompt_embeds: torch.Tensor | None = None,
                      states_at: tuple[int, list[int]] | None = None, keep_states: bool = False,
-                     states_input: torch.Tensor | None = None, positions: MropePositions | None = None) -> None:
+                     states_input: torch.Tensor | None = None, vision: VisionInputs | None = None) -> None:
         """vLLM's output handler hands each output to the request itself.
 
         ``AsyncLLM.generate`` puts every output in the request's collector and

@@ -29,7 +29,7 @@ from triton_omni.ar.request import EncodeRequest, GenerateRequest
 from triton_omni.ar.response import ArResponse, ResponseAssembler
 from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.ar.shared_engine import EngineSeat
-from triton_omni.ar.vision_prompt import MropePositions, ThinkerEyes, has_eyes
+from triton_omni.ar.vision_prompt import VisionInputs, eyes_of, has_eyes
 from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.cpu_affinity import parse_cpus
 from triton_omni.demo_models import resolve_model
@@ -79,8 +79,8 @@ class ArRunnerConfig:
     # the most audio clips one prompt holds, for a model that hears (a Qwen-Omni thinker); 0: it hears
     # none, and its audio tower is not loaded
     max_audio_clips: int = 8
-    # the most images one prompt holds, for a model that sees (a Qwen2.5-Omni thinker, on the
-    # transformers engine); 0: it sees none, and its vision tower is not loaded
+    # the most images one prompt holds, for a model that sees (a Qwen-Omni thinker with its vision tower,
+    # on the transformers engine: vLLM refuses them by name); 0: it sees none
     max_images: int = 8
     # generate mode: a burst of this many requests of `warmup_prompt_tokens` random token ids run as the
     # model loads, before it is ready (None: the vLLM engine's max_num_seqs on a GPU, none elsewhere)
@@ -165,8 +165,10 @@ class ArRunner:
         self.audio_limits = AudioLimits() if self.ears is None else AudioLimits(
             max_clips=config.max_audio_clips, max_seconds=self.ears.max_seconds or AudioLimits.max_seconds)
         sees = config.mode == "generate" and config.max_images > 0 and has_eyes(checkpoint)
-        self.eyes = ThinkerEyes(checkpoint, torch.device(config.device), config.torch_dtype(),
-                                self.ears.embed_tokens if self.ears is not None else None) if sees else None
+        # its vision tower where the engine reads images (vLLM refuses them by name: check_images)
+        self.eyes = eyes_of(checkpoint, torch.device(config.device), config.torch_dtype(),
+                            self.ears.embed_tokens if self.ears is not None else None) \
+            if sees and self.engine_name == "transformers" else None
         if config.mode == "generate":  # the images the thinker sees (none: `images` refused by name)
             self.image_limits = ImageLimits(max_images=config.max_images if sees else 0)
         # the clips heard and the images seen one request at a time, off the engine's loop and Triton's thread
@@ -282,10 +284,10 @@ class ArRunner:
         return ids
 
     def _perceive(self, prompt_ids: list[int], files: list[bytes],
-                  images: list) -> tuple[list[int], torch.Tensor, MropePositions | None]:
+                  images: list) -> tuple[list[int], torch.Tensor, VisionInputs | None]:
         """The prompt with its audio and images: its widened ids (leaving room for one new token), its
         embeddings (on the host for vLLM, whose engine core copies them to its device), and, with
-        images, its multimodal rotary positions."""
+        images, what the LM reads of them beyond the embeddings (its rotary positions, deepstack)."""
         room = self.config.max_model_len - 1
         embeds, frames = None, None
         if files:
@@ -293,8 +295,8 @@ class ArRunner:
                                                           max_tokens=room)
         if not images:
             return prompt_ids, embeds.cpu() if self.engine_name == "vllm" else embeds, None
-        prompt_ids, embeds, grid = self.eyes.prompt(prompt_ids, embeds, images, max_tokens=room)
-        return prompt_ids, embeds, self.eyes.positions(prompt_ids, grid, frames)
+        seen = self.eyes.prompt(prompt_ids, embeds, images, max_tokens=room)
+        return seen.ids, seen.embeds, self.eyes.inputs(seen, frames)
 
     def check(self, request: GenerateRequest) -> None:
         """Engine-specific validation (vLLM's own ``SamplingParams`` checks,
@@ -306,7 +308,7 @@ class ArRunner:
                 raise RequestValidationError("return_heard_states", "this model hears no audio for a talker (a "
                                              "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
             self.engine.check_states("return_heard_states")
-        if request.images:  # a model without eyes took none (image_limits)
+        if request.images:  # a model without a vision tower took none (image_limits); vLLM refuses them here
             self.engine.check_images("images")
             require(not request.outputs.thinker_states, "return_thinker_states", "a talker reading the "
                     "thinker's states of a prompt with images (its own image positions) is not served; ask "
@@ -330,9 +332,9 @@ class ArRunner:
         the loop's thread, as the engine produces it; the last one is final.
         ``on_first_token`` is called when the first token is out (streaming or not)."""
         prompt_ids = self.tokenize(request.prompt)
-        embeds, positions = None, None
+        embeds, vision = None, None
         if request.audio or request.images:  # decoded, and the thinker's towers run, off the loop
-            prompt_ids, embeds, positions = await asyncio.get_running_loop().run_in_executor(
+            prompt_ids, embeds, vision = await asyncio.get_running_loop().run_in_executor(
                 self._hearing, self._perceive, prompt_ids, request.audio, request.images)
         states_at = None
         if request.outputs.heard_states:  # checked by check(): the ears and an engine that hands them on
@@ -371,7 +373,7 @@ class ArRunner:
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
                                  request.lora, prompt_embeds=embeds, states_at=states_at,
                                  keep_states=request.outputs.thinker_states, states_input=unheard,
-                                 positions=positions)
+                                 vision=vision)
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that
