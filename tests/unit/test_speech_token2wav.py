@@ -74,3 +74,46 @@ def test_the_context_either_side_of_a_block_is_what_makes_it_the_whole_decodes(m
                             - expected).abs().max()) for blocks in (0, 2)}
     # measured: 2.7e-7 with two blocks either side, 1.5e-4 with none (at 10 steps)
     assert apart[2] < TOLERANCE and apart[0] > 10 * TOLERANCE, apart
+
+
+def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_runs(model):
+    """Three utterances (two voices, other codes and seeds) whose chunks arrive together: one round a
+    batch of their chunks (``decode_round``), the DiT's windows of one length stacked into one ODE;
+    each stream's samples are those it decodes alone, and the DiT ran fewer times than once a window."""
+    decoder = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
+    voices = ["Chelsie", "Ethan", "Chelsie"]
+    codes = [torch.randint(0, 60, (CODES,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2, 3)]
+
+    def open_streams():
+        return [decoder.stream(model.speaker_map[v]["cond"].float(), model.speaker_map[v]["ref_mel"].float(),
+                               torch.Generator().manual_seed(10 + i)) for i, v in enumerate(voices)]
+
+    batches = []  # the rows of each DiT run
+    plain_mel = decoder.mel
+
+    def counted(codes_batch, *args):
+        batches.append(codes_batch.shape[0])
+        return plain_mel(codes_batch, *args)
+
+    decoder.mel = counted
+    alone = []
+    for stream, ids in zip(open_streams(), codes, strict=True):
+        parts, start = [], 0
+        for count in ARRIVALS:
+            parts.append(stream.add(ids[start:start + count], final=start + count == len(ids)))
+            start += count
+        alone.append(torch.cat(parts))
+    runs_alone, batches = len(batches), []
+    streams, together, start = open_streams(), [[] for _ in voices], 0
+    for count in ARRIVALS:
+        final = start + count == CODES
+        results = decoder.decode_round([(stream, ids[start:start + count], final)
+                                        for stream, ids in zip(streams, codes, strict=True)])
+        for parts, samples in zip(together, results, strict=True):
+            parts.append(samples)
+        start += count
+    for mine, expected in zip(together, alone, strict=True):
+        got = torch.cat(mine)
+        assert got.shape == expected.shape and float((got - expected).abs().max()) < TOLERANCE
+    assert max(batches) == 3 and len(batches) * 3 == runs_alone  # every window of the round in one run
+    assert float((torch.cat(together[0]) - torch.cat(together[2])).abs().max()) > 1000 * TOLERANCE

@@ -14,8 +14,10 @@ at a time: the same numbers as one draw for the whole). The vocoder's convolutio
 measured number of mel frames either side (``vocoder_reach``): a frame's samples leave once that
 many frames after it are there, decoded from a window that reaches as far back.
 
-``Token2WavDecoder`` runs the streams' decodes on a thread of their own, one chunk at a time,
-beside the talker's steps.
+``Token2WavDecoder`` runs the streams' decodes on a thread of their own, beside the talker's steps:
+the chunks of every stream waiting are decoded together (``decode_round``), the DiT's ODE run once
+for all the windows of the same length and voice reference (stacked as a batch: each row its own
+codes, noise and voice), then the vocoder on each stream's frames.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,11 +62,44 @@ class StreamingToken2Wav:
         from ``generator`` (a CPU one: a CUDA generator's numbers depend on how they are drawn)."""
         return Token2WavStream(self, conditioning, reference_mel, generator)
 
+    def decode_round(self, chunks: list[tuple[Token2WavStream, list[int], bool]]) -> list[torch.Tensor | Exception]:
+        """Each ``(stream, codes, final)`` (one a stream) as ``stream.add`` decodes it alone, the DiT's
+        windows of the same length and reference stacked into one ODE: each stream's new samples, or
+        the error that stopped its chunk (the others' decode on)."""
+        results: list[torch.Tensor | Exception | None] = [None] * len(chunks)
+        plans: dict[int, Window] = {}
+        batches: dict[tuple, list[int]] = {}  # the windows that stack: the same length and reference's shape
+        for i, (stream, codes, final) in enumerate(chunks):
+            stream.extend(codes)
+            if (window := stream.window(final)) is not None:
+                plans[i] = window
+                batches.setdefault((len(window.codes), tuple(stream.reference_mel.shape)), []).append(i)
+        for rows in batches.values():
+            streams = [chunks[i][0] for i in rows]
+            try:
+                mel = self.mel(torch.tensor([plans[i].codes for i in rows]), torch.cat([plans[i].noise for i in rows]),
+                               torch.cat([stream.conditioning for stream in streams]),
+                               torch.cat([stream.reference_mel for stream in streams]))
+            except Exception as exc:  # each stream of this batch hears of it
+                for i in rows:
+                    results[i] = exc
+                continue
+            for row, (i, stream) in enumerate(zip(rows, streams, strict=True)):
+                stream.settle(plans[i], mel[row:row + 1])
+        for i, (stream, _, final) in enumerate(chunks):
+            if results[i] is None:
+                try:
+                    results[i] = stream.vocode(final)
+                except Exception as exc:  # this stream hears of it
+                    results[i] = exc
+        return results
+
     @torch.inference_mode()
     def mel(self, codes: torch.Tensor, noise: torch.Tensor, conditioning: torch.Tensor,
             reference_mel: torch.Tensor) -> torch.Tensor:
-        """The DiT's ``sample`` for ``codes`` [1, n] from the given ``noise`` [1, repeats n, mel_bins]
-        (``sample`` draws its own): the mel [1, mel_bins, repeats n]."""
+        """The DiT's ``sample`` for ``codes`` [B, n] from the given ``noise`` [B, repeats n, mel_bins]
+        (``sample`` draws its own), each row with its voice (``conditioning`` [B, C], ``reference_mel``
+        [B, T, mel_bins]): the mel [B, mel_bins, repeats n]."""
         device = next(self.dit.parameters()).device
         codes, noise = codes.to(device), noise.to(device)
         frames = codes.shape[1] * self.repeats
@@ -102,6 +138,18 @@ class StreamingToken2Wav:
         return max(left, right) + 1
 
 
+@dataclass(frozen=True)
+class Window:
+    """The codes ``first:end`` the DiT decodes for a stream, whose codes ``done:ready`` it keeps."""
+
+    first: int
+    done: int
+    ready: int
+    end: int
+    codes: list[int]
+    noise: torch.Tensor  # [1, frames, mel_bins]
+
+
 class Token2WavStream:
     """One utterance: ``add`` each batch of codes as the talker makes them (``final`` on the last):
     what the whole decode of every code makes, in order, as soon as enough context has come."""
@@ -118,30 +166,42 @@ class Token2WavStream:
 
     def add(self, codes: list[int], final: bool = False) -> torch.Tensor:
         """Float32 samples: those of every mel frame settled by now and not sent yet."""
+        self.extend(codes)
+        window = self.window(final)
+        if window is not None:
+            self.settle(window, self.decoder.mel(torch.tensor([window.codes]), window.noise, self.conditioning,
+                                                 self.reference_mel))
+        return self.vocode(final)
+
+    def extend(self, codes: list[int]) -> None:
+        """Take the talker's new codes, and draw their frames' noise (in order: the whole decode's)."""
         decoder = self.decoder
         self.codes.extend(codes)
         if codes:
             self.noise = torch.cat([self.noise, torch.randn(1, len(codes) * decoder.repeats, decoder.mel_bins,
                                                             generator=self.generator)], dim=1)
-        self._decode_blocks(final)
-        return self._vocode(final)
 
-    def _decode_blocks(self, final: bool) -> None:
-        """The mel of every block whose context after it is there (all of them at the end)."""
+    def window(self, final: bool) -> Window | None:
+        """The DiT's window for every block whose context after it is there (all of them at the end),
+        from a block boundary ``context_blocks`` before the first; None when no block is ready."""
         decoder = self.decoder
         block, context = decoder.block_codes, decoder.context_blocks
-        done_codes = self.mel.shape[2] // decoder.repeats
+        done = self.mel.shape[2] // decoder.repeats
         ready = len(self.codes) if final else (len(self.codes) // block - context) * block
-        if ready <= done_codes:
-            return
-        first = max(0, done_codes - context * block)  # on a block boundary: done_codes is one
+        if ready <= done:
+            return None
+        first = max(0, done - context * block)  # on a block boundary: done is one
         end = len(self.codes) if final else min(len(self.codes), ready + context * block)
-        noise = self.noise[:, first * decoder.repeats:end * decoder.repeats]
-        mel = decoder.mel(torch.tensor([self.codes[first:end]]), noise, self.conditioning, self.reference_mel)
-        new = mel[..., (done_codes - first) * decoder.repeats:(ready - first) * decoder.repeats]
+        return Window(first, done, ready, end, self.codes[first:end],
+                      self.noise[:, first * decoder.repeats:end * decoder.repeats])
+
+    def settle(self, window: Window, mel: torch.Tensor) -> None:
+        """Keep the new blocks' frames of the window's ``mel`` [1, mel_bins, frames]."""
+        repeats = self.decoder.repeats
+        new = mel[..., (window.done - window.first) * repeats:(window.ready - window.first) * repeats]
         self.mel = torch.cat([self.mel, new.cpu()], dim=2)
 
-    def _vocode(self, final: bool) -> torch.Tensor:
+    def vocode(self, final: bool) -> torch.Tensor:
         """The samples of the mel frames whose vocoder reach after them is there (all at the end)."""
         decoder = self.decoder
         frames, reach = self.mel.shape[2], decoder.vocoder_reach
@@ -159,9 +219,9 @@ class Token2WavStream:
 
 class Token2WavDecoder:
     """The speech stage's decoder thread for ``token2wav`` streams (``Code2WavBatcher``'s interface):
-    each chunk decoded in turn, on a daemon thread of its own (a stub's exit never waits for it).
-    (One stream's blocks at a time: its DiT's passes over several streams' windows together are not
-    batched yet, and ``urgent`` chunks go in turn.)"""
+    the chunks waiting decoded together (``decode_round``: a chunk a stream a round, in the order they
+    came), on a daemon thread of its own (a stub's exit never waits for it). ``urgent`` chunks go in
+    their turn: every round takes all the streams waiting."""
 
     warmed_shapes: tuple = ()  # nothing planned at load
 
@@ -189,14 +249,25 @@ class Token2WavDecoder:
         self._thread.join(timeout_s)
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            stream, codes, final, future = job
-            if not future.set_running_or_notify_cancel():  # its caller left
-                continue
-            try:
-                future.set_result(stream.add(codes[0].tolist(), final).numpy().astype(np.float32))
-            except Exception as exc:  # this stream hears of it; the thread decodes on
-                future.set_exception(exc)
+        stopping = False
+        while not stopping and (job := self._jobs.get()) is not None:
+            waiting = [job]
+            while True:  # every chunk queued meanwhile joins this round (a stream's second waits for the next)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                waiting.append(job)
+            while waiting:
+                round_, later, streams = [], [], set()
+                for job in waiting:
+                    (later if id(job[0]) in streams else round_).append(job)
+                    streams.add(id(job[0]))
+                self._decode(round_)
+                waiting = later
         while True:  # queued as stop() came (decode() fails the later ones itself)
             try:
                 job = self._jobs.get_nowait()
@@ -204,3 +275,17 @@ class Token2WavDecoder:
                 return
             if job is not None and job[3].set_running_or_notify_cancel():
                 job[3].set_exception(RuntimeError("the speech stage's decoder is shutting down"))
+
+    def _decode(self, jobs: list) -> None:
+        """One round: a chunk a stream, decoded together; each future gets its samples or its error."""
+        jobs = [job for job in jobs if job[3].set_running_or_notify_cancel()]  # their callers left otherwise
+        try:
+            results = self.decoder.decode_round([(stream, codes[0].tolist(), final)
+                                                 for stream, codes, final, _ in jobs])
+        except Exception as exc:  # these streams hear of it; the thread decodes on
+            results = [exc] * len(jobs)
+        for (_, _, _, future), result in zip(jobs, results, strict=True):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result.numpy().astype(np.float32))
