@@ -6,7 +6,7 @@ marker into a token per merged patch, and the vision tower turns the patches int
 token, which takes its marker's place among the prompt's embeddings. Unlike audio, an image moves the
 LM's rotary positions: the thinker's rotary embedding has three sections (time, height, width), and an
 image's tokens take their patch's row and column there, the text after it continuing from the largest
-position so far. Those positions (``MropePositions``) are the model's own ``get_rope_index``'s; the
+position so far. Those positions (``VisionInputs``) are the model's own ``get_rope_index``'s; the
 transformers engine applies them in the prefill and decodes each new token at its index plus the
 prompt's ``delta`` (every section at the same position: ordinary rotary embedding, shifted). The two
 families join the sections differently (Qwen2.5-Omni: a block of rotary dimensions a section;
