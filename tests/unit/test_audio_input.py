@@ -18,6 +18,7 @@ from triton_omni.audio import AudioLimits, decode_audio
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 
+from tests.support.ar_runner import responses as run_to_end
 from tests.support.heard import (
     DEMO,
     as_heard,
@@ -167,14 +168,7 @@ def test_a_spoken_reply_to_audio_is_the_model_s(runner):
     request = GenerateRequest.from_inputs({"text_input": text, "input_audio": [wav_bytes(c) for c in clips],
                                            "max_tokens": 4, "temperature": 0.0, "return_token_ids": True,
                                            "return_heard_states": True}, ArLimits(), audio=runner.audio_limits)
-    runner.check(request)
-    responses = []
-
-    async def run():
-        async for response in runner.generate(request, uuid.uuid4().hex):
-            responses.append(response)
-
-    runner.loop.run(run(), timeout=120)
+    responses = run_to_end(runner, request)
     prompt_ids, states = responses[0].heard
     reply_ids = [token for response in responses for token in response.token_ids[0]]
     layer = runner.ears.talker_layer

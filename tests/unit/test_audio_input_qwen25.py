@@ -8,8 +8,6 @@ in move the codes."""
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 import torch
@@ -22,6 +20,7 @@ from triton_omni.errors import RequestValidationError
 from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 from triton_omni.speech.qwen25_talker import Qwen25Talker
 
+from tests.support.ar_runner import responses as run_to_end
 from tests.support.heard import as_heard, tone, wav_bytes
 from tests.support.qwen25 import generate_seen, greedy_codes, processor, user_turn
 
@@ -78,14 +77,7 @@ def served(runner: ArRunner, text: str, clips, states: bool = False):
         {"text_input": text, "input_audio": [wav_bytes(c) for c in clips], "max_tokens": REPLY_TOKENS,
          "temperature": 0.0, "return_token_ids": True, "return_thinker_states": states},
         ArLimits(), audio=runner.audio_limits)
-    runner.check(request)
-    responses = []
-
-    async def run():
-        async for response in runner.generate(request, uuid.uuid4().hex):
-            responses.append(response)
-
-    runner.loop.run(run(), timeout=120)
+    responses = run_to_end(runner, request)
     ids = [token for response in responses for token in response.token_ids[0]]
     if not states:
         return ids

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import uuid
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 
 from tests.support import heard
+from tests.support.ar_runner import responses as run_to_end
 from tests.support.heard import as_heard, tone, wav_bytes
 from tests.support.qwen25 import noise, png, processor, user_turn
 
@@ -55,14 +55,7 @@ def served(runner: ArRunner, text: str, images, clips=()) -> list[int]:
     if clips:
         inputs["input_audio"] = [wav_bytes(clip) for clip in clips]
     request = GenerateRequest.from_inputs(inputs, ArLimits(), audio=runner.audio_limits, images=runner.image_limits)
-    runner.check(request)
-    responses = []
-
-    async def run():
-        async for response in runner.generate(request, uuid.uuid4().hex):
-            responses.append(response)
-
-    runner.loop.run(run(), timeout=120)
+    responses = run_to_end(runner, request)
     return [token for response in responses for token in response.token_ids[0]]
 
 

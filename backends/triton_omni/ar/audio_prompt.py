@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from triton_omni.ar.language_model import architecture
+from triton_omni.ar.language_model import architecture, saves_weights, weights
 from triton_omni.errors import RequestValidationError
 
 SAMPLE_RATE = 16000  # what every Qwen-Omni feature extractor reads
@@ -32,16 +32,7 @@ SAMPLE_RATE = 16000  # what every Qwen-Omni feature extractor reads
 def has_ears(model: Path) -> bool:
     """Whether ``model`` is a checkpoint whose thinker hears through this module: its class one of
     ``EARS_OF``, its audio tower saved (a benchmark's realistic checkpoint may leave the thinker out)."""
-    if architecture(model) not in EARS_OF:
-        return False
-    from safetensors import safe_open
-
-    for shard in model.glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as source:
-            names = source.keys()  # a safetensors file is not iterable itself
-            if any(key.startswith("thinker.audio_tower.") for key in names):
-                return True
-    return False
+    return architecture(model) in EARS_OF and saves_weights(model, "thinker.audio_tower.")
 
 
 def ears_of(checkpoint: Path, device: torch.device, dtype: torch.dtype) -> ThinkerEars:
@@ -199,15 +190,3 @@ class Qwen25Ears(ThinkerEars):
 # the omni classes whose audio tower this module runs
 EARS_OF: dict[str, type[ThinkerEars]] = {"Qwen3OmniMoeForConditionalGeneration": Qwen3Ears,
                                           "Qwen2_5OmniForConditionalGeneration": Qwen25Ears}
-
-
-def weights(checkpoint: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under ``prefixes``, read shard by shard."""
-    from safetensors import safe_open
-
-    found = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as source:
-            names = source.keys()  # a safetensors file is not iterable itself
-            found |= {key: source.get_tensor(key) for key in names if key.startswith(prefixes)}
-    return found

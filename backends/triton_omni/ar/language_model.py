@@ -56,6 +56,31 @@ def architecture(model: Path) -> str:
     return (json.loads(config.read_text()).get("architectures") or [""])[0] if config.exists() else ""
 
 
+def saves_weights(checkpoint: Path, prefix: str) -> bool:
+    """Whether any of ``checkpoint``'s shards holds a tensor under ``prefix`` (a benchmark's realistic
+    checkpoint may leave a model's towers out)."""
+    from safetensors import safe_open
+
+    for shard in checkpoint.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as source:
+            names = source.keys()  # a safetensors file is not iterable itself
+            if any(key.startswith(prefix) for key in names):
+                return True
+    return False
+
+
+def weights(checkpoint: Path, prefixes: tuple[str, ...]) -> dict:
+    """The checkpoint's tensors under ``prefixes``, read shard by shard."""
+    from safetensors import safe_open
+
+    found = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as source:
+            names = source.keys()  # a safetensors file is not iterable itself
+            found |= {key: source.get_tensor(key) for key in names if key.startswith(prefixes)}
+    return found
+
+
 def has_language_model(model: Path) -> bool:
     """Whether ``model`` is a vision-language encoder this module can take the language model of."""
     return architecture(model) in QWEN2_LANGUAGE_MODEL_OF

@@ -24,8 +24,7 @@ from types import MethodType, SimpleNamespace
 
 import torch
 
-from triton_omni.ar.audio_prompt import weights
-from triton_omni.ar.language_model import architecture
+from triton_omni.ar.language_model import architecture, saves_weights, weights
 from triton_omni.errors import RequestValidationError
 
 
@@ -59,16 +58,7 @@ class SeenPrompt:
 def has_eyes(model: Path) -> bool:
     """Whether ``model``'s thinker sees through this module: its class one of ``EYES_OF``, its vision
     tower saved (a benchmark's realistic checkpoint may leave the towers out)."""
-    if architecture(model) not in EYES_OF:
-        return False
-    from safetensors import safe_open
-
-    for shard in model.glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as source:
-            names = source.keys()  # a safetensors file is not iterable itself
-            if any(key.startswith("thinker.visual.") for key in names):
-                return True
-    return False
+    return architecture(model) in EYES_OF and saves_weights(model, "thinker.visual.")
 
 
 def eyes_of(checkpoint: Path, device: torch.device, dtype: torch.dtype,
