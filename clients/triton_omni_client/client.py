@@ -226,9 +226,10 @@ class OmniClient:
         false). ``options``: text options (max_tokens, temperature, top_p,
         top_k), image options (negative_prompt, num_inference_steps,
         guidance_scale, height, width; ``images``: input image files, for a family that reads them, or
-        with ``modalities=["text"]`` for a thinker that sees them (a Qwen-Omni thinker's), before the
-        prompt in its user turn), seed, num_images; ``input_audio``: audio files the thinker hears (a
-        Qwen-Omni thinker), before the prompt in its user turn; with ``"audio"`` in ``modalities``, the
+        with ``modalities`` ``["text"]`` or ``["text", "audio"]`` for a thinker that sees them (a Qwen-Omni
+        thinker's on the transformers engine), before the prompt in its user turn), seed, num_images;
+        ``input_audio``: audio files the thinker hears (a Qwen-Omni thinker), before the prompt in its
+        user turn; with ``"audio"`` in ``modalities``, the
         speech options (``voice``, the talker's ``talker_temperature``, ``talker_max_tokens``, ...: the
         protocol's SPEECH_OPTIONS),
         and the events carry the audio as it streams. ``timeout_s``

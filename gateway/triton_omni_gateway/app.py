@@ -217,21 +217,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def spoken_response(request: Request, body: ChatRequest, prompt: str, model: str):
         if SPEECH_MODEL not in await triton.models():
             raise no_speech_model(body.model)
-        if body.image_parts():  # the talker reads the thinker's states at its own image positions: not served
-            raise invalid(body.image_parts()[0], "a spoken reply to a prompt with images is not served; ask for "
-                          "a text reply (modalities [\"text\"])")
         answer = spoken_chat(triton, model, prompt, body.sampling(), body.audio.voice, body.audio.format, body.stream,
                              body.talker.values() if body.talker else {}, audio=body.audio_clips(),
-                             states=reads_states(templates.paths.get(SPEECH_MODEL)))
+                             states=reads_states(templates.paths.get(SPEECH_MODEL)), images=body.image_files())
         try:
             if not body.stream:
                 return await unless_disconnected(request, answer)
             events, close = await answer
         except OpenAIError as error:
             if error.param == "return_heard_states":  # the thinker's engine keeps its states to itself
-                raise invalid(body.audio_parts()[0], "a spoken reply to audio needs the thinker's hidden states at "
-                              "it, which this model's engine does not hand on (a thinker served with engine: "
-                              "transformers does)") from None
+                raise invalid((body.audio_parts() or body.image_parts())[0], "a spoken reply to audio or images "
+                              "needs the thinker's hidden states at them, which this model's engine does not hand "
+                              "on (a thinker served with engine: transformers does)") from None
             raise part_named(error, body) from None
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(close))

@@ -42,12 +42,14 @@ SPEECH_FIELDS = {"text_input": "input", "reply_ids": "input", "voice": "voice"}
 
 async def speak(triton: Triton, prompt: str, reply_ids: list[int], voice: str, model: str = SPEECH_MODEL,
                 talker: dict[str, Any] | None = None, heard: tuple[list[int], np.ndarray] | None = None,
-                states: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
+                states: tuple[list[int], np.ndarray] | None = None,
+                positions: np.ndarray | None = None) -> AsyncIterator[tuple[np.ndarray, int]]:
     """The reply's samples (float32) and their rate, chunk by chunk as the speech model sends them;
-    ``talker``: its sampling options, by the speech model's names; ``heard``: a prompt with audio as
-    the thinker read it, and its states at the audio (``ar``'s ``return_heard_states``); ``states``:
+    ``talker``: its sampling options, by the speech model's names; ``heard``: a prompt with audio or
+    images as the thinker read it, and its states there (``ar``'s ``return_heard_states``); ``states``:
     the prompt as the thinker read it and its states at every prompt and reply token but the last
-    (``ar``'s ``return_thinker_states``), which a Qwen2.5-Omni talker reads."""
+    (``ar``'s ``return_thinker_states``), which a Qwen2.5-Omni talker reads; ``positions``: with
+    either, a prompt with images' rotary positions (``ar``'s ``prompt_positions``)."""
     values = {"text_input": prompt, "reply_ids": np.asarray(reply_ids, dtype=np.int64), "voice": voice,
               **(talker or {})}
     if heard is not None:
@@ -56,6 +58,8 @@ async def speak(triton: Triton, prompt: str, reply_ids: list[int], voice: str, m
     if states is not None:
         values |= {"prompt_ids": np.asarray(states[0], dtype=np.int64),
                    "thinker_states": np.ascontiguousarray(states[1], dtype=np.float32)}
+    if positions is not None:
+        values["prompt_positions"] = np.ascontiguousarray(positions, dtype=np.int64)
     ended = lambda result: result.as_numpy("finish_reason") is not None  # noqa: E731
     try:
         async with aclosing(triton.stream(model, values, ended)) as results:
@@ -229,26 +233,31 @@ def no_speech_model(model: str) -> OpenAIError:
 
 async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[str, Any], voice: str, format: str,
                       stream: bool, talker: dict[str, Any], speech_model: str = SPEECH_MODEL,
-                      audio: list[bytes] | None = None, states: bool = False):
+                      audio: list[bytes] | None = None, states: bool = False, images: list[bytes] | None = None):
     """A chat's reply, spoken: the thinker's (``model``) text, then its audio. Whole: OpenAI's
     ``message.audio`` (``data`` the file in ``format``, ``transcript`` the text). Streamed: the
     transcript's deltas as ``delta.audio.transcript`` while the thinker writes, then the samples as
     ``delta.audio.data`` (16-bit PCM) while the talker speaks. ``audio``: the files the prompt's
     audio markers stand for; the thinker hands on its states at them, which the talker reads.
     ``states``: the talker reads the thinker's states at every token (Qwen2.5-Omni's), asked for here,
-    the audio's among them (in place of the states at the audio alone)."""
+    the audio's among them (in place of the states at the audio alone). ``images``: the files the
+    prompt's image markers stand for, read as the audio is (and the prompt's rotary positions with
+    them, which the talker numbers its own from)."""
     from triton_omni_gateway.text import deltas
 
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     state = {"text": "", "ids": [], "reason": "stop", "prompt_tokens": 0, "tokens": 0, "heard": None,
-             "prompt_ids": [], "states": []}
+             "prompt_ids": [], "states": [], "positions": None}
 
     async def reply() -> AsyncIterator[str]:
         async with aclosing(deltas(triton, model, prompt, sampling, token_ids=True, audio=audio,
-                                   heard=bool(audio) and not states, states=states)) as parts:
+                                   heard=bool(audio or images) and not states, states=states,
+                                   images=images)) as parts:
             async for delta in parts:
                 if delta.heard_states is not None:
                     state["heard"] = (delta.prompt_token_ids, delta.heard_states)
+                if delta.prompt_positions is not None:
+                    state["positions"] = delta.prompt_positions
                 if delta.thinker_states is not None:
                     state["prompt_ids"] = state["prompt_ids"] or delta.prompt_token_ids
                     state["states"].append(delta.thinker_states)
@@ -267,7 +276,8 @@ async def spoken_chat(triton: Triton, model: str, prompt: str, sampling: dict[st
 
     def spoken() -> AsyncIterator[tuple[np.ndarray, int]]:
         thinker = (state["prompt_ids"], np.concatenate(state["states"])) if state["states"] else None
-        return speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"], thinker)
+        return speak(triton, prompt, state["ids"], voice, speech_model, talker, state["heard"], thinker,
+                     state["positions"])
 
     if not stream:
         async for _ in reply():

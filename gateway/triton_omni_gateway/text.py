@@ -46,9 +46,11 @@ class Delta:
     finish_reasons: list[str] | None
     prompt_tokens: int | None
     token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by a spoken reply)
-    # a spoken reply to audio, on the first delta: the prompt as the thinker read it, its states at the audio
+    # a spoken reply to audio or images, on the first delta: the prompt as the thinker read it, its states
+    # at the audio and images, and its rotary positions where it has images
     prompt_token_ids: list[int] = field(default_factory=list)
     heard_states: np.ndarray | None = None
+    prompt_positions: np.ndarray | None = None
     # a spoken reply whose talker reads the thinker's states (Qwen2.5-Omni's): those of the positions the
     # thinker read since the previous delta (the prompt's on the first, with prompt_token_ids)
     thinker_states: np.ndarray | None = None
@@ -82,6 +84,7 @@ async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, An
             found = outputs(result)
             heard_states = result.as_numpy("heard_states") if "heard_states" in found else None
             thinker_states = result.as_numpy("thinker_states") if "thinker_states" in found else None
+            positions = result.as_numpy("prompt_positions") if "prompt_positions" in found else None
             texts = found.get("text_output", [])
             logprobs = found.get("logprobs")
             yield Delta(texts=texts, tokens=found.get("num_output_tokens") or [0] * len(texts),
@@ -90,7 +93,7 @@ async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, An
                         prompt_tokens=(found.get("num_input_tokens") or [0])[0],
                         token_ids=found.get("token_ids") or [],
                         prompt_token_ids=found.get("prompt_token_ids") or [], heard_states=heard_states,
-                        thinker_states=thinker_states)
+                        thinker_states=thinker_states, prompt_positions=positions)
 
 
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:

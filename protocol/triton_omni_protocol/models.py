@@ -60,10 +60,14 @@ AR_GENERATE_OUTPUTS = [
     # what the speech stage reads of a thinker's reply
     TensorSpec("token_ids", "TYPE_INT64", dims=(-1,)),
     # return_heard_states, on the first response: the prompt's token ids as the thinker read them (its
-    # audio markers widened to their clips' tokens), and its states at the audio, of the layer its
-    # talker reads ([audio tokens, hidden]): what the speech stage needs to speak a reply to audio
+    # audio and image markers widened to their clips' and images' tokens), and its states at the audio
+    # and images, of the layer its talker reads ([tokens, hidden]): what the speech stage needs to speak
+    # a reply to audio or images
     TensorSpec("prompt_token_ids", "TYPE_INT64", dims=(-1,)),
     TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1)),
+    # with prompt_token_ids, where the prompt has images: its multimodal rotary positions ([3, prompt
+    # tokens]: time, rows, columns), which a talker numbers its own prompt from
+    TensorSpec("prompt_positions", "TYPE_INT64", dims=(3, -1)),
     # return_thinker_states (the transformers engine): on each response, the states of the positions the
     # model read since the one before (the prompt's on the first, with prompt_token_ids; then each
     # token fed back), each its layer 0's input plus its last layer's output ([positions, hidden]):
@@ -179,11 +183,13 @@ SPEECH_INPUTS = [
     TensorSpec("first_chunk_frames", "TYPE_INT32", doc="codec frames the first audio chunk waits for: fewer, and "
                "the first audio leaves sooner; each chunk after it at most twice the one before (default: the "
                "model's, at most chunk_frames)"),
-    # a reply to a prompt with audio: what ar's return_heard_states gives (its outputs of these names)
+    # a reply to a prompt with audio or images: what ar's return_heard_states gives (its outputs of these names)
     TensorSpec("prompt_ids", "TYPE_INT64", dims=(-1,), kind="list", doc="the prompt's token ids as the thinker "
                "read them (its audio markers widened; ar's prompt_token_ids), in place of text_input's"),
     TensorSpec("heard_states", "TYPE_FP32", dims=(-1, -1), kind="array", doc="the thinker's states at the "
-               "prompt's audio tokens, of the layer the talker reads (ar's heard_states)"),
+               "prompt's audio and image tokens, of the layer the talker reads (ar's heard_states)"),
+    TensorSpec("prompt_positions", "TYPE_INT64", dims=(3, -1), kind="array", doc="a prompt with images: the "
+               "thinker's rotary positions of prompt_ids, [3, tokens] (ar's prompt_positions)"),
     # a Qwen2.5-Omni talker's input: what ar's return_thinker_states gives
     TensorSpec("thinker_states", "TYPE_FP32", dims=(-1, -1), kind="array", doc="the thinker's states (layer 0's "
                "input plus the last layer's) at each token of prompt_ids and each of reply_ids but the last "
@@ -202,7 +208,7 @@ UNPREFIXED = ("voice", "chunk_frames", "first_chunk_frames")  # the speech stage
 SPEECH_OPTIONS = [
     replace(spec, name=spec.name if spec.name in UNPREFIXED else TALKER_PREFIX + spec.name)
     for spec in SPEECH_INPUTS
-    if spec.name not in ("text_input", "reply_ids", "prompt_ids", "heard_states", "thinker_states")
+    if spec.name not in ("text_input", "reply_ids", "prompt_ids", "heard_states", "thinker_states", "prompt_positions")
 ]
 
 

@@ -282,6 +282,10 @@ def test_omni_on_a_vllm_thinker_hears_audio_and_refuses_to_speak_to_it_by_name(s
     assert said == tokenizer.decode(expected, skip_special_tokens=True)
     with pytest.raises(OmniError, match="return_heard_states"):
         list(client.generate(PROMPT, modalities=["text", "audio"], input_audio=files, max_tokens=2))
+    from tests.support.qwen25 import noise, png
+
+    with pytest.raises(OmniError, match=r"`images`.*engine: transformers"):  # what a spoken reply to images needs
+        list(client.generate(PROMPT, modalities=["text", "audio"], images=[png(noise(64, 64, 0))], max_tokens=2))
     assert list(client.generate(PROMPT, max_tokens=2, temperature=0.0))
 
 

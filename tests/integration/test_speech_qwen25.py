@@ -49,6 +49,7 @@ TOLERANCE = 1e-4  # of full scale; the streamed decode's float32 rounding is abo
 PCM16 = 1 / 32767  # a 16-bit sample's step (the gateway's WAV and pcm16)
 GATEWAY_TALKER = {key.removeprefix("talker_"): value for key, value in TALKER.items()}
 CLIPS = ((1.2, 440, 0), (0.6, 220, 1))  # the clips a prompt with audio holds: (seconds, hertz, the noise's seed)
+PICTURES = ((84, 112, 0), (56, 140, 1))  # the images a prompt with images holds: (height, width, the noise's seed)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +68,21 @@ def demo():
 
 
 @functools.cache
-def reference(voice: str = "Chelsie", seed: int = SEED, tones: tuple[tuple[float, int, int], ...] = ()
-              ) -> tuple[str, np.ndarray, np.ndarray]:
+def reference(voice: str = "Chelsie", seed: int = SEED, tones: tuple[tuple[float, int, int], ...] = (),
+              pictures: tuple[tuple[int, int, int], ...] = ()) -> tuple[str, np.ndarray, np.ndarray]:
     """The model's own generate for PROMPT, greedy (after clips of ``tones``, (seconds, hertz, the
-    noise's seed) each, through its processor): (the reply's text, its codes, its waveform)."""
+    noise's seed) each, and images of ``pictures``, (height, width, the noise's seed) each, through its
+    processor): (the reply's text, its codes, its waveform)."""
     tokenizer, model = demo()
-    if tones:
+    seen = {}
+    if tones or pictures:
         clips = [heard.as_heard(heard.tone(*tone)) for tone in tones]
+        images = [noise(*picture) for picture in pictures]
         inputs = processor(resolve_model("demo:tiny-qwen2.5-omni"))(
-            text=user_turn(tokenizer, PROMPT, len(clips)), audio=clips, return_tensors="pt")
+            text=user_turn(tokenizer, PROMPT, len(clips), images=len(images)), audio=clips or None,
+            images=images or None, return_tensors="pt")
+        # generate hands its talker the pixels too, which the talker's generate refuses (transformers 5.19)
+        seen = {"talker_pixel_values": None} if images else {}
     else:
         ids = tokenizer(user_turn(tokenizer, PROMPT, 0), return_tensors="pt").input_ids
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -83,7 +90,7 @@ def reference(voice: str = "Chelsie", seed: int = SEED, tones: tuple[tuple[float
     reply, seen, wav = generate_seen(
         model, inputs, voice, thinker_do_sample=False, thinker_max_new_tokens=THINKER["max_tokens"],
         talker_do_sample=False, talker_max_new_tokens=TALKER["talker_max_tokens"],
-        talker_min_new_tokens=TALKER["talker_min_tokens"], talker_eos_token_id=[CODEC_PAD, CODEC_EOS])
+        talker_min_new_tokens=TALKER["talker_min_tokens"], talker_eos_token_id=[CODEC_PAD, CODEC_EOS], **seen)
     return tokenizer.decode(reply, skip_special_tokens=True), np.array(seen["codes"]), wav.numpy()
 
 
@@ -167,8 +174,8 @@ def test_the_thinker_sees_images_through_ar_and_the_gateway_as_generate_does(qwe
     """Image in, text out: ``ar`` over gRPC (``images``), ``omni`` (``images`` with modalities
     ``["text"]``) and the gateway's chat (``image_url`` parts,
     base64 ``data:`` URLs, through the ``openai`` SDK) give ``thinker.generate``'s reply to the
-    processor's pixels; another image gives another reply (tests/unit/test_image_input_qwen25.py holds
-    the positions and embeddings to the thinker's own). A spoken reply to images is refused by name."""
+    processor's pixels; another image gives another reply (tests/unit/test_image_input.py holds the
+    positions and embeddings to the thinker's own)."""
     tokenizer, model = demo()
     made = processor(resolve_model("demo:tiny-qwen2.5-omni"))
     images = [noise(84, 112, 0), noise(56, 140, 1)]
@@ -189,16 +196,45 @@ def test_the_thinker_sees_images_through_ar_and_the_gateway_as_generate_does(qwe
             "max_tokens": THINKER["max_tokens"], "temperature": 0.0}
     answer = qwen25_server.openai.chat.completions.create(**chat)
     assert answer.choices[0].message.content == reply
-    with pytest.raises(openai.BadRequestError) as error:
-        qwen25_server.openai.chat.completions.create(modalities=["text", "audio"],
-                                                     audio={"voice": "chelsie", "format": "wav"}, **chat)
-    assert error.value.body["param"] == "messages.0.content.0"
     not_an_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
     with pytest.raises(openai.BadRequestError) as error:  # ar's refusal of images[1], named by its part
         qwen25_server.openai.chat.completions.create(**chat | {"messages": [{"role": "user", "content": [
             parts[0], not_an_image, {"type": "text", "text": PROMPT}]}]})
     assert error.value.body["param"] == "messages.0.content.1" and "not an image file" in error.value.body["message"]
     assert qwen25_server.openai.chat.completions.create(**chat).choices[0].message.content == reply
+
+
+def test_a_spoken_reply_to_images_is_the_models_through_omni_and_the_gateway(qwen25_server):
+    """Image and audio in, speech out: ``omni`` (gRPC, ``images`` and ``input_audio`` with modalities
+    ``["text", "audio"]``) and the gateway's chat (the ``openai`` SDK, ``image_url`` and ``input_audio``
+    parts) give generate's text, codes and waveform. The talker reads zeros of the thinker's layer-0
+    input at the images (tests/unit/test_image_input.py shows those states far from generate's
+    without them). Another image gives other codes (a few: the tiny talker soon repeats one code; the
+    tiny ``token2wav`` moves its waveform little for them, the voice and the seed move it:
+    test_omni_speaks_as_the_models_generate)."""
+    reply, codes, wav = reference(tones=CLIPS[:1], pictures=PICTURES)
+    _, other_codes, _ = reference(tones=CLIPS[:1], pictures=((84, 112, 7), PICTURES[1]))
+    assert not np.array_equal(other_codes, codes)
+    files = [png(noise(*picture)) for picture in PICTURES]
+    clips = [heard.wav_bytes(heard.tone(*CLIPS[0]))]
+    text, audio, served_codes, _ = spoken(OmniClient(qwen25_server.grpc_url).generate(
+        PROMPT, modalities=["text", "audio"], images=files, input_audio=clips, voice="chelsie", **THINKER, **TALKER))
+    assert text == reply
+    np.testing.assert_array_equal(served_codes, codes)
+    assert audio.shape == wav.shape and np.abs(audio - wav).max() <= TOLERANCE
+
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(clips[0]).decode(), "format": "wav"}}]
+    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(f).decode()}"}}
+              for f in files]
+    answer = qwen25_server.openai.chat.completions.create(
+        model="ar", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+        modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"},
+        max_tokens=THINKER["max_tokens"], temperature=0.0, extra_body={"talker": GATEWAY_TALKER})
+    assert answer.choices[0].message.audio.transcript == reply
+    with av.open(io.BytesIO(base64.b64decode(answer.choices[0].message.audio.data))) as container:
+        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
 
 
 def test_a_reply_of_one_token_is_spoken_as_no_audio(qwen25_server):
@@ -287,14 +323,24 @@ def test_the_speech_endpoint_speaks_its_input_as_the_models_parts_do(qwen25_serv
     assert samples.shape == expected.shape and np.abs(samples - expected).max() <= TOLERANCE + PCM16
 
 
-def test_the_cli_writes_the_spoken_reply(qwen25_server, tmp_path):
-    """`omni-triton generate --modalities text,audio --out reply.wav`: generate's text and waveform."""
-    reply, _, expected = reference()
+@pytest.mark.parametrize("perceived", [False, True], ids=["text", "images and audio"])
+def test_the_cli_writes_the_spoken_reply(qwen25_server, tmp_path, perceived):
+    """`omni-triton generate --modalities text,audio --out reply.wav` (with `--image` and `--audio`
+    files the thinker reads before the prompt): generate's text and waveform."""
+    pictures, tones = (PICTURES, CLIPS[:1]) if perceived else ((), ())
+    reply, _, expected = reference(tones=tones, pictures=pictures)
+    inputs = []
+    for index, picture in enumerate(pictures):
+        (tmp_path / f"{index}.png").write_bytes(png(noise(*picture)))
+        inputs += ["--image", str(tmp_path / f"{index}.png")]
+    for index, tone in enumerate(tones):
+        (tmp_path / f"{index}.wav").write_bytes(heard.wav_bytes(heard.tone(*tone)))
+        inputs += ["--audio", str(tmp_path / f"{index}.wav")]
     talker = [f"--param={key}={value}" for key, value in TALKER.items()]
     done = subprocess.run([str(Path(sys.executable).parent / "omni-triton"), "generate", PROMPT, "--url",
                            qwen25_server.grpc_url, "--modalities", "text,audio", "--out", str(tmp_path / "reply.wav"),
                            "--max-tokens", str(THINKER["max_tokens"]), "--param=temperature=0",
-                           "--param=voice=chelsie", *talker], check=True, capture_output=True, text=True)
+                           "--param=voice=chelsie", *talker, *inputs], check=True, capture_output=True, text=True)
     assert done.stdout.startswith(reply) and "wrote" in done.stdout
     with wave.open(str(tmp_path / "reply.wav")) as file:
         samples = pcm16(file.readframes(file.getnframes()))

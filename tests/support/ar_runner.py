@@ -16,3 +16,13 @@ def responses(runner, request) -> list:
 
     runner.loop.run(run(), timeout=120)
     return found
+
+
+def spoken(speech, inputs: dict) -> tuple:
+    """``inputs`` (the speech stage's, by name) spoken to the end by ``speech`` (a ``SpeechRunner``):
+    its samples and its codec frames [codebooks, frames], as NumPy arrays."""
+    import numpy as np
+
+    chunks = []
+    speech.loop.run(speech.speak(speech.parse(inputs), chunks.append), timeout=120)
+    return np.concatenate([c.samples for c in chunks]), np.concatenate([c.codes for c in chunks], axis=1)

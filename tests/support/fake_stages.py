@@ -45,19 +45,21 @@ class FakeStages:
     async def generate(self, prompt: str, options: dict[str, Any], token_ids: bool = False,
                        audio: list[bytes] = (), heard: bool = False, states: bool = False,
                        images: list[bytes] = ()) -> AsyncIterator[TextDelta]:
-        await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio)
+        await self._enter("generate", (prompt, options) + ((list(audio), heard),) * bool(audio or heard)
                           + (("states",),) * states + (("images", list(images)),) * bool(images))
         for i, word in enumerate(self.words):
             await asyncio.sleep(0)
             yield TextDelta(word, "length" if i == len(self.words) - 1 else None, [i] if token_ids else [],
-                            heard=(["heard"], f"states of {len(audio)} clips") if heard and i == 0 else None,
+                            heard=(["heard"], f"states of {len(audio)} clips",
+                                   f"positions of {len(images)} images" if images else None) if heard and i == 0
+                            else None,
                             states=("prompt" if i == 0 else f"token {i - 1}") if states else None)
 
     def chat_prompt(self, prompt: str, clips: int = 0, images: int = 0) -> str:
         return f"<user>{'<audio>' * clips}{'<image>' * images}{prompt}<assistant>"
 
     async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
-                    heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
+                    heard: tuple[list[int], Any, Any] | None = None) -> AsyncIterator[AudioChunk]:
         """Records the reply's tokens there at the call (``calls``) and the whole reply (``replies``)."""
         await self._enter("speak", (prompt, list(reply.ids), options) + (heard,) * (heard is not None))
         async for _ in reply.changes(len(reply.ids), len(reply.states)):

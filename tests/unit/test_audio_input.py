@@ -19,6 +19,7 @@ from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
 
 from tests.support.ar_runner import responses as run_to_end
+from tests.support.ar_runner import spoken
 from tests.support.heard import (
     DEMO,
     as_heard,
@@ -169,7 +170,8 @@ def test_a_spoken_reply_to_audio_is_the_model_s(runner):
                                            "max_tokens": 4, "temperature": 0.0, "return_token_ids": True,
                                            "return_heard_states": True}, ArLimits(), audio=runner.audio_limits)
     responses = run_to_end(runner, request)
-    prompt_ids, states = responses[0].heard
+    prompt_ids, states, positions = responses[0].heard
+    assert positions is None  # (a prompt with images has them)
     reply_ids = [token for response in responses for token in response.token_ids[0]]
     layer = runner.ears.talker_layer
     assert torch.allclose(states, thinker_states(text, heard, layer), atol=1e-5)
@@ -178,20 +180,16 @@ def test_a_spoken_reply_to_audio_is_the_model_s(runner):
 
     speech = SpeechRunner(SpeechConfig(model=DEMO))
     try:
-        def spoken(states) -> tuple[np.ndarray, np.ndarray]:
-            options = {"temperature": 0.0, "max_tokens": 10, "min_tokens": 10}
-            parsed = speech.parse({"text_input": text, "reply_ids": reply_ids, "prompt_ids": prompt_ids,
-                                   "heard_states": states, **options})
-            chunks = []
-            speech.loop.run(speech.speak(parsed, chunks.append), timeout=120)
-            return np.concatenate([c.samples for c in chunks]), np.concatenate([c.codes for c in chunks], axis=1)
+        def said(states) -> tuple[np.ndarray, np.ndarray]:
+            return spoken(speech, {"text_input": text, "reply_ids": reply_ids, "prompt_ids": prompt_ids,
+                                   "heard_states": states, "temperature": 0.0, "max_tokens": 10, "min_tokens": 10})
 
-        wav, codes = spoken(states)
+        wav, codes = said(states)
         assert np.array_equal(codes, expected_codes) and np.abs(wav - expected_wav).max() < 1e-4
         with pytest.raises(RequestValidationError, match="holds 0 states") as error:
-            spoken(None)
+            said(None)
         assert error.value.parameter == "heard_states"
-        wrong, _ = spoken(torch.zeros_like(states))
+        wrong, _ = said(torch.zeros_like(states))
         assert np.abs(wrong - expected_wav).max() > 100 * 1e-4
     finally:
         speech.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2_5OmniForConditionalGeneration
@@ -18,14 +19,28 @@ from triton_omni.ar.batching import _seeing
 from triton_omni.ar.vision_prompt import eyes_of
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestValidationError
+from triton_omni.speech.demos import CODEC_EOS, CODEC_PAD
 
 from tests.support import heard
 from tests.support.ar_runner import responses as run_to_end
+from tests.support.ar_runner import spoken
 from tests.support.heard import as_heard, tone, wav_bytes
-from tests.support.qwen25 import noise, png, processor, user_turn
+from tests.support.qwen25 import generate_seen, noise, png, processor, user_turn
 
 REPLY_TOKENS = 8
+TALKER_CODES = 16
 IMAGES = (noise(84, 112, 0), noise(56, 140, 1))  # two patch grids of each model's
+
+
+@pytest.fixture(scope="module")
+def speech():
+    """A speech runner of each demo, made at its first use (``speech(name)``)."""
+    from triton_omni.speech.runner import SpeechConfig, SpeechRunner
+
+    made: dict = {}
+    yield lambda name: made.get(name) or made.setdefault(name, SpeechRunner(SpeechConfig(model=name)))
+    for runner in made.values():
+        runner.close()
 
 
 @pytest.fixture(scope="module", params=["qwen2.5-omni", "qwen3-omni"])
@@ -130,17 +145,69 @@ def test_the_lm_reads_the_images_as_the_thinker_does_and_would_read_otherwise_wi
     assert float((plain_next.logits[0, -1] - expected_next).abs().max()) > 10 * tolerance
 
 
-def test_images_the_prompt_does_not_mark_and_states_for_a_talker_are_refused_by_name(demo):
+def spoken_reference(name: str, made, model, inputs) -> tuple[list[int], np.ndarray, torch.Tensor | None]:
+    """The whole model's ``generate(..., return_audio=True)`` on the processor's ``inputs``, greedy in the
+    thinker and the talker (held to ``TALKER_CODES``): the reply's ids, its codes [codebooks, frames]
+    and, for Qwen2.5-Omni, the thinker's states it handed its talker [prompt + 2, width]."""
+    if "qwen3" in name:
+        reply, codes, _ = heard.generate_spoken(inputs, REPLY_TOKENS, TALKER_CODES)
+        return reply, codes, None
+    # generate hands its talker every input it does not know, the pixels too, which the talker's generate
+    # refuses (transformers 5.19); talker_pixel_values=None keeps them from it, the image grids handed on
+    reply, seen, _ = generate_seen(model, inputs, "Chelsie", thinker_do_sample=False, talker_pixel_values=None,
+                                   thinker_max_new_tokens=REPLY_TOKENS, talker_do_sample=False,
+                                   talker_max_new_tokens=TALKER_CODES, talker_min_new_tokens=TALKER_CODES,
+                                   talker_eos_token_id=[CODEC_PAD, CODEC_EOS], token2wav_num_steps=2)
+    return reply, np.array([seen["codes"]]), seen["inputs_embeds"][0]
+
+
+def test_a_spoken_reply_to_images_is_the_model_s(demo, speech):
+    """``ar`` hands on the prompt as read, with its rotary positions, and the thinker's states (Qwen3-Omni's
+    at the images, of its talker's layer; Qwen2.5-Omni's at every token, zeros of the layer-0 input at
+    the images); the speech stage given them speaks ``generate``'s codes. A Qwen3-Omni talker numbers
+    its own prompt (the user turn and its opening) from the thinker's positions: without them (each
+    token at its index, as a text prompt is read) it draws other codes. A Qwen2.5-Omni talker reads
+    each token at its index, as ``generate`` runs it, and the thinker's states ``generate`` hands it;
+    with the images' embeddings left in (not zeros) they are far from those."""
+    name, made, model, runner = demo
+    text = user_turn(made.tokenizer, "What is this?", 0, images=2)
+    expected_reply, expected_codes, handed = spoken_reference(
+        name, made, model, made(text=text, images=list(IMAGES), return_tensors="pt"))
+    qwen3 = "qwen3" in name
+    request = GenerateRequest.from_inputs(
+        {"text_input": text, "images": [png(image) for image in IMAGES], "max_tokens": REPLY_TOKENS,
+         "temperature": 0.0, "return_token_ids": True, "return_heard_states": qwen3,
+         "return_thinker_states": not qwen3},
+        ArLimits(), images=runner.image_limits)
+    responses = run_to_end(runner, request)
+    prompt_ids, states, positions = responses[0].heard
+    reply = [token for response in responses for token in response.token_ids[0]]
+    assert reply == expected_reply and positions.shape == (3, len(prompt_ids))
+    if not qwen3:
+        states = torch.cat([r.thinker_states for r in responses if r.thinker_states is not None])
+    inputs = {"text_input": text, "reply_ids": reply, "prompt_ids": prompt_ids,
+              "heard_states" if qwen3 else "thinker_states": states, "temperature": 0.0,
+              "max_tokens": TALKER_CODES, "min_tokens": TALKER_CODES}
+    _, codes = spoken(speech(name), inputs | {"prompt_positions": positions})
+    assert np.array_equal(codes, expected_codes)
+    if qwen3:
+        _, moved = spoken(speech(name), inputs)
+        assert not np.array_equal(moved, expected_codes)
+        return
+    count, tolerance = len(prompt_ids), 1e-5
+    assert float((states[:count] - handed[:count]).abs().max()) < tolerance
+    at = torch.tensor(prompt_ids) == model.config.thinker_config.image_token_id
+    seen = runner.eyes.prompt(made.tokenizer(text)["input_ids"], None, list(IMAGES))
+    read = states[:count].clone()
+    read[at] += seen.embeds[at]  # the layer-0 input the LM read there
+    assert float((read - handed[:count]).abs().max()) > 100 * tolerance
+
+
+def test_images_the_prompt_does_not_mark_are_refused_by_name(demo):
     _, made, _, runner = demo
     with pytest.raises(RequestValidationError, match="1 image markers") as error:
         served(runner, user_turn(made.tokenizer, "What is this?", 0, images=1), IMAGES)
     assert error.value.parameter == "images"
-    request = GenerateRequest.from_inputs(
-        {"text_input": "hi", "images": [png(IMAGES[0])], "return_thinker_states": True}, ArLimits(),
-        images=runner.image_limits)
-    with pytest.raises(RequestValidationError) as error:
-        runner.check(request)
-    assert error.value.parameter == "return_thinker_states"
     with pytest.raises(RequestValidationError, match="takes no input image") as error:
         GenerateRequest.from_inputs({"text_input": "hi", "images": [png(IMAGES[0])]}, ArLimits())
     assert error.value.parameter == "images"

@@ -200,7 +200,7 @@ def test_input_audio_goes_to_the_thinker_in_its_template_and_its_states_to_the_t
     [generate, speak] = stages.calls
     assert generate == ("generate", ("<user><audio><audio>a fox<assistant>", {}, ([b"one", b"two"], True)))
     assert speak[1][0] == "<user><audio><audio>a fox<assistant>"
-    assert speak[1][-1] == (["heard"], "states of 2 clips")
+    assert speak[1][-1] == (["heard"], "states of 2 clips", None)
     with pytest.raises(RequestValidationError, match="needs modalities") as error:
         OmniRequest.from_inputs({"text_input": "a fox", "modalities": ["image"], "input_audio": [b"x"]}, LIMITS)
     assert error.value.parameter == "input_audio"
@@ -253,14 +253,22 @@ def test_a_failing_stage_fails_the_request_and_cancels_the_other_branch():
     assert stages.cancelled == ["generate"]
 
 
-def test_input_images_go_to_diffusion_or_with_text_alone_to_the_thinker_and_pass_through_untouched():
-    from triton_omni.errors import RequestValidationError
+def test_input_images_go_to_diffusion_or_else_to_the_thinker_and_pass_through_untouched():
+    """Input images are the diffusion model's where 'image' is asked for, else the thinker's: in its
+    template's user turn, a text reply's or a spoken one's (the thinker then asked for its states at
+    them, which the talker gets with the prompt's positions; or, for a talker reading every state, for
+    those)."""
     from triton_omni.scheduler.request import OmniRequest, SchedulerLimits
 
-    for modalities in (["audio"], ["text", "audio"]):  # a spoken reply to images: not served
-        with pytest.raises(RequestValidationError, match="`images`: input images need modalities"):
-            OmniRequest.from_inputs({"text_input": "a fox", "modalities": modalities, "images": [b"png"]},
-                                    SchedulerLimits())
+    for modalities in (["audio"], ["text", "audio"]):
+        stages = FakeStages()
+        scheduled(stages, text_input="a fox", modalities=modalities, images=[b"one"])
+        [generate, speak] = stages.calls
+        assert generate == ("generate", ("<user><image>a fox<assistant>", {}, ([], True), ("images", [b"one"])))
+        assert speak[1][-1] == (["heard"], "states of 0 clips", "positions of 1 images")
+    stages = FakeStages(speaks_from_states=True)
+    scheduled(stages, text_input="a fox", modalities=["audio"], images=[b"one"])
+    assert stages.calls[0] == ("generate", ("<user><image>a fox<assistant>", {}, ("states",), ("images", [b"one"])))
     stages = FakeStages()
     scheduled(stages, text_input="a fox", modalities=["text"], images=[b"one", b"two"], input_audio=[b"clip"])
     assert stages.calls == [("generate", ("<user><audio><image><image>a fox<assistant>", {}, ([b"clip"], False),

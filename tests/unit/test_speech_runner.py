@@ -476,8 +476,8 @@ def test_slot_steps_speak_the_padded_steps_codes(runner, slots):
     slots.submit = first_three_together
     prefill, prefilled = slots.talker_steps.prefill, []
 
-    def lone_prefill(embeds):
-        found = prefill(embeds)
+    def lone_prefill(embeds, *positions):
+        found = prefill(embeds, *positions)
         prefilled.append((len(embeds), found is not None))
         return found
 
@@ -520,6 +520,55 @@ def test_a_wrong_column_or_position_moves_the_codes(runner, slots, monkeypatch, 
     monkeypatch.setattr(part, "run", wrongly)
     wrong_codes = joined(speak(runner, r)[0])[1]
     assert right.shape != wrong_codes.shape or not np.array_equal(right, wrong_codes)
+
+
+def with_image(runner, prompt: str = "what is it", reply: tuple[int, ...] = (40, 41, 42, 43, 3), **options):
+    """A request whose prompt holds an image of 2 x 2 tokens at the start of its user turn, as ``ar``
+    hands it on: the prompt's ids, the thinker's states at the image (random here) and its rotary
+    positions (the image's tokens at their rows and columns, the text after them one past the largest)."""
+    thinker = runner.talker.config.thinker_config
+    ids = runner.prompt_ids(templated(prompt))
+    start = 4  # <|im_start|> user \n <|vision_start|>, then the image
+    vision_start, vision_end = runner.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    ids = ids[:3] + [vision_start] + [thinker.image_token_id] * 4 + [vision_end] + ids[3:]
+    positions = np.stack([np.arange(len(ids))] * 3)
+    positions[:, start:start + 4] = start + np.array([[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1]])
+    positions[:, start + 4:] -= 2  # the text after it from start + 2 on
+    states = torch.randn(4, thinker.text_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    return runner.parse({"text_input": templated(prompt), "reply_ids": list(reply), "prompt_ids": ids,
+                         "heard_states": states, "prompt_positions": positions, **(TALKER | options)})
+
+
+def test_slot_steps_speak_a_prompt_with_an_image_as_the_padded_steps_do(runner, slots):
+    """A prompt whose rotary positions are not its columns (an image's rows and columns, the steps after
+    it shifted): prefilled alone into its slot, or joining beside a text prompt, the slot cache's steps
+    speak the padded cache's codes; and its positions move them (the comparison can fail)."""
+    seen, text = with_image(runner, max_tokens=20, min_tokens=20), request(runner, "a small boat", (50, 51, 3))
+    alone_in_slot = joined(speak(runner, seen)[0])[1]
+    together = [joined(chunks)[1] for chunks in speak(runner, seen, text)]
+    runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, slot_cache=False)  # the PaddedCache's
+    try:
+        padded, padded_text = (joined(chunks)[1] for chunks in speak(runner, seen, text))
+        plain = joined(speak(runner, replace(seen, positions=None))[0])[1]
+    finally:
+        runner.batcher.stop()
+        runner.batcher = slots
+    for codes in (alone_in_slot, together[0]):
+        np.testing.assert_array_equal(codes, padded)
+    np.testing.assert_array_equal(together[1], padded_text)
+    assert not np.array_equal(plain, padded)
+
+
+def test_prompt_positions_are_refused_by_name_unless_they_number_prompt_ids(runner):
+    seen = with_image(runner)
+    for positions in (np.zeros((2, len(seen.prompt_ids)), np.int64), np.zeros((3, 4), np.int64),
+                      np.full((3, len(seen.prompt_ids)), -1)):
+        with pytest.raises(RequestValidationError) as error:
+            runner.parse({"text_input": seen.prompt, "reply_ids": seen.reply_ids, "prompt_ids": seen.prompt_ids,
+                          "heard_states": seen.heard, "prompt_positions": positions})
+        assert error.value.parameter == "prompt_positions"
+    with pytest.raises(RequestValidationError, match="comes with prompt_ids") as error:
+        runner.parse({"text_input": seen.prompt, "reply_ids": seen.reply_ids, "prompt_positions": seen.positions})
 
 
 def test_talker_max_len_bounds_a_default_max_tokens_and_refuses_a_given_one(runner):

@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     omni.add_argument("--audio", action="append", type=Path, default=[], dest="input_audio", metavar="IN.wav",
                       help="an audio file the thinker hears before the prompt (WAV, MP3, FLAC, ...; a Qwen3-Omni "
                       "thinker), repeatable")
+    omni.add_argument("--image", action="append", type=Path, default=[], dest="images", metavar="IN.png",
+                      help="an input image (PNG, JPEG or WebP), repeatable: with image, the diffusion model's; with "
+                      "text or text,audio, the thinker sees it before the prompt (a Qwen-Omni thinker on the "
+                      "transformers engine)")
     omni.add_argument("--url", help="gRPC address; default localhost:8001")
     omni.add_argument("--model", default="omni")
     omni.add_argument("--max-tokens", type=int)
@@ -323,6 +327,8 @@ def _generate(args) -> int:
                                           if getattr(args, k) is not None}
     if args.input_audio:
         options["input_audio"] = [path.read_bytes() for path in args.input_audio]
+    if args.images:
+        options["images"] = [path.read_bytes() for path in args.images]
     audio: list = []  # the spoken reply's chunks, and its rate
     bars: dict[int, tqdm] = {}
     written = []

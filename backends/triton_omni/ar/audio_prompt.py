@@ -63,6 +63,9 @@ class ThinkerEars:
         config = AutoConfig.from_pretrained(checkpoint)
         thinker = config.thinker_config
         self.audio_token_id = thinker.audio_token_id
+        # the tokens whose places the towers' embeddings fill (audio and images): where a Qwen3-Omni talker
+        # reads the thinker's states, and a Qwen2.5-Omni one zeros of the thinker's layer-0 input
+        self.perceived_ids = (thinker.audio_token_id, thinker.image_token_id)
         # the thinker's layer whose states the talker reads at the audio's positions (hidden_states' index;
         # None: a Qwen2.5-Omni talker, which reads no states there)
         self.talker_layer: int | None = getattr(getattr(config, "talker_config", None), "accept_hidden_layer", None)
@@ -132,12 +135,6 @@ class ThinkerEars:
             embeds = self.embed_tokens[tokens].clone()
             embeds[tokens == self.audio_token_id] = heard.to(embeds.dtype)
         return expanded, embeds, frames
-
-    def unheard(self, ids: list[int], embeds: torch.Tensor) -> torch.Tensor:
-        """``embeds`` with zeros at the audio: what a Qwen2.5-Omni talker reads of the thinker's layer-0
-        input there (its ``generate`` zeroes those positions)."""
-        audio = torch.tensor(ids, device=embeds.device) == self.audio_token_id
-        return embeds.masked_fill(audio[:, None], 0)
 
 
 class Qwen3Ears(ThinkerEars):

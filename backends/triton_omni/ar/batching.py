@@ -230,6 +230,8 @@ class StepBatcher(ContinuousBatch):
         layer0 = prompt.get("inputs_embeds")
         if sequence.states_input is not None:
             layer0 = sequence.states_input.to(self.device)
+        # the layer output kept for a talker is hooked before the deepstack features are added: transformers'
+        # hidden_states record each decoder layer's output as it leaves the layer, without them
         with self._adapted([sequence]), _layer_output(self.model, kept[0] if kept else None) as states, \
                 _thinker_states(self.model, sequence.keep_states, layer0) as thinker, \
                 _seeing(self.model, sequence.vision):

@@ -33,9 +33,11 @@ class ArResponse:
     finish_reasons: list[str] | None = None  # set on the final response only
     final: bool = False
     token_ids: list[list[int]] = field(default_factory=list)  # per completion, the new ones (streamed) or all
-    # on the first response, where asked for (return_heard_states): the prompt's token ids as the
-    # model read them (its audio markers widened) and its states at the audio (the talker's layer)
-    heard: tuple[list[int], torch.Tensor | None] | None = None
+    # on the first response, where asked for (return_heard_states, return_thinker_states): the prompt's
+    # token ids as the model read them (its audio and image markers widened), its states at the audio
+    # and images (the talker's layer; None for return_thinker_states) and, where it has images, its
+    # rotary positions [3, tokens]
+    heard: tuple[list[int], torch.Tensor | None, torch.Tensor | None] | None = None
     # where asked for (return_thinker_states): the states of the positions read since the last response
     thinker_states: torch.Tensor | None = None
 

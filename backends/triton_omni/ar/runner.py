@@ -303,16 +303,13 @@ class ArRunner:
         or the keys the transformers engine lacks); raises ``RequestValidationError``."""
         self.check_lora(request.lora, request.lora_field)
         self.engine.check(request.sampling, _logprobs_needed(request))
+        if request.images:  # a model without a vision tower took none (image_limits); vLLM refuses them here
+            self.engine.check_images("images")
         if request.outputs.heard_states:
             if self.ears is None or self.ears.talker_layer is None:
                 raise RequestValidationError("return_heard_states", "this model hears no audio for a talker (a "
                                              "Qwen3-Omni checkpoint with its audio tower and talker does)", True)
             self.engine.check_states("return_heard_states")
-        if request.images:  # a model without a vision tower took none (image_limits); vLLM refuses them here
-            self.engine.check_images("images")
-            require(not request.outputs.thinker_states, "return_thinker_states", "a talker reading the "
-                    "thinker's states of a prompt with images (its own image positions) is not served; ask "
-                    "for a text reply", True)
         if request.outputs.thinker_states:
             require(request.sampling.n == 1, "return_thinker_states", "hands on one completion's states: n must "
                     "be 1", request.sampling.n)
@@ -338,11 +335,12 @@ class ArRunner:
                 self._hearing, self._perceive, prompt_ids, request.audio, request.images)
         states_at = None
         if request.outputs.heard_states:  # checked by check(): the ears and an engine that hands them on
-            states_at = (self.ears.talker_layer,
-                         [i for i, token in enumerate(prompt_ids) if token == self.ears.audio_token_id])
+            states_at = (self.ears.talker_layer, self._perceived_at(prompt_ids))
+        # with the prompt's ids: a prompt with images, its rotary positions (a talker numbers its own from them)
+        positions = vision.positions.cpu() if vision is not None else None
         heard = None
         if request.outputs.thinker_states:  # the prompt's states come on the first response, its ids with them
-            heard = (prompt_ids, None)
+            heard = (prompt_ids, None, positions)
         states: list[torch.Tensor] = []  # the states read since the last response that left
         if request.lora is not None:
             self._on_lora("request", request.lora)
@@ -355,7 +353,7 @@ class ArRunner:
                 on_first_token()
                 on_first_token = None
             if delta.prompt_states is not None:
-                heard = (prompt_ids, delta.prompt_states)
+                heard = (prompt_ids, delta.prompt_states, positions)
             if delta.states is not None:
                 states.append(delta.states)
             response = assembler.add(delta)
@@ -367,13 +365,23 @@ class ArRunner:
                     states.clear()
                 on_response(response)
 
-        # a talker reading the thinker's states reads zeros at the audio in place of its layer-0 input there
-        unheard = self.ears.unheard(prompt_ids, embeds) if embeds is not None and request.outputs.thinker_states \
-            else None
+        # a talker reading the thinker's states reads zeros at the audio and images in place of its layer-0 input
+        unheard = None
+        if embeds is not None and request.outputs.thinker_states:
+            perceived = torch.zeros(len(prompt_ids), dtype=torch.bool, device=embeds.device)
+            perceived[self._perceived_at(prompt_ids)] = True
+            unheard = embeds.masked_fill(perceived[:, None], 0)
         await self.engine.stream(prompt_ids, request.sampling, request_id, _logprobs_needed(request), on_delta,
                                  request.lora, prompt_embeds=embeds, states_at=states_at,
                                  keep_states=request.outputs.thinker_states, states_input=unheard,
                                  vision=vision)
+
+    def _perceived_at(self, prompt_ids: list[int]) -> list[int]:
+        """The positions of the prompt's audio and image tokens, which the towers' embeddings fill: where a
+        Qwen3-Omni talker reads the thinker's states, and a Qwen2.5-Omni one zeros of its layer-0 input."""
+        markers = self.ears.perceived_ids if self.ears is not None else \
+            (self.eyes.image_token_id,) if self.eyes is not None else ()
+        return [i for i, token in enumerate(prompt_ids) if token in markers]
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[ArResponse]:
         """``stream``'s responses as an async iterator (for callers that

@@ -63,8 +63,8 @@ class OmniRequest:
     stream: bool = False
     text_options: dict[str, Any] = field(default_factory=dict)  # TEXT_OPTIONS keys, for `ar` to validate
     image_options: dict[str, Any] = field(default_factory=dict)  # IMAGE_OPTIONS keys, for `diffusion`
-    # input image files, for `diffusion` to decode and check, or, with modalities ['text'] alone, for `ar`
-    # (a thinker that sees them)
+    # input image files, for `diffusion` to decode and check where 'image' or 'video' is asked for, else for
+    # `ar` (a thinker that sees them, its reply written or spoken)
     images: list[bytes] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)  # input audio files, for `ar` (the thinker) to hear
     speech_options: dict[str, Any] = field(default_factory=dict)  # by the speech stage's names, for it to validate
@@ -84,7 +84,7 @@ class OmniRequest:
 
     @property
     def seen(self) -> list[bytes]:
-        """The input images the thinker reads (a text reply's), none where diffusion reads them."""
+        """The input images the thinker reads (a written or spoken reply's), none where diffusion reads them."""
         return [] if self.wants_image else self.images
 
     @classmethod
@@ -127,9 +127,6 @@ class OmniRequest:
                 f"must be at most {INT64_MAX - (num_images - 1)} with num_images={num_images}", seed)
 
         images = list(inputs.get("images") or [])
-        require(not images or {"image", "video"} & set(modalities) or set(modalities) == {"text"}, "images",
-                "input images need modalities ['image'] (or ['video']), or ['text'] for a thinker that sees them (a "
-                "spoken reply to images is not served)", len(images))
         audio = list(inputs.get("input_audio") or [])
         require(not audio or {"text", "audio"} & set(modalities), "input_audio",
                 "the thinker hears it: it needs modalities ['text'] or ['text', 'audio']", len(audio))

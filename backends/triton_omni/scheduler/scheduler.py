@@ -38,10 +38,11 @@ class TextDelta:
     text: str
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)  # the new tokens' (asked for by the audio route)
-    # on the first delta where asked for (the audio route of a prompt with audio): the prompt as the
-    # thinker read it and its states at the audio, which the talker reads (whatever the stages return);
-    # where the thinker's states are asked for, the prompt's ids with no states at the audio
-    heard: tuple[list[int], Any] | None = None
+    # on the first delta where asked for (the audio route of a prompt with audio or images): the prompt
+    # as the thinker read it, its states at the audio and images, which the talker reads (whatever the
+    # stages return; None where the thinker's states are asked for), and its rotary positions where it
+    # has images (else None)
+    heard: tuple[list[int], Any, Any] | None = None
     # where asked for (a talker that reads them: Qwen2.5-Omni's): the thinker's states of the positions
     # it read since the previous delta, [positions, width] (the prompt's on the first)
     states: Any = None
@@ -146,10 +147,10 @@ class Stages(Protocol):
         ...
 
     def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
-              heard: tuple[list[int], Any] | None = None) -> AsyncIterator[AudioChunk]:
+              heard: tuple[list[int], Any, Any] | None = None) -> AsyncIterator[AudioChunk]:
         """``reply`` spoken from its first token on (it is still being written); ``heard``: a
-        prompt with audio as the thinker read it, and its states there (or the prompt's ids alone,
-        where the reply's ``states`` hold the thinker's states)."""
+        prompt with audio or images as the thinker read it, its states there (or None, where the
+        reply's ``states`` hold the thinker's states) and its rotary positions (None without images)."""
         ...
 
     async def encode(self, prompt: str, negative_prompt: str | None, images: list[bytes]) -> tuple[Embeds, Embeds]:
@@ -214,19 +215,22 @@ class OmniScheduler:
             emit(delta)
 
     async def _speech(self, request: OmniRequest, emit: Callable[[Event], None]) -> None:
-        prompt = self.stages.chat_prompt(request.prompt, len(request.audio))
+        seen = request.seen
+        prompt = self.stages.chat_prompt(request.prompt, len(request.audio), len(seen))
         reply = Reply()
         heard = None
 
-        # a Qwen2.5-Omni talker reads the thinker's states at every position, the audio's too (zeros there
-        # of the layer-0 input); a Qwen3-Omni one reads a middle layer's at the audio alone (``heard``)
+        # a Qwen2.5-Omni talker reads the thinker's states at every position, the audio's and images' too
+        # (zeros there of the layer-0 input); a Qwen3-Omni one reads a middle layer's at the audio and
+        # images alone (``heard``, with the prompt's positions where it has images)
         states = self.stages.speaks_from_states
+        perceives = bool(request.audio or seen)
 
         async def think() -> None:
             nonlocal heard
             async for delta in self.stages.generate(prompt, request.text_options, token_ids=True,
-                                                    audio=request.audio, heard=bool(request.audio) and not states,
-                                                    states=states):
+                                                    audio=request.audio, heard=perceives and not states,
+                                                    states=states, images=seen):
                 heard = heard or delta.heard  # on the first delta, before its tokens reach the talker
                 reply.add(delta.token_ids, delta.states)
                 if request.wants_text and (delta.text or delta.finish_reason):

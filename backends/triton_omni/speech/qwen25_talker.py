@@ -49,6 +49,8 @@ class Qwen25Prompt:
     pad: torch.Tensor  # [thinker width]: what every step after reads
     prompt_codes: list[int]  # the prefill's codec ids, which the repetition penalty reads
     whole: bool = True  # the end-of-text marker is in ``trailing``
+    positions = None  # each position its column, a prompt with images' too (``Qwen25Talker.prompt``)
+    shift = 0
 
     def extend(self, states: torch.Tensor) -> None:
         self.trailing.extend(states.unbind(0))
@@ -144,11 +146,16 @@ class Qwen25Talker:
 
     @torch.inference_mode()
     def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True,
-               heard: torch.Tensor | None = None, states: torch.Tensor | None = None) -> Qwen25Prompt:
+               heard: torch.Tensor | None = None, states: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> Qwen25Prompt:
         """The talker's input for a reply (``check``'s arguments): ``states`` the thinker's layer-0
         input plus last layer at each position. ``whole``: ``reply_ids`` is the whole reply; else its
         first tokens (at least two: the talker's prefill reads the first one's state), the rest of
-        the states to come (``Qwen25Prompt.extend``). ``heard``: a Qwen3-Omni talker's, never given."""
+        the states to come (``Qwen25Prompt.extend``). ``heard``: a Qwen3-Omni talker's, never given.
+        ``positions``: the thinker's rotary positions of a prompt with images, which this talker does
+        not read: ``generate`` (transformers 5.19) runs it at each token's index, images' too (its
+        forward numbers the images only given an attention mask, which ``generate`` drops when it
+        masks nothing)."""
         self.check(prompt_ids, reply_ids, states, voice)
         if not whole and len(reply_ids) < 2:
             raise RequestValidationError("reply_ids", "a reply still being written is spoken from its second token "

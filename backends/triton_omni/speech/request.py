@@ -20,6 +20,7 @@ class SpeechLimits:
     max_prompt_chars: int = 100_000
     max_reply_tokens: int = 8192
     max_chunk_frames: int = 256
+    max_position: int = 1 << 24  # a prompt's rotary positions (a thinker's context is far shorter)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SpeechRequest:
     heard: torch.Tensor | None = None  # [audio tokens, thinker width]: the thinker's states at the prompt's audio
     # [prompt + reply tokens - 1, thinker width]: the thinker's states a Qwen2.5-Omni talker reads
     states: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [3, prompt tokens]: a prompt with images, its rotary positions
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], limits: SpeechLimits, voices: dict[str, int], default_voice: str,
@@ -74,8 +76,17 @@ class SpeechRequest:
             require(bool(torch.isfinite(states).all()), "thinker_states", "must be finite", "nan or inf")
             require(prompt_ids is not None, "thinker_states", "comes with prompt_ids (the prompt they are the "
                     "states of)", list(states.shape))
+        positions = inputs.get("prompt_positions")
+        if positions is not None:
+            require(prompt_ids is not None, "prompt_positions", "comes with prompt_ids (the prompt they number)",
+                    list(positions.shape))
+            require(list(positions.shape) == [3, len(prompt_ids)], "prompt_positions",
+                    f"must be [3, {len(prompt_ids)}]: time, row and column of each of prompt_ids",
+                    list(positions.shape))
+            require(bool(((positions >= 0) & (positions < limits.max_position)).all()), "prompt_positions",
+                    f"must be in [0, {limits.max_position})", "out of range")
         return cls(prompt, reply, voice.lower(), talker, chunk, first, inputs.get("max_tokens") is not None,
-                   prompt_ids, heard, states)
+                   prompt_ids, heard, states, positions)
 
 
 def _talker_options(inputs: dict[str, Any], limits: SpeechLimits, defaults: dict[str, Any]) -> SamplingOptions:

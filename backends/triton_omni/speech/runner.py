@@ -189,7 +189,8 @@ class SpeechRunner:
             prompt = await loop.run_in_executor(
                 self._prompts, lambda: self.talker.prompt(request.prompt_ids or self.prompt_ids(request.prompt),
                                                           request.reply_ids, request.voice, whole=reply is None,
-                                                          heard=request.heard, states=request.states))
+                                                          heard=request.heard, states=request.states,
+                                                          positions=request.positions))
             marks.append(time.monotonic())
             options = self._bounded(request, len(prompt.embeds))
             utterance = Utterance(prompt, options, lambda item: loop.call_soon_threadsafe(frames.put_nowait, item),

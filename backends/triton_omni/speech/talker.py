@@ -16,7 +16,12 @@ talker only as those, never as the thinker's hidden states (the model reads
 the thinker's middle layer only at the positions of input audio, images and
 video: those states come with the request, from the ``ar`` stage's thinker,
 ``heard_states``). So this stage holds the thinker's embedding table, not
-the thinker, and the ``ar`` stage's thinker hands it the token ids.
+the thinker, and the ``ar`` stage's thinker hands it the token ids. A prompt
+with images has multimodal rotary positions (an image's tokens at its rows
+and columns, the text after it shifted): the talker numbers its own prompt
+from the thinker's (``talker_positions``) as the model's ``get_rope_index``
+numbers the talker's ids, and each step after it at its column plus the
+prompt's shift.
 
 ``TalkerBatcher`` decodes every running utterance with one forward pass of
 the talker and one batched run of the code predictor per step, on its own
@@ -70,6 +75,10 @@ class TalkerPrompt:
     whole: bool = True  # the end-of-text marker is in ``trailing``
     held: torch.Tensor | None = None  # the latest token's state, read only if another token follows
     prompt_codes: list[int] = field(default_factory=list)  # none: the repetition penalty reads the codes drawn
+    # a prompt with images: its rotary positions [3, length] (``talker_positions``), and the shift of every
+    # step's position after it from its column; None: each position its column
+    positions: torch.Tensor | None = None
+    shift: int = 0
 
     def extend(self, states: torch.Tensor) -> None:
         states = ([self.held] if self.held is not None else []) + list(states.unbind(0))
@@ -134,11 +143,11 @@ class Qwen3Talker:
             return self._project([self.config.tts_eos_token_id])[0]
 
     def _heard_at(self, prompt_ids: list[int]) -> list[int]:
-        """The positions of the prompt's audio tokens: where the talker reads the thinker's hidden
-        states, not its embeddings (the model reads them at images and video too, which this stage
-        does not take: their markers read as text)."""
-        audio = self.config.thinker_config.audio_token_id
-        return [i for i, token in enumerate(prompt_ids) if token == audio]
+        """The positions of the prompt's audio and image tokens: where the talker reads the thinker's
+        hidden states, not its embeddings (the model reads them at video too, which ``ar`` does not
+        take: a video marker reads as text there)."""
+        thinker = self.config.thinker_config
+        return [i for i, token in enumerate(prompt_ids) if token in (thinker.audio_token_id, thinker.image_token_id)]
 
     def check_ids(self, field: str, ids: list[int]) -> None:
         check_thinker_ids(self.embedding, field, ids)
@@ -156,7 +165,7 @@ class Qwen3Talker:
 
     def check_heard(self, prompt_ids: list[int], heard: torch.Tensor | None, max_len: int) -> None:
         """``prompt_ids`` are the thinker's token ids, at most ``max_len`` of them, and ``heard`` holds
-        a state of the thinker's width for each of their audio tokens."""
+        a state of the thinker's width for each of their audio and image tokens."""
         if len(prompt_ids) > max_len:
             raise RequestValidationError("prompt_ids", f"holds {len(prompt_ids)} tokens, more than this model's "
                                          f"talker_max_len {max_len}", len(prompt_ids))
@@ -164,8 +173,8 @@ class Qwen3Talker:
         positions = len(self._heard_at(prompt_ids))
         rows = 0 if heard is None else heard.shape[0]
         if rows != positions:
-            raise RequestValidationError("heard_states", f"holds {rows} states for the {positions} audio tokens of "
-                                         "prompt_ids (ar's return_heard_states gives both)", rows)
+            raise RequestValidationError("heard_states", f"holds {rows} states for the {positions} audio and image "
+                                         "tokens of prompt_ids (ar's return_heard_states gives both)", rows)
         width = self.config.thinker_config.text_config.hidden_size
         if heard is not None and heard.shape[1] != width:
             raise RequestValidationError("heard_states", f"must be {width} wide (the thinker's hidden size)",
@@ -173,13 +182,15 @@ class Qwen3Talker:
 
     @torch.inference_mode()
     def prompt(self, prompt_ids: list[int], reply_ids: list[int], voice: str, whole: bool = True,
-               heard: torch.Tensor | None = None, states: torch.Tensor | None = None) -> TalkerPrompt:
+               heard: torch.Tensor | None = None, states: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> TalkerPrompt:
         """The talker's prompt for a reply, as ``generate`` builds it for one conversation: its
         user turns (from each ``<|im_start|>user`` up to the next turn) and the assistant turn.
         ``whole``: ``reply_ids`` is the whole reply; else its first tokens (at least one), the
         rest to come (``TalkerPrompt.extend``). ``heard``: the thinker's states at the prompt's audio
-        tokens (``check_heard``), which the talker reads there through its ``hidden_projection``.
-        ``states``: a Qwen2.5-Omni talker's input (``check_request`` refuses it here)."""
+        and image tokens (``check_heard``), which the talker reads there through its
+        ``hidden_projection``. ``states``: a Qwen2.5-Omni talker's input (``check_request`` refuses it
+        here). ``positions``: the thinker's rotary positions of a prompt with images [3, prompt]."""
         cfg = self.config
         user = [i for i, role in enumerate(_roles(prompt_ids, cfg.im_start_token_id)) if role == cfg.user_token_id]
         start = max(i for i in range(len(prompt_ids) - 1)
@@ -202,11 +213,11 @@ class Qwen3Talker:
         embeds = torch.cat([user_states, opening_text + opening_codec])
         # the reply's states in memory of their own: a view would hold the user turns' for the utterance's life
         reply = assistant[4:].clone()
-        if whole:
-            return TalkerPrompt(embeds, [*reply[:-1].unbind(0), eos])
-        prompt = TalkerPrompt(embeds, [], whole=False)
-        if len(reply):
+        prompt = TalkerPrompt(embeds, [*reply[:-1].unbind(0), eos]) if whole else TalkerPrompt(embeds, [], whole=False)
+        if not whole and len(reply):
             prompt.extend(reply)
+        if positions is not None:  # the user turns' positions, then the assistant turn's opening as text
+            prompt.positions, prompt.shift = talker_positions(positions, user, len(embeds) - len(user))
         return prompt
 
     @property
@@ -230,6 +241,26 @@ class Qwen3Talker:
                                      self.voices[voice], codec.codec_pad_id, codec.codec_bos_id])
                 self._openings[voice] = torch.cat([codes.new_zeros(3, codes.shape[1]), codes])
         return self._openings[voice]
+
+
+def talker_positions(positions: torch.Tensor, taken: list[int] | range, after: int) -> tuple[torch.Tensor, int]:
+    """The rotary positions [3, len(taken) + after] of a talker prompt made of the thinker prompt's
+    tokens ``taken`` (in order) and then ``after`` text tokens, as the model's ``get_rope_index``
+    numbers the talker's own ids: each run of consecutive tokens keeps the shape the thinker's
+    positions give it (an image's rows and columns), starting one past the largest position before
+    it; and the shift of the positions after the prompt from their columns. ``positions``: the
+    thinker's [3, prompt] (``ar``'s ``prompt_positions``). Each run starts at a text token (a turn's
+    ``<|im_start|>``), whose three positions are one."""
+    taken = torch.as_tensor(list(taken), dtype=torch.long)
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    pieces, start = [], 0
+    breaks = ((taken[1:] - taken[:-1]) != 1).nonzero().flatten() + 1
+    for run in torch.tensor_split(taken, breaks.tolist()):
+        if len(run):
+            pieces.append(positions[:, run] - positions[0, run[0]] + start)
+            start = int(pieces[-1].max()) + 1
+    pieces.append(torch.arange(start, start + after).expand(3, -1))
+    return torch.cat(pieces, dim=1), start - len(taken)
 
 
 def check_thinker_ids(embedding: torch.nn.Embedding, field: str, ids: list[int]) -> None:
@@ -349,17 +380,21 @@ class TalkerBatcher(ContinuousBatch):
         self._hidden = self._hidden.index_select(0, to_device(rows, torch.long, self.device)) if rows else None
 
     def _join(self, utterance: Utterance) -> None:
-        prefilled = self.talker_steps.prefill(utterance.prompt.embeds) if self.talker_steps is not None else None
+        prompt = utterance.prompt
+        positions = None if prompt.positions is None else prompt.positions.to(self.device)
+        prefilled = self.talker_steps.prefill(prompt.embeds, positions) if self.talker_steps is not None else None
         if prefilled is not None:  # straight into its slot (a CUDA graph's replay on a GPU)
             last, normed = prefilled
         else:
             cache = DynamicCache()
-            embeds = utterance.prompt.embeds[None]
+            embeds = prompt.embeds[None]
+            at = {} if positions is None else {"position_ids": positions[:, None]}
             out = self.model.model(inputs_embeds=embeds, past_key_values=cache, use_cache=True,
-                                   output_hidden_states=True)
+                                   output_hidden_states=True, **at)
             self._cache.add(cache, embeds.shape[1])
             last, normed = out.hidden_states[-1][:, -1:], out.last_hidden_state[:, -1]
         self.rows.append(utterance)
+        self._shift_slots([utterance])
         # its last position's state: the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept([utterance], self.model.codec_head(normed))
@@ -379,17 +414,30 @@ class TalkerBatcher(ContinuousBatch):
         mask = (torch.arange(longest, device=self.device)[None, :]
                 >= torch.tensor([longest - length for length in lengths], device=self.device)[:, None]).long()
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[None].expand(3, -1, -1)
+        if any(u.prompt.positions is not None for u in utterances):  # a prompt with images: its own positions
+            positions = positions.clone()
+            for row, (utterance, length) in enumerate(zip(utterances, lengths, strict=True)):
+                if utterance.prompt.positions is not None:
+                    positions[:, row, longest - length:] = utterance.prompt.positions.to(self.device)
         cache = DynamicCache()
         out = self.model.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                past_key_values=cache, use_cache=True, output_hidden_states=True)
         self._cache.add_rows(cache, mask)
         self.rows.extend(utterances)
+        self._shift_slots(utterances)
         last = out.hidden_states[-1][:, -1:]  # each prompt ends at the last column
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
         self._accept(utterances, self.model.codec_head(out.last_hidden_state[:, -1]))
         joined = time.monotonic()
         for utterance in utterances:
             utterance.joined_at = joined
+
+    def _shift_slots(self, joined: list[Utterance]) -> None:
+        """The rows just joined (the last ``joined``): each one's position shift in its slot, which the
+        ``SlotCache``'s steps add to their columns (the ``PaddedCache``'s steps read the prompts')."""
+        shifts = [u.prompt.shift for u in joined]
+        if self.talker_steps is not None and any(shifts):
+            self.talker_steps.cache.shift(len(self.rows) - len(joined), shifts)
 
     def _accept(self, rows: list[Utterance], logits: torch.Tensor) -> None:
         logits = logits.float()
@@ -466,7 +514,7 @@ class TalkerBatcher(ContinuousBatch):
         ``PaddedCache``. ``kept``: the rows whose new position the cache keeps (all by default)."""
         if self.talker_steps is not None:
             return self.talker_steps(inputs, kept)
-        positions = torch.tensor([len(u.prompt.embeds) + s for u, s in zip(rows, steps, strict=True)],
+        positions = torch.tensor([len(u.prompt.embeds) + u.prompt.shift + s for u, s in zip(rows, steps, strict=True)],
                                  device=self.device)[None, :, None].expand(3, -1, -1)
         mask = self._cache.extend()
         if kept is not None:  # a row's position not kept: hidden from its later steps

@@ -7,7 +7,8 @@ tensor at a fixed address and every shape fixed, and a growing, left-padded ``Dy
 (``PaddedCache``) is neither. So here the running rows' keys and values live in buffers made
 once (``SlotCache``): row ``i`` in slot ``i``, its positions at columns ``0 .. writes[i] - 1``,
 its next written at column ``writes[i]`` (a device tensor, so a replay needs no host value), and
-its position is that column. A step of ``n`` rows replays the graph of the smallest captured
+its position is that column plus its prompt's shift (``shifts[i]``: not zero after an image's
+rows and columns). A step of ``n`` rows replays the graph of the smallest captured
 batch that holds them (the others padded, each seeing only its column 0) and the smallest
 captured width that holds the longest row: attention then reads that width, not the whole
 buffer.
@@ -55,6 +56,7 @@ class SlotCache:
         self.capacity = capacity
         # each slot's next column; a slot with no row keeps 0, so that a padding row sees one column
         self.writes = torch.zeros(rows, dtype=torch.long, device=device)
+        self.shifts = torch.zeros(rows, dtype=torch.long, device=device)  # each slot's position less its column
         self.lengths: list[int] = []  # the running rows' ``writes``, as the host knows them
 
     @property
@@ -63,7 +65,13 @@ class SlotCache:
 
     def clear(self) -> None:
         self.writes.zero_()
+        self.shifts.zero_()
         self.lengths = []
+
+    def shift(self, first: int, shifts: list[int]) -> None:
+        """Rows ``first``, ``first + 1``, ...: each position its column plus its shift (a slot with no
+        row, or a row added without one, has none)."""
+        self.shifts[first:first + len(shifts)].copy_(to_device(shifts, torch.long, self.shifts.device))
 
     def add(self, cache, length: int) -> None:
         self.add_rows(cache, torch.ones(1, length, dtype=torch.long, device=self.writes.device))
@@ -92,9 +100,10 @@ class SlotCache:
         moved = next((slot for slot, row in enumerate(rows) if row != slot), None)
         if moved is not None:  # the rows before it stay where they are
             index = to_device(rows[moved:], torch.long, self.writes.device)
-            for buffer in (*self.keys, *self.values, self.writes):
+            for buffer in (*self.keys, *self.values, self.writes, self.shifts):
                 buffer[moved:len(rows)].copy_(buffer.index_select(0, index))
         self.writes[len(rows):].zero_()
+        self.shifts[len(rows):].zero_()
         self.lengths = [self.lengths[row] for row in rows]
 
     def advance(self, kept: list[bool] | None = None) -> None:
@@ -142,7 +151,7 @@ class TalkerStep:
         key = self.cache.keys[0]
         self.layers.index = writes.view(-1, 1, 1, 1).expand(self.rows, key.shape[1], 1, key.shape[3])
         mask = (self.columns[None, :] <= writes[:, None])[:, None, None, :]  # its own positions and the new one
-        positions = writes[None, :, None].expand(3, -1, -1)  # a row's position is its column
+        positions = (writes + self.cache.shifts[:self.rows])[None, :, None].expand(3, -1, -1)  # column + shift
         out = self.talker.model(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
                                 past_key_values=self.layers, use_cache=True, output_hidden_states=True)
         self.hidden = out.hidden_states[-1][:, -1:]
@@ -167,9 +176,10 @@ class _PrefillLayers:
 
 class TalkerPrefill:
     """One prompt of at most ``width`` positions prefilled into a slot, every tensor allocated once:
-    ``embeds`` [1, width, hidden] in (the prompt first, zeros after it); ``hidden`` (the last layer's
-    states, the code predictor's input) and ``last`` (the normed states, the codec head's) out, at
-    every column (the prompt's last is the one read)."""
+    ``embeds`` [1, width, hidden] in (the prompt first, zeros after it) and ``positions`` [3, 1, width]
+    (its rotary positions: each column's own, or a prompt with images' rows and columns); ``hidden``
+    (the last layer's states, the code predictor's input) and ``last`` (the normed states, the codec
+    head's) out, at every column (the prompt's last is the one read)."""
 
     def __init__(self, talker, cache: SlotCache, width: int):
         self.talker = talker
@@ -177,7 +187,8 @@ class TalkerPrefill:
         self.embeds = torch.zeros(1, width, talker.model.config.hidden_size, device=device, dtype=cache.keys[0].dtype)
         self.layers = _PrefillLayers(cache, width)
         self.mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
-        self.positions = torch.arange(width, device=device)[None, None, :].expand(3, 1, -1)
+        self.columns = torch.arange(width, device=device)[None].expand(3, -1)
+        self.positions = self.columns[:, None].clone()
         self.hidden = self.last = None
 
     @torch.inference_mode()
@@ -212,10 +223,11 @@ class TalkerSteps:
                     self.graphs[shape] = captured(self.steps[shape].run, pool)
             self.cache.clear()  # the captures' runs wrote slot 0's columns and the padding slots' column 0
 
-    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A lone prompt (``embeds`` [length, hidden]) prefilled into the next free slot: its last
-        position's last-layer state [1, 1, hidden] and normed state [1, hidden]; None (nothing
-        done) when no prefill width holds it."""
+    def prefill(self, embeds: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A lone prompt (``embeds`` [length, hidden]; ``positions`` [3, length] where they are not its
+        columns) prefilled into the next free slot: its last position's last-layer state [1, 1, hidden]
+        and normed state [1, hidden]; None (nothing done) when no prefill width holds it."""
         length, slot = embeds.shape[0], self.cache.rows
         if slot >= self.cache.keys[0].shape[0]:
             raise RuntimeError(f"talker prefill into slot {slot} of a cache of {self.cache.keys[0].shape[0]}")
@@ -225,6 +237,7 @@ class TalkerSteps:
         prefill = self.prefills[width]
         prefill.embeds[0, :length].copy_(embeds)
         prefill.embeds[0, length:].zero_()
+        prefill.positions[:, 0, :length].copy_(prefill.columns[:, :length] if positions is None else positions)
         prefill.layers.slot.fill_(slot)
         if width in self.prefill_graphs:
             self.prefill_graphs[width].replay()

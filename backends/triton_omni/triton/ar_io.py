@@ -127,8 +127,10 @@ def generate_response(response: ArResponse, wanted: ReturnOptions):
     if wanted.token_ids:
         outputs.append(GENERATE_OUTPUTS.tensor("token_ids", [i for ids in response.token_ids for i in ids]))
     if (wanted.heard_states or wanted.thinker_states) and response.heard is not None:
-        prompt_ids, states = response.heard
+        prompt_ids, states, positions = response.heard
         outputs.append(GENERATE_OUTPUTS.tensor("prompt_token_ids", prompt_ids))
+        if positions is not None:
+            outputs.append(GENERATE_OUTPUTS.tensor("prompt_positions", positions.contiguous()))
         if states is not None:
             outputs.append(GENERATE_OUTPUTS.tensor("heard_states", states.contiguous()))
     if wanted.thinker_states and response.thinker_states is not None:

@@ -117,7 +117,8 @@ class TritonStages:
         request = pb_utils.InferenceRequest(
             model_name=self.models["ar"], inputs=inputs,
             requested_output_names=["text_output", "finish_reason", "token_ids"]
-            + (["prompt_token_ids"] if heard or states else []) + (["heard_states"] if heard else [])
+            + (["prompt_token_ids", "prompt_positions"] if heard or states else [])
+            + (["heard_states"] if heard else [])
             + (["thinker_states"] if states else []),
             parameters={KEY_PARAMETER: key},
         )
@@ -131,9 +132,11 @@ class TritonStages:
                               ids.as_numpy().reshape(-1).tolist() if ids is not None else [])
             prompt_ids = pb_utils.get_output_tensor_by_name(response, "prompt_token_ids") if heard or states else None
             if prompt_ids is not None:  # on the first response
-                at_audio = pb_utils.get_output_tensor_by_name(response, "heard_states") if heard else None
+                perceived = pb_utils.get_output_tensor_by_name(response, "heard_states") if heard else None
+                positions = pb_utils.get_output_tensor_by_name(response, "prompt_positions")
                 delta.heard = (prompt_ids.as_numpy().reshape(-1).tolist(),
-                               at_audio.as_numpy() if at_audio is not None else None)
+                               perceived.as_numpy() if perceived is not None else None,
+                               positions.as_numpy() if positions is not None else None)
             thinker = pb_utils.get_output_tensor_by_name(response, "thinker_states") if states else None
             if thinker is not None:
                 delta.states = thinker.as_numpy()
@@ -162,11 +165,13 @@ class TritonStages:
         return self._chat_template.render([{"role": "user", "content": content}])
 
     async def speak(self, prompt: str, reply: Reply, options: dict[str, Any],
-                    heard: tuple[list[int], np.ndarray] | None = None) -> AsyncIterator[AudioChunk]:
+                    heard: tuple[list[int], np.ndarray | None, np.ndarray | None] | None = None
+                    ) -> AsyncIterator[AudioChunk]:
         """The reply spoken by ``speech``, chunk by chunk as it streams them. The request carries the
         reply's tokens so far; while it is still being written, the rest follow through a
         ``ReplyWriter`` (``omni_reply``), which the talker reads as it needs them. ``heard``: a
-        prompt with audio as the thinker read it, and its states there (``ar``'s)."""
+        prompt with audio or images as the thinker read it, its states there and, with images, its
+        rotary positions (``ar``'s)."""
         key = new_id()
         model = self.models["speech"]
         inputs = [_text("text_input", prompt, batched=False),
@@ -175,6 +180,8 @@ class TritonStages:
             inputs.append(pb_utils.Tensor("prompt_ids", np.array(heard[0], dtype=np.int64)))
             if heard[1] is not None:
                 inputs.append(pb_utils.Tensor("heard_states", np.ascontiguousarray(heard[1], dtype=np.float32)))
+            if heard[2] is not None:
+                inputs.append(pb_utils.Tensor("prompt_positions", np.ascontiguousarray(heard[2], dtype=np.int64)))
         # the reply's tokens and the thinker's states with them, taken together: rows for the prompt and
         # each token so far but the last (the speech stage checks the count)
         sent_ids, sent_states = len(reply.ids), len(reply.states)
