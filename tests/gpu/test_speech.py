@@ -142,6 +142,38 @@ def test_the_talkers_lone_prefill_replays_as_run_eagerly_and_never_waits_for_the
     torch.testing.assert_close(logits, logits_eager)
 
 
+def test_a_prompt_at_image_positions_replays_as_run_eagerly(bf16):
+    """A lone prompt prefilled at positions that are not its columns (an image's 4 x 4 tokens at their
+    rows and columns, the text after them shifted) and stepped with its slot's shift: the captured
+    prefill and step (static buffers: the prefill's positions, the cache's shifts) give the eager
+    ones' states and logits; at its columns, unshifted, the logits differ (the comparison can fail)."""
+    model = bf16.batcher.model
+    captured = bf16.batcher.talker_steps
+    eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
+    torch.manual_seed(0)
+    width = model.model.config.hidden_size
+    prompt = torch.randn(40, width, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.arange(16, device="cuda")
+    positions = torch.arange(40, device="cuda").expand(3, -1).clone()
+    positions[:, 10:26] = 10 + torch.stack([tokens * 0, tokens // 4, tokens % 4])
+    positions[:, 26:] -= 12  # the text after the image from 14 on: one past its largest position
+    inputs = torch.randn(1, 1, width, device="cuda", dtype=torch.bfloat16)
+    found = []
+    with torch.inference_mode():
+        for steps, at, shift in ((captured, positions, -12), (eager, positions, -12), (eager, None, 0)):
+            steps.cache.clear()
+            hidden, normed = steps.prefill(prompt, at)
+            steps.cache.shift(0, [shift])
+            found.append((hidden, normed, steps(inputs)[1]))
+            steps.cache.clear()
+    (hidden, normed, logits), (hidden_eager, normed_eager, logits_eager), (_, _, at_columns) = found
+    torch.testing.assert_close(hidden, hidden_eager)
+    torch.testing.assert_close(normed, normed_eager)
+    torch.testing.assert_close(logits, logits_eager)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logits_eager, at_columns)
+
+
 def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
     """Three rows (the graph of four replayed, a padding row) with prompts of three lengths, stepped
     across two widths: each replay's states and logits are the same step's run eagerly; a row

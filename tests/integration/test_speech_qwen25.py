@@ -142,17 +142,32 @@ def test_a_spoken_reply_to_audio_is_the_models_through_omni_and_the_gateway(qwen
     np.testing.assert_array_equal(served_codes, codes)
     assert audio.shape == wav.shape and np.abs(audio - wav).max() <= TOLERANCE
 
-    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(f).decode(), "format": "wav"}}
-             for f in files]
-    answer = qwen25_server.openai.chat.completions.create(
+    transcript, samples = chat_spoken(qwen25_server, audio_parts(files))
+    assert transcript == reply
+    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+
+
+def audio_parts(clips: list[bytes]) -> list[dict]:
+    return [{"type": "input_audio", "input_audio": {"data": base64.b64encode(f).decode(), "format": "wav"}}
+            for f in clips]
+
+
+def image_parts(images: list[bytes]) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(f).decode()}"}}
+            for f in images]
+
+
+def chat_spoken(server, parts: list[dict]) -> tuple[str, np.ndarray]:
+    """The gateway's spoken chat reply (the ``openai`` SDK, a WAV) to ``parts`` then PROMPT: its
+    transcript and its samples."""
+    answer = server.openai.chat.completions.create(
         model="ar", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
         modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"},
         max_tokens=THINKER["max_tokens"], temperature=0.0, extra_body={"talker": GATEWAY_TALKER})
-    assert answer.choices[0].message.audio.transcript == reply
     with av.open(io.BytesIO(base64.b64decode(answer.choices[0].message.audio.data))) as container:
         samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
     samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
-    assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
+    return answer.choices[0].message.audio.transcript, samples
 
 
 def seen_reply(url: str, text: str, images: list[bytes]) -> str:
@@ -190,8 +205,7 @@ def test_the_thinker_sees_images_through_ar_and_the_gateway_as_generate_does(qwe
     events = OmniClient(qwen25_server.grpc_url).generate(PROMPT, modalities=["text"], images=files, **THINKER)
     assert "".join(e.text for e in events if e.text) == reply  # omni: the user turn of the model's template
 
-    parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(f).decode()}"}}
-             for f in files]
+    parts = image_parts(files)
     chat = {"model": "ar", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
             "max_tokens": THINKER["max_tokens"], "temperature": 0.0}
     answer = qwen25_server.openai.chat.completions.create(**chat)
@@ -223,17 +237,8 @@ def test_a_spoken_reply_to_images_is_the_models_through_omni_and_the_gateway(qwe
     np.testing.assert_array_equal(served_codes, codes)
     assert audio.shape == wav.shape and np.abs(audio - wav).max() <= TOLERANCE
 
-    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(clips[0]).decode(), "format": "wav"}}]
-    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(f).decode()}"}}
-              for f in files]
-    answer = qwen25_server.openai.chat.completions.create(
-        model="ar", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
-        modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"},
-        max_tokens=THINKER["max_tokens"], temperature=0.0, extra_body={"talker": GATEWAY_TALKER})
-    assert answer.choices[0].message.audio.transcript == reply
-    with av.open(io.BytesIO(base64.b64decode(answer.choices[0].message.audio.data))) as container:
-        samples = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
-    samples = samples.astype(np.float32) / 32768 if samples.dtype == np.int16 else samples
+    transcript, samples = chat_spoken(qwen25_server, audio_parts(clips) + image_parts(files))
+    assert transcript == reply
     assert samples.shape == wav.shape and np.abs(samples - wav).max() <= TOLERANCE + PCM16
 
 

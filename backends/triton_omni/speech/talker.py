@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from triton_omni import transfers
 from triton_omni.ar.batching import ContinuousBatch, sample, sample_on_device, to_device
 from triton_omni.ar.sampling import SamplingOptions
 from triton_omni.errors import RequestValidationError
@@ -75,8 +76,8 @@ class TalkerPrompt:
     whole: bool = True  # the end-of-text marker is in ``trailing``
     held: torch.Tensor | None = None  # the latest token's state, read only if another token follows
     prompt_codes: list[int] = field(default_factory=list)  # none: the repetition penalty reads the codes drawn
-    # a prompt with images: its rotary positions [3, length] (``talker_positions``), and the shift of every
-    # step's position after it from its column; None: each position its column
+    # a prompt with images: its rotary positions [3, length] on the talker's device (``talker_positions``),
+    # and the shift of every step's position after it from its column; None: each position its column
     positions: torch.Tensor | None = None
     shift: int = 0
 
@@ -217,7 +218,8 @@ class Qwen3Talker:
         if not whole and len(reply):
             prompt.extend(reply)
         if positions is not None:  # the user turns' positions, then the assistant turn's opening as text
-            prompt.positions, prompt.shift = talker_positions(positions, user, len(embeds) - len(user))
+            numbered, prompt.shift = talker_positions(positions, user, len(embeds) - len(user))
+            prompt.positions = transfers.to_device(numbered, self.device)  # (not waiting for the queued steps)
         return prompt
 
     @property
@@ -381,7 +383,7 @@ class TalkerBatcher(ContinuousBatch):
 
     def _join(self, utterance: Utterance) -> None:
         prompt = utterance.prompt
-        positions = None if prompt.positions is None else prompt.positions.to(self.device)
+        positions = prompt.positions  # on the talker's device (None: each position its column)
         prefilled = self.talker_steps.prefill(prompt.embeds, positions) if self.talker_steps is not None else None
         if prefilled is not None:  # straight into its slot (a CUDA graph's replay on a GPU)
             last, normed = prefilled
@@ -418,7 +420,7 @@ class TalkerBatcher(ContinuousBatch):
             positions = positions.clone()
             for row, (utterance, length) in enumerate(zip(utterances, lengths, strict=True)):
                 if utterance.prompt.positions is not None:
-                    positions[:, row, longest - length:] = utterance.prompt.positions.to(self.device)
+                    positions[:, row, longest - length:] = utterance.prompt.positions
         cache = DynamicCache()
         out = self.model.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                past_key_values=cache, use_cache=True, output_hidden_states=True)
