@@ -2,7 +2,9 @@
 their DiT windows stacked into one ODE) against the same chunks one stream after another, the way the
 speech stage's decoder thread ran them before. Each stream gets a block of codes a round (12 codes, a
 block's worth of the talker's steps), after a warm-up that fills every stream's context; the figure is
-a round's median time, side by side in one run, and the samples of both ways are compared.
+a round's median time, side by side in one run, and the samples of both ways are compared. On a GPU, a
+third way: together, the ODE replayed from the CUDA graphs the speech stage captures at load
+(``OdeGraphs``; up to 8 windows a graph, more run eagerly), against together eagerly.
 
     python benchmarks/token2wav_batch.py --preset tiny [--streams 1,4,16] [--rounds 6]
     python benchmarks/token2wav_batch.py --preset realistic   # Qwen2.5-Omni-7B's token2wav, random weights, GPU
@@ -50,6 +52,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, (cond, ref_mel) = token2wav(args.preset, device)
     decoder = StreamingToken2Wav(model, num_steps=args.steps)
+    decoders = {"one after another": decoder, "together": decoder}
+    if device == "cuda":  # as the speech stage runs it there
+        decoders["together, captured"] = StreamingToken2Wav(model, num_steps=args.steps)
+        decoders["together, captured"].capture([(cond, ref_mel)], max_rows=max(map(int, args.streams.split(","))))
     block = decoder.block_codes
     warm = block * (decoder.context_blocks + 1)
     vocab = model.code2wav_dit_model.config.num_embeds
@@ -58,8 +64,8 @@ def main() -> None:
         generator = torch.Generator().manual_seed(1)
         codes = torch.randint(0, vocab, (streams, warm + block * args.rounds), generator=generator)
         times, samples = {}, {}
-        for way in ("one after another", "together"):
-            opened = [decoder.stream(cond, ref_mel, torch.Generator().manual_seed(i)) for i in range(streams)]
+        for way, decoding in decoders.items():
+            opened = [decoding.stream(cond, ref_mel, torch.Generator().manual_seed(i)) for i in range(streams)]
             chunks = [(opened[i], codes[i, :warm].tolist(), False) for i in range(streams)]
             rounds = [chunks] + [[(opened[i], codes[i, warm + r * block:warm + (r + 1) * block].tolist(), False)
                                   for i in range(streams)] for r in range(args.rounds)]
@@ -68,10 +74,10 @@ def main() -> None:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 began = time.perf_counter()
-                if way == "together":
-                    results = decoder.decode_round(chunk_round)
+                if way.startswith("together"):
+                    results = decoding.decode_round(chunk_round)
                 else:
-                    results = [decoder.decode_round([chunk])[0] for chunk in chunk_round]
+                    results = [decoding.decode_round([chunk])[0] for chunk in chunk_round]
                 if device == "cuda":
                     torch.cuda.synchronize()
                 if r > 0:  # the first round fills the context
@@ -80,13 +86,20 @@ def main() -> None:
                     out[i].append(result)
             times[way] = statistics.median(spent) * 1000
             samples[way] = [torch.cat(parts) for parts in out]
-        apart = max(float((a - b).abs().max()) for a, b in zip(*samples.values(), strict=True))
+        apart = max(float((a - b).abs().max()) for way in samples for a, b in
+                    zip(samples[way], samples["one after another"], strict=True))
         ratio = times["together"] / times["one after another"]
         figures[streams] = {"together_ms": times["together"], "one_after_another_ms": times["one after another"],
                             "ratio": ratio, "max_abs_difference": apart}
+        captured = ""
+        if "together, captured" in times:
+            figures[streams] |= {"captured_ms": times["together, captured"],
+                                 "captured_ratio": times["together, captured"] / times["together"]}
+            captured = (f"; the ODE captured {times['together, captured']:.1f} ms "
+                        f"({figures[streams]['captured_ratio']:.3f} of eager)")
         print(f"token2wav, a block of codes for {streams} streams: together {times['together']:.1f} ms, one after "
-              f"another {times['one after another']:.1f} ms ({ratio:.3f}); samples apart at most {apart:.1e}",
-              flush=True)
+              f"another {times['one after another']:.1f} ms ({ratio:.3f}){captured}; samples apart at most "
+              f"{apart:.1e}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"preset": args.preset, "device": device, "streams": figures}, out, indent=2)

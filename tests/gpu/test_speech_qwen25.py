@@ -79,3 +79,34 @@ def test_the_speech_stage_speaks_on_the_gpu_what_it_speaks_on_the_cpu(prompt):
     assert [c.codes.tolist() for c in gpu] == [c.codes.tolist() for c in cpu] and len(cpu) > 1
     for ours, theirs in zip(gpu, cpu, strict=True):
         assert ours.samples.shape == theirs.samples.shape and abs(ours.samples - theirs.samples).max() < 1e-4
+
+
+def test_token2wavs_captured_ode_replays_the_eager_one_without_waiting_for_the_gpu():
+    """The ODE of one window and of three together (on the batch of four), replayed from the graphs
+    captured at load: the eager ODE's mel within float noise, each replay queued without a host sync;
+    another window's codes move it (the comparison can fail)."""
+    from triton_omni.speech.token2wav import StreamingToken2Wav
+
+    from tests.support.host_syncs import no_host_syncs
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(resolve_model(DEMO)).eval()
+    token2wav = model.token2wav.to("cuda:0").float()
+    voices = [(model.speaker_map[v]["cond"].float(), model.speaker_map[v]["ref_mel"].float())
+              for v in ("Chelsie", "Ethan")]
+    captured, eager = StreamingToken2Wav(token2wav), StreamingToken2Wav(token2wav)
+    captured.capture(voices, max_rows=8)
+    first, second, steady = captured.window_codes
+    assert {(rows, codes) for rows, codes, _ in captured.graphs.graphs} == {
+        (rows, codes) for rows in (1, 2, 4, 8) for codes in (first, second, steady)}
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 3):
+        codes = torch.randint(0, 60, (rows, steady), generator=generator)
+        noise = torch.randn(rows, steady * captured.repeats, captured.mel_bins, generator=generator)
+        conditioning, reference = (torch.cat([part] * rows) for part in voices[0])
+        with no_host_syncs(captured, "mel") as failures:
+            mel = captured.mel(codes, noise, conditioning, reference)
+        assert not failures, failures[0]
+        expected = eager.mel(codes, noise, conditioning, reference)
+        torch.testing.assert_close(mel, expected, atol=1e-4, rtol=1e-4)
+    moved = captured.mel(torch.roll(codes, 1, dims=1), noise, conditioning, reference)
+    assert float((moved - expected).abs().max()) > 1e-2

@@ -117,3 +117,76 @@ def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_ru
         assert got.shape == expected.shape and float((got - expected).abs().max()) < TOLERANCE
     assert max(batches) == 3 and len(batches) * 3 == runs_alone  # every window of the round in one run
     assert float((torch.cat(together[0]) - torch.cat(together[2])).abs().max()) > 1000 * TOLERANCE
+
+
+def test_the_ode_is_transformers_runge_kutta_number_for_number(model):
+    """``integrate`` (no host syncs, so that a CUDA graph can hold it) gives exactly the numbers of
+    transformers' ``RungeKutta4ODESolver``, which ``sample`` runs; one time point fewer does not."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+    from triton_omni.speech.token2wav import integrate
+
+    decoder = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
+    speaker = model.speaker_map["Chelsie"]
+    codes = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(2, 24 * decoder.repeats, decoder.mel_bins, generator=torch.Generator().manual_seed(2))
+    conditioning = speaker["cond"].float().expand(2, -1)
+    reference = speaker["ref_mel"].float().expand(2, -1, -1)
+    speaker_states = conditioning.unsqueeze(1).repeat(1, noise.shape[1], 1)
+
+    def velocity(time_step, states):
+        guided, null = decoder.dit(hidden_states=states, quantized_code=codes, speaker_embedding=speaker_states,
+                                   condition_vector=reference, time_step=time_step, apply_cfg=True).chunk(2)
+        return guided + (guided - null) * decoder.guidance_scale
+
+    times = decoder._times(torch.device("cpu"))
+    with torch.inference_mode():
+        expected = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1]
+        assert torch.equal(integrate(velocity, noise, times), expected)
+        assert torch.equal(decoder.mel(codes, noise, conditioning, reference), expected.permute(0, 2, 1))
+        assert not torch.equal(integrate(velocity, noise, times[:-1]), expected)
+
+
+def test_the_ode_on_its_captured_shapes_buffers_gives_the_eager_samples(model):
+    """The ODE on ``OdeGraphs``' buffers (as a GPU captures them; run as they are on a CPU): three
+    streams in two voices decoded together, their windows on the batch of four that holds them, and
+    each alone, give the samples the eager ODE gives; the buffers ran the usual windows (the last ones,
+    of other lengths, run eagerly)."""
+    from triton_omni.speech.token2wav import OdeGraphs, _Ode
+
+    voices = ["Chelsie", "Ethan", "Chelsie"]
+    codes = [torch.randint(0, 60, (CODES,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2, 3)]
+
+    def decoded(decoder, together: bool) -> list[torch.Tensor]:
+        streams = [decoder.stream(model.speaker_map[v]["cond"].float(), model.speaker_map[v]["ref_mel"].float(),
+                                  torch.Generator().manual_seed(10 + i)) for i, v in enumerate(voices)]
+        parts, start = [[] for _ in voices], 0
+        for count in ARRIVALS:
+            final = start + count == CODES
+            chunks = [(stream, ids[start:start + count], final) for stream, ids in zip(streams, codes, strict=True)]
+            results = decoder.decode_round(chunks) if together else [decoder.decode_round([c])[0] for c in chunks]
+            for mine, samples in zip(parts, results, strict=True):
+                mine.append(samples)
+            start += count
+        return [torch.cat(mine) for mine in parts]
+
+    eager = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
+    captured = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
+    captured.graphs = OdeGraphs(captured, [(model.speaker_map[v]["cond"].float(), model.speaker_map[v]["ref_mel"]
+                                            .float()) for v in ("Chelsie", "Ethan")], max_rows=4, capture=False)
+    ran, run = [], _Ode.run
+
+    def counted(ode):
+        ran.append(ode.codes.shape)
+        run(ode)
+
+    _Ode.run = counted
+    try:
+        for together in (True, False):
+            ran.clear()
+            for mine, expected in zip(decoded(captured, together), decoded(eager, together), strict=True):
+                assert mine.shape == expected.shape and float((mine - expected).abs().max()) < TOLERANCE
+            first, second, _ = captured.window_codes
+            rows, runs = (4, 1) if together else (1, len(voices))  # three windows on the batch of four, or alone
+            assert ran == [(rows, length) for length in (first, second) for _ in range(runs)], ran
+    finally:
+        _Ode.run = run

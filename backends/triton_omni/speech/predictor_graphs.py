@@ -177,12 +177,13 @@ def _predictor_pass(model, **inputs):
     return model(**inputs)
 
 
-def captured(run, pool) -> torch.cuda.CUDAGraph:
-    """``run`` called twice on a side stream (lazy set-ups: caches, kernels), then captured in ``pool``."""
+def captured(run, pool, warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """``run`` called ``warmups`` times on a side stream (lazy set-ups: caches, kernels), then captured
+    in ``pool``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for _ in range(warmups):
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

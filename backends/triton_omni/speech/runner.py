@@ -68,7 +68,8 @@ class SpeechConfig:
     max_num_seqs: int = 64  # utterances spoken together
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
-    cuda_graphs: bool = True  # on a GPU, the talker's step and the code predictor's frame as CUDA graphs
+    # on a GPU, the talker's step and the code predictor's frame as CUDA graphs (Qwen2.5-Omni: token2wav's ODE)
+    cuda_graphs: bool = True
     # the parts whose captured passes run torch.compile's kernels ("predictor"; "off"): on a GPU only
     compile: str = "predictor"
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
@@ -134,6 +135,9 @@ class SpeechRunner:
                                                                         config.torch_dtype())
             self.talker = Qwen25Talker(talker, embedding, speakers, model_config)
             self.decoder = StreamingToken2Wav(token2wav)
+            if config.cuda_graphs and self.device.type == "cuda":  # its ODE's usual windows, captured now
+                self.decoder.capture([self.talker.voice_conditioning(v) for v in self.talker.voices],
+                                     config.max_num_seqs)
         # the width of the thinker's states a reply brings (a Qwen2.5-Omni talker reads them), else None
         self.states_width = None if qwen3 else self.talker.width
         self.voices = self.talker.voices

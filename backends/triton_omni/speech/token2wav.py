@@ -18,10 +18,17 @@ many frames after it are there, decoded from a window that reaches as far back.
 the chunks of every stream waiting are decoded together (``decode_round``), the DiT's ODE run once
 for all the windows of the same length and voice reference (stacked as a batch: each row its own
 codes, noise and voice), then the vocoder on each stream's frames.
+
+An ODE is 36 passes of a small DiT over a window of a few hundred frames, thousands of small
+kernels each launched from Python. On a GPU its windows of the usual
+shapes (a stream's first and its steady ones, a few windows together) are captured at load as
+CUDA graphs (``OdeGraphs``), each replayed as one launch; the ODE itself is ``integrate``,
+transformers' Runge-Kutta steps without the host syncs its interpolation makes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -30,10 +37,28 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+from triton_omni import transfers
 
 # frames of random mel the vocoder's reach is measured on at load
 _PROBE_FRAMES = 96
+# the windows an ODE graph is captured for, stacked: a larger round's windows run eagerly, their
+# launches shared by their rows
+GRAPH_ROWS = (1, 2, 4, 8)
+
+
+def integrate(velocity, value: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """transformers' ``RungeKutta4ODESolver(velocity, value).integrate(times)[-1]``, its arithmetic in
+    its order (the same numbers), without its host syncs: its interpolation compares time points on
+    the host, and each comparison waits for the device (and cannot be captured)."""
+    for start, end in itertools.pairwise(times):
+        step = end - start
+        k1 = velocity(start, value)
+        k2 = velocity(start + step * (1 / 3), value + step * k1 * (1 / 3))
+        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * (1 / 3)))
+        k4 = velocity(end, value + step * (k1 - k2 + k3))
+        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
+    return value
 
 
 class StreamingToken2Wav:
@@ -55,6 +80,20 @@ class StreamingToken2Wav:
         self.samples_per_code = self.repeats * self.samples_per_frame
         self.lags = True  # a code's samples leave once the context after it has come (the runner reads it)
         self.vocoder_reach = self._measure_vocoder_reach()
+        self.graphs: OdeGraphs | None = None  # the ODE's captured shapes (``capture``)
+
+    def capture(self, voices: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> None:
+        """On a GPU: the ODE of the usual windows captured as CUDA graphs (``OdeGraphs``), for each of
+        ``voices`` (their ``cond`` and ``ref_mel``), up to ``max_rows`` windows together."""
+        self.graphs = OdeGraphs(self, voices, max_rows, capture=True)
+
+    @property
+    def window_codes(self) -> tuple[int, ...]:
+        """The codes of a stream's usual windows as its blocks settle one at a time: its first (its first
+        block and the context after it), the ones after it (the context before it growing), and the
+        steady one (a block and its context either side)."""
+        block, context = self.block_codes, self.context_blocks
+        return tuple((context + 1 + before) * block for before in range(context + 1))
 
     def stream(self, conditioning: torch.Tensor, reference_mel: torch.Tensor,
                generator: torch.Generator | None = None) -> Token2WavStream:
@@ -99,21 +138,31 @@ class StreamingToken2Wav:
             reference_mel: torch.Tensor) -> torch.Tensor:
         """The DiT's ``sample`` for ``codes`` [B, n] from the given ``noise`` [B, repeats n, mel_bins]
         (``sample`` draws its own), each row with its voice (``conditioning`` [B, C], ``reference_mel``
-        [B, T, mel_bins]): the mel [B, mel_bins, repeats n]."""
+        [B, T, mel_bins]): the mel [B, mel_bins, repeats n]. A captured shape's graph replayed, where
+        one holds them."""
+        if self.graphs is not None and (mel := self.graphs(codes, noise, conditioning, reference_mel)) is not None:
+            return mel
         device = next(self.dit.parameters()).device
-        codes, noise = codes.to(device), noise.to(device)
+        return self.solve(*(transfers.to_device(tensor, device) for tensor in (codes, noise, conditioning,
+                                                                               reference_mel)))
+
+    def solve(self, codes: torch.Tensor, noise: torch.Tensor, conditioning: torch.Tensor,
+              reference_mel: torch.Tensor) -> torch.Tensor:
+        """``mel``'s ODE on the DiT's device, every step queued there (nothing waits for the device)."""
         frames = codes.shape[1] * self.repeats
-        speaker = conditioning.to(device).unsqueeze(1).repeat(1, frames, 1)
-        reference_mel = reference_mel.to(device)
+        speaker = conditioning.unsqueeze(1).repeat(1, frames, 1)
 
         def velocity(time_step, states):
             guided, null = self.dit(hidden_states=states, quantized_code=codes, speaker_embedding=speaker,
                                     condition_vector=reference_mel, time_step=time_step, apply_cfg=True).chunk(2)
             return guided + (guided - null) * self.guidance_scale
 
-        times = torch.linspace(0, 1, self.num_steps, device=device, dtype=speaker.dtype)
-        times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-        return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1].permute(0, 2, 1)
+        return integrate(velocity, noise, self._times(noise.device)).permute(0, 2, 1)
+
+    def _times(self, device: torch.device) -> torch.Tensor:
+        """The ODE's time points (``sample``'s: evenly spaced, swayed toward the start)."""
+        times = torch.linspace(0, 1, self.num_steps, device=device, dtype=torch.float32)
+        return times + self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
 
     @torch.inference_mode()
     def samples(self, mel: torch.Tensor) -> torch.Tensor:
@@ -136,6 +185,73 @@ class StreamingToken2Wav:
         left = math.ceil((int(where[where < half].max()) + 1) / per) if (where < half).any() else 0
         right = math.ceil((len(window) - int(where[where >= half].min())) / per) if (where >= half).any() else 0
         return max(left, right) + 1
+
+
+class _Ode:
+    """The ODE of ``rows`` windows of ``codes`` codes in voices whose reference is ``reference_frames``
+    mel frames long, every tensor allocated once: the inputs copied into ``codes``, ``noise``,
+    ``conditioning`` and ``reference``; ``mel`` out (rows past a batch's keep what they held: the
+    rows do not meet in the DiT)."""
+
+    def __init__(self, decoder: StreamingToken2Wav, rows: int, codes: int, reference: torch.Tensor,
+                 conditioning: torch.Tensor, device: torch.device):
+        self.decoder = decoder
+        self.codes = torch.zeros(rows, codes, dtype=torch.long, device=device)
+        self.noise = torch.zeros(rows, codes * decoder.repeats, decoder.mel_bins, device=device)
+        self.conditioning = conditioning.to(device, torch.float32).expand(rows, -1).clone()
+        self.reference = reference.to(device, torch.float32).expand(rows, -1, -1).clone()
+        self.mel: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        self.mel = self.decoder.solve(self.codes, self.noise, self.conditioning, self.reference)
+
+    def __call__(self, codes: torch.Tensor, noise: torch.Tensor, conditioning: torch.Tensor,
+                 reference: torch.Tensor, graph: torch.cuda.CUDAGraph | None) -> torch.Tensor:
+        rows, device = codes.shape[0], self.codes.device
+        for buffer, value in ((self.codes, codes), (self.noise, noise), (self.conditioning, conditioning),
+                              (self.reference, reference)):
+            buffer[:rows].copy_(transfers.to_device(value, device))
+        if graph is not None:
+            graph.replay()
+        else:
+            self.run()
+        return self.mel[:rows].clone()
+
+
+class OdeGraphs:
+    """The ODE of the usual windows (``window_codes``, up to ``GRAPH_ROWS`` of a length together) for
+    each voice's reference length, each captured as a CUDA graph where ``capture`` (all in one memory
+    pool: one replays at a time), run as they are otherwise (the CPU tests hold that path to the
+    eager one). A batch of windows runs on the smallest captured batch that holds it; a window of
+    another length (a stream's last, several blocks settling at once) runs eagerly."""
+
+    def __init__(self, decoder: StreamingToken2Wav, voices: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_rows: int, capture: bool):
+        """``voices``: each voice's ``cond`` [1, C] and ``ref_mel`` [1, T, mel_bins]."""
+        device = next(decoder.dit.parameters()).device
+        ladder = dict.fromkeys([n for n in GRAPH_ROWS if n < max_rows] + [min(max_rows, GRAPH_ROWS[-1])])
+        references = {reference.shape[1]: (conditioning, reference) for conditioning, reference in voices}
+        self.odes = {(rows, codes, frames): _Ode(decoder, rows, codes, reference, conditioning, device)
+                     for frames, (conditioning, reference) in references.items()
+                     for codes in decoder.window_codes for rows in ladder}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        if capture:
+            from triton_omni.speech.predictor_graphs import captured
+
+            pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.device(device):  # the largest first: the others fit in its pool
+                for key in sorted(self.odes, key=lambda k: k[0] * k[1], reverse=True):
+                    self.graphs[key] = captured(self.odes[key].run, pool, warmups=1)
+
+    def __call__(self, codes: torch.Tensor, noise: torch.Tensor, conditioning: torch.Tensor,
+                 reference: torch.Tensor) -> torch.Tensor | None:
+        """``StreamingToken2Wav.mel`` of a batch of windows on its captured shape; None where none holds it."""
+        rows, length, frames = codes.shape[0], codes.shape[1], reference.shape[1]
+        key = min(((n, c, f) for n, c, f in self.odes if n >= rows and c == length and f == frames), default=None)
+        if key is None:
+            return None
+        return self.odes[key](codes, noise, conditioning, reference, self.graphs.get(key))
 
 
 @dataclass(frozen=True)
@@ -223,7 +339,10 @@ class Token2WavDecoder:
     came), on a daemon thread of its own (a stub's exit never waits for it). ``urgent`` chunks go in
     their turn: every round takes all the streams waiting."""
 
-    warmed_shapes: tuple = ()  # nothing planned at load
+    @property
+    def warmed_shapes(self) -> list[tuple[int, int, int]]:
+        """The ODE's shapes captured at load (windows, codes, reference frames): none on a CPU."""
+        return list(self.decoder.graphs.graphs) if self.decoder.graphs is not None else []
 
     def __init__(self, decoder: StreamingToken2Wav):
         self.decoder = decoder
