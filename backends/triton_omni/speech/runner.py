@@ -136,8 +136,12 @@ class SpeechRunner:
             self.talker = Qwen25Talker(talker, embedding, speakers, model_config)
             self.decoder = StreamingToken2Wav(token2wav)
             if config.cuda_graphs and self.device.type == "cuda":  # its ODE's usual windows, captured now
-                self.decoder.capture([self.talker.voice_conditioning(v) for v in self.talker.voices],
-                                     config.max_num_seqs)
+                try:
+                    self.decoder.capture([self.talker.voice_conditioning(v) for v in self.talker.voices],
+                                         config.max_num_seqs)
+                except RuntimeError as exc:  # a capture this host refuses: the stage serves, eagerly
+                    logger.warning("token2wav's ODE runs eagerly: its CUDA graphs could not be captured (%s)", exc)
+                    self.decoder.graphs = None
         # the width of the thinker's states a reply brings (a Qwen2.5-Omni talker reads them), else None
         self.states_width = None if qwen3 else self.talker.width
         self.voices = self.talker.voices
