@@ -562,6 +562,8 @@ def main() -> None:
     parser.add_argument("--fp8-kept", help="the server's fp8_kept (layer patterns left in bf16; default: the family's)")
     parser.add_argument("--fp8-scales", choices=["row", "tensor"], help="the server's fp8_scales (default: row)")
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
+    parser.add_argument("--fuse-projections", action="store_const", const="true",
+                        help="the server's fuse_projections: each attention's q, k and v one linear layer")
     parser.add_argument("--cuda-graphs", choices=["true", "false"],
                         help="the server's cuda_graphs (default: true; a DiT's apply under --compile)")
     parser.add_argument("--embeds-dtype", choices=["float32", "bfloat16"],
@@ -577,6 +579,7 @@ def main() -> None:
     # model parameters are strings
     kernels = {name: str(value) for name, value in (("quantization", args.quantization), ("fp8_kept", args.fp8_kept),
                                                      ("fp8_scales", args.fp8_scales),
+                                                     ("fuse_projections", args.fuse_projections),
                                                      ("attention_backend", args.attention_backend),
                                                      ("cuda_graphs", args.cuda_graphs),
                                                      ("embeds_dtype", args.embeds_dtype),

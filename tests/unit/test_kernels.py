@@ -164,3 +164,29 @@ def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
     vae_decode.main(["--vae", "flux1", "--size", "32", "--batch", "2", "--rounds", "1"])
     [row] = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("flux1")]
     assert row[:3] == ["flux1", "32", "2"] and float(row[3]) > 0 and float(row[4]) > 0
+
+
+def test_fused_projections_give_the_unfused_image_and_are_refused_where_they_cannot_apply():
+    """FLUX.1's q, k and v as one layer (``fuse_projections``): the same sums, so within float32
+    rounding of the unfused image, with the unfused layers gone (the attention reads the fused
+    one). Another prompt moves the image far past that tolerance."""
+    request = {"prompt": "a red fox", "num_inference_steps": 3, "guidance_scale": 3.5, "height": 32, "width": 32,
+               "seed": 7}
+    images = {}
+    for fused in (False, True):
+        runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", fuse_projections=fused))
+        try:
+            attention = runner.family.network.transformer_blocks[0].attn
+            assert hasattr(attention, "to_qkv") == hasattr(attention, "to_added_qkv") == fused
+            assert hasattr(attention, "to_q") == (not fused)
+            images[fused] = runner.submit(runner.parse(request)).result().int()
+            if fused:
+                other = runner.submit(runner.parse(request | {"prompt": "a blue whale"})).result().int()
+        finally:
+            runner.close()
+    assert int((images[True] - images[False]).abs().max()) <= 1
+    assert int((other - images[True]).abs().max()) > 10
+    with pytest.raises(ValueError, match="fuse_projections: the qwen_image family's attention does not take"):
+        DiffusionRunner(DiffusionRunnerConfig(QWEN, fuse_projections=True))
+    with pytest.raises(ValueError, match="fuse_projections: not with lora_adapters"):
+        DiffusionRunnerConfig(QWEN, fuse_projections=True, lora_adapters={"a": "/nowhere"})

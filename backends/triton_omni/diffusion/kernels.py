@@ -11,6 +11,11 @@
   scale per weight and per input instead (``PerTensor``), whose matmul is cuBLAS's own, where the
   row-wise one is a CUTLASS kernel of PyTorch's that runs some shapes slower
   (pytorch/pytorch#147971); rows with outliers lose more of their precision.
+- ``fuse_projections``: each attention's query, key and value projections one linear layer
+  (diffusers' ``fuse_qkv_projections``, the weights concatenated; the unfused layers dropped), for
+  the families whose attention takes it: one matmul in place of three, and under FP8 one
+  quantization of their input in place of three. The sums are the same; a matmul of another
+  width may round a bf16 value differently.
 - ``attention_backend``: the kernel diffusers' attention dispatcher calls. ``auto`` times every
   kernel this host can run on the calls the network makes at its shape (without a mask, and, for
   a family whose passes pad shorter prompts, with one too) and keeps the fastest; a name sets it
@@ -78,13 +83,17 @@ class Fp8Plan:
 
 @dataclass(frozen=True)
 class NetworkKernels:
-    """What a runner sets on its DiT at load, and CFG parallel's worker on its copy: the FP8 plan
-    (None: bf16 throughout) and the attention kernel (None: diffusers' default, PyTorch's SDPA)."""
+    """What a runner sets on its DiT at load, and CFG parallel's worker on its copy: the fused
+    projections, the FP8 plan (None: bf16 throughout) and the attention kernel (None: diffusers'
+    default, PyTorch's SDPA)."""
 
     fp8: Fp8Plan | None = None
     attention: str | None = None
+    fused: bool = False
 
     def apply(self, network: torch.nn.Module) -> None:
+        if self.fused:  # before FP8: the fused layers are the ones quantized
+            logger.info("fuse_projections: %d attention layers' projections fused", fuse_projections(network))
         if self.fp8 is not None:
             count = quantize_fp8(network, self.fp8)
             logger.info("quantization fp8: %d linear layers of the %s blocks, scales per %s (kept as they were: %s)",
@@ -92,6 +101,26 @@ class NetworkKernels:
         if self.attention not in (None, "native"):
             installed_kernel(self.attention)
             network.set_attention_backend(self.attention)
+
+
+# diffusers' fused layer -> the layers it replaces
+FUSED_LAYERS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+                "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+
+
+@torch.no_grad()
+def fuse_projections(network: torch.nn.Module) -> int:
+    """``network``'s attention projections fused in place (diffusers' ``fuse_qkv_projections``), the
+    layers each fused one replaces deleted: the attention then reads only the fused ones, and the
+    weights are not held twice. Returns how many attention layers were fused."""
+    network.fuse_qkv_projections()
+    fused = [m for m in network.modules() if getattr(m, "fused_projections", False)]
+    for module in fused:
+        for name, parts in FUSED_LAYERS.items():
+            if hasattr(module, name):
+                for part in parts:
+                    delattr(module, part)
+    return len(fused)
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -132,6 +132,8 @@ class DiffusionRunnerConfig:
     quantization: str = "none"
     fp8_kept: tuple[str, ...] | None = None
     fp8_scales: str = "row"  # "row" or "tensor" (kernels.py)
+    # each attention's q, k and v projections one linear layer (kernels.py), where the family's attention takes it
+    fuse_projections: bool = False
     # diffusers' attention kernel for the DiT: "auto" (the fastest this host runs), or a backend's name
     attention_backend: str = "auto"
 
@@ -164,6 +166,12 @@ class DiffusionRunnerConfig:
         if self.quantization != "none" and self.lora_adapters:
             raise ValueError(f"model parameter quantization {self.quantization!r}: not with lora_adapters (an "
                              "adapter's factors are added to the bf16 layers they wrap)")
+        if self.fuse_projections and self.lora_adapters:
+            raise ValueError("model parameter fuse_projections: not with lora_adapters (adapters wrap the "
+                             "separate projections)")
+        if self.fuse_projections and self.exact_mode == "pipeline":
+            raise ValueError("model parameter fuse_projections: not with exact_batching pipeline (whose "
+                             "promise is the pipeline's own layers)")
         if self.lora_fuse and not self.lora_adapters:
             raise ValueError("model parameter lora_fuse: this model has no lora_adapters to fuse")
         if self.lora_fuse and self.exact_mode != "false":
@@ -348,10 +356,13 @@ class DiffusionRunner:
         """The FP8 plan and attention kernel this model's DiT runs with (kernels.py), checked here."""
         c = self.config
         if not self.family.capabilities.compile:  # no repeated transformer blocks: a UNet
-            if c.quantization != "none" or c.attention_backend != "auto":
-                raise ValueError(f"model parameters quantization and attention_backend: the {self.family.name} "
-                                 "family has no diffusion transformer")
+            if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections:
+                raise ValueError(f"model parameters quantization, attention_backend and fuse_projections: the "
+                                 f"{self.family.name} family has no diffusion transformer")
             return NetworkKernels()
+        if c.fuse_projections and not self.family.capabilities.fused_projections:
+            raise ValueError(f"model parameter fuse_projections: the {self.family.name} family's attention "
+                             "does not take fused projections")
         plan = None
         if c.quantization == "fp8":
             check_fp8(self.device)
@@ -365,7 +376,7 @@ class DiffusionRunner:
                                                                         heads, head_dim, self.family.attention_masked,
                                                                         tokens))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
-        return NetworkKernels(plan, attention)
+        return NetworkKernels(plan, attention, c.fuse_projections)
 
     def _spread_vae_group_norms(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread

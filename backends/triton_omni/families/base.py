@@ -69,6 +69,8 @@ class Capabilities:
     images: int = 0  # input images a request may give (FLUX.2's reference images); 0: none
     edits: bool = False  # every request gives an input image: the pipeline edits it (Qwen-Image-Edit)
     lora: bool = False  # LoRA adapters per request on the denoiser's linear layers (lora.py)
+    # `fuse_projections`: diffusers' fused attention projections (one linear layer for q, k and v)
+    fused_projections: bool = False
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ class Flux1(Family):
     pipeline_class = "FluxPipeline"
     # [dev]'s scale goes into the DiT ([schnell]'s nowhere): one pass, nothing for CFG parallel to move
     capabilities = Capabilities(Guidance.DISTILLED, step_cache=True, sequence_parallel=True, compile=True,
-                                cuda_graphs=True, vae_compile=True, lora=True)
+                                cuda_graphs=True, vae_compile=True, lora=True, fused_projections=True)
     recipe = RECIPE
     step_adapter = Flux1Steps
     demo = Demo("flux1-dev", "tiny-flux1-dev", build_tiny)
@@ -184,7 +184,7 @@ class Flux1(Family):
                                  "demo:realistic-flux1-schnell": build_realistic_schnell}
     # the double blocks keep a stream each (the single blocks read both, joined)
     flop_streams = (("*.norm1.linear", "row"), ("*.norm1_context.linear", "row"), ("*.norm.linear", "row"),
-                    ("*.attn.add_*", "text"), ("*.attn.to_add_out", "text"), ("*.ff_context.*", "text"),
+                    ("*.attn.add_*", "text"), ("*.attn.to_added_qkv", "text"), ("*.attn.to_add_out", "text"), ("*.ff_context.*", "text"),
                     ("transformer_blocks.*", "image"))
 
     def hidden_size(self) -> int:
