@@ -184,7 +184,8 @@ class Flux1(Family):
                                  "demo:realistic-flux1-schnell": build_realistic_schnell}
     # the double blocks keep a stream each (the single blocks read both, joined)
     flop_streams = (("*.norm1.linear", "row"), ("*.norm1_context.linear", "row"), ("*.norm.linear", "row"),
-                    ("*.attn.add_*", "text"), ("*.attn.to_added_qkv", "text"), ("*.attn.to_add_out", "text"), ("*.ff_context.*", "text"),
+                    ("*.attn.add_*", "text"), ("*.attn.to_added_qkv", "text"), ("*.attn.to_add_out", "text"),
+                    ("*.ff_context.*", "text"),
                     ("transformer_blocks.*", "image"))
 
     def hidden_size(self) -> int:
