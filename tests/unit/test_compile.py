@@ -45,7 +45,7 @@ DYNAMIC = {"dynamic": True}
 # Z-Image's VAE decoder (an AutoencoderKL, as FLUX.1's) compiles here too: the same torch.compile of the
 # decoder's forward as FLUX.2's, whose own compile took 100 s of this file's 4 minutes on two cores
 # (benchmarks/families.py --compile blocks,vae compiles FLUX.2's on a GPU, its image's PSNR printed)
-COMPILED = {"qwen_image": "blocks", "z_image": "blocks,vae", "flux2_klein": "blocks", "wan": "blocks,vae"}
+COMPILED = {"qwen_image": "blocks", "z_image": "blocks,vae", "flux2_klein": "blocks", "wan": "blocks"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -116,10 +116,9 @@ def fuse_projections(network: torch.nn.Module) -> int:
     network.fuse_qkv_projections()
     fused = [m for m in network.modules() if getattr(m, "fused_projections", False)]
     for module in fused:
-        for name, parts in FUSED_LAYERS.items():
-            if hasattr(module, name):
-                for part in parts:
-                    delattr(module, part)
+        children = dict(module.named_children())
+        for part in (part for name, parts in FUSED_LAYERS.items() if name in children for part in parts):
+            delattr(module, part)
     return len(fused)
 
 

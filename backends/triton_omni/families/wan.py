@@ -309,11 +309,10 @@ class Wan(Family):
     pipeline_class = "WanPipeline"
     # the prompts' and the negatives' passes apart: CFG parallel; First Block Cache on its blocks, as
     # diffusers' hook runs them; sequence parallel by diffusers' plan (the video's tokens, every latent
-    # frame's, split at the first block); its blocks compiled, and its VAE's decoder (a call a latent
-    # frame, its causal cache a list that torch.compile follows: a few graphs, the first frames' and
-    # the rest's); LoRA adapters per request. Not yet: CUDA graphs
+    # frame's, split at the first block); its blocks compiled; LoRA adapters per request. Not yet: CUDA
+    # graphs
     capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
-                                compile=True, vae_compile=True, lora=True)
+                                compile=True, lora=True)
     # self-attention and the feed-forward read the video's tokens; the cross-attention's keys and values
     # the text's; the modulation is a learnt table, no layer
     flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("blocks.*", "image"))
