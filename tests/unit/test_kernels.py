@@ -56,6 +56,8 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
     ({"attention_backend": "warp-speed"}, "attention_backend 'warp-speed': this host cannot run it"),
     ({"attention_backend": "native", "sp_devices": ("cpu",), "batching": "step"},
      "sequence parallel does not combine with attention_backend"),
+    ({"fuse_projections": True, "sp_devices": ("cpu",), "batching": "step"},
+     "sequence parallel does not combine with fuse_projections"),
 ])
 def test_what_this_host_cannot_run_is_refused_at_load_by_name(settings, message):
     with pytest.raises(ValueError, match=message):

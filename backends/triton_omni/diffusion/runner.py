@@ -191,11 +191,12 @@ class DiffusionRunnerConfig:
     def _check_sequence_parallel(self, step_cache: bool) -> None:
         """What sequence parallel does not combine with, refused at load: every rank must run the
         same blocks, so no step cache (its decision is taken per rank, on the rank's share); one
-        parallel mode at a time; the blocks as loaded: eager, in bf16, with diffusers' attention (the
-        workers are not compiled, quantized or given another kernel)."""
+        parallel mode at a time; the blocks as loaded: eager, in bf16, with diffusers' attention and
+        projections (the workers are not compiled, quantized, fused or given another kernel)."""
         for clash, what in ((step_cache, "a step cache"), (self.cfg_device is not None, "CFG parallel"),
                             ("blocks" in self.compiled, f"compile {self.compile!r}"),
                             (self.quantization != "none", f"quantization {self.quantization!r}"),
+                            (self.fuse_projections, "fuse_projections"),
                             (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}")):
             if clash:
                 raise ValueError(f"sequence parallel does not combine with {what}")
@@ -353,7 +354,8 @@ class DiffusionRunner:
                                on_capture=on_capture, graphable=graphable)
 
     def _kernels(self) -> NetworkKernels:
-        """The FP8 plan and attention kernel this model's DiT runs with (kernels.py), checked here."""
+        """The fused projections, FP8 plan and attention kernel this model's DiT runs with (kernels.py),
+        checked here."""
         c = self.config
         if not self.family.capabilities.compile:  # no repeated transformer blocks: a UNet
             if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections:
