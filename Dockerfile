@@ -27,6 +27,13 @@ RUN pip install --no-cache-dir diffusers peft accelerate torchao "tritonclient[a
 ENV TRITON_OMNI_CACHE=/opt/triton-omni/.cache
 RUN omni-triton build-demo-models
 
+# What torch.compile (`compile: blocks`, inductor's graphs and Triton kernels) and vLLM
+# compile at load goes to one folder: mounted as a volume (deploy/kubernetes.yaml,
+# or `docker run -v triton-omni-cache:/var/cache/triton-omni`), a restarted server
+# reads it back instead of compiling again, on the same GPU model and torch.
+ENV TORCHINDUCTOR_CACHE_DIR=/var/cache/triton-omni/torchinductor \
+    VLLM_CACHE_ROOT=/var/cache/triton-omni/vllm
+
 # 9000: the OpenAI-compatible API (its own metrics at /metrics)
 EXPOSE 8000 8001 8002 9000
 CMD ["omni-triton", "serve", "--server", "system", "--bind", "0.0.0.0"]

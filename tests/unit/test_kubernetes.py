@@ -60,6 +60,20 @@ def test_shared_memory_is_a_memory_volume_at_dev_shm():
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
 
 
+def test_the_compile_caches_are_on_a_disk_volume_that_outlasts_the_container():
+    """The image points torch.compile's and vLLM's caches into one folder; the manifest mounts a volume
+    there, on disk (they grow to gigabytes), so a restarted container finds what the last one compiled."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    names = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
+    caches = [re.search(rf"{name}=(\S+)", dockerfile).group(1) for name in names]
+    mounts = {mount["mountPath"]: mount["name"] for mount in container()["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in resources()["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    for cache in caches:
+        [mount] = [path for path in mounts if cache.startswith(path.rstrip("/") + "/")]
+        volume = volumes[mounts[mount]]
+        assert "persistentVolumeClaim" in volume or volume["emptyDir"].get("medium") != "Memory", volume
+
+
 def test_liveness_allows_what_the_kubelet_allows():
     """The reliability tests' reading of its probes: five minutes of failures (30 x 10 s) restart."""
     assert not would_restart([(0.0, 200), (1.0, 0), (150.0, 503), (299.0, 0), (300.0, 200)])

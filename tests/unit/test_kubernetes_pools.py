@@ -17,6 +17,7 @@ from triton_omni_tools.launcher import EXIT_TIMEOUT_S, UNLOAD_S
 from triton_omni_tools.remote import parse
 
 from tests.support.probes import container as single_server_container
+from tests.support.probes import resources as single_server_resources
 
 ROOT = Path(__file__).resolve().parents[2]
 POOLS = ROOT / "deploy" / "pools"
@@ -35,6 +36,10 @@ def of_pool(kind: str, component: str) -> dict:
 
 def container(component: str) -> dict:
     return of_pool("Deployment", component)["spec"]["template"]["spec"]["containers"][0]
+
+
+def single_server_pod() -> dict:
+    return single_server_resources()["Deployment"]["spec"]["template"]["spec"]
 
 
 def flag_values(args: list[str], flag: str) -> list[str]:
@@ -95,5 +100,6 @@ def test_probes_shared_memory_and_grace_cover_the_launchers_stop(component):
     pause = int(ours["lifecycle"]["preStop"]["exec"]["command"][-1])
     drain = int(next(iter(flag_values(ours["args"], "--exit-timeout-secs")), EXIT_TIMEOUT_S))
     assert pod["terminationGracePeriodSeconds"] > pause + drain + UNLOAD_S  # the launcher's stop, all of it
-    assert {m["mountPath"] for m in ours["volumeMounts"]} == {"/dev/shm"}
+    assert ours["volumeMounts"] == single["volumeMounts"]  # shared memory, the compile caches
+    assert pod["volumes"] == single_server_pod()["volumes"]
     assert ours["args"][:6] == ["omni-triton", "serve", "--server", "system", "--bind", "0.0.0.0"]
