@@ -54,10 +54,14 @@ def test_the_service_selects_the_pods_and_their_named_ports():
     assert {port["targetPort"] for port in service["spec"]["ports"]} == {port["name"] for port in container()["ports"]}
 
 
-def test_shared_memory_is_a_memory_volume_at_dev_shm():
-    mounts = {mount["mountPath"]: mount["name"] for mount in container()["volumeMounts"]}
+def volumes_by_mount() -> dict[str, dict]:
+    """The pod's volumes, by the path the container mounts each at."""
     volumes = {volume["name"]: volume for volume in resources()["Deployment"]["spec"]["template"]["spec"]["volumes"]}
-    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    return {mount["mountPath"]: volumes[mount["name"]] for mount in container()["volumeMounts"]}
+
+
+def test_shared_memory_is_a_memory_volume_at_dev_shm():
+    assert volumes_by_mount()["/dev/shm"]["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_compile_caches_are_on_a_disk_volume_that_outlasts_the_container():
@@ -66,11 +70,9 @@ def test_the_compile_caches_are_on_a_disk_volume_that_outlasts_the_container():
     dockerfile = (ROOT / "Dockerfile").read_text()
     names = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
     caches = [re.search(rf"{name}=(\S+)", dockerfile).group(1) for name in names]
-    mounts = {mount["mountPath"]: mount["name"] for mount in container()["volumeMounts"]}
-    volumes = {volume["name"]: volume for volume in resources()["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    mounted = volumes_by_mount()
     for cache in caches:
-        [mount] = [path for path in mounts if cache.startswith(path.rstrip("/") + "/")]
-        volume = volumes[mounts[mount]]
+        [volume] = [volume for path, volume in mounted.items() if cache.startswith(path.rstrip("/") + "/")]
         assert "persistentVolumeClaim" in volume or volume["emptyDir"].get("medium") != "Memory", volume
 
 
