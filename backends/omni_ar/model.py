@@ -35,7 +35,7 @@ from triton_omni.triton import ar_io
 from triton_omni.triton.balance import InstanceLoads
 from triton_omni.triton.batch import run_batch
 from triton_omni.triton.errors import error_response
-from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
+from triton_omni.triton.metrics import StageMetrics, release_model, report_restarts
 from triton_omni.triton.params import split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import Outputs, read_inputs
@@ -206,6 +206,5 @@ class TritonPythonModel:
         self.responses.stop()
         if self.loads is not None:
             self.loads.close()
-        self.metrics = self.restarts = None
-        release_families()
+        release_model(self)
 

@@ -36,7 +36,7 @@ from triton_omni.triton.metrics import (
     DeferredCounter,
     StageMetrics,
     family,
-    release_families,
+    release_model,
     report_restarts,
     routed,
 )
@@ -202,8 +202,7 @@ class TritonPythonModel:
         if self.loads is not None:
             self.loads.close()
         self.progress.close()
-        self.metrics = self.steps = self.restarts = None
-        release_families()
+        release_model(self)
 
 
 def _progress_response(progress: tuple[int, int]):

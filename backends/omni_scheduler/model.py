@@ -28,7 +28,7 @@ from triton_omni.scheduler import (
     TextDelta,
 )
 from triton_omni.triton import omni_io
-from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_families, report_restarts, routed
+from triton_omni.triton.metrics import GAUGE, StageMetrics, family, release_model, report_restarts, routed
 from triton_omni.triton.params import client_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.stages import TritonStages
@@ -90,8 +90,7 @@ class TritonPythonModel:
         self.stages.close()
         self.loop.stop()
         self.responses.stop()
-        self.metrics = self.scheduler = self.restarts = None  # the scheduler's budget reports to a gauge
-        release_families()
+        release_model(self)
 
 
 async def _in_loop(make):

@@ -17,7 +17,7 @@ from triton_omni.channel import Cancellations, ReplyReader, run_dir
 from triton_omni.errors import RequestValidationError
 from triton_omni.speech.runner import SAMPLE_RATE, AudioChunk, SpeechRunner
 from triton_omni.triton import speech_io
-from triton_omni.triton.metrics import StageMetrics, release_families, report_restarts
+from triton_omni.triton.metrics import StageMetrics, release_model, report_restarts
 from triton_omni.triton.params import reply_name, split_parameters
 from triton_omni.triton.responses import ResponseThread
 from triton_omni.triton.tensors import read_inputs
@@ -77,8 +77,7 @@ class TritonPythonModel:
     def finalize(self):
         self.runner.close()
         self.responses.stop()
-        self.metrics = self.restarts = None
-        release_families()
+        release_model(self)
 
 
 def _open_reply(name: str | None, states_width: int | None) -> ReplyReader | None:

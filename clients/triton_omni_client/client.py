@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from triton_omni_protocol import ADMIN_HEADER, parse_status, scalar_inputs
+from triton_omni_protocol import (
+    ADMIN_HEADER,
+    AR_GENERATE_INPUTS,
+    OMNI_INPUTS,
+    InputValueError,
+    diffusion_inputs,
+    parse_status,
+    scalar_inputs,
+)
 
 from triton_omni_client.shared_memory import Regions
 
@@ -29,6 +37,13 @@ Protocol = Literal["grpc", "http"]
 
 # Every scalar input of the models, from the protocol: its Triton and NumPy types, and its range.
 SCALAR_INPUTS = scalar_inputs()
+# The options each kind of call takes as keyword arguments: its model's inputs (``generate_text``: the
+# one-value ones, which it sends as they are; the media calls: ``diffusion``'s, and ``text_input`` for
+# the ``text_to_image`` ensemble)
+TEXT_OPTIONS = frozenset(spec.name for spec in AR_GENERATE_INPUTS if spec.kind == "scalar") - {"text_input"}
+OMNI_OPTIONS = frozenset(spec.name for spec in OMNI_INPUTS) - {"text_input", "modalities", "enhance_prompt", "stream",
+                                                               "parameters", "options"}  # its own arguments
+MEDIA_OPTIONS = frozenset(spec.name for spec in diffusion_inputs()) | {"text_input"}
 FLOAT_TYPES = {"FP16", "BF16", "FP32", "FP64"}
 
 
@@ -167,6 +182,7 @@ class OmniClient:
         ``return_logprobs``, ..., ``lora``: one of its LoRA adapters); ``sampling_parameters``: any
         vLLM sampling key. The last chunk carries ``finish_reason`` unless
         ``return_finish_reason=False``."""
+        check_options("generate_text", options, TEXT_OPTIONS)
         options = {"stream": stream, "return_finish_reason": True, **options}
         if self.protocol == "http":
             yield from self._generate_http(model, prompt, options, sampling_parameters, stop)
@@ -210,11 +226,11 @@ class OmniClient:
                     if line.startswith(b"data: "):
                         event = json.loads(line[len(b"data: "):])
                         if "error" in event:
-                            raise OmniError(_http_status(400), event["error"])
+                            raise _http_error(400, event["error"])
                         yield _http_chunk(event)
         except urllib.error.HTTPError as exc:
             message = json.loads(exc.read() or b"{}").get("error", exc.reason)
-            raise OmniError(_http_status(exc.code), message) from None
+            raise _http_error(exc.code, message) from None
 
     # -- the omni scheduler ---------------------------------------------------------
 
@@ -235,6 +251,7 @@ class OmniClient:
         and the events carry the audio as it streams. ``timeout_s``
         (gRPC): the longest wait for the next event, past which the request
         is cancelled and ``TimeoutError`` raised."""
+        check_options("generate", options, OMNI_OPTIONS)
         values = {"text_input": prompt, "modalities": list(modalities), "enhance_prompt": enhance_prompt,
                   "stream": stream, **options}
         if parameters:
@@ -259,7 +276,7 @@ class OmniClient:
                 return json.load(response)
         except urllib.error.HTTPError as exc:
             message = json.loads(exc.read() or b"{}").get("error", exc.reason)
-            raise OmniError(_http_status(exc.code), message) from None
+            raise _http_error(exc.code, message) from None
 
     # -- embeddings --------------------------------------------------------------
 
@@ -319,6 +336,7 @@ class OmniClient:
         None leaves it out, which is not ``""``: each means what it means to the family's
         pipeline (docs/pipelines.md). A value its input cannot hold (a seed past INT64) raises
         ``InputValueError`` naming it, before sending."""
+        check_options("generate_image", options, MEDIA_OPTIONS)
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds,
                   "pooled_prompt_embeds": pooled_prompt_embeds}
@@ -332,6 +350,7 @@ class OmniClient:
         ``generate_image``'s, ``num_frames`` (1 + a multiple of the model's VAE's temporal
         factor: 1 + 4k for Wan; the model's default when left out) or ``seconds``, and for a model
         with two experts (Wan 2.2 A14B) ``guidance_scale_2``, the low-noise expert's scale."""
+        check_options("generate_video", options, MEDIA_OPTIONS)
         client_module = _client_module(self.protocol)
         embeds = {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
         call = self._generate_shared if self.shared_memory else self._infer_media
@@ -406,6 +425,7 @@ class OmniClient:
         ``generate_image``'s (``prompt_embeds`` from ``encode_conditioning`` with the same images,
         in place of ``prompt``). Without ``height`` and ``width`` the output takes the size the
         pipeline takes from the images."""
+        check_options("edit_image", options, MEDIA_OPTIONS)
         return self.generate_image(prompt, images=[_encoded(image) for image in images], model=model, **options)
 
     def _input_types_of(self, client, model: str) -> dict[str, str]:
@@ -438,6 +458,8 @@ class OmniClient:
     def _stream_media(self, model: str, on_progress, prompt, options: dict, *names: str) -> list[np.ndarray]:
         import tritonclient.grpc as grpcclient
 
+        check_options(f"stream_{names[0]}", options, MEDIA_OPTIONS)
+
         for result in stream_infer(self.url, model, batched_inputs(grpcclient, prompt=prompt, **options)):
             media, step = [result.as_numpy(name) for name in names], result.as_numpy("step")
             if media[0] is not None or step is None:  # the last response (another kind's: named in the error)
@@ -468,8 +490,12 @@ def batched_inputs(client_module, shared: list | None = None, declared: dict[str
         elif isinstance(value, str):
             array, type_name = np.array([[value.encode()]], dtype=np.object_), "BYTES"
         elif isinstance(value, list):  # encoded files (input images)
+            if not all(isinstance(item, bytes | bytearray | memoryview) for item in value):
+                raise InputValueError(name, f"takes a list of encoded files (bytes), not {value!r:.80}")
             array, type_name = np.array([[bytes(item) for item in value]], dtype=np.object_), "BYTES"
         else:  # embeddings [tokens, hidden], a pooled embedding [width], pixels [H, W, 3]: a batch dimension added
+            if not isinstance(value, np.ndarray):
+                raise InputValueError(name, f"takes text, a list of files or a NumPy array, not {type(value).__name__}")
             unbatched = 3 if value.dtype == np.uint8 else 2  # pixels [H, W, 3]; embeddings [T, H] or [P]
             array = np.ascontiguousarray(value)
             array = array[None] if array.ndim <= unbatched else array
@@ -500,6 +526,16 @@ def _encoded(image: Any) -> bytes:
         return out.getvalue()
     with open(image, "rb") as file:  # a path
         return file.read()
+
+
+def check_options(method: str, options: dict[str, Any], taken: frozenset[str]) -> None:
+    """``TypeError`` for a keyword option that no input of the call's model takes, as Python's own
+    for an unexpected keyword argument, naming those it takes: before anything is built or sent (a
+    misspelt ``steps`` would otherwise fail inside tensor building, or as the server's refusal)."""
+    unknown = sorted(set(options) - taken)
+    if unknown:
+        raise TypeError(f"OmniClient.{method}() got unexpected option(s) {', '.join(map(repr, unknown))}; "
+                        f"it takes {', '.join(sorted(taken))}")
 
 
 def check_scalars(values: dict[str, Any]) -> None:
@@ -600,6 +636,8 @@ def _first(get, name: str, kind):
 
 def _bytes_input(module, name: str, values: list[str | bytes]):
     """A BYTES tensor of texts (UTF-8) or files (as they are: input images)."""
+    if not isinstance(values, list | tuple | np.ndarray) or not all(isinstance(v, str | bytes) for v in values):
+        raise InputValueError(name, f"takes text or a list of texts or files, not {values!r:.80}")
     tensor = module.InferInput(name, [len(values)], "BYTES")
     tensor.set_data_from_numpy(np.array([v if isinstance(v, bytes) else v.encode() for v in values],
                                         dtype=np.object_))
@@ -692,6 +730,13 @@ def as_omni_error(exc) -> OmniError:
     if tagged:
         return OmniError(tagged, message)
     return OmniError("INVALID_ARG" if _CORE_INPUT_ERRORS.search(message) else "UNKNOWN", message)
+
+
+def _http_error(code, message: str) -> OmniError:
+    """An HTTP error's ``OmniError``: the status the server's message is tagged with (once, not
+    again in front of its tag), else the HTTP code's."""
+    tagged, text = parse_status(message)
+    return OmniError(tagged or _http_status(code), text)
 
 
 def _http_status(code) -> str:

@@ -303,6 +303,11 @@ def test_omni_over_http_generate_takes_options_two_ways(http_url):
     with pytest.raises(urllib.error.HTTPError) as info:
         post({**base, "temprature": 0.5})
     assert info.value.code == 400 and "temprature" in json.loads(info.value.read())["error"]
+    # the client's error carries the server's status once (not again in front of the message's own tag)
+    with pytest.raises(OmniError) as error:
+        list(OmniClient(http_url, "http").generate("once", stream=False, parameters={"temprature": 0.5}))
+    assert error.value.status == "INVALID_ARG" and "temprature" in str(error.value)
+    assert str(error.value).count("[INVALID_ARG]") == 1, error.value
 
 
 def test_the_cli_draws_one_progress_bar_per_image_in_a_real_terminal(server, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_omni_client import InputValueError
+from triton_omni_client import InputValueError, OmniClient
 from triton_omni_client.client import batched_inputs, check_scalars, omni_inputs
 from triton_omni_protocol import scalar_inputs
 
@@ -65,3 +65,33 @@ def test_bf16_embeddings_sent_as_bf16_lose_nothing_of_their_values():
     (tensor,) = batched_inputs(grpcclient, None, {"prompt_embeds": "BF16"}, prompt_embeds=embeds)
     received = np.frombuffer(tensor._get_content(), dtype=ml_dtypes.bfloat16).reshape(4, 8)
     assert np.array_equal(received.astype(np.float32), embeds.astype(np.float32))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize(("method", "args"), [
+    ("generate_text", ("a fox",)), ("generate", ("a fox",)), ("generate_image", ("a fox",)),
+    ("generate_video", ("a fox",)), ("edit_image", ("a fox", [b"png"])), ("stream_image", ("a fox",)),
+])
+def test_an_option_no_input_takes_is_refused_by_name_before_sending(method, args, protocol):
+    """A misspelt option (``steps`` for ``num_inference_steps``) is a ``TypeError`` naming it and the
+    options the call takes, as Python's own for an unexpected keyword argument; nothing listens at
+    this address, so a call that tried to send would fail otherwise."""
+    client = OmniClient("127.0.0.1:9", protocol=protocol)
+    with pytest.raises(TypeError, match=rf"^OmniClient\.{method}\(\) got unexpected option\(s\) 'steps'; it takes "
+                                        r".*\bseed\b") as error:
+        result = getattr(client, method)(*args, steps=2)
+        if method in ("generate", "generate_text"):  # generators: their checks run at the first event
+            next(result)
+    assert "num_inference_steps" in str(error.value) or method == "generate_text"
+
+
+@pytest.mark.parametrize(("build", "name"), [
+    (lambda: omni_inputs(grpcclient, {"negative_prompt": 5}), "negative_prompt"),
+    (lambda: omni_inputs(grpcclient, {"modalities": ["text", 3]}), "modalities"),
+    (lambda: batched_inputs(grpcclient, negative_prompt=5), "negative_prompt"),
+    (lambda: batched_inputs(grpcclient, prompt_embeds=[[0.1, 0.2]]), "prompt_embeds"),
+])
+def test_a_value_of_the_wrong_kind_for_a_text_or_array_input_is_refused_by_name(build, name):
+    with pytest.raises(InputValueError, match=f"^{name}: takes ") as error:
+        build()
+    assert error.value.name == name

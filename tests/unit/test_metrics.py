@@ -6,10 +6,15 @@ response leaves)."""
 
 from __future__ import annotations
 
+import ast
+import gc
+import weakref
+from pathlib import Path
+
 from tests.support import fake_pb_utils
 
 fake_pb_utils.install()
-from triton_omni.triton.metrics import StageMetrics, family, release_families  # noqa: E402 - after the fake
+from triton_omni.triton.metrics import COUNTER, StageMetrics, family, release_families, release_model  # noqa: E402
 from triton_omni.triton.responses import ResponseThread  # noqa: E402
 
 
@@ -85,3 +90,52 @@ def test_without_a_response_thread_updates_are_immediate():
     counter = family("omni_ar_requests_total", "", "COUNTER")
     assert counter.name == "omni_ar_requests_total"
     release_families()
+
+
+class _Runner:
+    """A runner that, like the diffusion runner, keeps a callback that updates a metric."""
+
+    def __init__(self, on_capture):
+        self.on_capture = on_capture
+
+
+def _finalized_model_metrics(release) -> list:
+    """The metrics a stub-like model made, still alive after ``release(model)``."""
+
+    class Model:
+        pass
+
+    model = Model()
+    model.metrics = StageMetrics("diffusion", "diffusion", "1", batched=True)
+    captures = family("omni_diffusion_graph_captures_total", "", COUNTER).Metric(labels=model.metrics.labels)
+    model.runner = _Runner(on_capture=captures.increment)
+    alive = [weakref.ref(model.metrics.duration), weakref.ref(captures)]
+    del captures
+    release(model)
+    gc.collect()
+    return [ref() for ref in alive if ref() is not None]
+
+
+def test_a_finalized_model_keeps_no_metric_alive():
+    """A metric destroyed at the stub's exit, after its shared memory is gone, segfaults a Triton 2.51 stub:
+    ``finalize`` must leave none. Dropping the ``StageMetrics`` alone is not enough (the runner's callback
+    still holds a counter); ``release_model`` drops everything."""
+
+    def stage_metrics_only(model):
+        model.metrics = None
+        release_families()
+
+    assert len(_finalized_model_metrics(stage_metrics_only)) == 1  # the runner's captures counter
+    assert _finalized_model_metrics(release_model) == []
+
+
+def test_every_stub_that_makes_metrics_releases_its_model_last_in_finalize():
+    backends = Path(__file__).resolve().parents[2] / "backends"
+    stubs = [path for path in sorted(backends.glob("omni_*/model.py")) if "triton.metrics import" in path.read_text()]
+    assert len(stubs) >= 4, stubs
+    for path in stubs:
+        tree = ast.parse(path.read_text())
+        finalize = next(node for node in ast.walk(tree)
+                        if isinstance(node, ast.FunctionDef) and node.name == "finalize")
+        last = finalize.body[-1]
+        assert ast.unparse(last) == "release_model(self)", f"{path}: finalize ends with {ast.unparse(last)!r}"

@@ -42,14 +42,24 @@ def family(name: str, description: str, kind: str):
 
 
 def release_families() -> None:
-    """Destroy this process's metric families now, from ``finalize``.
-
-    A ``MetricFamily`` destroyed at interpreter exit, after the stub's shared
-    memory is gone, segfaults the Triton 2.51 stub (``Metric::Clear`` ->
-    ``SaveToSharedMemory``, seen at every server shutdown). The caller first
-    drops its own references (its ``StageMetrics``)."""
+    """Destroy this process's metric families now (``release_model`` first
+    drops the model's own references to their metrics)."""
     _families.clear()
     gc.collect()
+
+
+def release_model(model: object) -> None:
+    """The last line of a stub's ``finalize``: every attribute of ``model``
+    dropped, then this process's metric families destroyed.
+
+    A ``MetricFamily`` or ``Metric`` destroyed at interpreter exit, after the
+    stub's shared memory is gone, segfaults the Triton 2.51 stub
+    (``Metric::~Metric`` -> the shared memory's mutex). Metrics hide in more
+    places than a model's ``StageMetrics``: the runner's callbacks, deferred
+    and per-outcome counters. So all of the model's state goes (Triton calls
+    nothing on a finalized model), and with it every metric it reaches."""
+    vars(model).clear()
+    release_families()
 
 
 class DeferredCounter:
