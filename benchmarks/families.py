@@ -340,12 +340,15 @@ def in_server(metrics_url: str) -> dict[str, float]:
     ``nv_inference_queue_duration_us`` and ``nv_inference_compute_input_duration_us``; its request
     duration ends, for a decoupled model, when ``execute`` returns, long before the response);
     ``requests``; ``steps`` and ``rows``, the step engine's steps and the requests they ran
-    (``omni_diffusion_batch_size``)."""
+    (``omni_diffusion_batch_size``); ``compiles`` and ``compile_s``, torch.compile's compilations
+    (``omni_diffusion_compiles_total``, ``omni_diffusion_compile_seconds_total``)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     series = {"model_s": ("omni_diffusion_request_duration_seconds_sum{", 1.0),
               "requests": ("omni_diffusion_request_duration_seconds_count{", 1.0),
               "steps": ("omni_diffusion_batch_size_count{", 1.0),
               "rows": ("omni_diffusion_batch_size_sum{", 1.0),
+              "compiles": ("omni_diffusion_compiles_total{", 1.0),
+              "compile_s": ("omni_diffusion_compile_seconds_total{", 1.0),
               "queue_s": ("nv_inference_queue_duration_us{", 1e-6),
               "input_s": ("nv_inference_compute_input_duration_us{", 1e-6)}
     totals = dict.fromkeys(series, 0.0)
@@ -393,7 +396,10 @@ def measure_triton(client: OmniClient, requests: Requests, concurrency: int, rou
     # requests sent together but stepped apart (each joining a step or two after the first) take more steps
     steps = after["steps"] - before["steps"]
     stepping = {"steps_per_round": steps / rounds,
-                "requests_per_step": (after["rows"] - before["rows"]) / max(steps, 1)}
+                "requests_per_step": (after["rows"] - before["rows"]) / max(steps, 1),
+                # torch.compile in the timed rounds (the warm-up should have met every shape)
+                "compiles": after["compiles"] - before["compiles"],
+                "compile_s": after["compile_s"] - before["compile_s"]}
     return (figures(latencies, concurrency) | {"in_server_s": model_s, "before_model_s": before_s} | stepping,
             images[0][0])
 
@@ -534,7 +540,9 @@ def report(result: dict) -> None:
                                                         f"inputs copied)" if before is not None else "")
               + "; the rest of its latency: the client and gRPC"
               + (f"; {p['triton']['steps_per_round']:.1f} steps a round, {p['triton']['requests_per_step']:.2f} "
-                 f"requests a step" if "steps_per_round" in p["triton"] else ""))
+                 f"requests a step" if "steps_per_round" in p["triton"] else "")
+              + (f"; torch.compile in the timed rounds: {p['triton']['compiles']:.0f} compilations, "
+                 f"{p['triton']['compile_s']:.1f} s" if p["triton"].get("compiles") else ""))
         if "aa_latency_ratio" in p:
             print(f"A/A, concurrency {p['concurrency']}: direct / direct latency {p['aa_latency_ratio']:.3f}, "
                   f"throughput {p['aa_throughput_ratio']:.3f}")

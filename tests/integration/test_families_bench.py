@@ -47,6 +47,7 @@ def test_the_family_is_measured_against_its_pipeline(tmp_path, family, options):
         triton = point["triton"]
         assert triton["in_server_s"] > 0 and triton["before_model_s"] >= 0
         assert triton["in_server_s"] + triton["before_model_s"] <= triton["latency_s"]
+        assert triton["compiles"] == triton["compile_s"] == 0  # read from /metrics; nothing compiled here
     if "--gather-us" in options:
         assert report["gather_us"] == 200000 and "batching window 200000" in result.stdout
         together = report["points"][1]["triton"]

@@ -14,6 +14,8 @@ from tests.support.server import documented_metrics, text_to_image
 ONLY_ON_FAILURE = {"omni_stage_restarts_total"}
 # Served at zero on a CPU server: CUDA graphs exist on GPUs only (tests/gpu counts them there).
 ONLY_ON_GPU = {"omni_diffusion_graph_captures_total"}
+# Served at zero by a model without `compile` (tests/unit/test_compile.py counts compilations).
+ONLY_WHEN_COMPILED = {"omni_diffusion_compiles_total", "omni_diffusion_compile_seconds_total"}
 # Served at zero by the SD demo: step caching is for the DiT families (test_model_families counts them).
 ONLY_WITH_A_STEP_CACHE = {"omni_diffusion_cached_steps_total", "omni_diffusion_skipped_step_ratio"}
 # Served once a request names an adapter, a series per adapter (test_lora.py and test_ar_lora.py count them).
@@ -43,7 +45,7 @@ def test_every_custom_metric_is_served_with_counts_after_a_mixed_run(server):
         if name in ONLY_ON_FAILURE:
             assert re.search(rf'^{sample}{{model="[^"]+"}}', text, flags=re.M), f"{name} lacks its model label"
             continue
-        if kind != "gauge" and name not in ONLY_ON_GPU | ONLY_WITH_A_STEP_CACHE:
+        if kind != "gauge" and name not in ONLY_ON_GPU | ONLY_WITH_A_STEP_CACHE | ONLY_WHEN_COMPILED:
             assert sum(values) > 0, f"{name} has no counts"
         assert re.search(rf'^{sample}{{[^}}]*model="[^"]+"[^}}]*version="1"', text, flags=re.M), \
             f"{name} lacks its model/version labels"

@@ -3,7 +3,8 @@ compiled with torch.compile (regional compilation), on the CPU with the tiny
 random-weight DiTs and torch's own inductor; ``compile: blocks,vae``: the VAE's
 decoder too. Both are compiled in place, so the step engine, the step cache's
 hooks and the pipeline all run them; the images stay within float32 rounding
-of the eager ones. A family without diffusion-transformer blocks, one whose
+of the eager ones, and the same requests again compile nothing (the runner's
+``on_compile``, the stage's ``omni_diffusion_compiles_total``). A family without diffusion-transformer blocks, one whose
 VAE is not compiled and a malformed value are refused at load."""
 
 from __future__ import annotations
@@ -21,13 +22,23 @@ REQUEST = {"prompt": "a red fox", "negative_prompt": "blurry", "num_inference_st
 
 
 def images(model: str, compile: str, requests: list[dict], defaults: dict | None = None) -> list[torch.Tensor]:
+    compiles: list[float] = []  # the seconds of each compilation (the stage's omni_diffusion_compiles_total)
     runner = DiffusionRunner(DiffusionRunnerConfig(model, batching="step", exact_batching=False, compile=compile,
-                                                   defaults=defaults or {}))
-    try:
+                                                   defaults=defaults or {}), on_compile=compiles.append)
+
+    def run() -> list[torch.Tensor]:
         futures = [runner.submit(runner.parse(r)) for r in requests]
-        done = [f.result() for f in futures]
+        return [f.result() for f in futures]
+
+    try:
+        done = run()
         assert hasattr(runner.pipeline.vae.decoder.forward, "_torchdynamo_orig_callable") == ("vae" in compile)
         assert runner.steps.fixed_shapes == ("blocks" in compile)  # compiled: steps padded to a few sizes
+        assert bool(compiles) == (compile != "off") and all(seconds > 0 for seconds in compiles), compiles
+        warm = len(compiles)
+        again = run()  # the same requests: every shape met, nothing compiles again
+        assert len(compiles) == warm, f"{len(compiles) - warm} compilations on shapes already met"
+        assert all(torch.equal(a, b) for a, b in zip(done, again, strict=True))
         return done
     finally:
         runner.close()

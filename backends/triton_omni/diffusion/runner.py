@@ -78,6 +78,34 @@ EXACT_MODES = ("true", "false", "pipeline")
 COMPILE_OPTIONS: dict[str, Any] = {}
 
 
+class CompileWatch:
+    """``on_compile(seconds)`` after each torch.compile compilation in this process, through
+    dynamo's compile callbacks (a compile that sets off others, a graph break's, is one).
+
+    Why: a compile that happens under load stalls every request of its step batch for seconds.
+    That happens when a shape, a guard or a recompile limit is missed at warm-up. The metric it
+    feeds shows it, and so do the benchmarks, which read it around their timed rounds."""
+
+    def __init__(self, on_compile: Callable[[float], None]):
+        from torch._dynamo.callback import callback_handler
+
+        self._handler, self._on_compile, self._started = callback_handler, on_compile, None
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def _start(self, *_) -> None:  # torch's callbacks take a CallbackArgs (older versions: nothing)
+        self._started = time.monotonic()
+
+    def _end(self, *_) -> None:
+        if self._started is not None:
+            self._on_compile(time.monotonic() - self._started)
+            self._started = None
+
+    def close(self) -> None:
+        self._handler.remove_start_callback(self._start)
+        self._handler.remove_end_callback(self._end)
+
+
 def compile_blocks(transformer: torch.nn.Module, options: dict) -> None:
     """The forward of each repeated block of a diffusion transformer compiled with torch.compile, in
     place. Why blocks rather than the whole model: the blocks share one code, compiled once for all
@@ -234,10 +262,13 @@ class _Job:
 
 class DiffusionRunner:
     def __init__(self, config: DiffusionRunnerConfig, on_batch: Callable[[int], None] | None = None,
-                 on_capture: Callable[[], None] | None = None, on_lora: Callable[[str, str], None] | None = None):
+                 on_capture: Callable[[], None] | None = None, on_lora: Callable[[str, str], None] | None = None,
+                 on_compile: Callable[[float], None] | None = None):
         """``on_batch``: step batching calls it with each step's request count;
         ``on_capture``: called after each CUDA graph capture; ``on_lora(event, adapter)``: each
-        request with an adapter, each adapter loaded and each evicted (``lora.Adapters``)."""
+        request with an adapter, each adapter loaded and each evicted (``lora.Adapters``);
+        ``on_compile(seconds)``: with ``compile``, after each torch.compile compilation
+        (``CompileWatch``)."""
         from diffusers import DiffusionPipeline
 
         self.config = config
@@ -276,6 +307,7 @@ class DiffusionRunner:
         self.sequence_parallel: SequenceParallel | None = None
         self.cfg_parallel: CfgParallel | None = None
         self.adapters: Adapters | None = None
+        self.compile_watch: CompileWatch | None = None
         self._empty: torch.Tensor | None = None  # the encoding of "" (_empty_prompt)
         try:
             if config.lora_adapters:  # before compile: the adapted layers are part of the compiled blocks
@@ -295,6 +327,8 @@ class DiffusionRunner:
             spread = self._spread_vae_group_norms()
             if self.steps is not None:  # a compiled decoder keeps one shape; a spread one is faster alone
                 self.steps.decode_alone = spread or "vae" in config.compiled
+            if config.compiled and on_compile is not None:
+                self.compile_watch = CompileWatch(on_compile)
             self._compile()
             if graphed:
                 self.graphs = self._graphs(on_capture)
@@ -512,6 +546,9 @@ class DiffusionRunner:
             if parallel is not None:
                 parallel.close()
         self.sequence_parallel = self.cfg_parallel = None
+        if self.compile_watch is not None:
+            self.compile_watch.close()
+            self.compile_watch = None
         self._release()
 
     def _release(self) -> None:
