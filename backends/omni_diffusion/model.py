@@ -90,7 +90,6 @@ class TritonPythonModel:
         self.skipped_share = routed(family(
             "omni_diffusion_skipped_step_ratio", "Per step-cached request: its steps skipped, over its steps",
             HISTOGRAM).Metric(labels=self.metrics.labels, buckets=SKIPPED_SHARE_BUCKETS), submit)
-        # step batching: the batch size is the requests of each denoising step
         # torch.compile's compilations (`compile`): flat once warm; a rise under load is a step batch stalled
         compiles = routed(family("omni_diffusion_compiles_total", "torch.compile compilations of this stage's "
                                  "networks", COUNTER).Metric(labels=self.metrics.labels), submit)
@@ -101,6 +100,7 @@ class TritonPythonModel:
             compiles.increment(1)
             compile_seconds.increment(seconds)
 
+        # step batching: the batch size is the requests of each denoising step
         self.runner = DiffusionRunner(self.config, on_batch=lambda n: self.metrics.batch_size.observe(n),
                                       on_capture=lambda: captures.increment(1), on_lora=self.metrics.lora_event,
                                       on_compile=on_compile)

@@ -4,8 +4,9 @@ random-weight DiTs and torch's own inductor; ``compile: blocks,vae``: the VAE's
 decoder too. Both are compiled in place, so the step engine, the step cache's
 hooks and the pipeline all run them; the images stay within float32 rounding
 of the eager ones, and the same requests again compile nothing (the runner's
-``on_compile``, the stage's ``omni_diffusion_compiles_total``). A family without diffusion-transformer blocks, one whose
-VAE is not compiled and a malformed value are refused at load."""
+``on_compile``, the stage's ``omni_diffusion_compiles_total``). A family
+without diffusion-transformer blocks, one whose VAE is not compiled and a
+malformed value are refused at load."""
 
 from __future__ import annotations
 
