@@ -7,6 +7,10 @@ Z-Image's) and FLUX.2's ``AutoencoderKLFlux2``.
 the served pipeline load it; 81 frames at 832x480): it has no group norms, so its second column is
 the same decode with cuDNN's benchmark mode (each convolution's fastest algorithm, timed at its
 first call of a shape), and the error column is the distance from PyTorch's default decode.
+``--compile`` adds Wan's decoder under torch.compile as ``compile: vae`` compiles it (its forward,
+``COMPILE_OPTIONS``; ``static``: ``dynamic=False`` too): the first decode's seconds (the compile),
+the graphs compiled in it and in the timed rounds after it (a graph compiled there is a decode
+that the warm-up did not prepare), the milliseconds per decode and the ratio to the eager one.
 
 For each batch size it prints the milliseconds of one decode each way and their ratio, the time
 per image, and how far each bf16 image is from the float32 decode of the same latents (mean
@@ -16,6 +20,7 @@ per image.
 
     python benchmarks/vae_decode.py                               # GPU: 1024², batches 1, 2, 4
     python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2   # GPU: a Wan 2.1 video's decode
+    python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --compile default,static
     .venv/bin/python benchmarks/vae_decode.py --size 64 --rounds 1   # CPU: a quick check
 """
 
@@ -27,6 +32,7 @@ import time
 import torch
 from triton_omni.demo_models import built_as
 from triton_omni.diffusion.kernels import spread_group_norms
+from triton_omni.diffusion.runner import COMPILE_OPTIONS, CompileWatch
 from triton_omni.families.flux1 import realistic_vae as flux1_vae
 
 
@@ -45,17 +51,19 @@ def wan_vae():
 VAES = {"flux1": flux1_vae, "flux2": flux2_vae, "wan": wan_vae}
 
 
+def decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The decoded image (or frames) in levels of 255."""
+    with torch.inference_mode():
+        return (vae.decode(latents.to(vae.dtype)).sample.float().clamp(-1, 1) + 1) * 127.5
+
+
 def timed_decode(vae, latents: torch.Tensor, rounds: int) -> tuple[float, torch.Tensor]:
     """(seconds per decode, the image in levels of 255) after a warm-up decode."""
-    def levels() -> torch.Tensor:
-        with torch.inference_mode():
-            return (vae.decode(latents.to(vae.dtype)).sample.float().clamp(-1, 1) + 1) * 127.5
-
-    levels()
+    decode(vae, latents)
     synchronize(latents.device)
     started = time.perf_counter()
     for _ in range(rounds):
-        image = levels()
+        image = decode(vae, latents)
     synchronize(latents.device)
     return (time.perf_counter() - started) / rounds, image
 
@@ -71,11 +79,11 @@ def pytorchs_group_norms(vae) -> None:
 
 
 def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype,
-        frames: int) -> None:
+        frames: int, compiles: list[str]) -> None:
     with built_as(device, torch.float32):
         vae = VAES[name]().eval()
     if name == "wan":
-        return run_video(vae, size, frames, batches, rounds, device)
+        return run_video(vae, size, frames, batches, rounds, device, compiles)
     side = size // 8  # both VAEs upsample 8x
     for batch in batches:
         generator = torch.Generator(device).manual_seed(batch)
@@ -93,8 +101,10 @@ def run(name: str, size: int, batches: list[int], rounds: int, device: torch.dev
               f"{errors[0]:9.3f} {errors[1]:9.3f}", flush=True)
 
 
-def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, device: torch.device) -> None:
-    """Wan's decode in float32, PyTorch's defaults against cuDNN's benchmark mode."""
+def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, device: torch.device,
+              compiles: list[str]) -> None:
+    """Wan's decode in float32, PyTorch's defaults against cuDNN's benchmark mode, then against
+    each of ``compiles``."""
     width, height = (832, 480) if size == 1024 else (size, size)
     shape = (vae.config.z_dim, (frames - 1) // 4 + 1, height // 8, width // 8)
     print("wan: its columns 'spread' are cuDNN's benchmark mode, 'err sp' its distance from the default decode")
@@ -108,7 +118,34 @@ def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, devi
         print(f"{'wan':6s} {f'{width}x{height}x{frames}':>13s} {batch:5d} {native_s * 1e3:10.2f} "
               f"{tuned_s * 1e3:10.2f} {tuned_s / native_s:7.3f} {native_s * 1e3 / batch:10.2f} "
               f"{tuned_s * 1e3 / batch:10.2f} {0.0:9.3f} {float((tuned - native).abs().mean()):9.3f}", flush=True)
+        for way in compiles:
+            compiled_decode(vae, latents, rounds, way, native_s, native)
 
+
+COMPILE_WAYS = {"default": COMPILE_OPTIONS, "static": {**COMPILE_OPTIONS, "dynamic": False}}
+
+
+def compiled_decode(vae, latents: torch.Tensor, rounds: int, way: str, eager_s: float, eager: torch.Tensor) -> None:
+    """The decode with the decoder's forward compiled ``way``, as ``compile: vae`` compiles it."""
+    torch._dynamo.reset()  # the last way's graphs (and its callbacks: the watch comes after)
+    graphs: list[float] = []
+    watch = CompileWatch(graphs.append)
+    decoder = vae.decoder
+    decoder.forward = torch.compile(decoder.__class__.forward.__get__(decoder), **COMPILE_WAYS[way])
+    try:
+        started = time.perf_counter()
+        decode(vae, latents)  # it compiles
+        synchronize(latents.device)
+        first_s, first_graphs = time.perf_counter() - started, len(graphs)
+        compiled_s, image = timed_decode(vae, latents, rounds)  # a warm-up decode, then the rounds
+        later = len(graphs) - first_graphs
+    finally:
+        watch.close()
+        del decoder.forward
+    print(f"  compiled ({way}): first decode {first_s:.1f} s, {first_graphs} graphs ({sum(graphs[:first_graphs]):.1f} s "
+          f"compiling); then {compiled_s * 1e3:.2f} ms a decode ({compiled_s / eager_s:.3f} of eager), {later} "
+          f"graphs compiled after the first decode; {float((image - eager).abs().mean()):.3f} levels from eager",
+          flush=True)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -118,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, default=81, help="wan: the video's frames")
     parser.add_argument("--batch", default="1,2,4", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--compile", default="", help="wan: comma-separated compiled decoders to time beside the "
+                        "eager one: " + ", ".join(COMPILE_WAYS))
     args = parser.parse_args(argv)
     from diffusers.utils import logging as diffusers_logging
 
@@ -128,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'vae':6s} {'size':>5s} {'batch':>5s} {'pytorch':>10s} {'spread':>10s} {'s/p':>7s} "
           f"{'pytorch/im':>10s} {'spread/im':>10s} {'err pt':>9s} {'err sp':>9s}")
     for name in args.vae.split(","):
-        run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype, args.frames)
+        run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype, args.frames,
+            [way for way in args.compile.split(",") if way])
 
 
 if __name__ == "__main__":
