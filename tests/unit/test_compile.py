@@ -107,3 +107,18 @@ def test_compiled_blocks_with_cfg_parallel_give_the_eager_images(monkeypatch):
         runner.close()
     for e, c in zip(eager, compiled, strict=True):
         assert int((e.int() - c.int()).abs().max()) <= 1
+
+
+def test_a_compile_watch_closes_after_torch_forgot_its_callbacks():
+    """``torch._dynamo.reset()`` (a runner's release, a benchmark's next way) clears dynamo's
+    callbacks: closing a watch after it must not raise, and a new watch counts again."""
+    seen: list[float] = []
+    stale = runner_module.CompileWatch(seen.append)
+    torch._dynamo.reset()
+    stale.close()
+    watch = runner_module.CompileWatch(seen.append)
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    finally:
+        watch.close()
+    assert len(seen) == 1 and seen[0] > 0

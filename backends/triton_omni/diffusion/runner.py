@@ -102,8 +102,11 @@ class CompileWatch:
             self._started = None
 
     def close(self) -> None:
-        self._handler.remove_start_callback(self._start)
-        self._handler.remove_end_callback(self._end)
+        """Stop watching. ``torch._dynamo.reset()`` clears every callback, so they may be gone."""
+        for callbacks, callback in ((self._handler.start_callbacks, self._start),
+                                    (self._handler.end_callbacks, self._end)):
+            if callback in callbacks:
+                callbacks.remove(callback)
 
 
 def compile_blocks(transformer: torch.nn.Module, options: dict) -> None:
