@@ -10,6 +10,15 @@ heads and head size of the real model; the image or video tokens plus the text t
 
 A kernel this host cannot run is listed with the reason. FLOPs per call: 4 * tokens² * heads *
 head size (the two matmuls, no mask, no causality).
+
+``--fa4-tiles``: FlashAttention-4's forward at each shape under other tile sizes than its own
+choice (on Hopper 128x128 at head size 128; FlashAttention-3's C++ kernels take 128x176 there),
+each ``MxN`` optionally with ``:nors`` (P·V's operand from shared memory, not registers) or
+``:nool`` (no overlap inside a warp group): whether the package's default leaves time at these
+calls' shapes.
+
+    python benchmarks/attention_kernels.py --shapes wan,flux1-dev --kernels flash_4_hub \
+        --fa4-tiles 128x128,128x176,128x192,128x160,192x128,128x176:nors
 """
 
 from __future__ import annotations
@@ -53,13 +62,54 @@ def time_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, refe
         return exc
 
 
+def fa4_tile(spec: str) -> dict:
+    """``128x176:nors`` as FlashAttention-4's forward arguments."""
+    tile, *flags = spec.split(":")
+    m, n = (int(side) for side in tile.split("x"))
+    unknown = set(flags) - {"nors", "nool"}
+    if unknown:
+        raise SystemExit(f"--fa4-tiles {spec!r}: unknown flag {sorted(unknown)[0]!r} (nors, nool)")
+    return {"tile_mn": (m, n), **({"mma_pv_is_rs": False} if "nors" in flags else {}),
+            **({"intra_wg_overlap": False} if "nool" in flags else {})}
+
+
+def time_fa4_tile(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reference: torch.Tensor,
+                  repeats: int) -> tuple[float, float] | Exception:
+    """As ``time_call``, FlashAttention-4's forward with the tile ``spec`` (its package's own launcher,
+    which its public function calls with the tile it chooses)."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        arguments = fa4_tile(spec)
+
+        def call() -> torch.Tensor:
+            return _flash_attn_fwd(q, k, v, **arguments)[0]
+
+        difference = float((call().float() - reference.float()).abs().max())
+        for _ in range(3):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats, difference
+    except Exception as exc:  # a tile the kernel refuses, or no package: listed with the reason
+        return exc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--kernels", default=",".join(ATTENTION_CANDIDATES))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--fa4-tiles", default="", help="comma-separated FlashAttention-4 tiles, MxN[:nors][:nool]")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    tiles = [spec for spec in args.fa4_tiles.split(",") if spec]
+    for spec in tiles:
+        fa4_tile(spec)  # a malformed one refused before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("attention_kernels.py times GPU kernels: no CUDA device here")
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
@@ -75,8 +125,10 @@ def main() -> None:
         reference = dispatch_attention_fn(q, k, v, backend=AttentionBackendName.NATIVE)
         flops = 4 * tokens * tokens * heads * head_dim
         print(f"{shape} ({tokens}, {heads}, {head_dim}): {flops / 1e12:.2f} TFLOP a call")
-        for name in args.kernels.split(","):
-            found = time_call(name, q, k, v, reference, args.repeats)
+        runs = [(name, time_call, name) for name in args.kernels.split(",")]
+        runs += [(f"fa4 {spec}", time_fa4_tile, spec) for spec in tiles]
+        for name, timer, which in runs:
+            found = timer(which, q, k, v, reference, args.repeats)
             if isinstance(found, Exception):
                 print(f"  {name:>20}  not here: {type(found).__name__}: {str(found).splitlines()[0][:110]}")
                 continue

@@ -168,6 +168,17 @@ def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
     assert row[:3] == ["flux1", "32", "2"] and float(row[3]) > 0 and float(row[4]) > 0
 
 
+def test_the_attention_benchmark_reads_flashattention_4_tiles_and_refuses_a_malformed_one(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import attention_kernels
+
+    assert attention_kernels.fa4_tile("128x176") == {"tile_mn": (128, 176)}
+    assert attention_kernels.fa4_tile("192x128:nors:nool") == {"tile_mn": (192, 128), "mma_pv_is_rs": False,
+                                                               "intra_wg_overlap": False}
+    with pytest.raises(SystemExit, match="unknown flag 'rs'"):
+        attention_kernels.fa4_tile("128x128:rs")
+
+
 def test_fused_projections_give_the_unfused_image_and_are_refused_where_they_cannot_apply():
     """FLUX.1's q, k and v as one layer (``fuse_projections``): the same sums, so within float32
     rounding of the unfused image, with the unfused layers gone (the attention reads the fused
