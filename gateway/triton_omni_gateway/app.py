@@ -21,6 +21,7 @@ from triton_omni_client.video import PRESET, PRESETS
 
 from triton_omni_gateway.audio import (
     MEDIA_TYPES,
+    SPEECH_BACKEND,
     SPEECH_MODEL,
     Voices,
     encoded,
@@ -46,7 +47,7 @@ from triton_omni_gateway.requests import (
     parse_video_json,
 )
 from triton_omni_gateway.templates import ChatTemplates
-from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, whole
+from triton_omni_gateway.text import chat_endpoint, completion_endpoint, deltas, events, joined, whole
 from triton_omni_gateway.triton import Triton
 from triton_omni_gateway.videos import VideoJobs
 
@@ -238,8 +239,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """``input`` spoken: the file whole, or streamed as it is made (``stream_format``: the bytes as
         they come, or ``sse`` events)."""
         body = await body_of(request, SpeechRequest)
-        if body.model not in await triton.models():
-            raise no_speech_model(body.model)
+        if await triton.backend(body.model) != SPEECH_BACKEND:  # a text or image model, or none: say which speak
+            raise no_speech_model(body.model, [name for name in await triton.models()
+                                               if await triton.backend(name) == SPEECH_BACKEND])
         tokenizer = await templates.tokenizer(body.model)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": body.input}], tokenize=False,
                                                add_generation_prompt=True)
@@ -278,7 +280,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/completions")
     async def complete(request: Request):
         body = await body_of(request, CompletionRequest)
-        return await text_response(request, body, completion_endpoint(body), body.text(),
+        return await text_response(request, body, completion_endpoint(body), body.texts(),
                                    *await served_by(body.model))
 
     def part_named(error: OpenAIError, body) -> OpenAIError:
@@ -310,13 +312,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         base = (await triton.adapters()).get(name)
         return (name, None) if base is None else (base, name)
 
-    async def text_response(request: Request, body, endpoint, prompt: str, model: str, adapter: str | None,
-                            audio: list[bytes] | None = None, images: list[bytes] | None = None):
+    async def text_response(request: Request, body, endpoint, prompt: str | list[str], model: str,
+                            adapter: str | None, audio: list[bytes] | None = None, images: list[bytes] | None = None):
+        """``prompt``: one, or a completion's several (``joined``: their choices one after the other)."""
         sampling = body.sampling() | ({"lora_name": adapter} if adapter else {})
-        stream = deltas(triton, model, prompt, sampling, audio=audio, images=images)
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        streams = [deltas(triton, model, text, sampling, audio=audio, images=images) for text in prompts]
+        stream, choices = (streams[0], body.n) if len(streams) == 1 else (joined(streams, body.n),
+                                                                          len(streams) * body.n)
         try:
             if not body.stream:
-                return await unless_disconnected(request, whole(endpoint, body.model, stream, body.n))
+                return await unless_disconnected(request, whole(endpoint, body.model, stream, choices))
             # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
             first = await anext(stream)
         except OpenAIError as error:
@@ -330,7 +336,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # A client that leaves mid-stream: Starlette stops iterating the events where they stand, each
         # generator suspended, and nothing would close Triton's stream until the garbage collector found
         # them (the model meanwhile generating on). The background task runs after a disconnect too.
-        return StreamingResponse(events(endpoint, body.model, replayed(), body.n, body.include_usage),
+        return StreamingResponse(events(endpoint, body.model, replayed(), choices, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(stream.aclose))
 

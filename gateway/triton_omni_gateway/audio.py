@@ -31,6 +31,7 @@ from triton_omni_gateway.errors import OpenAIError
 from triton_omni_gateway.triton import Triton, first
 
 SPEECH_MODEL = "speech"
+SPEECH_BACKEND = "omni_speech"  # what serves a speech model: /v1/audio/speech's `model` names one
 # response_format (and chat's audio.format) -> (PyAV container, codec, media type); wav and pcm are written here
 ENCODED = {"mp3": ("mp3", "libmp3lame", "audio/mpeg"), "flac": ("flac", "flac", "audio/flac"),
            "opus": ("ogg", "libopus", "audio/ogg"), "aac": ("adts", "aac", "audio/aac")}
@@ -226,7 +227,12 @@ def chat_audio(data: bytes, transcript: str) -> dict[str, Any]:
             "transcript": transcript}
 
 
-def no_speech_model(model: str) -> OpenAIError:
+def no_speech_model(model: str, speaking: list[str] | None = None) -> OpenAIError:
+    """``model`` is not a speech model; ``speaking``: the ones this server serves, named to the user."""
+    if speaking:
+        named = ", ".join(f"'{name}'" for name in speaking)
+        return OpenAIError(400, f"model '{model}' does not speak: the speech model{'s' * (len(speaking) > 1)} "
+                           f"here: {named}", param="model", code="model_not_found")
     return OpenAIError(400, f"model '{model}' does not speak: this server serves no speech model (serve a speech "
                        "demo, e.g. omni-triton serve --demo qwen3-omni)", param="model", code="model_not_found")
 

@@ -24,6 +24,7 @@ from triton_omni_gateway.errors import OpenAIError, model_not_found
 from triton_omni_gateway.requests import ImageEditRequest, ImageRequest, table_options
 from triton_omni_gateway.triton import Triton, first
 
+NOT_MAKING = {"images": "not_an_image_model", "videos": "not_a_video_model"}  # a refusal's code, by what was asked
 # a model's input -> the API's field: an error names the field the user sent
 API_FIELDS = {"height": "size", "width": "size", "num_images": "n", "text_input": "prompt"}
 
@@ -34,8 +35,9 @@ class ImageModels:
         self.png_compress_level = png_compress_level
         self._kinds: dict[str, str] = {}
 
-    async def kind(self, model: str) -> str:
-        """``ensemble`` | ``omni`` | ``diffusion``, from the model's config."""
+    async def kind(self, model: str, media: str = "images") -> str:
+        """``ensemble`` | ``omni`` | ``diffusion``, from the model's config; another model is refused
+        as not making ``media`` (what the request asked it for)."""
         if model not in self._kinds:
             try:
                 config = (await self.triton.client.get_model_config(model, as_json=True))["config"]
@@ -49,8 +51,8 @@ class ImageModels:
             elif backend == "omni_diffusion":
                 self._kinds[model] = "diffusion"
             else:
-                raise OpenAIError(400, f"model '{model}' does not make images (try text_to_image, omni or "
-                                  "diffusion)", param="model", code="not_an_image_model")
+                raise OpenAIError(400, f"model '{model}' does not make {media} (try text_to_image, omni or "
+                                  "diffusion)", param="model", code=NOT_MAKING[media])
         return self._kinds[model]
 
     async def generate(self, request: ImageRequest, inputs: list[bytes] | None = None) -> dict:

@@ -36,6 +36,7 @@ from triton_omni_gateway.errors import OpenAIError, invalid
 
 MAX_IMAGES = 10  # OpenAI's own limit on `n` for images
 MAX_CHOICES = 4  # the `ar` model's limit on completions per request
+MAX_PROMPTS = 32  # /v1/completions' prompts in one request, each its own request to the model
 MAX_SIDE = 4096
 MAX_TEXT_CHARS = 100_000
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
@@ -311,7 +312,9 @@ class SpeechRequest(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    """``prompt``: one, or several (each of their ``n`` completions a choice, prompt i's at ``i * n``)."""
+
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
 
@@ -321,8 +324,12 @@ class CompletionRequest(_Sampling):
             values["logprobs"] = self.logprobs
         return values
 
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def texts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    def prompt_of(self, index: int) -> str:
+        """The prompt of choice ``index``."""
+        return self.texts()[index // self.n]
 
 
 class ImageRequest(_Body):

@@ -9,6 +9,7 @@ value it refuses.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -96,6 +97,62 @@ async def deltas(triton: Triton, model: str, prompt: str, sampling: dict[str, An
                         thinker_states=thinker_states, prompt_positions=positions)
 
 
+async def joined(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[Delta]:
+    """Several prompts' streams of ``n`` completions each, as one stream of all their completions
+    (prompt i's at ``i * n``), for ``/v1/completions`` with a list of prompts: each prompt is its own
+    request to the model, and they run at once. Nothing passes on until every prompt has its first
+    response, so that a prompt the model refuses makes the request's 4xx rather than an event after
+    the others' text; then each delta passes on as it comes, with ``None`` as the finish reason of
+    the choices it does not finish. Closing this closes every prompt's stream (their requests
+    cancelled in the model)."""
+    width, found = len(streams) * n, asyncio.Queue()
+    prompt_tokens = [0] * len(streams)
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    found.put_nowait((index, delta))
+        except Exception as error:  # raised again where the deltas are read
+            found.put_nowait((index, error))
+        else:
+            found.put_nowait((index, None))
+
+    def widened(index: int, delta: Delta) -> Delta:
+        texts, tokens, logprobs = [""] * width, [0] * width, [None] * width
+        at = slice(index * n, index * n + len(delta.texts))
+        texts[at], tokens[at], logprobs[at] = delta.texts, delta.tokens, delta.logprobs
+        reasons = None
+        if delta.finish_reasons:
+            reasons = [None] * width
+            reasons[index * n:index * n + len(delta.finish_reasons)] = delta.finish_reasons
+        return Delta(texts=texts, tokens=tokens, logprobs=logprobs, finish_reasons=reasons,
+                     prompt_tokens=sum(prompt_tokens))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        held: list[tuple[int, Delta]] = []  # the first responses, until every prompt has one
+        waiting, running = set(range(len(streams))), len(streams)
+        while running:
+            index, delta = await found.get()
+            if isinstance(delta, Exception):
+                raise delta
+            if delta is None:  # that prompt's stream has ended
+                running -= 1
+            else:
+                prompt_tokens[index] = delta.prompt_tokens or prompt_tokens[index]
+                held.append((index, delta))
+            waiting.discard(index)
+            if not waiting:
+                for index, delta in held:
+                    yield widened(index, delta)
+                held = []
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
     completion = sum(c.tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -162,9 +219,8 @@ def _chat_chunk(request: ChatRequest) -> Callable:
 
 
 def _completion_whole(request: CompletionRequest) -> Callable[[int, Choice], dict]:
-    echo = request.text() if request.echo else ""
-
     def choice(index: int, c: Choice) -> dict:
+        echo = request.prompt_of(index) if request.echo else ""
         logprobs = (completion_logprobs(c.logprobs, request.logprobs, len(echo))
                     if request.logprobs is not None else None)
         return {"index": index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
@@ -174,7 +230,7 @@ def _completion_whole(request: CompletionRequest) -> Callable[[int, Choice], dic
 def _completion_chunk(request: CompletionRequest) -> Callable:
     def choice(index: int, text: str, positions, finish_reason, first_chunk: bool) -> dict:
         if first_chunk and request.echo:
-            text = request.text() + text
+            text = request.prompt_of(index) + text
         logprobs = (completion_logprobs(positions or [], request.logprobs, 0)
                     if request.logprobs is not None and positions else None)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -200,7 +256,8 @@ async def whole(endpoint: TextEndpoint, model: str, stream: AsyncIterator[Delta]
             choice.tokens += delta.tokens[i]
             choice.logprobs += delta.logprobs[i] or []
         for i, reason in enumerate(delta.finish_reasons or []):
-            choices[i].finish_reason = FINISH_REASONS.get(reason, "stop")
+            if reason is not None:  # None: a choice of another prompt (``joined``), still running
+                choices[i].finish_reason = FINISH_REASONS.get(reason, "stop")
     return {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "object": endpoint.object, "created": int(time.time()),
             "model": model, "choices": [endpoint.whole_choice(i, c) for i, c in enumerate(choices)],
             "usage": usage(prompt_tokens, choices)}
@@ -233,7 +290,7 @@ async def events(endpoint: TextEndpoint, model: str, stream: AsyncIterator[Delta
                     started[i] = True
             if delta.finish_reasons:
                 yield chunk([endpoint.chunk_choice(i, "", None, FINISH_REASONS.get(r, "stop"), False)
-                             for i, r in enumerate(reasons)])
+                             for i, r in enumerate(reasons) if r is not None])
     except OpenAIError as error:
         yield f"data: {json.dumps(error.body())}\n\n"
     else:

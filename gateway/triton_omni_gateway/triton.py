@@ -97,6 +97,15 @@ class Triton:
                 found.setdefault(name, model)
         return found
 
+    async def backend(self, model: str) -> str | None:
+        """The backend serving ``model`` (``omni_speech``, ...; ``ensemble`` for an ensemble), or None
+        where Triton serves no such model."""
+        try:
+            config = (await self.client.get_model_config(model, as_json=True))["config"]
+        except InferenceServerException:
+            return None
+        return "ensemble" if config.get("platform") == "ensemble" else config.get("backend") or None
+
     async def parameters(self, model: str) -> dict[str, str]:
         """The ``parameters`` of ``model``'s configuration, as strings ({} where Triton gives none)."""
         try:

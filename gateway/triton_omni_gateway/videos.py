@@ -75,7 +75,7 @@ class VideoJobs:
 
     async def create(self, request: VideoRequest) -> dict:
         values = self._values(request)
-        kind = await self.images.kind(request.model)
+        kind = await self.images.kind(request.model, "videos")
         self._expire()
         if len(self._jobs) >= self.max_jobs:
             raise OpenAIError(429, f"this gateway keeps at most {self.max_jobs} video jobs and holds as many: "

@@ -88,6 +88,46 @@ def test_a_completion_equals_the_ar_model_s(client, server):
     assert response.usage.completion_tokens == 8 and response.usage.prompt_tokens > 0
 
 
+PROMPTS = ["hello there", "a red fox", "once upon a time"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_several_prompts_give_each_prompt_s_own_completions(client, stream):
+    """A list of prompts: each prompt's ``n`` completions, prompt i's at choices ``i * n`` on, equal to
+    what that prompt alone gets; the usage adds up the prompts'. Streamed, each choice's chunks join
+    into the same text and end with one finish reason."""
+    options = {"model": "ar", "max_tokens": 5, "n": 2, "seed": 4, "echo": True}
+    alone = [client.completions.create(prompt=prompt, **options) for prompt in PROMPTS]
+    expected = [choice.text for response in alone for choice in response.choices]
+    assert len(set(expected)) == len(expected)  # the prompts and the choices all differ: a mix-up shows
+    if not stream:
+        response = client.completions.create(prompt=PROMPTS, **options)
+        assert [c.index for c in response.choices] == list(range(6))
+        assert [c.text for c in response.choices] == expected
+        usage = response.usage
+    else:
+        texts, reasons, usage = [""] * 6, [[] for _ in range(6)], None
+        for chunk in client.completions.create(prompt=PROMPTS, stream=True, stream_options={"include_usage": True},
+                                               **options):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+        assert texts == expected and reasons == [["length"]] * 6
+    assert usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert usage.completion_tokens == sum(r.usage.completion_tokens for r in alone) == 30
+
+
+def test_a_prompt_the_model_refuses_among_several_refuses_the_request_by_name(client):
+    too_long = "x " * 20_000  # past the demo model's context
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            response = client.completions.create(model="ar", prompt=["hello", too_long], max_tokens=4, stream=stream)
+            list(response) if stream else None
+        assert "prompt" in refused.value.message
+    assert client.completions.create(model="ar", prompt=["hello", "there"], max_tokens=2).usage.completion_tokens == 4
+
+
 def test_chat_streamed_and_whole_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model="ar", messages=messages, max_completion_tokens=8, seed=3)
@@ -290,7 +330,9 @@ BAD_INPUTS = [
     ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", CHAT | {"model": "no_such_model"}, 404, "model"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 33}, 400, "prompt"),  # past MAX_PROMPTS
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt.1"),
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/images/generations", {}, 400, "prompt"),

@@ -473,11 +473,14 @@ def test_the_speech_endpoint_speaks_its_input_in_every_format(speech_server):
     ({"input": " "}, "input"),
     ({"response_format": "ogg"}, "response_format"),
     ({"model": "ar_encoder"}, "model"),
+    ({"model": "tts-1"}, "model"),  # OpenAI's name, not served here
 ])
 def test_the_speech_endpoint_names_what_it_refuses(speech_server, body, param):
     with pytest.raises(openai.BadRequestError) as error:
         speech_server.openai.audio.speech.create(**({"model": "speech", "input": "hi", "voice": "ethan"} | body))
     assert error.value.body["param"] == param
+    if param == "model":  # a model that does not speak: the ones that do are named
+        assert "does not speak: the speech model here: 'speech'" in error.value.message
     assert speech_server.openai.audio.speech.create(model="speech", input="hi", voice="ethan",
                                                     response_format="wav").content[:4] == b"RIFF"
 

@@ -237,6 +237,9 @@ def test_what_the_gateway_refuses_is_a_400_404_or_429(videos_api):
     with pytest.raises(openai.BadRequestError) as refused:
         videos_api.videos.create(prompt=PROMPT, model="diffusion", size="wide")
     assert refused.value.body["param"] == "size"
+    with pytest.raises(openai.BadRequestError) as refused:  # a text model: refused at once, no job
+        videos_api.videos.create(prompt=PROMPT, model="ar_encoder", size="32x32")
+    assert refused.value.body["code"] == "not_a_video_model" and "does not make videos" in refused.value.message
     with pytest.raises(openai.NotFoundError):
         videos_api.videos.retrieve("video_0")
     with pytest.raises(openai.NotFoundError):
