@@ -324,6 +324,14 @@ class CompletionRequest(_Sampling):
             values["logprobs"] = self.logprobs
         return values
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_token_ids(cls, prompt):
+        tokens = isinstance(prompt, list) and prompt and all(isinstance(p, int | list) for p in prompt)
+        if tokens:  # OpenAI's prompt as token ids ([1, 2] or [[1, 2], [3]]): the model reads text
+            raise ValueError("prompts as token ids are not taken here: send the text (a string, or a list of them)")
+        return prompt
+
     def texts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
 

@@ -333,6 +333,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": ["a"] * 33}, 400, "prompt"),  # past MAX_PROMPTS
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt.1"),
+    ("/v1/completions", {"prompt": [1, 2, 3]}, 400, "prompt"),  # token ids: refused by name
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/images/generations", {}, 400, "prompt"),
