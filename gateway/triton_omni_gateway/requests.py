@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -52,6 +53,63 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _nothing(value: Any) -> bool:
+    return value in (None, False, [], {}, "")
+
+
+NO_TOOLS = "tool calls are not made by the models this gateway serves"
+# OpenAI's fields that ask for what this gateway does not do. Clients send several of them with values
+# that ask for nothing (their defaults, or an earlier reply's message sent back as it came): those
+# are accepted and dropped; a value that asks for something is refused by name, with the reason.
+# field -> (whether a value asks for nothing, the refusal)
+IDLE_TEXT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "store": (_nothing, "this gateway stores no completions"),
+    "metadata": (lambda value: value is None or isinstance(value, dict), "must be an object of tags"),
+    "service_tier": (lambda value: value in (None, "auto", "default"), "this server has one service tier"),
+    "prompt_cache_key": (lambda value: value is None or isinstance(value, str), "must be a string"),
+    "safety_identifier": (lambda value: value is None or isinstance(value, str), "must be a string"),
+}
+IDLE_CHAT_FIELDS = IDLE_TEXT_FIELDS | {
+    "tools": (_nothing, NO_TOOLS),
+    "functions": (_nothing, NO_TOOLS),
+    "tool_choice": (lambda value: value in (None, "none", "auto"), NO_TOOLS),  # auto, with no tools: none
+    "function_call": (lambda value: value in (None, "none"), NO_TOOLS),
+    "parallel_tool_calls": (lambda value: value is None or isinstance(value, bool), NO_TOOLS),
+    "response_format": (lambda value: value is None or value == {"type": "text"},
+                        "structured output (JSON) is not constrained here: ask for JSON in the prompt"),
+    "reasoning_effort": (_nothing, "the models this gateway serves have no reasoning setting"),
+    "verbosity": (_nothing, "the models this gateway serves have no verbosity setting"),
+    "prediction": (_nothing, "predicted outputs are not used here"),
+    "web_search_options": (_nothing, "this gateway searches nothing"),
+}
+IDLE_COMPLETION_FIELDS = IDLE_TEXT_FIELDS | {
+    "suffix": (_nothing, "the models this gateway serves do not fill in the middle"),
+    "best_of": (lambda value: value in (None, 1), "is not taken here: use n"),
+}
+# in an assistant message sent back as an earlier reply came
+IDLE_MESSAGE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "refusal": (_nothing, "a refusal is not read back: send it as content"),
+    "annotations": (_nothing, "annotations are not read back"),
+    "tool_calls": (_nothing, NO_TOOLS),
+    "function_call": (_nothing, NO_TOOLS),
+    "audio": (_nothing, "an earlier reply's audio is not kept here: send its transcript as content"),
+}
+
+
+def _without_idle(values: Any, fields: dict[str, tuple[Callable[[Any], bool], str]], where: str = "") -> Any:
+    """``values`` (a body, or a message: ``where`` its place) without the fields of ``fields`` whose
+    value asks for nothing; one that asks for something is refused naming it."""
+    if not isinstance(values, dict):
+        return values
+    kept = dict(values)
+    for name, (idle, refusal) in fields.items():
+        if name in kept:
+            if not idle(kept[name]):
+                raise invalid(f"{where}{name}", refusal)
+            del kept[name]
+    return kept
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool = False
 
@@ -77,6 +135,16 @@ class _Sampling(_Body):
     top_k: Int32 | None = None
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
+    # token id (a string, as JSON keys are) -> a bias added to its logit, OpenAI's -100 to 100
+    logit_bias: dict[StrictStr, Annotated[Number | StrictInt, Field(ge=-100, le=100)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for token in bias or {}:
+            if not (token.isascii() and token.isdecimal()):
+                raise ValueError(f"its keys are token ids, got {token!r:.40}")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -94,6 +162,8 @@ class _Sampling(_Body):
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.max_tokens is not None:
             values["max_tokens"] = self.max_tokens
+        if self.logit_bias:  # the model names a token id past its vocabulary
+            values["logit_bias"] = self.logit_bias
         return values
 
     @property
@@ -181,12 +251,22 @@ class ChatAudio(_Body):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+
     max_completion_tokens: Annotated[Int32, Field(ge=1)] | None = None
     modalities: Annotated[list[Literal["text", "audio"]], Field(min_length=1)] | None = None
     audio: ChatAudio | None = None
     talker: TalkerOptions | None = None  # this gateway's extension
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _idle(cls, values: Any) -> Any:
+        values = _without_idle(values, IDLE_CHAT_FIELDS)
+        if isinstance(values, dict) and isinstance(values.get("messages"), list):
+            values["messages"] = [_without_idle(m, IDLE_MESSAGE_FIELDS, f"messages.{i}.")
+                                  for i, m in enumerate(values["messages"])]
+        return values
 
     @model_validator(mode="after")
     def _parts_read(self) -> ChatRequest:
@@ -315,6 +395,11 @@ class CompletionRequest(_Sampling):
     """``prompt``: one, or several (each of their ``n`` completions a choice, prompt i's at ``i * n``)."""
 
     prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _idle(cls, values: Any) -> Any:
+        return _without_idle(values, IDLE_COMPLETION_FIELDS)
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
 

@@ -128,6 +128,30 @@ def test_a_prompt_the_model_refuses_among_several_refuses_the_request_by_name(cl
     assert client.completions.create(model="ar", prompt=["hello", "there"], max_tokens=2).usage.completion_tokens == 4
 
 
+def test_what_clients_send_by_default_is_taken(client):
+    """Fields of OpenAI's that ask for nothing, as clients send them (an earlier reply's message sent
+    back as it came, with its ``refusal`` and ``annotations``; ``store: false``; no tools): answered."""
+    earlier = {"role": "assistant", "content": "hello", "refusal": None, "annotations": [], "audio": None,
+               "tool_calls": None, "function_call": None}
+    response = client.chat.completions.create(
+        model="ar", messages=[{"role": "user", "content": "hi"}, earlier, {"role": "user", "content": "and?"}],
+        max_tokens=3, store=False, metadata={"run": "7"}, service_tier="auto", tools=[], tool_choice="none",
+        parallel_tool_calls=False, response_format={"type": "text"}, logit_bias={}, user="u-1")
+    assert response.usage.completion_tokens == 3
+
+
+def test_a_logit_bias_reaches_the_model(client):
+    """OpenAI's ``logit_bias``, vLLM's too: a +100 on one token makes every token it (greedy); without
+    it the demo model writes different ones."""
+    def tokens(**bias) -> list[str]:
+        response = client.completions.create(model="ar", prompt="hello there", max_tokens=6, temperature=0,
+                                             logprobs=0, **bias)
+        return response.choices[0].logprobs.tokens
+
+    assert len(set(tokens())) > 1
+    assert len(set(tokens(logit_bias={"42": 100}))) == 1
+
+
 def test_chat_streamed_and_whole_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model="ar", messages=messages, max_completion_tokens=8, seed=3)
@@ -328,6 +352,17 @@ BAD_INPUTS = [
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", CHAT | {"stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+    # OpenAI's fields that ask for what the gateway does not do, each named with the reason
+    ("/v1/chat/completions", CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", CHAT | {"store": True}, 400, "store"),
+    ("/v1/chat/completions", CHAT | {"reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "assistant", "content": None,
+                                                   "tool_calls": [{"id": "call_1"}]}]}, 400, "messages.0.tool_calls"),
+    ("/v1/chat/completions", CHAT | {"logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", CHAT | {"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", CHAT | {"model": "no_such_model"}, 404, "model"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a"] * 33}, 400, "prompt"),  # past MAX_PROMPTS
