@@ -119,15 +119,13 @@ async def joined(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[D
             found.put_nowait((index, None))
 
     def widened(index: int, delta: Delta) -> Delta:
-        texts, tokens, logprobs = [""] * width, [0] * width, [None] * width
-        at = slice(index * n, index * n + len(delta.texts))
-        texts[at], tokens[at], logprobs[at] = delta.texts, delta.tokens, delta.logprobs
-        reasons = None
-        if delta.finish_reasons:
-            reasons = [None] * width
-            reasons[index * n:index * n + len(delta.finish_reasons)] = delta.finish_reasons
-        return Delta(texts=texts, tokens=tokens, logprobs=logprobs, finish_reasons=reasons,
-                     prompt_tokens=sum(prompt_tokens))
+        """``delta`` (prompt ``index``'s ``n`` completions) in its place among all the completions."""
+        def placed(values: list, empty: Any) -> list:
+            return [empty] * (index * n) + (list(values) + [empty] * n)[:n] + [empty] * (width - (index + 1) * n)
+
+        reasons = placed(delta.finish_reasons, None) if delta.finish_reasons else None
+        return Delta(texts=placed(delta.texts, ""), tokens=placed(delta.tokens, 0),
+                     logprobs=placed(delta.logprobs, None), finish_reasons=reasons, prompt_tokens=sum(prompt_tokens))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
@@ -144,8 +142,8 @@ async def joined(streams: list[AsyncIterator[Delta]], n: int) -> AsyncIterator[D
                 held.append((index, delta))
             waiting.discard(index)
             if not waiting:
-                for index, delta in held:
-                    yield widened(index, delta)
+                for place, each in held:
+                    yield widened(place, each)
                 held = []
     finally:
         for task in tasks:

@@ -4,6 +4,7 @@ probabilities reshaped."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -18,7 +19,7 @@ from triton_omni_gateway.app import GatewaySettings
 from triton_omni_gateway.errors import OpenAIError, from_triton
 from triton_omni_gateway.images import _options, _seeded, png
 from triton_omni_gateway.requests import ChatRequest, CompletionRequest, ImageRequest, parse
-from triton_omni_gateway.text import ar_values, chat_logprobs, completion_logprobs
+from triton_omni_gateway.text import Delta, ar_values, chat_logprobs, completion_logprobs, joined
 
 
 def refused(kind, body) -> OpenAIError:
@@ -271,3 +272,44 @@ def test_every_preset_encodes_the_same_frames_near_alike(preset):
     decoded, fps = decode_mp4(encode_mp4(frames, 16.0, preset=preset))
     assert fps == 16.0 and decoded.shape == frames.shape
     assert np.abs(decoded.astype(float) - frames).mean() < 4.0
+
+
+# -- several completion prompts joined into one stream of their choices
+
+async def _prompt(index: int, deltas: int, closed: list[int], refuse: bool = False):
+    """Prompt ``index``'s stream of two completions: ``deltas`` deltas, the last finishing both."""
+    try:
+        for step in range(deltas):
+            await asyncio.sleep(0.001 * (3 - index))  # the last prompt answers first
+            if refuse:
+                raise OpenAIError(400, "text_input: too long", param="text_input")
+            yield Delta(texts=[f"{index}.{step}a", f"{index}.{step}b"], tokens=[1, 1], logprobs=[None, None],
+                        finish_reasons=["length", "stop"] if step == deltas - 1 else None, prompt_tokens=10 + index)
+    finally:
+        closed.append(index)
+
+
+def test_joined_prompts_keep_each_prompt_s_choices_in_its_place():
+    async def run():
+        closed: list[int] = []
+        return [d async for d in joined([_prompt(i, 3 - i, closed) for i in range(3)], 2)], closed
+
+    deltas, closed = asyncio.run(run())
+    texts = ["".join(d.texts[i] for d in deltas) for i in range(6)]
+    assert texts == ["0.0a0.1a0.2a", "0.0b0.1b0.2b", "1.0a1.1a", "1.0b1.1b", "2.0a", "2.0b"]
+    # every prompt's first response before anything passes on: the first three deltas are the three prompts'
+    assert [next(i for i, t in enumerate(d.texts) if t) // 2 for d in deltas[:3]] == [2, 1, 0]
+    reasons = [r for d in deltas if d.finish_reasons for r in d.finish_reasons if r is not None]
+    assert sorted(reasons) == ["length"] * 3 + ["stop"] * 3
+    assert {d.prompt_tokens for d in deltas} == {33} and sorted(closed) == [0, 1, 2]
+
+
+def test_a_refused_prompt_refuses_the_joined_stream_and_closes_the_others():
+    async def run():
+        closed: list[int] = []
+        stream = joined([_prompt(0, 50, closed), _prompt(1, 1, closed, refuse=True)], 2)
+        with pytest.raises(OpenAIError, match="too long"):
+            await anext(stream)  # nothing passed on before the refusal
+        return closed
+
+    assert sorted(asyncio.run(run())) == [0, 1]
