@@ -307,9 +307,10 @@ def test_joined_prompts_keep_each_prompt_s_choices_in_its_place():
 def test_a_refused_prompt_refuses_the_joined_stream_and_closes_the_others():
     async def run():
         closed: list[int] = []
-        stream = joined([_prompt(0, 50, closed), _prompt(1, 1, closed, refuse=True)], 2)
+        # prompt 1 answers before prompt 0 refuses: nothing may pass on before the refusal
+        stream = joined([_prompt(0, 1, closed, refuse=True), _prompt(1, 50, closed)], 2)
         with pytest.raises(OpenAIError, match="too long"):
-            await anext(stream)  # nothing passed on before the refusal
+            await anext(stream)
         return closed
 
     assert sorted(asyncio.run(run())) == [0, 1]
