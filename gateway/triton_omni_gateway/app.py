@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from triton_omni_client.video import PRESET, PRESETS
 
+from triton_omni_gateway import responses
 from triton_omni_gateway.audio import (
     MEDIA_TYPES,
     SPEECH_BACKEND,
@@ -40,6 +41,7 @@ from triton_omni_gateway.requests import (
     ChatRequest,
     CompletionRequest,
     ImageRequest,
+    ResponsesRequest,
     SpeechRequest,
     parse,
     parse_edit,
@@ -200,16 +202,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         content, media_type = await video_jobs(request).content(video_id, request.query_params.get("variant", "video"))
         return Response(content, media_type=media_type)
 
+    async def chat_prompt(name: str, model: str, messages: list[dict]) -> str:
+        """``messages`` in the chat template of ``model`` (which the request named ``name``)."""
+        try:
+            return await templates.render(model, messages)
+        except OpenAIError as error:
+            if error.param == "model" and model not in await triton.models():
+                raise model_not_found(name) from None
+            raise
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request, ChatRequest)
         model, adapter = await served_by(body.model)
-        try:
-            prompt = await templates.render(model, body.chat())
-        except OpenAIError as error:
-            if error.param == "model" and model not in await triton.models():
-                raise model_not_found(body.model) from None
-            raise
+        prompt = await chat_prompt(body.model, model, body.chat())
         if body.speaks:
             return await spoken_response(request, body, prompt, model)
         return await text_response(request, body, chat_endpoint(body), prompt, model, adapter, body.audio_clips(),
@@ -276,6 +282,31 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """The speech model's own voices (its talker's speakers)."""
         authorize(request, settings.key)
         return {"voices": Voices(templates.paths.get(SPEECH_MODEL)).names()}
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        """OpenAI's Responses API on a text model (``responses.py``)."""
+        body = await body_of(request, ResponsesRequest)
+        model, adapter = await served_by(body.model)
+        prompt = await chat_prompt(body.model, model, body.chat())
+        stream = deltas(triton, model, prompt, body.sampling() | ({"lora_name": adapter} if adapter else {}))
+        if not body.stream:
+            return await unless_disconnected(request, responses.whole(body, stream))
+        first = await anext(stream)  # a refused request is a 4xx, not an event
+
+        async def replayed():
+            yield first
+            async for delta in stream:
+                yield delta
+
+        return StreamingResponse(responses.events(body, replayed()), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str):
+        authorize(request, settings.key)
+        raise OpenAIError(404, f"No response with id '{response_id:.64}': this gateway keeps no responses",
+                          param="response_id", code="response_not_found")
 
     @app.post("/v1/completions")
     async def complete(request: Request):

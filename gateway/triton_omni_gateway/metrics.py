@@ -16,8 +16,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/chat/completions", "/v1/completions", "/v1/models",
-             "/v1/videos", "/health")
+ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+             "/v1/models", "/v1/videos", "/v1/audio/speech", "/health")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 

@@ -391,6 +391,94 @@ class SpeechRequest(_Body):
         return value
 
 
+class InputText(_Body):
+    type: Literal["input_text"]
+    text: StrictStr
+
+
+class OutputText(_Body):
+    """An earlier response's text, sent back as it came."""
+
+    type: Literal["output_text"]
+    text: StrictStr
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class InputMessage(_Body):
+    """A Responses API input message; an earlier response's output message (``id``, ``status``) too."""
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[InputText | OutputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class ResponseText(_Body):
+    format: TextFormat | None = None  # JSON output: refused, as for chat (a 400 naming text.format.type)
+    verbosity: None = None
+
+
+IDLE_RESPONSE_FIELDS = {name: IDLE_CHAT_FIELDS[name] for name in (
+    "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "tools", "tool_choice",
+    "parallel_tool_calls")} | {
+    # stored or not, the response is the same; this gateway keeps none (GET /v1/responses/{id} is a 404)
+    "store": (lambda value: value is None or isinstance(value, bool), "must be true or false"),
+    "include": (_nothing, "nothing more is included in these responses"),
+    "reasoning": (_nothing, "the models this gateway serves have no reasoning setting"),
+    "background": (_nothing, "responses are not run in the background here: ask without it"),
+    "truncation": (lambda value: value in (None, "disabled"), "the input is never truncated here"),
+    "max_tool_calls": (_nothing, NO_TOOLS),
+    "previous_response_id": (_nothing, "this gateway keeps no responses: send the conversation as input"),
+    "conversation": (_nothing, "this gateway keeps no conversations: send the conversation as input"),
+    "prompt": (_nothing, "this gateway keeps no prompt templates"),
+    "top_logprobs": (_nothing, "log probabilities: use /v1/chat/completions"),
+}
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API on a text model: ``input`` as text or messages, ``instructions`` as
+    the system turn, one output message back."""
+
+    model: StrictStr = "ar"
+    input: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[Int32, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    stream: StrictBool = False
+    user: StrictStr | None = None
+    text: ResponseText | None = None
+    # vLLM's extension
+    seed: Seed | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _idle(cls, values: Any) -> Any:
+        kept = _without_idle(values, IDLE_RESPONSE_FIELDS)
+        if isinstance(kept, dict) and isinstance(kept.get("input"), list):
+            kept["input"] = [_without_idle(m, IDLE_MESSAGE_FIELDS, f"input.{i}.") for i, m in enumerate(kept["input"])]
+        return kept
+
+    def sampling(self) -> dict[str, Any]:
+        values = {key: getattr(self, key) for key in ("temperature", "top_p", "seed") if getattr(self, key) is not None}
+        return values | ({"max_tokens": self.max_output_tokens} if self.max_output_tokens is not None else {})
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation as a chat template reads it: the instructions as its system turn."""
+        turns = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]
+        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + turns
+
+
 class CompletionRequest(_Sampling):
     """``prompt``: one, or several (each of their ``n`` completions a choice, prompt i's at ``i * n``)."""
 
@@ -613,7 +701,7 @@ def _union_member(part: int | str) -> bool:
     """Pydantic names the member of a union it tried (``stop.str``, ``stop.list[str]``, a model's class
     name): not a field (this API's fields are lower case)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
-                                      or part[:1].isupper())
+                                      or part[:1].isupper() or part.startswith("constrained-"))
 
 
 def parse(kind: type[_Body], raw: bytes) -> Any:

@@ -152,6 +152,46 @@ def test_a_logit_bias_reaches_the_model(client):
     assert len(set(tokens(logit_bias={"42": 100}))) == 1
 
 
+def test_a_response_equals_the_chat_completion_of_its_conversation(client):
+    """The Responses API: ``instructions`` are the system turn and ``input`` the user's, so a response
+    equals the chat completion of the same turns (and another instruction changes it); an earlier
+    response's output sent back as the SDK returns it is the assistant's turn."""
+    options = {"model": "ar", "max_output_tokens": 8, "extra_body": {"seed": 3}}
+    response = client.responses.create(input="hello", instructions="Be brief.", **options)
+    chat = client.chat.completions.create(model="ar", max_tokens=8, seed=3, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])
+    assert response.output_text == chat.choices[0].message.content
+    other = client.responses.create(input="hello", instructions="Be long.", **options)
+    assert other.output_text != response.output_text
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 8 and response.usage.input_tokens == chat.usage.prompt_tokens
+    again = client.responses.create(input=[{"role": "user", "content": "hello"}, *response.output,
+                                           {"role": "user", "content": [{"type": "input_text", "text": "and?"}]}],
+                                    **options)
+    chat = client.chat.completions.create(model="ar", max_tokens=8, seed=3, messages=[
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": response.output_text},
+        {"role": "user", "content": "and?"}])
+    assert again.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):  # nothing is stored
+        client.responses.retrieve(response.id)
+
+
+def test_a_streamed_response_gives_the_api_s_events_and_the_whole_response(client):
+    options = {"model": "ar", "input": "hello", "max_output_tokens": 6, "extra_body": {"seed": 5}}
+    whole = client.responses.create(**options)
+    kinds = [event.type for event in client.responses.create(stream=True, **options)]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    with client.responses.stream(**options) as stream:  # the SDK's helper checks the events' order
+        events = list(stream)
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response  # max_output_tokens ended it: incomplete, as OpenAI's ends such a stream
+    assert deltas == final.output_text == whole.output_text and final.usage.output_tokens == 6
+
+
 def test_chat_streamed_and_whole_agree(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model="ar", messages=messages, max_completion_tokens=8, seed=3)
@@ -361,6 +401,11 @@ BAD_INPUTS = [
                                                    "tool_calls": [{"id": "call_1"}]}]}, 400, "messages.0.tool_calls"),
     ("/v1/chat/completions", CHAT | {"logit_bias": {"a": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", CHAT | {"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    ("/v1/responses", {"input": ""}, 400, "input"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}}, 400, "text.format.type"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", CHAT | {"model": "no_such_model"}, 404, "model"),
