@@ -290,6 +290,12 @@ def test_without_triton_every_answer_is_503(server):
         with pytest.raises(openai.InternalServerError) as unavailable:
             client.models.list()
         assert unavailable.value.status_code == 503
+        for call in (lambda: client.responses.create(input="hi"),
+                     lambda: client.audio.speech.create(model="speech", input="hi", voice="ethan"),
+                     lambda: client.completions.create(model="ar", prompt=["a", "b"])):
+            with pytest.raises(openai.InternalServerError) as unavailable:
+                call()
+            assert unavailable.value.status_code == 503
         assert httpx.get(f"http://{orphan.url}/health").status_code == 503
     finally:
         orphan.stop()
