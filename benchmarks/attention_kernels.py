@@ -40,6 +40,21 @@ SHAPES = {
 }
 
 
+def timed(call, reference: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(seconds per ``call()``, the largest difference of its output from ``reference``): the first
+    call compiles where a kernel is JIT, three more warm up, then ``repeats`` timed on the GPU."""
+    difference = float((call().float() - reference.float()).abs().max())
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats, difference
+
+
 def time_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reference: torch.Tensor,
               repeats: int) -> tuple[float, float] | Exception:
     """(seconds per call, the largest difference from SDPA's output), or why it cannot run."""
@@ -47,17 +62,7 @@ def time_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, refe
 
     try:
         backend = usable_backend(name)
-        out = dispatch_attention_fn(q, k, v, backend=backend)  # the first call compiles, where a kernel is JIT
-        difference = float((out.float() - reference.float()).abs().max())
-        for _ in range(3):
-            dispatch_attention_fn(q, k, v, backend=backend)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            dispatch_attention_fn(q, k, v, backend=backend)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats, difference
+        return timed(lambda: dispatch_attention_fn(q, k, v, backend=backend), reference, repeats)
     except Exception as exc:  # a kernel this host lacks: listed with the reason
         return exc
 
@@ -81,20 +86,7 @@ def time_fa4_tile(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         from flash_attn.cute.interface import _flash_attn_fwd
 
         arguments = fa4_tile(spec)
-
-        def call() -> torch.Tensor:
-            return _flash_attn_fwd(q, k, v, **arguments)[0]
-
-        difference = float((call().float() - reference.float()).abs().max())
-        for _ in range(3):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats, difference
+        return timed(lambda: _flash_attn_fwd(q, k, v, **arguments)[0], reference, repeats)
     except Exception as exc:  # a tile the kernel refuses, or no package: listed with the reason
         return exc
 

@@ -7,7 +7,7 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +120,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                   code="body_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def primed(stream: AsyncIterator) -> AsyncIterator:
+        """``stream`` with its first item already come: that comes before the status line, so a
+        refused request is a 4xx, not an event or a broken stream. Iterate what this returns; close
+        ``stream`` itself (the response's background task), which closes the request upstream."""
+        first = await anext(stream)
+
+        async def replayed():
+            yield first
+            async for item in stream:
+                yield item
+
+        return replayed()
 
     async def unless_disconnected(request: Request, work: Awaitable) -> Any:
         """``work``, cancelled (and its Triton request with it) if the client goes away first."""
@@ -265,17 +278,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return Response(await unless_disconnected(request, whole_audio(chunks, body.response_format)),
                             media_type=media_type)
         stream = encoded(chunks, body.response_format)
-        first_bytes = await anext(stream)  # a refused request is a 4xx, not a broken stream
-
-        async def replayed():
-            yield first_bytes
-            async for data in stream:
-                yield data
-
+        replayed = await primed(stream)
         if body.stream_format == "sse":
-            return StreamingResponse(sse(replayed()), media_type="text/event-stream",
+            return StreamingResponse(sse(replayed), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
-        return StreamingResponse(replayed(), media_type=media_type, background=BackgroundTask(stream.aclose))
+        return StreamingResponse(replayed, media_type=media_type, background=BackgroundTask(stream.aclose))
 
     @app.get("/v1/audio/voices")
     async def voices(request: Request):
@@ -292,14 +299,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         stream = deltas(triton, model, prompt, body.sampling() | ({"lora_name": adapter} if adapter else {}))
         if not body.stream:
             return await unless_disconnected(request, responses.whole(body, stream))
-        first = await anext(stream)  # a refused request is a 4xx, not an event
-
-        async def replayed():
-            yield first
-            async for delta in stream:
-                yield delta
-
-        return StreamingResponse(responses.events(body, replayed()), media_type="text/event-stream",
+        return StreamingResponse(responses.events(body, await primed(stream)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
 
     @app.get("/v1/responses/{response_id}")
@@ -354,20 +354,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             if not body.stream:
                 return await unless_disconnected(request, whole(endpoint, body.model, stream, choices))
-            # The first answer from Triton comes before the status line: a refused request is a 4xx, not an event.
-            first = await anext(stream)
+            replayed = await primed(stream)
         except OpenAIError as error:
             raise part_named(error, body) from None
-
-        async def replayed():
-            yield first
-            async for delta in stream:
-                yield delta
-
         # A client that leaves mid-stream: Starlette stops iterating the events where they stand, each
         # generator suspended, and nothing would close Triton's stream until the garbage collector found
         # them (the model meanwhile generating on). The background task runs after a disconnect too.
-        return StreamingResponse(events(endpoint, body.model, replayed(), choices, body.include_usage),
+        return StreamingResponse(events(endpoint, body.model, replayed, choices, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(stream.aclose))
 

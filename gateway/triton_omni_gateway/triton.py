@@ -82,10 +82,7 @@ class Triton:
     async def _read_adapters(self) -> dict[str, str]:
         found: dict[str, str] = {}
         for model in await self.models():
-            try:
-                config = (await self.client.get_model_config(model, as_json=True))["config"]
-            except InferenceServerException:
-                continue
+            config = await self.config(model)  # {} for a model unloaded meanwhile: not omni_ar
             parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
             if config.get("backend") != "omni_ar" or parameters.get("mode", "generate") != "generate":
                 continue
@@ -97,22 +94,23 @@ class Triton:
                 found.setdefault(name, model)
         return found
 
+    async def config(self, model: str) -> dict[str, Any]:
+        """``model``'s configuration ({} where Triton serves no such model)."""
+        try:
+            return (await self.client.get_model_config(model, as_json=True))["config"]
+        except InferenceServerException:
+            return {}
+
     async def backend(self, model: str) -> str | None:
         """The backend serving ``model`` (``omni_speech``, ...; ``ensemble`` for an ensemble), or None
         where Triton serves no such model."""
-        try:
-            config = (await self.client.get_model_config(model, as_json=True))["config"]
-        except InferenceServerException:
-            return None
+        config = await self.config(model)
         return "ensemble" if config.get("platform") == "ensemble" else config.get("backend") or None
 
     async def parameters(self, model: str) -> dict[str, str]:
         """The ``parameters`` of ``model``'s configuration, as strings ({} where Triton gives none)."""
-        try:
-            config = (await self.client.get_model_config(model, as_json=True))["config"]
-        except InferenceServerException:
-            return {}
-        return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        return {key: value.get("string_value", "") for key, value in (await self.config(model)).get(
+            "parameters", {}).items()}
 
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
