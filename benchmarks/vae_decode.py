@@ -11,6 +11,9 @@ first call of a shape), and the error column is the distance from PyTorch's defa
 ``COMPILE_OPTIONS``; ``static``: ``dynamic=False`` too): the first decode's seconds (the compile),
 the graphs compiled in it and in the timed rounds after it (a graph compiled there is a decode
 that the warm-up did not prepare), the milliseconds per decode and the ratio to the eager one.
+``--ways`` adds eager variants (``tf32``: float32 matmuls on TF32 tensor cores; ``channels-last``:
+cuDNN's NDHWC convolutions) with their distance from the default decode; ``--profile N`` the N
+costliest kernels of one default decode.
 
 For each batch size it prints the milliseconds of one decode each way and their ratio, the time
 per image, and how far each bf16 image is from the float32 decode of the same latents (mean
@@ -21,12 +24,14 @@ per image.
     python benchmarks/vae_decode.py                               # GPU: 1024², batches 1, 2, 4
     python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2   # GPU: a Wan 2.1 video's decode
     python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --compile default,static
+    python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --ways tf32,channels-last --profile 15
     .venv/bin/python benchmarks/vae_decode.py --size 64 --rounds 1   # CPU: a quick check
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -79,11 +84,11 @@ def pytorchs_group_norms(vae) -> None:
 
 
 def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype,
-        frames: int, compiles: list[str]) -> None:
+        frames: int, compiles: list[str], ways: list[str] = (), profile: int = 0) -> None:
     with built_as(device, torch.float32):
         vae = VAES[name]().eval()
     if name == "wan":
-        return run_video(vae, size, frames, batches, rounds, device, compiles)
+        return run_video(vae, size, frames, batches, rounds, device, compiles, ways, profile)
     side = size // 8  # both VAEs upsample 8x
     for batch in batches:
         generator = torch.Generator(device).manual_seed(batch)
@@ -102,9 +107,9 @@ def run(name: str, size: int, batches: list[int], rounds: int, device: torch.dev
 
 
 def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, device: torch.device,
-              compiles: list[str]) -> None:
+              compiles: list[str], ways: list[str] = (), profile: int = 0) -> None:
     """Wan's decode in float32, PyTorch's defaults against cuDNN's benchmark mode, then against
-    each of ``compiles``."""
+    each of ``ways`` and ``compiles``; ``profile``: the top kernels of one default decode."""
     width, height = (832, 480) if size == 1024 else (size, size)
     shape = (vae.config.z_dim, (frames - 1) // 4 + 1, height // 8, width // 8)
     print("wan: its columns 'spread' are cuDNN's benchmark mode, 'err sp' its distance from the default decode")
@@ -118,8 +123,61 @@ def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, devi
         print(f"{'wan':6s} {f'{width}x{height}x{frames}':>13s} {batch:5d} {native_s * 1e3:10.2f} "
               f"{tuned_s * 1e3:10.2f} {tuned_s / native_s:7.3f} {native_s * 1e3 / batch:10.2f} "
               f"{tuned_s * 1e3 / batch:10.2f} {0.0:9.3f} {float((tuned - native).abs().mean()):9.3f}", flush=True)
+        for way in ways:
+            with VIDEO_WAYS[way](vae, latents) as (vae_way, latents_way):
+                way_s, image = timed_decode(vae_way, latents_way, rounds)
+            print(f"  {way}: {way_s * 1e3:.2f} ms a decode ({way_s / native_s:.3f} of the default), "
+                  f"{float((image - native).abs().mean()):.3f} levels from it (max "
+                  f"{float((image - native).abs().max()):.1f})", flush=True)
         for way in compiles:
             compiled_decode(vae, latents, rounds, way, native_s, native)
+        if profile:
+            profile_decode(vae, latents, profile)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(vae, latents):
+    """Float32 matmuls (the decoder's attention and linear layers) on TF32 tensor cores, as its
+    convolutions already are (cuDNN's default)."""
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield vae, latents
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+@contextlib.contextmanager
+def channels_last(vae, latents):
+    """The 3-D convolutions' weights and the latents in ``channels_last_3d``: cuDNN's NDHWC
+    convolutions."""
+    weights = [p for p in vae.parameters() if p.dim() == 5]
+    for weight in weights:
+        weight.data = weight.data.contiguous(memory_format=torch.channels_last_3d)
+    try:
+        yield vae, latents.contiguous(memory_format=torch.channels_last_3d)
+    finally:
+        for weight in weights:
+            weight.data = weight.data.contiguous()
+
+
+VIDEO_WAYS = {"tf32": tf32_matmuls, "channels-last": channels_last}
+
+
+def profile_decode(vae, latents: torch.Tensor, top: int) -> None:
+    """One eager decode under the profiler: its ``top`` costliest kernels (operators on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = latents.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        decode(vae, latents)
+        synchronize(latents.device)
+    spent = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = sorted(((e.key, getattr(e, spent), e.count) for e in prof.key_averages()), key=lambda k: -k[1])
+    total = sum(us for _, us, _ in kernels) or 1.0
+    print(f"  profile of one decode: {total / 1e3:.2f} ms of kernels")
+    for name, us, count in kernels[:top]:
+        print(f"  {us / 1e3:>9.3f} ms {us / total:>6.1%} {count:>5}x  {name[:110]}")
 
 
 COMPILE_WAYS = {"default": COMPILE_OPTIONS, "static": {**COMPILE_OPTIONS, "dynamic": False}}
@@ -158,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--compile", default="", help="wan: comma-separated compiled decoders to time beside the "
                         "eager one: " + ", ".join(COMPILE_WAYS))
+    parser.add_argument("--ways", default="", help="wan: comma-separated eager variants to time beside the "
+                        "default decode: " + ", ".join(VIDEO_WAYS))
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="wan: the N costliest kernels of one default decode")
     args = parser.parse_args(argv)
     from diffusers.utils import logging as diffusers_logging
 
@@ -169,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'pytorch/im':>10s} {'spread/im':>10s} {'err pt':>9s} {'err sp':>9s}")
     for name in args.vae.split(","):
         run(name, args.size, [int(b) for b in args.batch.split(",")], args.rounds, device, dtype, args.frames,
-            [way for way in args.compile.split(",") if way])
+            [way for way in args.compile.split(",") if way], [way for way in args.ways.split(",") if way], args.profile)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,19 @@ def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
     assert row[:3] == ["flux1", "32", "2"] and float(row[3]) > 0 and float(row[4]) > 0
 
 
+def test_the_vae_decode_benchmark_times_wans_eager_variants_and_restores_the_defaults(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import vae_decode
+
+    vae_decode.main(["--vae", "wan", "--size", "16", "--frames", "5", "--batch", "1", "--rounds", "1",
+                     "--ways", "tf32,channels-last", "--profile", "3"])
+    out = capsys.readouterr().out
+    for way in ("tf32", "channels-last"):
+        [line] = [line for line in out.splitlines() if line.strip().startswith(f"{way}:")]
+        assert "of the default" in line and "levels from it" in line
+    assert "profile of one decode" in out and not torch.backends.cuda.matmul.allow_tf32
+
+
 def test_the_attention_benchmark_reads_flashattention_4_tiles_and_refuses_a_malformed_one(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     import attention_kernels
