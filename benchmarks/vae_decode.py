@@ -12,8 +12,8 @@ first call of a shape), and the error column is the distance from PyTorch's defa
 the graphs compiled in it and in the timed rounds after it (a graph compiled there is a decode
 that the warm-up did not prepare), the milliseconds per decode and the ratio to the eager one.
 ``--ways`` adds eager variants (``tf32``: float32 matmuls on TF32 tensor cores; ``channels-last``:
-cuDNN's NDHWC convolutions) with their distance from the default decode; ``--profile N`` the N
-costliest kernels of one default decode.
+cuDNN's NDHWC convolutions, as a served ``diffusion`` decodes) with their distance from the
+default decode; ``--profile N`` the N costliest kernels of one default decode.
 
 For each batch size it prints the milliseconds of one decode each way and their ratio, the time
 per image, and how far each bf16 image is from the float32 decode of the same latents (mean
@@ -36,7 +36,7 @@ import time
 
 import torch
 from triton_omni.demo_models import built_as
-from triton_omni.diffusion.kernels import spread_group_norms
+from triton_omni.diffusion.kernels import channels_last_convolutions, spread_group_norms
 from triton_omni.diffusion.runner import COMPILE_OPTIONS, CompileWatch
 from triton_omni.families.flux1 import realistic_vae as flux1_vae
 
@@ -149,15 +149,13 @@ def tf32_matmuls(vae, latents):
 
 @contextlib.contextmanager
 def channels_last(vae, latents):
-    """The 3-D convolutions' weights and the latents in ``channels_last_3d``: cuDNN's NDHWC
-    convolutions."""
-    weights = [p for p in vae.parameters() if p.dim() == 5]
-    for weight in weights:
-        weight.data = weight.data.contiguous(memory_format=torch.channels_last_3d)
+    """The 3-D convolutions' weights in ``channels_last_3d`` (cuDNN's NDHWC convolutions), as a
+    served ``diffusion`` keeps a video VAE's on a GPU (``kernels.channels_last_convolutions``)."""
+    channels_last_convolutions(vae)
     try:
-        yield vae, latents.contiguous(memory_format=torch.channels_last_3d)
+        yield vae, latents
     finally:
-        for weight in weights:
+        for weight in (p for p in vae.parameters() if p.dim() == 5):
             weight.data = weight.data.contiguous()
 
 

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
-from triton_omni.diffusion.kernels import Fp8Plan, group_norm, resolve_attention, spread_group_norms
+from triton_omni.diffusion.kernels import (
+    Fp8Plan,
+    channels_last_convolutions,
+    group_norm,
+    resolve_attention,
+    spread_group_norms,
+)
 from triton_omni.families import family_of
 
 QWEN = "demo:tiny-qwen-image"
@@ -157,6 +163,28 @@ def test_a_vae_whose_group_norms_are_spread_decodes_as_before():
         other = vae.decode(latents.flip(-1)).sample
     assert torch.allclose(spread, expected, atol=1e-5)
     assert float((other - expected).abs().mean()) > 100 * float((spread - expected).abs().max())
+
+
+def test_a_video_vae_with_channels_last_convolutions_decodes_the_same_frames():
+    """Wan's VAE with its 3-D convolutions' weights in ``channels_last_3d`` (what a served
+    ``diffusion`` keeps on a GPU): the same sums in another order, so within float32 rounding of
+    the default layout's frames, and other latents land far past that."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    latents = torch.randn(1, 4, 2, 4, 4)
+    with torch.inference_mode():
+        expected = vae.decode(latents).sample
+        count = channels_last_convolutions(vae)
+        assert count == sum(isinstance(m, torch.nn.Conv3d) for m in vae.modules()) > 0
+        assert all(m.weight.is_contiguous(memory_format=torch.channels_last_3d)
+                   for m in vae.modules() if isinstance(m, torch.nn.Conv3d))
+        frames = vae.decode(latents).sample
+        other = vae.decode(latents.flip(-1)).sample
+    assert torch.allclose(frames, expected, atol=1e-5)
+    assert float((other - expected).abs().mean()) > 100 * float((frames - expected).abs().max())
 
 
 def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):

@@ -28,8 +28,11 @@
   installed: diffusers fetches that kernel from the Hugging Face Hub, which an offline GPU host
   cannot reach, so ``installed_kernel`` hands diffusers the package's function instead, as a
   PyTorch custom op that ``compile: blocks`` keeps whole in its graph.
-- The VAE's group norms (on a GPU, unless ``exact_batching: pipeline`` keeps every kernel the
-  pipeline's): ``group_norm``, the same arithmetic spread over the whole GPU.
+- The VAE (on a GPU, unless ``exact_batching: pipeline`` keeps every kernel the pipeline's): its
+  group norms run ``group_norm``, the same arithmetic spread over the whole GPU; its 3-D
+  convolutions' weights (a video VAE's) are kept in ``channels_last_3d``, the layout cuDNN's
+  convolutions compute in, which PyTorch's default layout makes it transpose into and back out of
+  around every call.
 """
 
 from __future__ import annotations
@@ -168,6 +171,16 @@ def spread_group_norms(module: torch.nn.Module) -> int:
     for norm in norms:
         norm.forward = functools.partial(_group_norm_forward, norm)
     return len(norms)
+
+
+def channels_last_convolutions(module: torch.nn.Module) -> int:
+    """Every 3-D convolution's weight inside ``module`` in ``channels_last_3d``, in place; returns
+    how many. A convolution computes in its weight's layout, and each output carries it on to the
+    next layer, so the activations follow; the sums are the same, in another order."""
+    convolutions = [m for m in module.modules() if isinstance(m, torch.nn.Conv3d)]
+    for convolution in convolutions:
+        convolution.weight.data = convolution.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    return len(convolutions)
 
 
 def _group_norm_forward(norm: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:

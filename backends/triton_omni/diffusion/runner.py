@@ -49,6 +49,7 @@ from triton_omni.diffusion.kernels import (
     QUANTIZATIONS,
     Fp8Plan,
     NetworkKernels,
+    channels_last_convolutions,
     check_fp8,
     resolve_attention,
     spread_group_norms,
@@ -327,7 +328,7 @@ class DiffusionRunner:
                 self._parallel_cfg(torch.device(config.cfg_device), kernels, graphed)
             for network in self.family.networks:
                 self._on_torch_thread(lambda network=network: kernels.apply(network))
-            spread = self._spread_vae_group_norms()
+            spread = self._vae_kernels()
             if self.steps is not None:  # a compiled decoder keeps one shape; a spread one is faster alone
                 self.steps.decode_alone = spread or "vae" in config.compiled
             if config.compiled and on_compile is not None:
@@ -417,19 +418,24 @@ class DiffusionRunner:
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
         return NetworkKernels(plan, attention, c.fuse_projections)
 
-    def _spread_vae_group_norms(self) -> bool:
+    def _vae_kernels(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread
-        over the whole GPU), except under ``exact_batching: pipeline``, whose promise is the
-        pipeline's kernels bit for bit; returns whether any did. Step batching then decodes each
-        finished image alone: one image's decode so spread takes less than its share of a batch's,
-        whose group norms PyTorch's kernel runs (a 1024² decode at 4 fills the GPU as it is, and
-        stays as slow). ``compile: vae`` leaves them to inductor, whose group norms are its own."""
+        over the whole GPU) and its 3-D convolutions' weights are kept in cuDNN's layout
+        (``kernels.channels_last_convolutions``), except under ``exact_batching: pipeline``, whose
+        promise is the pipeline's kernels bit for bit; returns whether any group norm was spread.
+        Step batching then decodes each finished image alone: one image's decode so spread takes
+        less than its share of a batch's, whose group norms PyTorch's kernel runs (a 1024² decode
+        at 4 fills the GPU as it is, and stays as slow). ``compile: vae`` leaves the decoder to
+        inductor, whose group norms and layouts are its own."""
         c = self.config
         if self.device.type != "cuda" or c.exact_mode == "pipeline" or "vae" in c.compiled:
             return False
-        count = self._on_torch_thread(lambda: spread_group_norms(self.pipeline.vae))
+        vae = self.pipeline.vae
+        count, convolutions = self._on_torch_thread(lambda: (spread_group_norms(vae), channels_last_convolutions(vae)))
         if count:
             logger.info("The VAE's %d group norms run spread over the GPU (kernels.group_norm)", count)
+        if convolutions:
+            logger.info("The VAE's %d 3-D convolutions compute in channels_last_3d", convolutions)
         return count > 0
 
     def _compile(self) -> None:

@@ -378,6 +378,9 @@ def build_realistic_qwen2_5_omni(out: Path, config_of=None) -> None:
     tokenizer, ids, voices = _qwen25_tokenizer(out)
     config = Qwen2_5OmniConfig(**(config_of(len(tokenizer), ids) if config_of else {}), enable_audio_output=True)
     config.thinker_config.text_config.eos_token_id = ids["<|im_end|>"]
+    # The 7B's config.json names it; some transformers versions' thinker config has no default,
+    # and the thinker's get_rope_index reads it on every prompt.
+    config.thinker_config.vision_start_token_id = ids["<|vision_bos|>"]
     config.architectures = ["Qwen2_5OmniForConditionalGeneration"]  # what is_omni reads
     config.save_pretrained(out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
