@@ -84,7 +84,7 @@ def pytorchs_group_norms(vae) -> None:
 
 
 def run(name: str, size: int, batches: list[int], rounds: int, device: torch.device, dtype: torch.dtype,
-        frames: int, compiles: list[str], ways: list[str] = (), profile: int = 0) -> None:
+        frames: int, compiles: list[str], ways: list[str], profile: int) -> None:
     with built_as(device, torch.float32):
         vae = VAES[name]().eval()
     if name == "wan":
@@ -107,7 +107,7 @@ def run(name: str, size: int, batches: list[int], rounds: int, device: torch.dev
 
 
 def run_video(vae, size: int, frames: int, batches: list[int], rounds: int, device: torch.device,
-              compiles: list[str], ways: list[str] = (), profile: int = 0) -> None:
+              compiles: list[str], ways: list[str], profile: int) -> None:
     """Wan's decode in float32, PyTorch's defaults against cuDNN's benchmark mode, then against
     each of ``ways`` and ``compiles``; ``profile``: the top kernels of one default decode."""
     width, height = (832, 480) if size == 1024 else (size, size)
@@ -155,8 +155,8 @@ def channels_last(vae, latents):
     try:
         yield vae, latents
     finally:
-        for weight in (p for p in vae.parameters() if p.dim() == 5):
-            weight.data = weight.data.contiguous()
+        for convolution in (m for m in vae.modules() if isinstance(m, torch.nn.Conv3d)):
+            convolution.weight.data = convolution.weight.data.contiguous()
 
 
 VIDEO_WAYS = {"tf32": tf32_matmuls, "channels-last": channels_last}

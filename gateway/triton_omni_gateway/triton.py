@@ -83,7 +83,7 @@ class Triton:
         found: dict[str, str] = {}
         for model in await self.models():
             config = await self.config(model)  # {} for a model unloaded meanwhile: not omni_ar
-            parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+            parameters = string_parameters(config)
             if config.get("backend") != "omni_ar" or parameters.get("mode", "generate") != "generate":
                 continue
             try:
@@ -109,8 +109,7 @@ class Triton:
 
     async def parameters(self, model: str) -> dict[str, str]:
         """The ``parameters`` of ``model``'s configuration, as strings ({} where Triton gives none)."""
-        return {key: value.get("string_value", "") for key, value in (await self.config(model)).get(
-            "parameters", {}).items()}
+        return string_parameters(await self.config(model))
 
     async def infer(self, model: str, values: dict[str, Any]) -> grpcclient.InferResult:
         """One request to a batched model (``text_to_image``, ``diffusion``), batch dimension 1."""
@@ -202,3 +201,7 @@ def _strings(raw: bytes) -> list[str]:
         offset += 4 + length
     return values
 
+
+def string_parameters(config: dict[str, Any]) -> dict[str, str]:
+    """A model configuration's ``parameters``, as strings."""
+    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
