@@ -25,10 +25,13 @@ own parts in one process, with no server, so each part's cost per step is seen a
   to the graphs alone.
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
-or the tiny demo's on this host's CPU (it only shows the benchmark works).
+or the tiny demo's on this host's CPU (it only shows the benchmark works). ``--model qwen2.5-omni``:
+Qwen2.5-Omni-7B's talker instead (a code a frame, 50 a second, no code predictor; random thinker
+states in its prompts), its steps and first frame only: its decoder, ``token2wav``, is
+``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor] [--modes compiled,graphs] [--cold-codec]
+        [--compile predictor] [--modes compiled,graphs] [--cold-codec] [--model qwen2.5-omni]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-FRAMES_PER_SECOND = 12.5
+FRAMES_PER_SECOND = {"qwen3-omni": 12.5, "qwen2.5-omni": 50.0}  # a frame each step makes, per second of audio
 
 
 class Timers:
@@ -81,8 +84,17 @@ def utterances(talker, tokenizer, rows: int, frames: int, reply_tokens: int):
     from triton_omni.speech.talker import Utterance
 
     prompt_ids, reply = conversation(tokenizer, reply_tokens)
-    return [Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling(frames, row), lambda item: None)
+    return [Utterance(spoken_prompt(talker, prompt_ids, reply), sampling(talker, frames, row), lambda item: None)
             for row in range(rows)]
+
+
+def spoken_prompt(talker, prompt_ids: list[int], reply: list[int]):
+    """The talker's prompt for a reply; a Qwen2.5-Omni talker's reads the thinker's states at every
+    token (random here: the talker's cost is the same)."""
+    if talker.groups > 1:
+        return talker.prompt(prompt_ids, reply, talker.default_voice)
+    states = torch.randn(len(prompt_ids) + len(reply) - 1, talker.width, generator=torch.Generator().manual_seed(0))
+    return talker.prompt(prompt_ids, reply, talker.default_voice, states=states)
 
 
 def conversation(tokenizer, reply_tokens: int) -> tuple[list[int], list[int]]:
@@ -93,12 +105,11 @@ def conversation(tokenizer, reply_tokens: int) -> tuple[list[int], list[int]]:
     return tokenizer(prompt)["input_ids"], reply
 
 
-def sampling(frames: int, seed: int):
-    """The talker's defaults, held to ``frames`` frames."""
+def sampling(talker, frames: int, seed: int):
+    """The talker's defaults (the model's own), held to ``frames`` frames."""
     from triton_omni.ar.sampling import SamplingOptions
-    from triton_omni.speech.talker import TALKER_DEFAULTS
 
-    options = {k: v for k, v in TALKER_DEFAULTS.items() if k != "max_tokens"}
+    options = {k: v for k, v in talker.defaults.items() if k != "max_tokens"}
     return SamplingOptions(**options, max_tokens=frames, min_tokens=frames, seed=seed)
 
 
@@ -146,7 +157,7 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
                 figures["step_ms_longest"] = 1000 * max(intervals)
         else:
             parts = {part: 1000 * statistics.median(values) for part, values in timers.seconds.items()}
-            parts["the rest"] = (parts["step"] - parts["code predictor"] - parts["first code draw"]
+            parts["the rest"] = (parts["step"] - parts.get("code predictor", 0.0) - parts["first code draw"]
                                  - parts["talker forward"])
             figures["parts_ms (synchronised)"] = parts
     return figures
@@ -172,7 +183,7 @@ def first_frame(batcher, talker, tokenizer, timers: Timers, reply_tokens: int, r
 
         timers.sync()
         started = time.perf_counter()
-        made = Utterance(talker.prompt(prompt_ids, reply, talker.default_voice), sampling(2, attempt), emit)
+        made = Utterance(spoken_prompt(talker, prompt_ids, reply), sampling(talker, 2, attempt), emit)
         timers.sync()
         prompted = time.perf_counter()
         timed = attempt % 2 == 1  # every other run with the prefill synchronised and timed
@@ -308,15 +319,19 @@ def modes(args, device: torch.device) -> dict[str, dict]:
 def print_ratios(faster: dict, slower: dict, label: str, levels: list[int]) -> None:
     for rows in levels:
         free = faster[rows]["step_ms"] / slower[rows]["step_ms"]
-        synced = [faster[rows]["parts_ms (synchronised)"][part] / slower[rows]["parts_ms (synchronised)"][part]
-                  for part in ("step", "talker forward", "code predictor")]
-        print(f"{rows} rows, {label}: a step {free:.3f} free-running, {synced[0]:.3f} synchronised; "
-              f"the talker's forward {synced[1]:.3f}, the code predictor {synced[2]:.3f}")
+        ours, theirs = faster[rows]["parts_ms (synchronised)"], slower[rows]["parts_ms (synchronised)"]
+        synced = {part: ours[part] / theirs[part] for part in ("step", "talker forward", "code predictor")
+                  if part in ours and part in theirs}  # (a Qwen2.5-Omni talker has no code predictor)
+        predictor = f", the code predictor {synced['code predictor']:.3f}" if "code predictor" in synced else ""
+        print(f"{rows} rows, {label}: a step {free:.3f} free-running, {synced['step']:.3f} synchronised; "
+              f"the talker's forward {synced['talker forward']:.3f}{predictor}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("tiny", "realistic"), default="tiny")
+    parser.add_argument("--model", choices=tuple(FRAMES_PER_SECOND), default="qwen3-omni",
+                        help="qwen2.5-omni: its talker's steps and first frame only (no code2wav)")
     parser.add_argument("--rows", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=24, help="timed steps per batch size")
     parser.add_argument("--reply-tokens", type=int, default=100)
@@ -337,21 +352,30 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
     from triton_omni.demo_models import resolve_model
     from triton_omni.speech.codec import StreamingCode2Wav
-    from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech
+    from triton_omni.speech.qwen25_talker import Qwen25Talker
+    from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech, load_qwen25_speech
     from triton_omni.speech.talker import Qwen3Talker, TalkerBatcher
 
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    folder = Path(resolve_model("demo:realistic-qwen3-omni" if args.preset == "realistic" else "demo:tiny-qwen3-omni"))
+    folder = Path(resolve_model(f"demo:{args.preset}-{args.model}"))
     device = torch.device("cuda" if args.preset == "realistic" else "cpu")
     config = AutoConfig.from_pretrained(folder)
     dtype = SpeechConfig(device=str(device)).torch_dtype()
-    model, code2wav, embedding = load_qwen3_speech(folder, config, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    talker = Qwen3Talker(model, embedding, config)
-    talker.default_voice = "ethan" if "ethan" in talker.voices else next(iter(talker.voices))
+    qwen3 = args.model == "qwen3-omni"
+    if qwen3:
+        model, code2wav, embedding = load_qwen3_speech(folder, config, device, dtype)
+        talker = Qwen3Talker(model, embedding, config)
+        talker.default_voice = "ethan" if "ethan" in talker.voices else next(iter(talker.voices))
+        decoder = StreamingCode2Wav(code2wav)
+    else:
+        model, _, embedding, speakers = load_qwen25_speech(folder, config, device, dtype)
+        talker, decoder = Qwen25Talker(model, embedding, speakers, config), None
+        if args.cold_codec:
+            raise SystemExit("--cold-codec: code2wav's, which a Qwen2.5-Omni checkpoint has not")
+    per_second = FRAMES_PER_SECOND[args.model]
     levels = [int(r) for r in args.rows.split(",")]
-    decoder = StreamingCode2Wav(code2wav)
     timers = Timers(device)
     figures: dict = {"workload": vars(args), "chunk_decode_ms": {}, "first_frame_ms": {}, "modes": {}}
     if args.cold_codec:  # before anything else decodes: each shape's first decode in this process
@@ -375,15 +399,16 @@ def main() -> None:
                 figures["warmed_first_chunks_ms"][f"{streams}x{frames}"] = found
                 print(f"code2wav warmed, {streams} streams' first chunks of {frames} frames, the first and the "
                       f"second time: {json.dumps(found)}; shapes not planned: {warmed.unplanned}", flush=True)
-    figures["first_chunk_decode_ms"] = {frames: first_chunk_decode_ms(decoder, talker.groups, frames, timers)
-                                        for frames in (1, 2)}
-    print(f"code2wav, a stream's first chunk of 1 and 2 frames: {json.dumps(figures['first_chunk_decode_ms'])}",
-          flush=True)
-    for streams in levels:
-        figures["chunk_decode_ms"][streams] = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers,
-                                                              streams)
-        print(f"code2wav, a chunk of {args.chunk_frames} frames for {streams} streams: "
-              f"{json.dumps(figures['chunk_decode_ms'][streams])}", flush=True)
+    if decoder is not None:
+        figures["first_chunk_decode_ms"] = {frames: first_chunk_decode_ms(decoder, talker.groups, frames, timers)
+                                            for frames in (1, 2)}
+        print(f"code2wav, a stream's first chunk of 1 and 2 frames: {json.dumps(figures['first_chunk_decode_ms'])}",
+              flush=True)
+        for streams in levels:
+            figures["chunk_decode_ms"][streams] = chunk_decode_ms(decoder, talker.groups, args.chunk_frames, timers,
+                                                                  streams)
+            print(f"code2wav, a chunk of {args.chunk_frames} frames for {streams} streams: "
+                  f"{json.dumps(figures['chunk_decode_ms'][streams])}", flush=True)
     # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU), eager,
     # and compiled (the graphs' passes under torch.compile)
     for mode, options in modes(args, device).items():
@@ -403,10 +428,9 @@ def main() -> None:
             print(f"{mode}, one utterance's first frame: {json.dumps(found)}", flush=True)
             for rows in levels:
                 found = step_batch(batcher, talker, tokenizer, timers, rows, args.steps, args.reply_tokens)
-                # a second of audio per row: 12.5 steps, and 12.5 / chunk_frames batched decodes
-                chunk = figures["chunk_decode_ms"][rows]["together"]
-                per_second = found["step_ms"] * FRAMES_PER_SECOND + chunk * FRAMES_PER_SECOND / args.chunk_frames
-                found["rtf_floor"] = per_second / 1000
+                # a second of audio per row: a step a frame, and (code2wav's) a batched decode a chunk
+                chunk = figures["chunk_decode_ms"][rows]["together"] if decoder is not None else 0.0
+                found["rtf_floor"] = (found["step_ms"] * per_second + chunk * per_second / args.chunk_frames) / 1000
                 figures["modes"][mode][rows] = found
                 print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)
         finally:

@@ -1,6 +1,7 @@
 """Qwen2.5-Omni's speech on a GPU, the tiny demo in float32: the transformers engine hands on the
-thinker's states the CPU hands on, and the speech stage (its talker, then ``token2wav`` on its
-thread) speaks the codes and the waveform it speaks on the CPU."""
+thinker's states the CPU hands on, and the speech stage (its talker's steps and lone prefill replayed
+as CUDA graphs, then ``token2wav`` on its thread) speaks the codes and the waveform it speaks on the
+CPU, the talker's step queueing its work without waiting for the GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from triton_omni.ar.sampling import ArLimits, SamplingOptions
 from triton_omni.demo_models import resolve_model
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 
+from tests.support.host_syncs import no_host_syncs
 from tests.support.qwen25 import thinker_states
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -54,31 +56,56 @@ def test_the_thinker_hands_on_the_states_it_hands_on_on_the_cpu(prompt):
     assert cpu.shape == gpu.shape and float((cpu - gpu).abs().max()) < 1e-4
 
 
-def test_the_speech_stage_speaks_on_the_gpu_what_it_speaks_on_the_cpu(prompt):
-    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False  # the CPU's float32
-    text, ids = prompt
+REPLY = [40, 41, 42, 43, 3]
+
+
+@pytest.fixture(scope="module")
+def states(prompt):
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(resolve_model(DEMO)).eval()
-    reply = [40, 41, 42, 43, 3]
-    states = thinker_states(model, torch.tensor([ids]), reply)
-    spoken = {}
-    try:
-        for device in DEVICES:
-            runner = SpeechRunner(SpeechConfig(model=DEMO, device=device, dtype="float32"))
-            request = runner.parse({"text_input": text, "reply_ids": reply, "prompt_ids": ids, "thinker_states": states,
-                                    "temperature": 0.0, "max_tokens": 60, "min_tokens": 60, "seed": 5,
-                                    "chunk_frames": 12})
-            chunks = []
-            try:
-                runner.loop.run(runner.speak(request, chunks.append))
-            finally:
-                runner.close()
-            spoken[device] = chunks
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
-    cpu, gpu = spoken["cpu"], spoken["cuda:0"]
+    return thinker_states(model, torch.tensor([prompt[1]]), REPLY)
+
+
+def speak(runner: SpeechRunner, prompt, states, chunk_frames: int = 12) -> list:
+    """A greedy utterance of 60 codes over the demo's reply: its chunks."""
+    text, ids = prompt
+    request = runner.parse({"text_input": text, "reply_ids": REPLY, "prompt_ids": ids, "thinker_states": states,
+                            "temperature": 0.0, "max_tokens": 60, "min_tokens": 60, "seed": 5,
+                            "chunk_frames": chunk_frames})
+    chunks = []
+    runner.loop.run(runner.speak(request, chunks.append))
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def runners():
+    # cuDNN's convolutions run in TF32 unless told not to: the vocoder's samples would differ from the CPU's
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    made = {device: SpeechRunner(SpeechConfig(model=DEMO, device=device, dtype="float32")) for device in DEVICES}
+    yield made
+    for runner in made.values():
+        runner.close()
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_the_speech_stage_speaks_on_the_gpu_what_it_speaks_on_the_cpu(prompt, states, runners):
+    captured = runners["cuda:0"].batcher.talker_steps  # a dense talker's steps are captured in float32 too
+    assert captured is not None and captured.graphs and captured.prefill_graphs
+    cpu, gpu = (speak(runners[device], prompt, states) for device in DEVICES)
     assert [c.codes.tolist() for c in gpu] == [c.codes.tolist() for c in cpu] and len(cpu) > 1
     for ours, theirs in zip(gpu, cpu, strict=True):
         assert ours.samples.shape == theirs.samples.shape and abs(ours.samples - theirs.samples).max() < 1e-4
+
+
+def test_the_talkers_step_never_waits_for_the_gpu(prompt, states, runners):
+    """The talker's step (a CUDA graph's replay over the slot cache) queues its work: the host reads
+    only the codes drawn from its logits."""
+    gpu = runners["cuda:0"]
+    speak(gpu, prompt, states)  # warm: the first run's allocations and lazy inits may synchronise
+    # one chunk, decoded (and read back) once the talker is done, so that the decoder's read is not the step's
+    with no_host_syncs(gpu.batcher, "_talker_forward") as failures:
+        chunks = speak(gpu, prompt, states, chunk_frames=64)
+    assert not failures, failures[0]
+    assert sum(c.codes.shape[-1] for c in chunks) == 60
 
 
 def test_token2wavs_captured_ode_replays_the_eager_one_without_waiting_for_the_gpu():

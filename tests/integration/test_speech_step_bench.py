@@ -37,3 +37,22 @@ def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
         parts = found["parts_ms (synchronised)"]
         assert found["step_ms"] > 0 and found["rtf_floor"] > 0
         assert parts["step"] >= parts["code predictor"] > 0 and parts["first code draw"] > 0
+
+
+def test_a_qwen25_talkers_steps_are_measured_without_a_code_predictor(tmp_path):
+    """``--model qwen2.5-omni``: the tiny Qwen2.5-Omni's talker, its steps split into the talker's
+    forward and the draw (no code predictor), its real-time floor the talker's steps at 50 codes a
+    second; no decoder figures (``token2wav`` is ``token2wav_batch.py``'s)."""
+    out_file = tmp_path / "speech_step.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speech_step.py"), "--model", "qwen2.5-omni",
+                             "--rows", "1,3", "--steps", "4", "--json", str(out_file)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out_file.read_text())
+    assert report["chunk_decode_ms"] == {} and "first_chunk_decode_ms" not in report
+    assert set(report["modes"]) == {"eager"} and set(report["modes"]["eager"]) == {"1", "3"}
+    for found in report["modes"]["eager"].values():
+        parts = found["parts_ms (synchronised)"]
+        assert "code predictor" not in parts and parts["step"] >= parts["talker forward"] > 0
+        assert abs(found["rtf_floor"] - found["step_ms"] * 50 / 1000) < 1e-9
+    assert report["first_frame_ms"]["eager"]["to the first frame"] > 0

@@ -81,10 +81,13 @@ def test_bad_input_is_refused_naming_its_field(demo, change, field):
     assert error.value.parameter == field
 
 
-def test_utterances_stepped_together_speak_as_each_alone(demo):
-    """The talker's continuous batching (``TalkerBatcher``, eager) with Qwen2.5-Omni's talker: two
-    voices' utterances arriving together, and a third joining mid-speech, each draw the codes the
-    talker alone draws for them (greedy), spoken a code a frame as they are drawn."""
+@pytest.mark.parametrize("slot_cache", [False, True])
+def test_utterances_stepped_together_speak_as_each_alone(demo, slot_cache, monkeypatch):
+    """The talker's continuous batching (``TalkerBatcher``) with Qwen2.5-Omni's talker, on either KV
+    cache (the ``SlotCache`` is what its CUDA graphs replay over on a GPU: here run as it is, read 32
+    columns wide, then all of them as the speech grows past 32): two voices' utterances arriving
+    together, and a third joining mid-speech alone (``TalkerPrefill``), each draw the codes the talker
+    alone draws for them (greedy), spoken a code a frame as they are drawn."""
     import queue
 
     from triton_omni.ar.sampling import SamplingOptions
@@ -95,7 +98,12 @@ def test_utterances_stepped_together_speak_as_each_alone(demo):
     states = thinker_states(model, ids, reply)
     prompts = {voice: talker.prompt(ids[0].tolist(), reply, voice, states=states) for voice in ("chelsie", "ethan")}
     alone = {voice: greedy_codes(talker, prompt, MAX_CODES) for voice, prompt in prompts.items()}
-    batcher = TalkerBatcher(talker, 4, cuda_graphs=False)
+    from triton_omni.speech import talker_graphs
+
+    monkeypatch.setattr(talker_graphs, "SMALLEST_WIDTH", 16)
+    monkeypatch.setattr(talker_graphs, "SMALLEST_PREFILL", 16)
+    longest = len(prompts["chelsie"].embeds) + MAX_CODES
+    batcher = TalkerBatcher(talker, 4, cuda_graphs=False, max_len=longest + 1, slot_cache=slot_cache)
     spoken: dict[str, queue.SimpleQueue] = {}
     try:
         def utterance(name: str, voice: str) -> Utterance:

@@ -330,9 +330,9 @@ class TalkerBatcher(ContinuousBatch):
 
     def __init__(self, talker: Qwen3Talker, max_num_seqs: int, cuda_graphs: bool = True,
                  max_len: int = TALKER_MAX_LEN, slot_cache: bool | None = None, compile: tuple[str, ...] = ()):
-        """``cuda_graphs``: on a GPU, the talker's step (in bfloat16) and the code predictor's frame
-        replayed as CUDA graphs (``talker_graphs.py``, ``predictor_graphs.py``); eager otherwise.
-        ``slot_cache``: the talker's KV cache in ``max_len`` columns of fixed buffers
+        """``cuda_graphs``: on a GPU, the talker's step replayed as CUDA graphs (``talker_graphs.py``; a
+        MoE talker's in bfloat16 only), and the code predictor's frame too (``predictor_graphs.py``);
+        eager otherwise. ``slot_cache``: the talker's KV cache in ``max_len`` columns of fixed buffers
         (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
         asked (the tests, to hold those steps to the ``PaddedCache`` ones). ``compile``: the parts
         (``COMPILE_PARTS``) whose static passes run under torch.compile (the code predictor's captured
@@ -340,25 +340,26 @@ class TalkerBatcher(ContinuousBatch):
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
-        # a talker whose code is the whole frame (Qwen2.5-Omni's, ``Qwen25Talker``): no code predictor, each
-        # code spoken as it is drawn, its steps eager (the captured passes are Qwen3-Omni's)
+        # a talker whose code is the whole frame (Qwen2.5-Omni's, ``Qwen25Talker``): no code predictor,
+        # each code spoken as it is drawn
         self.whole_codes = talker.groups == 1
         self._pad = None if self.whole_codes else talker.pad
         self.graphs = None
-        graphs = cuda_graphs and self.device.type == "cuda" and not self.whole_codes
-        if graphs:
+        on_gpu = cuda_graphs and self.device.type == "cuda"
+        if on_gpu and not self.whole_codes:
             from triton_omni.speech.predictor_graphs import PredictorGraphs
 
             sampled = _PREDICTOR_SAMPLED
             self.graphs = PredictorGraphs(self.model.code_predictor, talker.groups, max_num_seqs,
                                           [sampled.temperature, sampled.top_k, sampled.top_p, sampled.min_p],
                                           compile="predictor" in compile)
-        # the MoE's grouped GEMM runs in bfloat16 on the device alone; another dtype's copies offsets to the host
-        capture = graphs and self.model.dtype == torch.bfloat16
-        if graphs and not capture:
+        # a MoE's grouped GEMM runs in bfloat16 on the device alone (another dtype's copies offsets to the
+        # host); a dense talker (Qwen2.5-Omni's) is captured in any dtype
+        capture = on_gpu and (self.whole_codes or self.model.dtype == torch.bfloat16)
+        if on_gpu and not capture:
             logger.info("the talker's step runs eagerly: in %s its MoE cannot be captured", self.model.dtype)
         self.talker_steps = None
-        if not self.whole_codes and (slot_cache if slot_cache is not None else capture):
+        if slot_cache if slot_cache is not None else capture:
             from triton_omni.speech.talker_graphs import TalkerSteps
 
             self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)

@@ -1,7 +1,8 @@
 """The talker's step on a GPU as CUDA graphs, over a KV cache of fixed buffers.
 
-A talker step is one forward pass of a 20-layer MoE for every running utterance; run from Python
-it costs the host's time to launch its kernels, not the GPU's (``benchmarks/speech_step.py``
+A talker step is one forward pass of the talker (Qwen3-Omni's 20-layer MoE, Qwen2.5-Omni's dense
+decoder) for every running utterance; run from Python it costs the host's time to launch its
+kernels, not the GPU's (``benchmarks/speech_step.py``
 splits a step into its parts). A CUDA graph replays those launches at once, but needs every
 tensor at a fixed address and every shape fixed, and a growing, left-padded ``DynamicCache``
 (``PaddedCache``) is neither. So here the running rows' keys and values live in buffers made
