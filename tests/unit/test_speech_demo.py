@@ -115,3 +115,27 @@ def test_the_realistic_qwen25_builder_writes_what_the_speech_stage_and_the_think
         assert {k: v.shape for k, v in built.state_dict().items()} == \
             {k: v.shape for k, v in loaded.state_dict().items()}
     assert sorted(model.speaker_map) == list(VOICES_25)
+
+
+def test_the_realistic_qwen25_config_has_the_7bs_parts_sizes():
+    """``demo:realistic-qwen2.5-omni``'s config, its parts built on the meta device (no memory): the
+    thinker's language model 7.6 B parameters, the talker 1.35 B (896 wide, 24 layers: not the
+    thinker-shaped 6.6 B that transformers' talker defaults give), ``token2wav`` 0.45 B, as the 7B's
+    checkpoint holds them."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerTextModel,
+        Qwen2_5OmniToken2WavModel,
+    )
+    from triton_omni.speech.demos import realistic_qwen2_5_omni_config
+
+    ids = {"<|im_end|>": 151645, "<|vision_bos|>": 151652}
+    config = realistic_qwen2_5_omni_config(151665, ids)
+    with torch.device("meta"):
+        sizes = {name: sum(p.numel() for p in part(config_of).parameters()) / 1e9 for name, part, config_of in (
+            ("thinker", Qwen2_5OmniThinkerTextModel, config.thinker_config.text_config),
+            ("talker", Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config),
+            ("token2wav", Qwen2_5OmniToken2WavModel, config.token2wav_config))}
+    assert 6.9 < sizes["thinker"] < 7.2, sizes  # 7.6 B with its output layer
+    assert 1.3 < sizes["talker"] < 1.4, sizes
+    assert 0.4 < sizes["token2wav"] < 0.5, sizes

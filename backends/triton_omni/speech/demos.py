@@ -356,9 +356,31 @@ def _qwen25_tokenizer(out: Path):
     return tokenizer, ids, voices
 
 
+# Qwen2.5-Omni-7B's talker, as its config.json gives it. transformers' talker config defaults to the
+# thinker's shape instead (3584 wide, 28 layers: 6.6 B parameters, five times the real talker's 1.35 B);
+# its other defaults are the 7B's (the thinker's language model, token2wav's DiT and vocoder).
+QWEN25_OMNI_7B_TALKER = dict(hidden_size=896, intermediate_size=18944, num_hidden_layers=24, num_attention_heads=12,
+                             num_key_value_heads=4, head_dim=128, embedding_size=3584)
+
+
+def realistic_qwen2_5_omni_config(vocab_size: int, ids: dict[str, int], config_of=None):
+    """The config of ``build_realistic_qwen2_5_omni``: the 7B's shapes (``config_of``: other arguments
+    from the tokenizer's size and marker ids), the offline tokenizer's ids."""
+    from transformers import Qwen2_5OmniConfig
+
+    arguments = config_of(vocab_size, ids) if config_of else {"talker_config": QWEN25_OMNI_7B_TALKER}
+    config = Qwen2_5OmniConfig(**arguments, enable_audio_output=True)
+    config.thinker_config.text_config.eos_token_id = ids["<|im_end|>"]
+    # The 7B's config.json names it; some transformers versions' thinker config has no default,
+    # and the thinker's get_rope_index reads it on every prompt.
+    config.thinker_config.vision_start_token_id = ids["<|vision_bos|>"]
+    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]  # what is_omni reads
+    return config
+
+
 def build_realistic_qwen2_5_omni(out: Path, config_of=None) -> None:
-    """Qwen2.5-Omni-7B at its real shapes (the config classes' defaults are the 7B's), random weights,
-    for GPU benchmarks. Saved: the config, the offline tokenizer, the voices, and what ``ar`` (the
+    """Qwen2.5-Omni-7B at its real shapes (``realistic_qwen2_5_omni_config``), random weights, for GPU
+    benchmarks. Saved: the config, the offline tokenizer, the voices, and what ``ar`` (the
     thinker's language model, 7.6 B parameters: the transformers engine loads it, the talker reads
     its states) and the speech stage (the talker, ``token2wav`` and the thinker's embedding table)
     load; not the audio and vision towers, which a text prompt never reaches (a direct comparison
@@ -366,7 +388,6 @@ def build_realistic_qwen2_5_omni(out: Path, config_of=None) -> None:
     arguments from the tokenizer's size and marker ids, in place of the 7B's (the tests' tiny shapes)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen2_5OmniConfig
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
         Qwen2_5OmniTalkerForConditionalGeneration,
         Qwen2_5OmniThinkerForConditionalGeneration,
@@ -376,12 +397,7 @@ def build_realistic_qwen2_5_omni(out: Path, config_of=None) -> None:
     from triton_omni.demo_models import built_as
 
     tokenizer, ids, voices = _qwen25_tokenizer(out)
-    config = Qwen2_5OmniConfig(**(config_of(len(tokenizer), ids) if config_of else {}), enable_audio_output=True)
-    config.thinker_config.text_config.eos_token_id = ids["<|im_end|>"]
-    # The 7B's config.json names it; some transformers versions' thinker config has no default,
-    # and the thinker's get_rope_index reads it on every prompt.
-    config.thinker_config.vision_start_token_id = ids["<|vision_bos|>"]
-    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]  # what is_omni reads
+    config = realistic_qwen2_5_omni_config(len(tokenizer), ids, config_of)
     config.save_pretrained(out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with built_as(device, torch.bfloat16):
