@@ -26,7 +26,7 @@ from triton_omni.errors import RequestValidationError
 from triton_omni.families import family_of
 
 from tests.support.images import encoded, picture
-from tests.support.pipelines import ABSENT, levels_apart, pipeline, reference
+from tests.support.pipelines import ABSENT, call, levels_apart, pipeline, reference
 
 MODEL = "demo:tiny-qwen-image-edit"
 FAMILY = "qwen-image-edit"
@@ -206,6 +206,13 @@ PLUS = "demo:tiny-qwen-image-edit-plus"
 PLUS_ORDER = {"first": ["second", "first"], "second": ["first", "second"]}  # the output takes the last one's size
 
 
+@functools.cache
+def plus_reference(prompt: str, negative) -> np.ndarray:
+    """Edit-Plus's own call with both images (``PLUS_ORDER["first"]``)."""
+    return reference("qwen-image-edit-plus", prompt, negative, guidance_scale=4.0,
+                     image=[Image.fromarray(PICTURES[name]) for name in PLUS_ORDER["first"]], **OPTIONS)
+
+
 def test_edit_plus_with_two_images_equals_the_pipelines_own_call():
     """Both images read by the text encoder (at about 384² each) and by the VAE (about 1024² each),
     step-batched; the prompt read with both."""
@@ -215,9 +222,7 @@ def test_edit_plus_with_two_images_equals_the_pipelines_own_call():
         [image] = runner.run([runner.parse(request(negative="blurry") | {"images": files})])
     finally:
         runner.close()
-    reference_image = reference("qwen-image-edit-plus", PROMPT, "blurry", guidance_scale=4.0,
-                                image=[Image.fromarray(PICTURES[name]) for name in PLUS_ORDER["first"]], **OPTIONS)
-    assert levels_apart(image.numpy(), reference_image) <= 1
+    assert levels_apart(image.numpy(), plus_reference(PROMPT, "blurry")) <= 1
     assert levels_apart(image.numpy(), expected(negative="blurry")) >= 10  # not the one-image edit
 
 
@@ -232,3 +237,29 @@ def test_ar_encoder_reads_the_prompt_with_every_image_of_an_edit_plus():
     assert result.hidden_states.shape == expected_states.shape
     assert (result.hidden_states - expected_states).abs().max() <= 1e-4
     assert (result.negative_hidden_states - pipeline_encoding("", "first", "qwen-image-edit-plus")).abs().max() <= 1e-4
+
+
+def test_edit_plus_2511_reads_its_images_at_time_zero_as_its_pipeline(tmp_path):
+    """Qwen-Image-Edit-2511's DiT (``zero_cond_t``: the input images' tokens modulated at time 0, by
+    each row's image shapes), step-batched: an edit with two images and a negative prompt is the
+    pipeline's own call from the same folder, and 2509's DiT (the same weights) gives another image
+    (the comparison can fail)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "qwen-image-edit-2511"
+    shutil.copytree(resolve_model(PLUS), folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"zero_cond_t": True}))
+    runner = DiffusionRunner(DiffusionRunnerConfig(str(folder), batching="step", batch_size=4))
+    try:
+        files = [encoded(PICTURES[name]) for name in PLUS_ORDER["first"]]
+        [image] = runner.run([runner.parse(request(negative="blurry") | {"images": files})])
+    finally:
+        runner.close()
+    pictures = [Image.fromarray(PICTURES[name]) for name in PLUS_ORDER["first"]]
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    ours = call(pipe, PROMPT, "blurry", guidance_keyword="true_cfg_scale", guidance_scale=4.0, image=pictures,
+                **OPTIONS)[0].numpy()
+    assert levels_apart(image.numpy(), ours) <= 1
+    assert levels_apart(image.numpy(), plus_reference(PROMPT, "blurry")) >= 10

@@ -120,12 +120,15 @@ def test_the_realistic_qwen25_builder_writes_what_the_speech_stage_and_the_think
 def test_the_realistic_qwen25_config_has_the_7bs_parts_sizes():
     """``demo:realistic-qwen2.5-omni``'s config, its parts built on the meta device (no memory): the
     thinker's language model 7.6 B parameters, the talker 1.35 B (896 wide, 24 layers: not the
-    thinker-shaped 6.6 B that transformers' talker defaults give), ``token2wav`` 0.45 B, as the 7B's
+    thinker-shaped 6.6 B that transformers' talker defaults give), the vision tower 0.68 B (1280
+    wide, not the default's 3.1 B), the audio tower 0.64 B, ``token2wav`` 0.45 B, as the 7B's
     checkpoint holds them."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAudioEncoder,
         Qwen2_5OmniTalkerForConditionalGeneration,
         Qwen2_5OmniThinkerTextModel,
         Qwen2_5OmniToken2WavModel,
+        Qwen2_5OmniVisionEncoder,
     )
     from triton_omni.speech.demos import realistic_qwen2_5_omni_config
 
@@ -135,7 +138,10 @@ def test_the_realistic_qwen25_config_has_the_7bs_parts_sizes():
         sizes = {name: sum(p.numel() for p in part(config_of).parameters()) / 1e9 for name, part, config_of in (
             ("thinker", Qwen2_5OmniThinkerTextModel, config.thinker_config.text_config),
             ("talker", Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config),
+            ("vision", Qwen2_5OmniVisionEncoder, config.thinker_config.vision_config),
+            ("audio", Qwen2_5OmniAudioEncoder, config.thinker_config.audio_config),
             ("token2wav", Qwen2_5OmniToken2WavModel, config.token2wav_config))}
     assert 6.9 < sizes["thinker"] < 7.2, sizes  # 7.6 B with its output layer
     assert 1.3 < sizes["talker"] < 1.4, sizes
+    assert 0.6 < sizes["vision"] < 0.7 and 0.6 < sizes["audio"] < 0.7, sizes
     assert 0.4 < sizes["token2wav"] < 0.5, sizes

@@ -142,7 +142,8 @@ def build_realistic(device, dtype, guidance_embeds: bool = True):
     """FLUX.1 [dev]'s DiT (19 double-stream and 38 single-stream blocks, 24 heads of 128, reading
     T5-XXL's 4096 and CLIP-L's pooled 768: diffusers' defaults) and its VAE and scheduler, random
     weights, in memory on ``device``; no text encoders (it serves ``prompt_embeds`` with
-    ``pooled_prompt_embeds``). ``guidance_embeds`` off: [schnell]."""
+    ``pooled_prompt_embeds``). ``guidance_embeds`` off: [schnell], with its scheduler (a shift of 1,
+    none dynamic)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     from triton_omni.demo_models import built_as
@@ -151,7 +152,8 @@ def build_realistic(device, dtype, guidance_embeds: bool = True):
         transformer = FluxTransformer2DModel(guidance_embeds=guidance_embeds)
         vae = realistic_vae()
         scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096,
-                                                    max_shift=1.15, shift=3.0, use_dynamic_shifting=True)
+                                                    max_shift=1.15, shift=3.0, use_dynamic_shifting=True) \
+            if guidance_embeds else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
         return FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=None, tokenizer=None,
                             text_encoder_2=None, tokenizer_2=None)
 

@@ -159,7 +159,8 @@ def build_realistic_encoder(out: Path) -> None:
 
 
 def build_realistic(device, dtype):
-    """The 6 B DiT (diffusers' class defaults) and FLUX.1's autoencoder, which Z-Image uses, random
+    """The 6 B DiT (diffusers' class defaults but its rotary table's length, ``axes_lens``, which
+    Z-Image-Turbo's config.json sets longer) and FLUX.1's autoencoder, which Z-Image uses, random
     weights, in memory on ``device``; no text encoder (it serves ``prompt_embeds``)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
@@ -171,7 +172,7 @@ def build_realistic(device, dtype):
             down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
             layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
             use_quant_conv=False, use_post_quant_conv=False)
-        return ZImagePipeline(transformer=ZImageTransformer2DModel(), vae=vae,
+        return ZImagePipeline(transformer=ZImageTransformer2DModel(axes_lens=[1536, 512, 512]), vae=vae,
                               scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
                               text_encoder=None, tokenizer=None)
 

@@ -172,15 +172,18 @@ QWEN3_OMNI_30B_A3B = dict(
                           n_window_infer=800, conv_chunksize=500, max_source_positions=1500),
         vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-                           deepstack_visual_indexes=[8, 16, 24])),
+                           deepstack_visual_indexes=[8, 16, 24]),
+        position_id_per_seconds=13),
     talker_config=dict(
         text_config=dict(vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
                          num_attention_heads=16, num_key_value_heads=2, head_dim=128, num_experts=128,
                          num_experts_per_tok=6, moe_intermediate_size=384, shared_expert_intermediate_size=768,
-                         max_position_embeddings=65536, rope_parameters=_REAL_ROPE),
+                         norm_topk_prob=True, max_position_embeddings=65536, rope_parameters=_REAL_ROPE),
         code_predictor_config=dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
                                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
-                                   max_position_embeddings=32768),
+                                   max_position_embeddings=32768,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        position_id_per_seconds=13,
         num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24, codec_pad_id=2148, codec_bos_id=2149,
         codec_eos_token_id=2150, codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
         speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303}),
@@ -356,11 +359,14 @@ def _qwen25_tokenizer(out: Path):
     return tokenizer, ids, voices
 
 
-# Qwen2.5-Omni-7B's talker, as its config.json gives it. transformers' talker config defaults to the
-# thinker's shape instead (3584 wide, 28 layers: 6.6 B parameters, five times the real talker's 1.35 B);
-# its other defaults are the 7B's (the thinker's language model, token2wav's DiT and vocoder).
-QWEN25_OMNI_7B_TALKER = dict(hidden_size=896, intermediate_size=18944, num_hidden_layers=24, num_attention_heads=12,
-                             num_key_value_heads=4, head_dim=128, embedding_size=3584)
+# Qwen2.5-Omni-7B's shapes where transformers' config defaults are not its config.json's: the talker
+# defaults to the thinker's shape (3584 wide, 28 layers: 6.6 B parameters, five times the real
+# talker's 1.35 B), the vision tower to 3584 wide (3.1 B, against the real 1280-wide 0.68 B). The
+# other defaults are the 7B's (the thinker's language model and audio tower, token2wav's DiT and vocoder).
+QWEN25_OMNI_7B = dict(
+    thinker_config=dict(vision_config=dict(hidden_size=1280)),
+    talker_config=dict(hidden_size=896, intermediate_size=18944, num_hidden_layers=24, num_attention_heads=12,
+                       num_key_value_heads=4, head_dim=128, embedding_size=3584))
 
 
 def realistic_qwen2_5_omni_config(vocab_size: int, ids: dict[str, int], config_of=None):
@@ -368,7 +374,7 @@ def realistic_qwen2_5_omni_config(vocab_size: int, ids: dict[str, int], config_o
     from the tokenizer's size and marker ids), the offline tokenizer's ids."""
     from transformers import Qwen2_5OmniConfig
 
-    arguments = config_of(vocab_size, ids) if config_of else {"talker_config": QWEN25_OMNI_7B_TALKER}
+    arguments = config_of(vocab_size, ids) if config_of else QWEN25_OMNI_7B
     config = Qwen2_5OmniConfig(**arguments, enable_audio_output=True)
     config.thinker_config.text_config.eos_token_id = ids["<|im_end|>"]
     # The 7B's config.json names it; some transformers versions' thinker config has no default,
