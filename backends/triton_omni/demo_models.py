@@ -43,7 +43,8 @@ AR_SHAPE = {
     "max_position_embeddings": 1024,
 }
 
-# Qwen2.5-0.5B's shape (the tokenizer stays the small offline one: ids < 512).
+# Qwen2.5-0.5B's shape (the tokenizer stays the small offline one: ids < 512), its output layer tied
+# to its embeddings and its rotary base as its config.json has them; its context held to 1024.
 AR_REALISTIC_SHAPE = {
     "vocab_size": 151936,
     "hidden_size": 896,
@@ -53,6 +54,8 @@ AR_REALISTIC_SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
 }
 # Qwen3-4B's shape (Z-Image's text encoder), as its config.json gives it.
 QWEN3_4B_SHAPE = {
@@ -231,11 +234,10 @@ def build_ar_model(out: Path, shape: dict = AR_SHAPE) -> None:
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
     config = Qwen2Config(
-        **shape,
+        **({"tie_word_embeddings": False} | shape),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
         torch_dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
