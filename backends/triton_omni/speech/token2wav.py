@@ -23,11 +23,14 @@ An ODE is 36 passes of a small DiT over a window of a few hundred frames, thousa
 kernels each launched from Python. On a GPU its windows of the usual
 shapes (a stream's first and its steady ones, a few windows together) are captured at load as
 CUDA graphs (``OdeGraphs``), each replayed as one launch; the ODE itself is ``integrate``,
-transformers' Runge-Kutta steps without the host syncs its interpolation makes.
+transformers' Runge-Kutta steps without the host syncs its interpolation makes. The DiT's speaker
+encoder (an ECAPA-TDNN over the voice's reference mel) reads the same input at every pass: an ODE
+runs it once (``_speaker_encoded_once``), not 36 times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import queue
@@ -157,7 +160,8 @@ class StreamingToken2Wav:
                                     condition_vector=reference_mel, time_step=time_step, apply_cfg=True).chunk(2)
             return guided + (guided - null) * self.guidance_scale
 
-        return integrate(velocity, noise, self._times(noise.device)).permute(0, 2, 1)
+        with _speaker_encoded_once(self.dit, reference_mel):
+            return integrate(velocity, noise, self._times(noise.device)).permute(0, 2, 1)
 
     def _times(self, device: torch.device) -> torch.Tensor:
         """The ODE's time points (``sample``'s: evenly spaced, swayed toward the start)."""
@@ -185,6 +189,27 @@ class StreamingToken2Wav:
         left = math.ceil((int(where[where < half].max()) + 1) / per) if (where < half).any() else 0
         right = math.ceil((len(window) - int(where[where >= half].min())) / per) if (where >= half).any() else 0
         return max(left, right) + 1
+
+
+@contextlib.contextmanager
+def _speaker_encoded_once(dit: torch.nn.Module, reference_mel: torch.Tensor):
+    """Meanwhile, the DiT's passes read its speaker encoder's output for ``reference_mel`` [B, T, mel
+    bins] from one run of it, made here: each guided pass encodes the same thing, the references
+    then zeros for the unguided half (the same input, the same kernels: the same numbers)."""
+    encoder = dit.input_embed.spk_encoder
+    encoded = encoder(torch.cat([reference_mel, torch.zeros_like(reference_mel)]))
+
+    def held(condition: torch.Tensor) -> torch.Tensor:
+        if condition.shape != (2 * reference_mel.shape[0], *reference_mel.shape[1:]):
+            raise RuntimeError(f"token2wav's speaker encoder held for {list(reference_mel.shape)}, "
+                               f"called on {list(condition.shape)}")
+        return encoded
+
+    encoder.forward = held  # the instance's, over the class's; the module's hooks still run
+    try:
+        yield
+    finally:
+        del encoder.forward
 
 
 class _Ode:
