@@ -78,8 +78,9 @@ def test_the_context_either_side_of_a_block_is_what_makes_it_the_whole_decodes(m
 
 def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_runs(model):
     """Three utterances (two voices, other codes and seeds) whose chunks arrive together: one round a
-    batch of their chunks (``decode_round``), the DiT's windows of one length stacked into one ODE;
-    each stream's samples are those it decodes alone, and the DiT ran fewer times than once a window."""
+    batch of their chunks (``decode_round``), the DiT's windows of one length stacked into one ODE and
+    the vocoder's into one run; each stream's samples are those it decodes alone, and the DiT and the
+    vocoder ran fewer times than once a window."""
     decoder = StreamingToken2Wav(model.token2wav, num_steps=STEPS)
     voices = ["Chelsie", "Ethan", "Chelsie"]
     codes = [torch.randint(0, 60, (CODES,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2, 3)]
@@ -88,14 +89,18 @@ def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_ru
         return [decoder.stream(model.speaker_map[v]["cond"].float(), model.speaker_map[v]["ref_mel"].float(),
                                torch.Generator().manual_seed(10 + i)) for i, v in enumerate(voices)]
 
-    batches = []  # the rows of each DiT run
-    plain_mel = decoder.mel
+    batches, vocoded = [], []  # the rows of each DiT run, of each vocoder run
+    plain_mel, plain_samples = decoder.mel, decoder.samples
 
     def counted(codes_batch, *args):
         batches.append(codes_batch.shape[0])
         return plain_mel(codes_batch, *args)
 
-    decoder.mel = counted
+    def counted_samples(mel):
+        vocoded.append(mel.shape[0])
+        return plain_samples(mel)
+
+    decoder.mel, decoder.samples = counted, counted_samples
     alone = []
     for stream, ids in zip(open_streams(), codes, strict=True):
         parts, start = [], 0
@@ -103,7 +108,7 @@ def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_ru
             parts.append(stream.add(ids[start:start + count], final=start + count == len(ids)))
             start += count
         alone.append(torch.cat(parts))
-    runs_alone, batches = len(batches), []
+    runs_alone, batches, vocoder_runs_alone, vocoded = len(batches), [], len(vocoded), []
     streams, together, start = open_streams(), [[] for _ in voices], 0
     for count in ARRIVALS:
         final = start + count == CODES
@@ -116,6 +121,7 @@ def test_streams_decoded_together_give_each_stream_s_own_samples_in_fewer_dit_ru
         got = torch.cat(mine)
         assert got.shape == expected.shape and float((got - expected).abs().max()) < TOLERANCE
     assert max(batches) == 3 and len(batches) * 3 == runs_alone  # every window of the round in one run
+    assert max(vocoded) == 3 and len(vocoded) < vocoder_runs_alone
     assert float((torch.cat(together[0]) - torch.cat(together[2])).abs().max()) > 1000 * TOLERANCE
 
 

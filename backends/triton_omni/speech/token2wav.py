@@ -17,7 +17,8 @@ many frames after it are there, decoded from a window that reaches as far back.
 ``Token2WavDecoder`` runs the streams' decodes on a thread of their own, beside the talker's steps:
 the chunks of every stream waiting are decoded together (``decode_round``), the DiT's ODE run once
 for all the windows of the same length and voice reference (stacked as a batch: each row its own
-codes, noise and voice), then the vocoder on each stream's frames.
+codes, noise and voice), then the vocoder once for the streams' windows of one length (a steady
+stream's: a block's frames and the vocoder's reach either side).
 
 An ODE is 36 passes of a small DiT over a window of a few hundred frames, thousands of small
 kernels each launched from Python. On a GPU its windows of the usual
@@ -106,8 +107,9 @@ class StreamingToken2Wav:
 
     def decode_round(self, chunks: list[tuple[Token2WavStream, list[int], bool]]) -> list[torch.Tensor | Exception]:
         """Each ``(stream, codes, final)`` (one a stream) as ``stream.add`` decodes it alone, the DiT's
-        windows of the same length and reference stacked into one ODE: each stream's new samples, or
-        the error that stopped its chunk (the others' decode on)."""
+        windows of the same length and reference stacked into one ODE, then the vocoder's windows of
+        the same length into one run: each stream's new samples, or the error that stopped its chunk
+        (the other batches' decode on)."""
         results: list[torch.Tensor | Exception | None] = [None] * len(chunks)
         plans: dict[int, Window] = {}
         batches: dict[tuple, list[int]] = {}  # the windows that stack: the same length and reference's shape
@@ -128,13 +130,32 @@ class StreamingToken2Wav:
                 continue
             for row, (i, stream) in enumerate(zip(rows, streams, strict=True)):
                 stream.settle(plans[i], mel[row:row + 1])
+        self._vocode_round(chunks, results)
+        return results
+
+    def _vocode_round(self, chunks: list[tuple[Token2WavStream, list[int], bool]],
+                      results: list[torch.Tensor | Exception | None]) -> None:
+        """The vocoder for each stream not failed yet, its windows of one length in one run (a steady
+        stream's window is a block's frames and the reach either side: the same for every one)."""
+        windows: dict[int, VocoderWindow] = {}
+        batches: dict[int, list[int]] = {}
         for i, (stream, _, final) in enumerate(chunks):
             if results[i] is None:
-                try:
-                    results[i] = stream.vocode(final)
-                except Exception as exc:  # this stream hears of it
+                if (window := stream.vocoder_window(final)) is None:
+                    results[i] = torch.zeros(0)
+                else:
+                    windows[i] = window
+                    batches.setdefault(window.end - window.first, []).append(i)
+        for rows in batches.values():
+            try:
+                samples = self.samples(torch.cat([chunks[i][0].mel[..., windows[i].first:windows[i].end]
+                                                  for i in rows]))
+            except Exception as exc:  # each stream of this batch hears of it
+                for i in rows:
                     results[i] = exc
-        return results
+                continue
+            for row, i in enumerate(rows):
+                results[i] = chunks[i][0].sent(windows[i], samples[row])
 
     @torch.inference_mode()
     def mel(self, codes: torch.Tensor, noise: torch.Tensor, conditioning: torch.Tensor,
@@ -170,8 +191,9 @@ class StreamingToken2Wav:
 
     @torch.inference_mode()
     def samples(self, mel: torch.Tensor) -> torch.Tensor:
-        """The vocoder on ``mel`` [1, mel_bins, frames]: float32 samples [frames x samples_per_frame]."""
-        return self.vocoder(mel.to(next(self.vocoder.parameters()).device)).reshape(-1)
+        """The vocoder on ``mel`` [B, mel_bins, frames]: float32 samples [B, frames x samples_per_frame],
+        on the host."""
+        return self.vocoder(mel.to(next(self.vocoder.parameters()).device)).reshape(mel.shape[0], -1).cpu()
 
     @torch.inference_mode()
     def _measure_vocoder_reach(self) -> int:
@@ -180,9 +202,9 @@ class StreamingToken2Wav:
         generator = torch.Generator().manual_seed(0)
         mel = torch.randn(1, self.mel_bins, _PROBE_FRAMES, generator=generator) - 4.0
         mel = mel.to(next(self.vocoder.parameters()).device)
-        whole = self.samples(mel)
+        whole = self.samples(mel)[0]
         start, end = _PROBE_FRAMES // 4, 3 * _PROBE_FRAMES // 4
-        window = self.samples(mel[..., start:end])
+        window = self.samples(mel[..., start:end])[0]
         per = self.samples_per_frame
         apart = (window - whole[start * per:end * per]).abs() > 1e-4 * float(whole.abs().max())
         half, where = len(window) // 2, apart.nonzero()[:, 0]
@@ -291,6 +313,16 @@ class Window:
     noise: torch.Tensor  # [1, frames, mel_bins]
 
 
+@dataclass(frozen=True)
+class VocoderWindow:
+    """The mel frames ``first:end`` the vocoder reads for a stream, whose samples up to frame ``ready``
+    it sends."""
+
+    first: int
+    end: int
+    ready: int
+
+
 class Token2WavStream:
     """One utterance: ``add`` each batch of codes as the talker makes them (``final`` on the last):
     what the whole decode of every code makes, in order, as soon as enough context has come."""
@@ -344,17 +376,26 @@ class Token2WavStream:
 
     def vocode(self, final: bool) -> torch.Tensor:
         """The samples of the mel frames whose vocoder reach after them is there (all at the end)."""
-        decoder = self.decoder
-        frames, reach = self.mel.shape[2], decoder.vocoder_reach
+        window = self.vocoder_window(final)
+        if window is None:
+            return torch.zeros(0)
+        return self.sent(window, self.decoder.samples(self.mel[..., window.first:window.end])[0])
+
+    def vocoder_window(self, final: bool) -> VocoderWindow | None:
+        """The mel frames the vocoder reads for the frames whose reach after them is there (all of them
+        at the end); None when no frame is ready."""
+        frames, reach = self.mel.shape[2], self.decoder.vocoder_reach
         ready = frames if final else frames - reach
         if ready <= self.sent_frames:
-            return torch.zeros(0)
-        first = max(0, self.sent_frames - reach)
-        end = frames if final else min(frames, ready + reach)
-        samples = decoder.samples(self.mel[..., first:end]).cpu()
-        per = decoder.samples_per_frame
-        new = samples[(self.sent_frames - first) * per:(ready - first) * per]
-        self.sent_frames = ready
+            return None
+        return VocoderWindow(max(0, self.sent_frames - reach), frames if final else min(frames, ready + reach),
+                             ready)
+
+    def sent(self, window: VocoderWindow, samples: torch.Tensor) -> torch.Tensor:
+        """The new frames' part of the vocoder's ``samples`` of ``window``, now sent."""
+        per = self.decoder.samples_per_frame
+        new = samples[(self.sent_frames - window.first) * per:(window.ready - window.first) * per]
+        self.sent_frames = window.ready
         return new
 
 
