@@ -125,10 +125,12 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
         # batcher's every time it wakes, and the steps would measure that
         stepping, ended, left = threading.Event(), threading.Event(), [rows]
         stamps: dict[int, float] = {}  # step -> when its first frame came out
+        before = batcher.steps
 
-        def emit(item, left=left, stepping=stepping, ended=ended, stamps=stamps):
+        def emit(item, left=left, stepping=stepping, ended=ended, stamps=stamps, before=before):
             stamps.setdefault(batcher.steps, time.perf_counter())
-            stepping.set()
+            if batcher.steps > before:  # (a Qwen2.5-Omni talker's prefill speaks a frame before any step)
+                stepping.set()
             if item is None or isinstance(item, BaseException):
                 left[0] -= 1
                 if not left[0]:
@@ -138,7 +140,7 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
             utterance.emit = emit
         for utterance in made:
             batcher.submit(utterance)
-        stepping.wait()  # a first frame: every row has joined (the prefills are not steps)
+        stepping.wait()  # a first frame after a step: every row has joined (the prefills are not steps)
         timers.enabled, timers.seconds = bool(timed), defaultdict(list)
         first, started = batcher.steps, time.perf_counter()
         ended.wait()
@@ -166,7 +168,8 @@ def step_batch(batcher, talker, tokenizer, timers: Timers, rows: int, steps: int
 def first_frame(batcher, talker, tokenizer, timers: Timers, reply_tokens: int, repeats: int = 8) -> dict:
     """What one utterance's first audio waits for in this stage, ms (medians of ``repeats``): its
     talker prompt (the reply's embeddings projected), then from its submission to its first frame
-    (the prefill draws the frame's first code, the next step's code predictor the others),
+    (the prefill draws the frame's first code, the next step's code predictor the others; a
+    Qwen2.5-Omni talker's first code is its first frame, spoken at the prefill: no step in it),
     free-running; and the prefill alone, synchronised."""
     from triton_omni.speech.talker import Utterance
 
@@ -304,6 +307,8 @@ def modes(args, device: torch.device) -> dict[str, dict]:
     """The batcher's options of each mode measured: on a GPU CUDA graphs, eager and (with
     ``--compile``) compiled; on a CPU eager alone."""
     found = {"eager": {"cuda_graphs": False}}
+    if args.compile and args.model != "qwen3-omni":
+        raise SystemExit("--compile: the code predictor's, which a Qwen2.5-Omni talker has not")
     if device.type == "cuda":
         found["cuda graphs"] = {"cuda_graphs": True}
         if args.compile:

@@ -30,7 +30,7 @@ DIFFUSION_DEMO = "tiny-sd"  # the pipeline families' demos are built by their mo
 # Real sizes, random weights: for benchmarks on a GPU (omni-triton bench --preset realistic).
 AR_REALISTIC = "realistic-qwen2"
 # Bump when a builder changes, so stale caches are rebuilt.
-BUILD_VERSION = 10
+BUILD_VERSION = 11
 
 AR_SHAPE = {
     "vocab_size": 512,

@@ -86,9 +86,13 @@ def test_utterances_stepped_together_speak_as_each_alone(demo, slot_cache, monke
     """The talker's continuous batching (``TalkerBatcher``) with Qwen2.5-Omni's talker, on either KV
     cache (the ``SlotCache`` is what its CUDA graphs replay over on a GPU: here run as it is, read 32
     columns wide, then all of them as the speech grows past 32): two voices' utterances arriving
-    together, and a third joining mid-speech alone (``TalkerPrefill``), each draw the codes the talker
-    alone draws for them (greedy), spoken a code a frame as they are drawn."""
+    together, and a third joining mid-speech alone (``TalkerPrefill``) while its reply is still being
+    written (a state at a time, slower than the talker steps: its row waits, its passes thrown away),
+    each draw the codes the talker alone draws for them (greedy), spoken a code a frame as they are
+    drawn."""
     import queue
+    import threading
+    import time
 
     from triton_omni.ar.sampling import SamplingOptions
     from triton_omni.speech.talker import TalkerBatcher, Utterance
@@ -106,22 +110,36 @@ def test_utterances_stepped_together_speak_as_each_alone(demo, slot_cache, monke
     batcher = TalkerBatcher(talker, 4, cuda_graphs=False, max_len=longest + 1, slot_cache=slot_cache)
     spoken: dict[str, queue.SimpleQueue] = {}
     try:
-        def utterance(name: str, voice: str) -> Utterance:
+        def utterance(name: str, voice: str, prompt=None) -> Utterance:
             spoken[name] = queue.SimpleQueue()
-            return Utterance(prompts[voice], SamplingOptions(temperature=0.0, repetition_penalty=1.05,
-                                                             max_tokens=MAX_CODES),
-                             spoken[name].put, prompt_ids=prompts[voice].prompt_codes)
+            prompt = prompt or prompts[voice]
+            return Utterance(prompt, SamplingOptions(temperature=0.0, repetition_penalty=1.05, max_tokens=MAX_CODES),
+                             spoken[name].put, prompt_ids=prompt.prompt_codes)
 
+        def written_slowly(prompt) -> None:
+            for row in range(count + 1, len(states)):
+                time.sleep(0.02)
+                prompt.extend(talker.on_device(states[row:row + 1]))
+                batcher.wake()
+            prompt.finish(talker.end_state)
+            batcher.wake()
+
+        count = ids.shape[1]  # the reply's first two tokens: the prompt's states and the first reply token's
+        being_written = talker.prompt(ids[0].tolist(), reply[:2], "ethan", whole=False, states=states[:count + 1])
         batcher.submit(utterance("first", "chelsie"))
         batcher.submit(utterance("second", "ethan"))
         frames = {"first": [spoken["first"].get(timeout=60)], "second": [], "third": []}
-        batcher.submit(utterance("third", "ethan"))  # the first is speaking: the third joins mid-speech
+        writer = threading.Thread(target=written_slowly, args=(being_written,))
+        batcher.submit(utterance("third", "ethan", being_written))  # the first is speaking: it joins mid-speech
+        writer.start()
         for name, frames_of in spoken.items():
             while (item := frames_of.get(timeout=60)) is not None:
                 assert not isinstance(item, BaseException), item
                 frames[name].append(item)
+        writer.join(timeout=60)
     finally:
         batcher.stop()
+    assert batcher.waits > 0
     assert [code for [code] in frames["first"]] == alone["chelsie"]
     assert [code for [code] in frames["second"]] == alone["ethan"]
     assert [code for [code] in frames["third"]] == alone["ethan"]

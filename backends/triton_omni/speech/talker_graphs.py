@@ -27,10 +27,14 @@ A row cannot outgrow the buffer: the runner refuses (or bounds) an utterance who
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from triton_omni.ar.batching import to_device
 from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured
+
+logger = logging.getLogger(__name__)
 
 SMALLEST_WIDTH = 256  # the captured widths: 256, 512, 1024, ... up to the buffer's
 # a lone prompt's prefill widths: 64, 128, ... 2048 (a longer prompt is prefilled eagerly)
@@ -207,6 +211,8 @@ class TalkerSteps:
     def __init__(self, talker, max_rows: int, capacity: int, capture: bool):
         weight = talker.codec_head.weight
         self.cache = SlotCache(talker.model.config, max_rows, capacity, weight.device, weight.dtype)
+        size = sum(buffer.nbytes for buffer in (*self.cache.keys, *self.cache.values))
+        logger.info("the talker's KV cache: %d rows of %d columns, %.2f GiB", max_rows, capacity, size / 2**30)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         widths = _widths(SMALLEST_WIDTH, capacity)
         self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width)

@@ -85,6 +85,7 @@ class StreamingToken2Wav:
         self.lags = True  # a code's samples leave once the context after it has come (the runner reads it)
         self.vocoder_reach = self._measure_vocoder_reach()
         self.graphs: OdeGraphs | None = None  # the ODE's captured shapes (``capture``)
+        self._solving = threading.Lock()
 
     def capture(self, voices: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> None:
         """On a GPU: the ODE of the usual windows captured as CUDA graphs (``OdeGraphs``), for each of
@@ -181,7 +182,8 @@ class StreamingToken2Wav:
                                     condition_vector=reference_mel, time_step=time_step, apply_cfg=True).chunk(2)
             return guided + (guided - null) * self.guidance_scale
 
-        with _speaker_encoded_once(self.dit, reference_mel):
+        # one ODE at a time: the speaker encoder's output is held on the shared DiT for its passes
+        with self._solving, _speaker_encoded_once(self.dit, reference_mel):
             return integrate(velocity, noise, self._times(noise.device)).permute(0, 2, 1)
 
     def _times(self, device: torch.device) -> torch.Tensor:
@@ -227,11 +229,15 @@ def _speaker_encoded_once(dit: torch.nn.Module, reference_mel: torch.Tensor):
                                f"called on {list(condition.shape)}")
         return encoded
 
+    before = encoder.__dict__.get("forward")  # an instance's own forward (a wrapper's), put back after
     encoder.forward = held  # the instance's, over the class's; the module's hooks still run
     try:
         yield
     finally:
-        del encoder.forward
+        if before is None:
+            del encoder.forward
+        else:
+            encoder.forward = before
 
 
 class _Ode:
