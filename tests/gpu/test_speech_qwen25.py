@@ -66,11 +66,12 @@ def states(prompt):
 
 
 def speak(runner: SpeechRunner, prompt, states, chunk_frames: int = 12) -> list:
-    """A greedy utterance of 60 codes over the demo's reply: its chunks."""
+    """A greedy utterance of 60 codes over the demo's reply: its chunks, every one ``chunk_frames``
+    codes (the first too: with 64, nothing is decoded before the talker is done)."""
     text, ids = prompt
     request = runner.parse({"text_input": text, "reply_ids": REPLY, "prompt_ids": ids, "thinker_states": states,
                             "temperature": 0.0, "max_tokens": 60, "min_tokens": 60, "seed": 5,
-                            "chunk_frames": chunk_frames})
+                            "chunk_frames": chunk_frames, "first_chunk_frames": chunk_frames})
     chunks = []
     runner.loop.run(runner.speak(request, chunks.append))
     return chunks
