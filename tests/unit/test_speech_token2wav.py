@@ -196,3 +196,29 @@ def test_the_ode_on_its_captured_shapes_buffers_gives_the_eager_samples(model):
             assert ran == [(rows, length) for length in (first, second) for _ in range(runs)], ran
     finally:
         _Ode.run = run
+
+
+def test_an_ode_runs_the_speaker_encoder_once_and_leaves_its_module_as_it_found_it(model):
+    """The DiT's speaker encoder runs once an ODE, not once a pass (its output held for the passes);
+    after it, the encoder's own forward is back, an instance's wrapper (another library's hook)
+    included, and the model's own decode, which runs the encoder every pass, is unchanged."""
+    decoder = StreamingToken2Wav(copy.deepcopy(model.token2wav), num_steps=STEPS)
+    encoder = decoder.dit.input_embed.spk_encoder
+    runs = []
+    plain = encoder.forward
+
+    def wrapper(condition):  # as a hook library installs one: an instance attribute
+        runs.append(condition.shape[0])
+        return plain(condition)
+
+    encoder.forward = wrapper
+    speaker = model.speaker_map["Chelsie"]
+    codes = torch.randint(0, 60, (1, decoder.window_codes[0]), generator=torch.Generator().manual_seed(4))
+    noise = torch.randn(1, codes.shape[1] * decoder.repeats, decoder.mel_bins, generator=torch.Generator())
+    decoder.mel(codes, noise, speaker["cond"].float(), speaker["ref_mel"].float())
+    assert runs == [2]  # once, for the guided and the unguided halves: not once for each of the passes
+    assert encoder.forward is wrapper
+    runs.clear()
+    with torch.no_grad():
+        decoder.dit.sample(speaker["cond"].float(), speaker["ref_mel"].float(), codes, num_steps=STEPS)
+    assert len(runs) == 4 * (STEPS - 1)  # the model's own ODE: every pass encodes again
