@@ -344,13 +344,12 @@ class Token2WavStream:
         self.sent_frames = 0  # mel frames whose samples have left
 
     def add(self, codes: list[int], final: bool = False) -> torch.Tensor:
-        """Float32 samples: those of every mel frame settled by now and not sent yet."""
-        self.extend(codes)
-        window = self.window(final)
-        if window is not None:
-            self.settle(window, self.decoder.mel(torch.tensor([window.codes]), window.noise, self.conditioning,
-                                                 self.reference_mel))
-        return self.vocode(final)
+        """Float32 samples: those of every mel frame settled by now and not sent yet (a round of
+        ``decode_round`` for this stream alone)."""
+        [samples] = self.decoder.decode_round([(self, codes, final)])
+        if isinstance(samples, Exception):
+            raise samples
+        return samples
 
     def extend(self, codes: list[int]) -> None:
         """Take the talker's new codes, and draw their frames' noise (in order: the whole decode's)."""
@@ -379,13 +378,6 @@ class Token2WavStream:
         repeats = self.decoder.repeats
         new = mel[..., (window.done - window.first) * repeats:(window.ready - window.first) * repeats]
         self.mel = torch.cat([self.mel, new.cpu()], dim=2)
-
-    def vocode(self, final: bool) -> torch.Tensor:
-        """The samples of the mel frames whose vocoder reach after them is there (all at the end)."""
-        window = self.vocoder_window(final)
-        if window is None:
-            return torch.zeros(0)
-        return self.sent(window, self.decoder.samples(self.mel[..., window.first:window.end])[0])
 
     def vocoder_window(self, final: bool) -> VocoderWindow | None:
         """The mel frames the vocoder reads for the frames whose reach after them is there (all of them
