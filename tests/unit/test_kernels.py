@@ -220,19 +220,28 @@ def test_the_attention_benchmark_reads_flashattention_4_tiles_and_refuses_a_malf
         attention_kernels.fa4_tile("128x128:rs")
 
 
-def test_fused_projections_give_the_unfused_image_and_are_refused_where_they_cannot_apply():
-    """FLUX.1's q, k and v as one layer (``fuse_projections``): the same sums, so within float32
-    rounding of the unfused image, with the unfused layers gone (the attention reads the fused
-    one). Another prompt moves the image far past that tolerance."""
-    request = {"prompt": "a red fox", "num_inference_steps": 3, "guidance_scale": 3.5, "height": 32, "width": 32,
-               "seed": 7}
+# family: (demo, {an attention layer: the fused layer it reads}, the request's own inputs)
+FUSED = {"flux1": ("demo:tiny-flux1-dev", {"transformer_blocks.0.attn": "to_qkv"}, {"guidance_scale": 3.5}),
+         # the self-attention's q, k and v one layer; the cross-attention's k and v (its q reads the video)
+         "wan": ("demo:tiny-wan", {"blocks.0.attn1": "to_qkv", "blocks.0.attn2": "to_kv"},
+                 {"guidance_scale": 5.0, "num_frames": 5})}
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_projections_give_the_unfused_image(family):
+    """q, k and v as one layer (``fuse_projections``): the same sums, so within float32 rounding of
+    the unfused image (every frame of a video), with the unfused layers gone (the attention reads
+    the fused one). Another prompt moves the image far past that tolerance."""
+    demo, layers, options = FUSED[family]
+    request = {"prompt": "a red fox", "num_inference_steps": 3, "height": 32, "width": 32, "seed": 7} | options
     images = {}
     for fused in (False, True):
-        runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", batching="step", fuse_projections=fused))
+        runner = DiffusionRunner(DiffusionRunnerConfig(demo, batching="step", fuse_projections=fused))
         try:
-            attention = runner.family.network.transformer_blocks[0].attn
-            assert hasattr(attention, "to_qkv") == hasattr(attention, "to_added_qkv") == fused
-            assert hasattr(attention, "to_q") == (not fused)
+            for name, fused_layer in layers.items():
+                attention = runner.family.network.get_submodule(name)
+                assert hasattr(attention, fused_layer) == fused, name
+                assert hasattr(attention, "to_k") == hasattr(attention, "to_v") == (not fused), name
             images[fused] = runner.submit(runner.parse(request)).result().int()
             if fused:
                 other = runner.submit(runner.parse(request | {"prompt": "a blue whale"})).result().int()
@@ -240,6 +249,9 @@ def test_fused_projections_give_the_unfused_image_and_are_refused_where_they_can
             runner.close()
     assert int((images[True] - images[False]).abs().max()) <= 1
     assert int((other - images[True]).abs().max()) > 10
+
+
+def test_fused_projections_are_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="fuse_projections: the qwen_image family's attention does not take"):
         DiffusionRunner(DiffusionRunnerConfig(QWEN, fuse_projections=True))
     with pytest.raises(ValueError, match="fuse_projections: not with lora_adapters"):

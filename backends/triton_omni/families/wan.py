@@ -309,13 +309,15 @@ class Wan(Family):
     pipeline_class = "WanPipeline"
     # the prompts' and the negatives' passes apart: CFG parallel; First Block Cache on its blocks, as
     # diffusers' hook runs them; sequence parallel by diffusers' plan (the video's tokens, every latent
-    # frame's, split at the first block); its blocks compiled; LoRA adapters per request. Not yet: CUDA
-    # graphs
+    # frame's, split at the first block); its blocks compiled; LoRA adapters per request; the
+    # self-attention's q, k and v as one layer, the cross-attention's k and v as another
+    # (`fuse_projections`). Not yet: CUDA graphs
     capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
-                                compile=True, lora=True)
+                                compile=True, lora=True, fused_projections=True)
     # self-attention and the feed-forward read the video's tokens; the cross-attention's keys and values
     # the text's; the modulation is a learnt table, no layer
-    flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("blocks.*", "image"))
+    flop_streams = (("*.attn2.to_k", "text"), ("*.attn2.to_v", "text"), ("*.attn2.to_kv", "text"),
+                    ("blocks.*", "image"))
     attention_streams = (("*.attn1", "image"), ("*.attn2", "cross"))
     recipe = RECIPE
     step_adapter = WanSteps

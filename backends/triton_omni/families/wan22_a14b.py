@@ -105,7 +105,7 @@ def build_realistic_i2v(device, dtype):
 class Wan22A14B(Wan):
     name = "wan2.2_a14b"
     capabilities = Capabilities(Guidance.CFG, cfg_parallel=True, step_cache=True, sequence_parallel=True,
-                                compile=True, lora=True)
+                                compile=True, lora=True, fused_projections=True)
     demo = None
     demo_folders: ClassVar[dict] = {"tiny-wan2.2-a14b": build_tiny}
     realistic: ClassVar[dict] = {"demo:realistic-wan2.2-t2v-a14b": build_realistic}
