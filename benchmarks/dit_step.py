@@ -23,6 +23,7 @@ dense bf16 peak), for each attention kernel listed (``auto``: the one a served m
     python benchmarks/dit_step.py --family qwen-image --preset realistic --attention-backend native,auto
     python benchmarks/dit_step.py --family qwen-image --preset realistic --quantization fp8 --modes eager --profile 25
     python benchmarks/dit_step.py --family wan --preset realistic --modes default --profile 25   # 832x480, 81 frames
+    python benchmarks/dit_step.py --family wan --preset realistic --modes default --projections unfused,fused
 
 ``--profile N``: after each mode's timing, one more forward under ``torch.profiler``, and its N
 kernels that took the most device time, with each kind's share of the forward (matmuls, attention,
@@ -42,7 +43,13 @@ import torch
 from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
-from triton_omni.diffusion.kernels import Fp8Plan, NetworkKernels, installed_kernel, resolve_attention
+from triton_omni.diffusion.kernels import (
+    Fp8Plan,
+    NetworkKernels,
+    fuse_projections,
+    installed_kernel,
+    resolve_attention,
+)
 from triton_omni.families import family_of
 
 MODELS = {"qwen-image": "qwen-image", "z-image": "z-image", "flux1-dev": "flux1-dev", "flux2-klein": "flux2-klein",
@@ -176,6 +183,8 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
     parser.add_argument("--fp8-scales", choices=["row", "tensor"], default="row", help="FP8's scales (fp8_scales)")
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
+    parser.add_argument("--projections", default="unfused",
+                        help="unfused, fused (fuse_projections) or unfused,fused: each timed, in that order")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each mode, profile one forward and print its N costliest kernels")
     parser.add_argument("--json", help="also write the figures here")
@@ -204,29 +213,34 @@ def main() -> None:
           + (f" (scales per {args.fp8_scales})" if plan else "") + ", "
           f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
     print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
-    points = []
-    for rows in (int(r) for r in args.rows.split(",")):
-        call_args, call_kwargs, text = captured_forward(pipeline, family, rows, shape, device, dtype)
-        flops = family.forward_flops(family.image_tokens(*shape), text, rows)
-        baseline = None
-        for attention in attentions:
-            installed_kernel(attention)
-            network.set_attention_backend(attention)
-            for mode in args.modes.split(","):
-                if mode == "graphs" and device.type != "cuda":
-                    continue  # CUDA graphs need a GPU
-                graphs = set_mode(network, mode)
-                s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
-                baseline = baseline or s
-                mfu = f"{flops / s / peak:.1%}" if peak else "-"
-                print(f"{rows:>4} {attention:>14} {mode:>28} {s * 1e3:>11.2f} {s / baseline:>8.3f} {mfu:>6}",
-                      flush=True)
-                if args.profile:  # before the graphs are removed: the forward as timed
-                    profile_forward(network, call_args, call_kwargs, mode, args.profile, device)
-                if graphs is not None:
-                    graphs.remove()
-                points.append({"rows": rows, "attention": attention, "mode": mode, "seconds": s,
-                               "ratio_to_first": s / baseline, "mfu": flops / s / peak if peak else None})
+    if "fused" in args.projections.split(",") and not family.capabilities.fused_projections:
+        parser.error(f"--projections fused: the {family.name} family's attention does not take fused projections")
+    points, baselines = [], {}
+    for projections in args.projections.split(","):
+        if projections == "fused":  # in place, for good: the unfused layers are dropped
+            print(f"fuse_projections: {fuse_projections(network)} attention layers fused")
+        for rows in (int(r) for r in args.rows.split(",")):
+            call_args, call_kwargs, text = captured_forward(pipeline, family, rows, shape, device, dtype)
+            flops = family.forward_flops(family.image_tokens(*shape), text, rows)
+            for attention in attentions:
+                installed_kernel(attention)
+                network.set_attention_backend(attention)
+                for mode in args.modes.split(","):
+                    if mode == "graphs" and device.type != "cuda":
+                        continue  # CUDA graphs need a GPU
+                    graphs = set_mode(network, mode)
+                    s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
+                    baseline = baselines.setdefault(rows, s)
+                    mfu = f"{flops / s / peak:.1%}" if peak else "-"
+                    print(f"{rows:>4} {attention:>14} {mode + ', ' + projections:>28} {s * 1e3:>11.2f} "
+                          f"{s / baseline:>8.3f} {mfu:>6}", flush=True)
+                    if args.profile:  # before the graphs are removed: the forward as timed
+                        profile_forward(network, call_args, call_kwargs, mode, args.profile, device)
+                    if graphs is not None:
+                        graphs.remove()
+                    points.append({"rows": rows, "attention": attention, "mode": mode, "projections": projections,
+                                   "seconds": s, "ratio_to_first": s / baseline,
+                                   "mfu": flops / s / peak if peak else None})
     if args.json:
         Path(args.json).write_text(json.dumps({"family": args.family, "preset": args.preset, "shape": shape,
                                                "quantization": args.quantization,
