@@ -9,6 +9,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from triton_omni.demo_models import resolve_model
+from triton_omni.diffusion.kernels import fuse_projections
 from triton_omni.families import family_of
 
 SIZE, TEXT_TOKENS = 64, 32  # Z-Image pads both streams to multiples of 32: these need none
@@ -24,12 +25,17 @@ def counted_block_flops(pipeline, family, **kwargs) -> int:
                for name, module in network.named_modules() if type(module).__name__ in network._repeated_blocks)
 
 
-@pytest.mark.parametrize("demo", ["tiny-qwen-image", "tiny-z-image", "tiny-flux1-dev", "tiny-flux2-klein", "tiny-wan"])
-def test_the_flop_formula_equals_the_flop_counter(demo):
+@pytest.mark.parametrize(("demo", "fused"), [(demo, False) for demo in ("tiny-qwen-image", "tiny-z-image",
+                                                                          "tiny-flux1-dev", "tiny-flux2-klein",
+                                                                          "tiny-wan")]
+                         + [("tiny-flux1-dev", True), ("tiny-wan", True)])  # fuse_projections: the same FLOPs
+def test_the_flop_formula_equals_the_flop_counter(demo, fused):
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.from_pretrained(resolve_model(f"demo:{demo}"))
     family = family_of(pipeline)
+    if fused:
+        assert fuse_projections(family.network) > 0
     embeds = torch.randn(1, TEXT_TOKENS, family.hidden_size())
     kwargs = {"prompt_embeds": embeds, "guidance_scale": 1.0}  # one unguided pass: one row
     if family.name == "qwen_image":
@@ -38,7 +44,7 @@ def test_the_flop_formula_equals_the_flop_counter(demo):
         kwargs["pooled_prompt_embeds"] = torch.randn(1, family.pooled_size())
     elif family.name == "z_image":
         kwargs = {"prompt_embeds": [embeds[0]], "guidance_scale": 0.0}
-    frames = 5 if family.output.video else 1
+    frames = 9 if family.output.video else 1  # 3 latent frames: 48 video tokens, not the text's 32
     if family.output.video:
         kwargs["num_frames"] = frames
     counted = counted_block_flops(pipeline, family, **kwargs)
