@@ -18,7 +18,7 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
   a server this run starts, or ``--metrics-url``'s): the thinker's first token in ``ar`` and the
   speech stage's own first audio (from its request to its first chunk), and that split into its
   phases (``omni_speech_first_audio_phase_seconds``: the talker's prompt, joining the step batch,
-  the first frame, the first chunk's decode).
+  the first frame, the other frames its samples need, their decode).
 
 On this host's CPU with the tiny demo (``--preset tiny``, the default) it only shows the benchmark
 works; the figures are a GPU's, with ``--preset realistic``: Qwen3-Omni-30B-A3B at its real shapes
@@ -143,7 +143,7 @@ async def at_concurrency(url: str, texts: list[str], concurrency: int, args) -> 
 STAGE_METRICS = {"ar_ttft_ms": ("omni_ar_time_to_first_token_seconds", "ar"),
                  "speech_ttfa_ms": ("omni_speech_time_to_first_audio_seconds", "speech")}
 # the speech stage's first audio split into its phases (the histograms' ``phase`` label)
-PHASES = ("prompt", "join", "first_frame", "decode")
+PHASES = ("prompt", "join", "first_frame", "frames", "decode")
 
 
 def stage_sums(metrics_url: str) -> dict[str, tuple[float, float]]:

@@ -109,8 +109,10 @@ class AudioChunk:
 
 # A first chunk's wait, in order: the talker's prompt built; its utterance in the talker's step batch
 # (waiting for the running step, then its prefill); its first frame (its reply's next tokens, the
-# step); the rest of the chunk's frames and their decode (waiting for the codec thread's batch).
-FIRST_AUDIO_PHASES = ("prompt", "join", "first_frame", "decode")
+# step); the rest of the frames its samples need (the talker's steps, each waiting for its reply's
+# next state where the thinker is behind; for token2wav, the context after them too); their decode
+# (waiting for the codec thread's batch).
+FIRST_AUDIO_PHASES = ("prompt", "join", "first_frame", "frames", "decode")
 
 
 class SpeechRunner:
@@ -236,6 +238,7 @@ class SpeechRunner:
                     codes = torch.tensor(pending, dtype=torch.long).reshape(-1, self.talker.groups).T.contiguous()
                     # a chunk short of chunk_frames is one of the first: little audio plays before it
                     urgent = wanted < request.chunk_frames
+                    handed = time.monotonic()  # the frames are all there: what follows is their decode
                     samples = await asyncio.wrap_future(self.codec.decode(stream, codes, urgent, final))
                     held, samples_sent = torch.cat([held, codes], dim=1), samples_sent + len(samples)
                     pending, wanted = [], next(sizes)
@@ -248,7 +251,7 @@ class SpeechRunner:
                     codes_sent += ended
                     phases = None
                     if len(marks) == 4:  # the first chunk
-                        marks.append(time.monotonic())
+                        marks += [handed, time.monotonic()]
                         phases = dict(zip(FIRST_AUDIO_PHASES, np.diff(marks).tolist(), strict=True))
                     on_chunk(AudioChunk(samples, codes.numpy(), utterance.reason if final else None, phases))
                     self._count("chunks")

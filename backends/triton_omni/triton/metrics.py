@@ -26,7 +26,7 @@ HISTOGRAM = "HISTOGRAM"
 DURATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 # the speech runner's FIRST_AUDIO_PHASES (named here: this module loads no torch)
-SPEECH_PHASES = ("prompt", "join", "first_frame", "decode")
+SPEECH_PHASES = ("prompt", "join", "first_frame", "frames", "decode")
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
 _families: dict[str, object] = {}
@@ -201,8 +201,9 @@ class StageMetrics:
             phases = family("omni_speech_first_audio_phase_seconds",
                             "Where a speech request's first audio waited, by phase: prompt (the talker's prompt "
                             "built), join (into the talker's step batch: the running step, then the prefill), "
-                            "first_frame (its reply's next tokens, the step), decode (the first chunk's other "
-                            "frames, then the codec thread's batch)", HISTOGRAM)
+                            "first_frame (its reply's next tokens, the step), frames (the other frames its "
+                            "samples need: the talker's steps, each waiting for its reply's next state), decode "
+                            "(their decode: the codec thread's batch)", HISTOGRAM)
             self.first_audio_phases = {
                 phase: routed(phases.Metric(labels=self.labels | {"phase": phase}, buckets=TTFT_BUCKETS), submit)
                 for phase in SPEECH_PHASES}
