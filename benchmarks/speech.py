@@ -15,8 +15,9 @@ reply (the thinker's end of text held off, so every reply is as long), and the t
 - with ``--with-text`` (text asked for too), the time to the first text: the thinker's share of
   the first audio;
 - where the first audio's time goes inside the server, from its metrics over each round (means;
-  a server this run starts, or ``--metrics-url``'s): the thinker's first token in ``ar`` and the
-  speech stage's own first audio (from its request to its first chunk), and that split into its
+  a server this run starts, or ``--metrics-url``'s): the thinker's first token in ``ar`` and its time
+  per token after it (the pace of a talker that reads each reply token's state), the speech stage's
+  own first audio (from its request to its first chunk), and that split into its
   phases (``omni_speech_first_audio_phase_seconds``: the talker's prompt, joining the step batch,
   the first frame, the other frames its samples need, their decode).
 
@@ -159,6 +160,13 @@ def stage_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
         series = [labelled_value(text, f"omni_speech_first_audio_phase_seconds_{part}", phase)
                   for part in ("sum", "count")]
         found[f"speech_{phase}_ms"] = (series[0], series[1])
+    # the thinker's time per token after its first (its replies' time after their first token, over
+    # their tokens after the first): the pace a talker that reads each reply token's state can keep
+    ar = {name: sum(metric_by_device(text, name, "ar").values())
+          for name in ("omni_ar_request_duration_seconds_sum", "omni_ar_request_duration_seconds_count",
+                       "omni_ar_time_to_first_token_seconds_sum", "omni_ar_generated_tokens_total")}
+    found["ar_tpot_ms"] = (ar["omni_ar_request_duration_seconds_sum"] - ar["omni_ar_time_to_first_token_seconds_sum"],
+                           ar["omni_ar_generated_tokens_total"] - ar["omni_ar_request_duration_seconds_count"])
     return found
 
 
@@ -171,7 +179,8 @@ def labelled_value(text: str, name: str, phase: str) -> float:
 
 
 def stage_means(before: dict, after: dict) -> dict[str, float]:
-    """The stages' mean first token and first audio (ms) over the requests between two readings."""
+    """The stages' mean first token and first audio (ms) over the requests between two readings, and
+    the thinker's mean time per token after the first."""
     found = {}
     for name, (total, count) in after.items():
         if count > before[name][1]:

@@ -535,6 +535,7 @@ def test_the_speech_bench_measures_this_server(speech_server, tmp_path):
         assert min(found["ttfa_ms"], found["ttft_ms"], found["rtf"]) > 0
         assert found["stall_ms_max"] >= found["stall_ms"] >= 0
         phases = {f"speech_{phase}_ms" for phase in ("prompt", "join", "first_frame", "frames", "decode")}
-        assert set(found["stages"]) == {"ar_ttft_ms", "speech_ttfa_ms"} | phases
-        assert min(found["stages"][name] for name in ("ar_ttft_ms", "speech_ttfa_ms", "speech_decode_ms")) > 0
+        assert set(found["stages"]) == {"ar_ttft_ms", "ar_tpot_ms", "speech_ttfa_ms"} | phases
+        assert min(found["stages"][name]
+                   for name in ("ar_ttft_ms", "ar_tpot_ms", "speech_ttfa_ms", "speech_decode_ms")) > 0
     assert report["direct"]["audio_s"] > 0 and "Triton / direct at concurrency 1" in result.stdout
