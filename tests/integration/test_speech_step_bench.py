@@ -1,8 +1,8 @@
 """``benchmarks/speech_step.py`` on CPU with the tiny Qwen3-Omni: the talker's step batch at
 two sizes, each step split into its parts, and the decoder's chunk for as many streams, one
 after another and together (within 1e-4 of each other: the same samples), and the first chunks'
-decode the first time and the second. The report's shape is
-checked, never a figure: docs/benchmarks.md quotes the GPU's."""
+decode the first time and the second; and ``token2wav_batch.py`` with the tiny Qwen2.5-Omni. The
+report's shape is checked, never a figure: docs/benchmarks.md quotes the GPU's."""
 
 from __future__ import annotations
 
@@ -56,3 +56,21 @@ def test_a_qwen25_talkers_steps_are_measured_without_a_code_predictor(tmp_path):
         assert "code predictor" not in parts and parts["step"] >= parts["talker forward"] > 0
         assert abs(found["rtf_floor"] - found["step_ms"] * 50 / 1000) < 1e-9
     assert report["first_frame_ms"]["eager"]["to the first frame"] > 0
+
+
+def test_token2wavs_streams_are_measured_together_and_apart_with_the_vocoders_share(tmp_path):
+    """``token2wav_batch.py`` on the tiny Qwen2.5-Omni: a block of codes for each stream count,
+    together and one after another, the same samples either way (within float32 rounding), and of
+    each way's round the vocoder's part, which is less than the round (the DiT's ODE comes first)."""
+    out_file = tmp_path / "token2wav.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "token2wav_batch.py"), "--streams", "1,2",
+                             "--rounds", "2", "--json", str(out_file)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out_file.read_text())
+    assert report["device"] == "cpu" and set(report["streams"]) == {"1", "2"}
+    for found in report["streams"].values():
+        assert found["max_abs_difference"] < 1e-4
+        rounds = {"together": found["together_ms"], "one after another": found["one_after_another_ms"]}
+        assert set(found["vocoder_ms"]) == set(rounds)
+        assert all(0 < found["vocoder_ms"][way] < rounds[way] for way in rounds)
