@@ -213,10 +213,13 @@ def main() -> None:
           + (f" (scales per {args.fp8_scales})" if plan else "") + ", "
           f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
     print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
-    if "fused" in args.projections.split(",") and not family.capabilities.fused_projections:
+    states = args.projections.split(",")
+    if unknown := set(states) - {"unfused", "fused"}:
+        parser.error(f"--projections: unfused and/or fused, not {', '.join(sorted(unknown))}")
+    if "fused" in states and not family.capabilities.fused_projections:
         parser.error(f"--projections fused: the {family.name} family's attention does not take fused projections")
     points, baselines = [], {}
-    for projections in args.projections.split(","):
+    for projections in states:
         if projections == "fused":  # in place, for good: the unfused layers are dropped
             print(f"fuse_projections: {fuse_projections(network)} attention layers fused")
         for rows in (int(r) for r in args.rows.split(",")):

@@ -124,7 +124,7 @@ def main() -> None:
         ratio = times["together"] / times["one after another"]
         figures[streams] = {"together_ms": times["together"], "one_after_another_ms": times["one after another"],
                             "ratio": ratio, "max_abs_difference": apart,
-                            "vocoder_ms": {way: vocoder_times[way] for way in times}}
+                            "vocoder_ms": vocoder_times}
         captured = ""
         if "together, captured" in times:
             figures[streams] |= {"captured_ms": times["together, captured"],
