@@ -1,8 +1,12 @@
-"""Host tensors onto a GPU without waiting for it: the one copy rule every stage uses."""
+"""Host tensors onto a GPU without waiting for it: the one copy rule every stage uses, and
+``queued``, which holds code written for any device (a diffusers scheduler's step) to it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -14,3 +18,28 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | N
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class _Queued(TorchFunctionMode):
+    """See ``queued``. Inside ``__torch_function__`` the mode is off, so its own calls pass through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.linalg.solve:
+            return torch.linalg.solve_ex(*args, **kwargs, check_errors=False).result
+        # `.to(...)` of a host tensor, without `copy` (which torch's own parser refuses: always a copy)
+        if func is torch.Tensor.to and args[0].device.type == "cpu" and "copy" not in kwargs and len(args) <= 4:
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None and device.type == "cuda" and not non_blocking and memory_format is None:
+                return to_device(args[0], device, dtype)
+        return func(*args, **kwargs)
+
+
+def queued(device: torch.device) -> contextlib.AbstractContextManager:
+    """Meanwhile, on a GPU ``device``, this thread's host tensors copied onto a GPU go through
+    ``to_device`` (pinned memory, no wait), and ``torch.linalg.solve`` skips the check that reads
+    its status back (``solve_ex``: the same solution, op for op). Diffusers' UniPC (Wan's
+    scheduler) keeps its sigmas on the host and solves its corrector's coefficients on the device:
+    each of its steps waited for the forward pass queued before it, and the GPU idled while the
+    host queued the next one. On a CPU: nothing changes."""
+    return _Queued() if device.type == "cuda" else contextlib.nullcontext()

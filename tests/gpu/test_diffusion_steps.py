@@ -128,3 +128,24 @@ def test_most_behind_times_steps_on_the_gpu_without_waiting():
     assert not failures, failures[0]
     assert sorted(group[:2] for group in costs) == [(32, 32), (64, 64)], costs
     assert all(0 < seconds < 1 for seconds in costs.values()), costs
+
+
+def test_a_wan_step_never_waits_for_the_gpu():
+    """Wan's UniPC keeps its sigmas on the host and solves its corrector's coefficients on the
+    device: each step waited for the forward pass before it until the engine ran the scheduler
+    under ``transfers.queued`` (its copies through pinned memory, its solve unchecked)."""
+    build_all()
+    wan = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan", device="cuda", batching="step", batch_size=2,
+                                                defaults={"num_frames": 5}))
+    try:
+        def videos(n: int) -> list:
+            return wan.run([wan.parse({"prompt": f"a red fox, take {i}", "seed": i, "num_inference_steps": 6,
+                                       "guidance_scale": 5.0, "height": 32, "width": 32}) for i in range(n)])
+
+        videos(2)
+        with no_host_syncs(wan.steps, "_advance") as failures:
+            served = videos(2)
+        assert not failures, failures[0]
+        assert all(isinstance(video, torch.Tensor) for video in served), served
+    finally:
+        wan.close()

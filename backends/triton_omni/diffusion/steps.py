@@ -62,6 +62,7 @@ import torch
 
 from triton_omni.errors import RequestCancelledError, RequestRejectedError
 from triton_omni.families import StepAdapter
+from triton_omni.transfers import queued
 
 logger = logging.getLogger(__name__)
 
@@ -401,9 +402,10 @@ class StepEngine:
                 noise = [pred for job in jobs for pred in self.adapter.predict([job], self._rows_padded)]
             else:
                 noise = self.adapter.predict(jobs, self._rows_padded)
-            for job, pred in zip(jobs, noise, strict=True):
-                self.adapter.step(job, pred)
-                job.done += 1
+            with queued(self.device):  # a scheduler's host copies and checks would wait for the step
+                for job, pred in zip(jobs, noise, strict=True):
+                    self.adapter.step(job, pred)
+                    job.done += 1
 
     def _rows_padded(self, rows: int) -> int:
         """What a forward pass of ``rows`` real rows is padded to: ``max_rows`` with ``exact``, none
