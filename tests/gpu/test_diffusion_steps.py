@@ -134,7 +134,6 @@ def test_a_wan_step_never_waits_for_the_gpu():
     """Wan's UniPC keeps its sigmas on the host and solves its corrector's coefficients on the
     device: each step waited for the forward pass before it until the engine ran the scheduler
     under ``transfers.queued`` (its copies through pinned memory, its solve unchecked)."""
-    build_all()
     wan = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan", device="cuda", batching="step", batch_size=2,
                                                 defaults={"num_frames": 5}))
     try:
