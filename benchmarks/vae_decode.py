@@ -12,8 +12,9 @@ first call of a shape), and the error column is the distance from PyTorch's defa
 the graphs compiled in it and in the timed rounds after it (a graph compiled there is a decode
 that the warm-up did not prepare), the milliseconds per decode and the ratio to the eager one.
 ``--ways`` adds eager variants (``tf32``: float32 matmuls on TF32 tensor cores; ``channels-last``:
-cuDNN's NDHWC convolutions, as a served ``diffusion`` decodes) with their distance from the
-default decode; ``--profile N`` the N costliest kernels of one default decode.
+cuDNN's NDHWC convolutions; ``served``: those, each causal convolution padding height and width
+itself, as a served ``diffusion`` decodes) with their distance from the default decode;
+``--profile N`` the N costliest kernels of one default decode.
 
 For each batch size it prints the milliseconds of one decode each way and their ratio, the time
 per image, and how far each bf16 image is from the float32 decode of the same latents (mean
@@ -24,7 +25,7 @@ per image.
     python benchmarks/vae_decode.py                               # GPU: 1024², batches 1, 2, 4
     python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2   # GPU: a Wan 2.1 video's decode
     python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --compile default,static
-    python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --ways tf32,channels-last --profile 15
+    python benchmarks/vae_decode.py --vae wan --batch 1 --rounds 2 --ways channels-last,served --profile 15
     .venv/bin/python benchmarks/vae_decode.py --size 64 --rounds 1   # CPU: a quick check
 """
 
@@ -36,7 +37,7 @@ import time
 
 import torch
 from triton_omni.demo_models import built_as
-from triton_omni.diffusion.kernels import channels_last_convolutions, spread_group_norms
+from triton_omni.diffusion.kernels import channels_last_convolutions, convolutions_pad_space, spread_group_norms
 from triton_omni.diffusion.runner import COMPILE_OPTIONS, CompileWatch
 from triton_omni.families.flux1 import realistic_vae as flux1_vae
 
@@ -159,7 +160,21 @@ def channels_last(vae, latents):
             convolution.weight.data = convolution.weight.data.contiguous()
 
 
-VIDEO_WAYS = {"tf32": tf32_matmuls, "channels-last": channels_last}
+@contextlib.contextmanager
+def served(vae, latents):
+    """As a served ``diffusion`` decodes on a GPU: the convolutions in ``channels_last_3d``, the
+    causal ones padding height and width themselves (``kernels.convolutions_pad_space``)."""
+    padded = [m for m in vae.modules() if hasattr(m, "_padding")]
+    convolutions_pad_space(vae)
+    try:
+        with channels_last(vae, latents) as ways:
+            yield ways
+    finally:
+        for convolution in padded:
+            del convolution.forward
+
+
+VIDEO_WAYS = {"tf32": tf32_matmuls, "channels-last": channels_last, "served": served}
 
 
 def profile_decode(vae, latents: torch.Tensor, top: int) -> None:

@@ -15,6 +15,7 @@ from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.kernels import (
     Fp8Plan,
     channels_last_convolutions,
+    convolutions_pad_space,
     group_norm,
     resolve_attention,
     spread_group_norms,
@@ -187,6 +188,27 @@ def test_a_video_vae_with_channels_last_convolutions_decodes_the_same_frames():
     assert float((other - expected).abs().mean()) > 100 * float((frames - expected).abs().max())
 
 
+def test_a_video_vae_whose_convolutions_pad_space_decodes_the_same_frames():
+    """Wan's VAE with its causal convolutions padding height and width themselves (what a served
+    ``diffusion`` runs on a GPU), decoding several latent frames (the cache of earlier frames, and
+    the first frame's zeros in time): within float32 rounding of diffusers' own padding, and other
+    latents land far past that. Its encoder too (an image-to-video request's first frame)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    latents, video = torch.randn(1, 4, 3, 4, 4), torch.randn(1, 3, 5, 32, 32)
+    with torch.inference_mode():
+        expected, encoded = vae.decode(latents).sample, vae.encode(video).latent_dist.mode()
+        count = convolutions_pad_space(vae)
+        frames, reencoded = vae.decode(latents).sample, vae.encode(video).latent_dist.mode()
+        other = vae.decode(latents.flip(-1)).sample
+    assert count == sum(hasattr(m, "_padding") for m in vae.modules()) > 0
+    assert torch.allclose(frames, expected, atol=1e-5) and torch.allclose(reencoded, encoded, atol=1e-5)
+    assert float((other - expected).abs().mean()) > 100 * float((frames - expected).abs().max())
+
+
 def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     import vae_decode
@@ -201,9 +223,9 @@ def test_the_vae_decode_benchmark_times_wans_eager_variants_and_restores_the_def
     import vae_decode
 
     vae_decode.main(["--vae", "wan", "--size", "16", "--frames", "5", "--batch", "1", "--rounds", "1",
-                     "--ways", "tf32,channels-last", "--profile", "3"])
+                     "--ways", "tf32,channels-last,served", "--profile", "3"])
     out = capsys.readouterr().out
-    for way in ("tf32", "channels-last"):
+    for way in ("tf32", "channels-last", "served"):
         [line] = [line for line in out.splitlines() if line.strip().startswith(f"{way}:")]
         assert "of the default" in line and "levels from it" in line
     assert "profile of one decode" in out and not torch.backends.cuda.matmul.allow_tf32

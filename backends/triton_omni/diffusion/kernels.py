@@ -32,7 +32,7 @@
   group norms run ``group_norm``, the same arithmetic spread over the whole GPU; its 3-D
   convolutions' weights (a video VAE's) are kept in ``channels_last_3d``, the layout cuDNN's
   convolutions compute in, which PyTorch's default layout makes it transpose into and back out of
-  around every call.
+  around every call, and pad height and width inside the convolution rather than in a copy.
 """
 
 from __future__ import annotations
@@ -181,6 +181,33 @@ def channels_last_convolutions(module: torch.nn.Module) -> int:
     for convolution in convolutions:
         convolution.weight.data = convolution.weight.data.contiguous(memory_format=torch.channels_last_3d)
     return len(convolutions)
+
+
+def convolutions_pad_space(module: torch.nn.Module) -> int:
+    """Every causal 3-D convolution inside ``module`` (a Wan VAE's ``WanCausalConv3d``) pads its
+    input's height and width inside the convolution, in place; returns how many. Diffusers pads
+    all three dimensions with ``F.pad`` first, a padded copy of every activation before every
+    convolution of the decode; only the causal padding of time, on one side, stays a copy. The
+    padding is zeros either way: the same sums."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    convolutions = [m for m in module.modules() if isinstance(m, WanCausalConv3d)]
+    for convolution in convolutions:
+        convolution.forward = functools.partial(_causal_convolution, convolution)
+    return len(convolutions)
+
+
+def _causal_convolution(convolution, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """``WanCausalConv3d.forward`` with its height and width padded by the convolution: its
+    ``_padding`` is (width, width, height, height, 2 x time, 0), the earlier frames cached or zeros."""
+    width, _, height, _, time, _ = convolution._padding
+    if cache_x is not None and time > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        time -= cache_x.shape[2]
+    if time > 0:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, time, 0))
+    return torch.nn.functional.conv3d(x, convolution.weight, convolution.bias, convolution.stride,
+                                      (0, height, width), convolution.dilation, convolution.groups)
 
 
 def _group_norm_forward(norm: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:

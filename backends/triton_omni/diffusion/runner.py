@@ -51,6 +51,7 @@ from triton_omni.diffusion.kernels import (
     NetworkKernels,
     channels_last_convolutions,
     check_fp8,
+    convolutions_pad_space,
     resolve_attention,
     spread_group_norms,
 )
@@ -421,7 +422,8 @@ class DiffusionRunner:
     def _vae_kernels(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread
         over the whole GPU) and its 3-D convolutions' weights are kept in cuDNN's layout
-        (``kernels.channels_last_convolutions``), except under ``exact_batching: pipeline``, whose
+        (``kernels.channels_last_convolutions``), its causal ones padding height and width inside the
+        convolution (``kernels.convolutions_pad_space``), except under ``exact_batching: pipeline``, whose
         promise is the pipeline's kernels bit for bit; returns whether any group norm was spread.
         Step batching then decodes each finished image alone: one image's decode so spread takes
         less than its share of a batch's, whose group norms PyTorch's kernel runs (a 1024² decode
@@ -431,11 +433,13 @@ class DiffusionRunner:
         if self.device.type != "cuda" or c.exact_mode == "pipeline" or "vae" in c.compiled:
             return False
         vae = self.pipeline.vae
-        count, convolutions = self._on_torch_thread(lambda: (spread_group_norms(vae), channels_last_convolutions(vae)))
+        count, convolutions, padded = self._on_torch_thread(
+            lambda: (spread_group_norms(vae), channels_last_convolutions(vae), convolutions_pad_space(vae)))
         if count:
             logger.info("The VAE's %d group norms run spread over the GPU (kernels.group_norm)", count)
         if convolutions:
-            logger.info("The VAE's %d 3-D convolutions compute in channels_last_3d", convolutions)
+            logger.info("The VAE's %d 3-D convolutions compute in channels_last_3d, %d of them padding height and "
+                        "width themselves", convolutions, padded)
         return count > 0
 
     def _compile(self) -> None:
