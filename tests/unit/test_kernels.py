@@ -209,6 +209,18 @@ def test_a_video_vae_whose_convolutions_pad_space_decodes_the_same_frames():
     assert float((other - expected).abs().mean()) > 100 * float((frames - expected).abs().max())
 
 
+def test_a_causal_convolution_padding_space_crops_a_longer_cache_as_diffusers_does():
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    torch.manual_seed(0)
+    convolution = WanCausalConv3d(2, 2, 3, padding=1)
+    x, cache = torch.randn(1, 2, 1, 4, 4), torch.randn(1, 2, 3, 4, 4)  # 3 cached frames, a padding of 2
+    with torch.inference_mode():
+        expected = convolution(x, cache)
+        convolutions_pad_space(convolution)
+        assert torch.allclose(convolution(x, cache), expected, atol=1e-6)
+
+
 def test_the_vae_decode_benchmark_prints_both_group_norms(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     import vae_decode

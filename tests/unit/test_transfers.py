@@ -54,6 +54,12 @@ def test_host_copies_keep_their_meaning_under_the_mode():
         assert host.to(torch.float16).dtype == torch.float16
         copied = host.to("cpu", copy=True)
         assert copied.data_ptr() != host.data_ptr() and torch.equal(copied, host)
+        positional = host.to(torch.float16, False, True)  # copy, positionally: torch's parser refuses it
+        assert positional.dtype == torch.float16 and positional.data_ptr() != host.data_ptr()
+        assert host[:1].expand(3).to(torch.float64).tolist() == [0.0, 0.0, 0.0]
+        out = torch.empty(2)
+        torch.linalg.solve(torch.eye(2), torch.ones(2), out=out)  # `out`: torch's own solve
+        assert out.tolist() == [1.0, 1.0]
 
 
 def test_queued_changes_nothing_on_a_cpu():

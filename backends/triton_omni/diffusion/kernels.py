@@ -206,6 +206,8 @@ def _causal_convolution(convolution, x: torch.Tensor, cache_x: torch.Tensor | No
         time -= cache_x.shape[2]
     if time > 0:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, time, 0))
+    elif time < 0:  # a cache longer than the padding: F.pad's negative padding crops, as diffusers' does
+        x = x[:, :, -time:]
     return torch.nn.functional.conv3d(x, convolution.weight, convolution.bias, convolution.stride,
                                       (0, height, width), convolution.dilation, convolution.groups)
 
