@@ -1,6 +1,6 @@
 """What a DiT runs on (kernels.py), at a real shape (Z-Image's 6 B DiT, random weights, bf16) on a
 GPU with FP8 tensor cores: ``quantization: fp8`` against bf16 with the same request, the attention
-kernel ``auto`` chooses and FlashAttention-4 against PyTorch's SDPA, and a compiled runner's memory (its DiT's
+kernel ``auto`` chooses and FlashAttention-4 and -3 against PyTorch's SDPA, and a compiled runner's memory (its DiT's
 blocks and its VAE's decoder) given back when it closes (twice over: a reload finds its GPU as the first load
 did); the VAE's spread group norms against PyTorch's, both measured from a float32 decode. GPU only
 (docs/gpu.md)."""
@@ -74,19 +74,27 @@ def test_the_attention_kernel_auto_chooses_gives_sdpas_image():
     assert float(difference.float().mean()) <= 1.0
 
 
-@pytest.mark.skipif(torch.cuda.get_device_capability()[0] not in (9, 10), reason="FlashAttention-4: Hopper, Blackwell")
-def test_flash_attention_4_gives_sdpas_image_compiled_too():
-    """``flash_4_hub`` runs the installed flash-attn-4 package (the GPU pack carries it), eager and
-    under ``compile: blocks`` (its custom op inside each block's graph); another seed's image is far
-    past the tolerance. FLUX.2 [klein]: its passes never pad (FlashAttention takes no mask; Z-Image's
-    may, and it is refused there by name)."""
-    pytest.importorskip("flash_attn.cute")
+# backend -> (the compute capabilities it runs on, the module that tells it is installed)
+INSTALLED = {"flash_4_hub": ((9, 10), "flash_attn.cute"), "_flash_3_hub": ((9,), "vllm")}
+
+
+@pytest.mark.parametrize("backend", list(INSTALLED))
+def test_an_installed_flash_attention_gives_sdpas_image_compiled_too(backend):
+    """``flash_4_hub`` runs the installed flash-attn-4 package, ``_flash_3_hub`` vLLM's
+    FlashAttention-3 build (the GPU pack carries both), eager and under ``compile: blocks`` (its
+    custom op inside each block's graph); another seed's image is far past the tolerance. FLUX.2
+    [klein]: its passes never pad (FlashAttention takes no mask; Z-Image's may, and it is refused
+    there by name)."""
+    capabilities, module = INSTALLED[backend]
+    if torch.cuda.get_device_capability()[0] not in capabilities:
+        pytest.skip(f"{backend} runs on compute capabilities {capabilities}")
+    pytest.importorskip(module)
     native, other = images([3, 5], UNMASKED, attention_backend="native")
-    [flash] = images([3], UNMASKED, attention_backend="flash_4_hub")
-    [compiled] = images([3], UNMASKED, attention_backend="flash_4_hub", compile="blocks")
+    [flash] = images([3], UNMASKED, attention_backend=backend)
+    [compiled] = images([3], UNMASKED, attention_backend=backend, compile="blocks")
     for name, image in (("eager", flash), ("compile: blocks", compiled)):
         difference = (image.int() - native.int()).abs()
-        print(f"flash_4_hub {name} against SDPA: max {int(difference.max())}, "
+        print(f"{backend} {name} against SDPA: max {int(difference.max())}, "
               f"mean {float(difference.float().mean()):.3f}, PSNR {psnr(image, native):.1f} dB")
         assert float(difference.float().mean()) <= 1.0
     assert psnr(flash, native) > psnr(other, native) + 10

@@ -16,6 +16,7 @@ from triton_omni.diffusion.kernels import (
     Fp8Plan,
     channels_last_convolutions,
     convolutions_pad_space,
+    fp8_per_head,
     group_norm,
     resolve_attention,
     spread_group_norms,
@@ -65,15 +66,43 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
      "sequence parallel does not combine with attention_backend"),
     ({"fuse_projections": True, "sp_devices": ("cpu",), "batching": "step"},
      "sequence parallel does not combine with fuse_projections"),
+    ({"fp8_attention": True}, "fp8_attention needs a Hopper GPU .*this instance runs on cpu"),
+    ({"fp8_attention": True, "attention_backend": "flash_4_hub"},
+     r"fp8_attention runs FlashAttention-3's FP8 forward \(attention_backend _flash_3_hub or auto\), not "
+     "attention_backend 'flash_4_hub'"),
+    ({"fp8_attention": True, "sp_devices": ("cpu",), "batching": "step"},
+     "sequence parallel does not combine with fp8_attention"),
 ])
 def test_what_this_host_cannot_run_is_refused_at_load_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         DiffusionRunner(DiffusionRunnerConfig(QWEN, **settings))
 
 
-def test_a_unet_takes_neither():
+@pytest.mark.parametrize("setting", [{"quantization": "fp8"}, {"fp8_attention": True}])
+def test_a_unet_takes_neither(setting):
     with pytest.raises(ValueError, match="the stable_diffusion family has no diffusion transformer"):
-        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", quantization="fp8"))
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", **setting))
+
+
+def test_fp8_attentions_inputs_keep_each_row_and_heads_values_within_float8s_rounding():
+    """Each (row, head) is scaled onto float8's range by its own largest value: a head of small
+    values beside one of large ones keeps its relative precision (e4m3's 3 mantissa bits: within
+    1/16 of each value, where one scale for the whole tensor would flush the small head to zero)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 3, 16, generator=generator, dtype=torch.bfloat16)
+    x[:, :, 1] *= 1e-4
+    x[1, :, 2] *= 300
+    quantized, scale = fp8_per_head(x)
+    assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    back = quantized.float() * scale[:, None, :, None]
+    assert torch.allclose(back, x.float(), rtol=1 / 16, atol=float(scale.max()) * 2**-9)
+    for row in range(2):
+        for head in range(3):  # each head's largest value lands on float8's largest
+            assert float(quantized[row, :, head].float().abs().max()) == 448.0
+    small = x[:, :, 1].float()
+    assert float((back[:, :, 1] - small).abs().max()) <= float(small.abs().max()) / 16
+    one_scale = float(x.float().abs().max()) / 448  # the whole tensor's: the small head is lost
+    assert int(((small / one_scale).to(torch.float8_e4m3fn).float() != 0).sum()) == 0
 
 
 def test_auto_keeps_pytorchs_sdpa_on_the_cpu_and_a_named_kernel_is_checked_there():
@@ -110,6 +139,18 @@ def test_flash_attention_4_is_refused_by_the_package_it_needs_where_that_is_miss
     with pytest.raises(ValueError, match=r"attention_backend 'flash_4_hub'.*flash-attn-4 package, which is not "
                                          r"installed here \(pip install flash-attn-4\)"):
         resolve_attention("flash_4_hub", torch.device("cpu"), torch.float32, 2, 16)
+
+
+def test_flash_attention_3_is_refused_naming_the_vllm_build_it_runs_where_that_is_missing():
+    """``_flash_3_hub`` runs vLLM's FlashAttention-3 library (a CUDA wheel's); here vLLM is the CPU
+    build, which has none, and the refusal says which file it looked for."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and any(Path(f, "vllm_flash_attn", "_vllm_fa3_C.abi3.so").is_file()
+                                for f in spec.submodule_search_locations or []):
+        pytest.skip("vLLM's FlashAttention-3 is installed here")
+    with pytest.raises(ValueError, match=r"attention_backend '_flash_3_hub'.*vLLM's FlashAttention-3 build, which "
+                                         r"is not installed here.*(vllm_flash_attn/_vllm_fa3_C.abi3.so|not installed)"):
+        resolve_attention("_flash_3_hub", torch.device("cpu"), torch.float32, 2, 16)
 
 
 @pytest.mark.parametrize(("settings", "message"), [
