@@ -284,6 +284,22 @@ def test_the_vae_decode_benchmark_times_wans_eager_variants_and_restores_the_def
     assert "profile of one decode" in out and not torch.backends.cuda.matmul.allow_tf32
 
 
+def test_the_attention_benchmark_times_fp8_only_where_a_kernel_has_an_fp8_forward(monkeypatch):
+    """``NAME:fp8`` is a row only for ``_flash_3_hub``; any other is listed with the reason, and the
+    setting never outlives its row."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import attention_kernels
+    from triton_omni.diffusion import kernels
+
+    q = torch.randn(1, 8, 2, 16)
+    for name, error in (("native:fp8", "only _flash_3_hub:fp8 reads its inputs in float8"),
+                        ("_flash_3_hub:int4", "only _flash_3_hub:fp8"),
+                        ("_flash_3_hub:fp8", "vLLM's FlashAttention-3 build")):
+        found = attention_kernels.time_call(name, q, q, q, q, repeats=1)
+        assert isinstance(found, Exception) and error in str(found)
+        assert kernels._fp8_attention is False
+
+
 def test_the_attention_benchmark_reads_flashattention_4_tiles_and_refuses_a_malformed_one(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     import attention_kernels
