@@ -433,9 +433,7 @@ def _flash_attention_3_op():
     """FlashAttention-3's forward, from vLLM's build, as ``triton_omni::flash_attention_3`` (a
     custom op, as FlashAttention-4's). Its library is loaded by path: importing vLLM would start
     its platform detection and logging in a process that serves no LLM."""
-    library = _vllm_flash_attention_3_library()
-    if not hasattr(torch.ops._vllm_fa3_C, "fwd"):  # loaded already where vLLM runs in this process
-        torch.ops.load_library(library)
+    torch.ops.load_library(_vllm_flash_attention_3_library())  # once a process: the same file where vLLM loaded it
 
     @torch.library.custom_op("triton_omni::flash_attention_3", mutates_args=())
     def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
