@@ -6,7 +6,7 @@ The shapes are one request's attention call in the DiT at its realistic setting 
 heads and head size of the real model; the image or video tokens plus the text tokens):
 
     python benchmarks/attention_kernels.py                       # every shape, every kernel
-    python benchmarks/attention_kernels.py --shapes wan --kernels native,flash_4_hub,_flash_3_hub,_flash_3_hub:fp8
+    python benchmarks/attention_kernels.py --shapes wan --kernels native,flash_4_hub,_flash_3_hub
 
 A kernel this host cannot run is listed with the reason. FLOPs per call: 4 * tokens² * heads *
 head size (the two matmuls, no mask, no causality).
@@ -29,12 +29,7 @@ from pathlib import Path
 
 import torch
 from gpu_peaks import device_name, peak_bf16
-from triton_omni.diffusion.kernels import (
-    ATTENTION_CANDIDATES,
-    FP8_ATTENTION_BACKEND,
-    set_fp8_attention,
-    usable_backend,
-)
+from triton_omni.diffusion.kernels import ATTENTION_CANDIDATES, usable_backend
 
 # name -> (tokens, heads, head size): one request's call at the family's realistic setting
 SHAPES = {
@@ -62,22 +57,14 @@ def timed(call, reference: torch.Tensor, repeats: int) -> tuple[float, float]:
 
 def time_call(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reference: torch.Tensor,
               repeats: int) -> tuple[float, float] | Exception:
-    """(seconds per call, the largest difference from SDPA's output), or why it cannot run.
-    ``NAME:fp8``: the kernel with its inputs in float8 (``fp8_attention``; ``_flash_3_hub`` only),
-    the casts included in its time."""
+    """(seconds per call, the largest difference from SDPA's output), or why it cannot run."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    name, _, precision = name.partition(":")
     try:
-        if precision not in ("", "fp8") or (precision == "fp8" and name != FP8_ATTENTION_BACKEND):
-            raise ValueError(f"only {FP8_ATTENTION_BACKEND}:fp8 reads its inputs in float8")
         backend = usable_backend(name)
-        set_fp8_attention(precision == "fp8")
         return timed(lambda: dispatch_attention_fn(q, k, v, backend=backend), reference, repeats)
     except Exception as exc:  # a kernel this host lacks: listed with the reason
         return exc
-    finally:
-        set_fp8_attention(False)
 
 
 def fa4_tile(spec: str) -> dict:
@@ -107,8 +94,7 @@ def time_fa4_tile(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--kernels", default=",".join((*ATTENTION_CANDIDATES, f"{FP8_ATTENTION_BACKEND}:fp8")),
-                        help="comma-separated diffusers backends; _flash_3_hub:fp8 its FP8 forward")
+    parser.add_argument("--kernels", default=",".join(ATTENTION_CANDIDATES))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--fa4-tiles", default="", help="comma-separated FlashAttention-4 tiles, MxN[:nors][:nool]")
     parser.add_argument("--json", help="also write the figures here")

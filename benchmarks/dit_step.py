@@ -44,13 +44,11 @@ from gpu_peaks import device_name, peak_bf16
 from triton_omni.demo_models import build_in_memory, resolve_model
 from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.kernels import (
-    FP8_ATTENTION_BACKEND,
     Fp8Plan,
     NetworkKernels,
     fuse_projections,
     installed_kernel,
     resolve_attention,
-    set_fp8_attention,
 )
 from triton_omni.families import family_of
 
@@ -172,13 +170,6 @@ def profile_forward(network, args, kwargs, mode: str, top: int, device: torch.de
         print(f"  {us / 1e3:>9.3f} ms {us / total:>6.1%} {count:>5}x  {kind_of(name):<21} {name[:110]}")
 
 
-def attention_precisions(attention: str, args) -> list[bool]:
-    """Whether each timing of ``attention`` reads its inputs in FP8 (``--fp8-attention``): only
-    ``_flash_3_hub`` has an FP8 forward; the others are timed in bf16 alone."""
-    chosen = [{"false": False, "true": True}[value] for value in args.fp8_attention.split(",")]
-    return chosen if attention == FP8_ATTENTION_BACKEND else [False]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(MODELS), required=True)
@@ -192,8 +183,6 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none")
     parser.add_argument("--fp8-scales", choices=["row", "tensor"], default="row", help="FP8's scales (fp8_scales)")
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
-    parser.add_argument("--fp8-attention", default="false",
-                        help="false, true (fp8_attention: _flash_3_hub's inputs in float8) or false,true: each timed")
     parser.add_argument("--projections", default="unfused",
                         help="unfused, fused (fuse_projections) or unfused,fused: each timed, in that order")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -223,9 +212,7 @@ def main() -> None:
           + f", on {device_name()}, {dtype}, quantization {args.quantization}"
           + (f" (scales per {args.fp8_scales})" if plan else "") + ", "
           f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
-    print(f"{'rows':>4} {'attention':>18} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
-    if unknown := set(args.fp8_attention.split(",")) - {"false", "true"}:
-        parser.error(f"--fp8-attention: false and/or true, not {', '.join(sorted(unknown))}")
+    print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
     states = args.projections.split(",")
     if unknown := set(states) - {"unfused", "fused"}:
         parser.error(f"--projections: unfused and/or fused, not {', '.join(sorted(unknown))}")
@@ -238,11 +225,9 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             call_args, call_kwargs, text = captured_forward(pipeline, family, rows, shape, device, dtype)
             flops = family.forward_flops(family.image_tokens(*shape), text, rows)
-            for attention, fp8_attention in ((a, f) for a in attentions for f in attention_precisions(a, args)):
+            for attention in attentions:
                 installed_kernel(attention)
                 network.set_attention_backend(attention)
-                set_fp8_attention(fp8_attention)
-                label = f"{attention}{' fp8' if fp8_attention else ''}"
                 for mode in args.modes.split(","):
                     if mode == "graphs" and device.type != "cuda":
                         continue  # CUDA graphs need a GPU
@@ -250,14 +235,13 @@ def main() -> None:
                     s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
                     baseline = baselines.setdefault(rows, s)
                     mfu = f"{flops / s / peak:.1%}" if peak else "-"
-                    print(f"{rows:>4} {label:>18} {mode + ', ' + projections:>28} {s * 1e3:>11.2f} "
+                    print(f"{rows:>4} {attention:>14} {mode + ', ' + projections:>28} {s * 1e3:>11.2f} "
                           f"{s / baseline:>8.3f} {mfu:>6}", flush=True)
                     if args.profile:  # before the graphs are removed: the forward as timed
                         profile_forward(network, call_args, call_kwargs, mode, args.profile, device)
                     if graphs is not None:
                         graphs.remove()
-                    points.append({"rows": rows, "attention": attention, "fp8_attention": fp8_attention,
-                                   "mode": mode, "projections": projections,
+                    points.append({"rows": rows, "attention": attention, "mode": mode, "projections": projections,
                                    "seconds": s, "ratio_to_first": s / baseline,
                                    "mfu": flops / s / peak if peak else None})
     if args.json:

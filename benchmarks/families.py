@@ -572,8 +572,6 @@ def main() -> None:
     parser.add_argument("--attention-backend", help="the server's attention_backend (default: auto)")
     parser.add_argument("--fuse-projections", action="store_const", const="true",
                         help="the server's fuse_projections: each attention's q, k and v one linear layer")
-    parser.add_argument("--fp8-attention", action="store_const", const="true",
-                        help="the server's fp8_attention: the attention's inputs in float8 (FlashAttention-3, Hopper)")
     parser.add_argument("--cuda-graphs", choices=["true", "false"],
                         help="the server's cuda_graphs (default: true; a DiT's apply under --compile)")
     parser.add_argument("--embeds-dtype", choices=["float32", "bfloat16"],
@@ -591,7 +589,6 @@ def main() -> None:
                                                      ("fp8_scales", args.fp8_scales),
                                                      ("fuse_projections", args.fuse_projections),
                                                      ("attention_backend", args.attention_backend),
-                                                     ("fp8_attention", args.fp8_attention),
                                                      ("cuda_graphs", args.cuda_graphs),
                                                      ("embeds_dtype", args.embeds_dtype),
                                                      ("steps_ahead", args.steps_ahead)) if value is not None}

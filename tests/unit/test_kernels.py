@@ -16,7 +16,6 @@ from triton_omni.diffusion.kernels import (
     Fp8Plan,
     channels_last_convolutions,
     convolutions_pad_space,
-    fp8_per_head,
     group_norm,
     resolve_attention,
     spread_group_norms,
@@ -66,43 +65,15 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
      "sequence parallel does not combine with attention_backend"),
     ({"fuse_projections": True, "sp_devices": ("cpu",), "batching": "step"},
      "sequence parallel does not combine with fuse_projections"),
-    ({"fp8_attention": True}, "fp8_attention needs a Hopper GPU .*this instance runs on cpu"),
-    ({"fp8_attention": True, "attention_backend": "flash_4_hub"},
-     r"fp8_attention runs FlashAttention-3's FP8 forward \(attention_backend _flash_3_hub or auto\), not "
-     "attention_backend 'flash_4_hub'"),
-    ({"fp8_attention": True, "sp_devices": ("cpu",), "batching": "step"},
-     "sequence parallel does not combine with fp8_attention"),
 ])
 def test_what_this_host_cannot_run_is_refused_at_load_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         DiffusionRunner(DiffusionRunnerConfig(QWEN, **settings))
 
 
-@pytest.mark.parametrize("setting", [{"quantization": "fp8"}, {"fp8_attention": True}])
-def test_a_unet_takes_neither(setting):
+def test_a_unet_takes_neither():
     with pytest.raises(ValueError, match="the stable_diffusion family has no diffusion transformer"):
-        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", **setting))
-
-
-def test_fp8_attentions_inputs_keep_each_row_and_heads_values_within_float8s_rounding():
-    """Each (row, head) is scaled onto float8's range by its own largest value: a head of small
-    values beside one of large ones keeps its relative precision (e4m3's 3 mantissa bits: within
-    1/16 of each value, where one scale for the whole tensor would flush the small head to zero)."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 64, 3, 16, generator=generator, dtype=torch.bfloat16)
-    x[:, :, 1] *= 1e-4
-    x[1, :, 2] *= 300
-    quantized, scale = fp8_per_head(x)
-    assert quantized.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
-    back = quantized.float() * scale[:, None, :, None]
-    assert torch.allclose(back, x.float(), rtol=1 / 16, atol=float(scale.max()) * 2**-9)
-    for row in range(2):
-        for head in range(3):  # each head's largest value lands on float8's largest
-            assert float(quantized[row, :, head].float().abs().max()) == 448.0
-    small = x[:, :, 1].float()
-    assert float((back[:, :, 1] - small).abs().max()) <= float(small.abs().max()) / 16
-    one_scale = float(x.float().abs().max()) / 448  # the whole tensor's: the small head is lost
-    assert int(((small / one_scale).to(torch.float8_e4m3fn).float() != 0).sum()) == 0
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-sd", quantization="fp8"))
 
 
 def test_auto_keeps_pytorchs_sdpa_on_the_cpu_and_a_named_kernel_is_checked_there():
@@ -282,22 +253,6 @@ def test_the_vae_decode_benchmark_times_wans_eager_variants_and_restores_the_def
         [line] = [line for line in out.splitlines() if line.strip().startswith(f"{way}:")]
         assert "of the default" in line and "levels from it" in line
     assert "profile of one decode" in out and not torch.backends.cuda.matmul.allow_tf32
-
-
-def test_the_attention_benchmark_times_fp8_only_where_a_kernel_has_an_fp8_forward(monkeypatch):
-    """``NAME:fp8`` is a row only for ``_flash_3_hub``; any other is listed with the reason, and the
-    setting never outlives its row."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
-    import attention_kernels
-    from triton_omni.diffusion import kernels
-
-    q = torch.randn(1, 8, 2, 16)
-    for name, error in (("native:fp8", "only _flash_3_hub:fp8 reads its inputs in float8"),
-                        ("_flash_3_hub:int4", "only _flash_3_hub:fp8"),
-                        ("_flash_3_hub:fp8", "vLLM's FlashAttention-3 build")):
-        found = attention_kernels.time_call(name, q, q, q, q, repeats=1)
-        assert isinstance(found, Exception) and error in str(found)
-        assert kernels._fp8_attention is False
 
 
 def test_the_attention_benchmark_reads_flashattention_4_tiles_and_refuses_a_malformed_one(monkeypatch):

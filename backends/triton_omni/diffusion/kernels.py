@@ -31,13 +31,6 @@
   Hopper) from vLLM's build of it, which every vLLM wheel for CUDA carries
   (``vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so``, loaded alone: vLLM itself is not imported). That
   build takes only variable-length batches, so each call's rows go in as one sequence each.
-- ``fp8_attention``: the attention's query, key and value in float8 (e4m3) with a scale per row
-  and head, FlashAttention-3's FP8 forward (``_flash_3_hub``, Hopper), which Hopper's FP8 tensor
-  cores run at up to twice bf16's rate; the output comes back in bf16. The casts are plain torch
-  ops before the kernel's custom op, so that ``compile: blocks`` fuses them into the rotary
-  embedding or norm before them. It moves an image further from bf16's than FP8 linear layers do
-  (the softmax's probabilities are rounded to float8 too): a speed for a distance, printed by the
-  benchmarks as PSNR.
 - The VAE (on a GPU, unless ``exact_batching: pipeline`` keeps every kernel the pipeline's): its
   group norms run ``group_norm``, the same arithmetic spread over the whole GPU; its 3-D
   convolutions' weights (a video VAE's) are kept in ``channels_last_3d``, the layout cuDNN's
@@ -67,8 +60,6 @@ ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_eff
 INSTALLED_KERNELS = {"flash_4_hub": "flash-attn-4", "_flash_3_hub": "vllm"}
 # vLLM's FlashAttention-3 build, inside its package
 VLLM_FLASH_ATTENTION_3 = ("vllm_flash_attn", "_vllm_fa3_C.abi3.so")
-FP8_ATTENTION_BACKEND = "_flash_3_hub"  # the one kernel here with an FP8 forward
-FP8_E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 # torch._scaled_mm's operands: both sizes of an FP8 weight must be multiples of 16
 FP8_ALIGNMENT = 16
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
@@ -103,13 +94,12 @@ class Fp8Plan:
 @dataclass(frozen=True)
 class NetworkKernels:
     """What a runner sets on its DiT at load, and CFG parallel's worker on its copy: the fused
-    projections, the FP8 plan (None: bf16 throughout), the attention kernel (None: diffusers'
-    default, PyTorch's SDPA) and whether that kernel reads its inputs in FP8."""
+    projections, the FP8 plan (None: bf16 throughout) and the attention kernel (None: diffusers'
+    default, PyTorch's SDPA)."""
 
     fp8: Fp8Plan | None = None
     attention: str | None = None
     fused: bool = False
-    fp8_attention: bool = False
 
     def apply(self, network: torch.nn.Module) -> None:
         if self.fused:  # before FP8: the fused layers are the ones quantized
@@ -121,9 +111,6 @@ class NetworkKernels:
         if self.attention not in (None, "native"):
             installed_kernel(self.attention)
             network.set_attention_backend(self.attention)
-        set_fp8_attention(self.fp8_attention)  # one DiT a process: the kernel's setting is the process's
-        if self.fp8_attention:
-            logger.info("fp8_attention: the attention's query, key and value in float8, a scale per row and head")
 
 
 # diffusers' fused layer -> the layers it replaces
@@ -251,19 +238,6 @@ def check_fp8(device: torch.device) -> None:
         raise ValueError("model parameter quantization 'fp8' needs torchao (pip install torchao)") from None
 
 
-def check_fp8_attention(backend: str, device: torch.device) -> str:
-    """The attention backend ``fp8_attention`` runs on (``auto`` resolves to it), refusing it where it
-    cannot run, naming the parameter."""
-    if backend not in ("auto", FP8_ATTENTION_BACKEND):
-        raise ValueError(f"model parameter fp8_attention runs FlashAttention-3's FP8 forward (attention_backend "
-                         f"{FP8_ATTENTION_BACKEND} or auto), not attention_backend {backend!r}")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device
-        raise ValueError(f"model parameter fp8_attention needs a Hopper GPU (FlashAttention-3's FP8 forward); this "
-                         f"instance runs on {name}")
-    return FP8_ATTENTION_BACKEND
-
-
 def quantize_fp8(network: torch.nn.Module, plan: Fp8Plan) -> int:
     """``plan``'s layers of ``network`` in FP8, in place (``check_fp8`` first); returns how many."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
@@ -347,7 +321,6 @@ def _probe(name: str, calls: list[_ProbeCall], rounds: int = 5) -> float | Excep
     SDPA's), or the exception that says why it cannot run here."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    set_fp8_attention(False)  # kernels are chosen by their bf16 forward
     try:
         backend = usable_backend(name)
         for call in calls:
@@ -437,8 +410,7 @@ def _flash_attention_3_op():
 
     @torch.library.custom_op("triton_omni::flash_attention_3", mutates_args=())
     def flash_attention_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
-                          causal: bool, q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-                          v_descale: torch.Tensor | None = None) -> torch.Tensor:
+                          causal: bool) -> torch.Tensor:
         batch, q_len, heads, _ = q.shape
         kv_len, kv_heads = k.shape[1], k.shape[2]
         out = torch.ops._vllm_fa3_C.fwd(
@@ -448,7 +420,7 @@ def _flash_attention_3_op():
             _row_starts(batch, q_len, q.device), _row_starts(batch, kv_len, q.device), None,  # cu_seqlens q, k, k_new
             None, None, q_len, kv_len,  # seqused q, k; max_seqlen q, k
             None, None, None, None, None, None,  # page_table, kv_batch_idx, leftpad_k, rotary cos, sin, seqlens
-            q_descale, k_descale, v_descale,  # FP8 only: (rows, key heads) float32
+            None, None, None,  # q, k, v descale (FP8 inputs)
             q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale, causal,
             -1, -1, 0.0, True,  # window left, right; softcap; rotary_interleaved
             None, 1, None, 0,  # scheduler_metadata, num_splits, pack_gqa, sm_margin
@@ -456,38 +428,16 @@ def _flash_attention_3_op():
         return out.view(batch, q_len, heads, v.shape[-1])
 
     @flash_attention_3.register_fake
-    def _(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None):
-        dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8's output is bf16
-        return q.new_empty(*q.shape[:-1], v.shape[-1], dtype=dtype)
+    def _(q, k, v, softmax_scale, causal):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
 
     def kernel_fn(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   return_attn_probs=False, **unused):  # the call diffusers' _flash_3_hub makes
         if tuple(window_size) != (-1, -1) or softcap or return_attn_probs:
             raise NotImplementedError("_flash_3_hub: a window, a softcap or the attention's probabilities")
-        if not _fp8_attention:
-            return flash_attention_3(q, k, v, softmax_scale, causal)
-        (q8, q_scale), (k8, k_scale), (v8, v_scale) = (fp8_per_head(x) for x in (q, k, v))
-        out = flash_attention_3(q8, k8, v8, softmax_scale, causal, q_scale, k_scale, v_scale)
-        return out.to(q.dtype)
+        return flash_attention_3(q, k, v, softmax_scale, causal)
 
     return kernel_fn
-
-
-_fp8_attention = False  # _flash_3_hub's inputs in float8 (set_fp8_attention)
-
-
-def set_fp8_attention(on: bool) -> None:
-    """Whether ``_flash_3_hub`` casts its inputs to float8 from now on, in this process."""
-    global _fp8_attention
-    _fp8_attention = on
-
-
-def fp8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (rows, tokens, heads, head size) in float8 e4m3, each (row, head) scaled onto the
-    format's range, and those scales (rows, heads), float32, which the kernel multiplies back."""
-    amax = x.abs().amax(dim=(1, 3)).float()
-    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / FP8_E4M3_MAX
-    return (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale
 
 
 def _row_starts(batch: int, length: int, device: torch.device) -> torch.Tensor:

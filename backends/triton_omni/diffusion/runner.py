@@ -51,7 +51,6 @@ from triton_omni.diffusion.kernels import (
     NetworkKernels,
     channels_last_convolutions,
     check_fp8,
-    check_fp8_attention,
     convolutions_pad_space,
     resolve_attention,
     spread_group_norms,
@@ -170,8 +169,6 @@ class DiffusionRunnerConfig:
     fuse_projections: bool = False
     # diffusers' attention kernel for the DiT: "auto" (the fastest this host runs), or a backend's name
     attention_backend: str = "auto"
-    # the attention's query, key and value in float8: FlashAttention-3's FP8 forward (kernels.py)
-    fp8_attention: bool = False
 
     def __post_init__(self):
         if self.batching not in ("request", "step"):
@@ -233,8 +230,7 @@ class DiffusionRunnerConfig:
                             ("blocks" in self.compiled, f"compile {self.compile!r}"),
                             (self.quantization != "none", f"quantization {self.quantization!r}"),
                             (self.fuse_projections, "fuse_projections"),
-                            (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}"),
-                            (self.fp8_attention, "fp8_attention")):
+                            (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}")):
             if clash:
                 raise ValueError(f"sequence parallel does not combine with {what}")
 
@@ -401,9 +397,9 @@ class DiffusionRunner:
         checked here."""
         c = self.config
         if not self.family.capabilities.compile:  # no repeated transformer blocks: a UNet
-            if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections or c.fp8_attention:
-                raise ValueError(f"model parameters quantization, attention_backend, fuse_projections and "
-                                 f"fp8_attention: the {self.family.name} family has no diffusion transformer")
+            if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections:
+                raise ValueError(f"model parameters quantization, attention_backend and fuse_projections: the "
+                                 f"{self.family.name} family has no diffusion transformer")
             return NetworkKernels()
         if c.fuse_projections and not self.family.capabilities.fused_projections:
             raise ValueError(f"model parameter fuse_projections: the {self.family.name} family's attention "
@@ -417,12 +413,11 @@ class DiffusionRunner:
         if self.sequence_parallel is None:
             heads, head_dim = self.family.attention_shape()
             tokens = self.family.attention_tokens()
-            backend = check_fp8_attention(c.attention_backend, self.device) if c.fp8_attention else c.attention_backend
-            attention = self._on_torch_thread(lambda: resolve_attention(backend, self.device, self.dtype, heads,
-                                                                        head_dim, self.family.attention_masked,
+            attention = self._on_torch_thread(lambda: resolve_attention(c.attention_backend, self.device, self.dtype,
+                                                                        heads, head_dim, self.family.attention_masked,
                                                                         tokens))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
-        return NetworkKernels(plan, attention, c.fuse_projections, c.fp8_attention)
+        return NetworkKernels(plan, attention, c.fuse_projections)
 
     def _vae_kernels(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread

@@ -53,7 +53,6 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         fp8_scales=params.get("fp8_scales", "row"),
         fuse_projections=params.get("fuse_projections", "false").lower() == "true",
         attention_backend=params.get("attention_backend", "auto"),
-        fp8_attention=params.get("fp8_attention", "false").lower() == "true",
         **lora_settings(params, args),
         lora_fuse=params.get("lora_fuse", "false").lower() == "true",
         **parallel,
