@@ -13,6 +13,7 @@ import pytest
 import torch
 from triton_omni.diffusion import DiffusionRunner, DiffusionRunnerConfig
 from triton_omni.diffusion.kernels import (
+    VLLM_FLASH_ATTENTION_3,
     Fp8Plan,
     channels_last_convolutions,
     convolutions_pad_space,
@@ -116,7 +117,7 @@ def test_flash_attention_3_is_refused_naming_the_vllm_build_it_runs_where_that_i
     """``_flash_3_hub`` runs vLLM's FlashAttention-3 library (a CUDA wheel's); here vLLM is the CPU
     build, which has none, and the refusal says which file it looked for."""
     spec = importlib.util.find_spec("vllm")
-    if spec is not None and any(Path(f, "vllm_flash_attn", "_vllm_fa3_C.abi3.so").is_file()
+    if spec is not None and any(Path(f, *VLLM_FLASH_ATTENTION_3).is_file()
                                 for f in spec.submodule_search_locations or []):
         pytest.skip("vLLM's FlashAttention-3 is installed here")
     with pytest.raises(ValueError, match=r"attention_backend '_flash_3_hub'.*vLLM's FlashAttention-3 build, which "

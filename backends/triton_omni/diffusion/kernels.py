@@ -56,8 +56,6 @@ FP8_SCALES = ("row", "tensor")  # torchao's PerRow, PerTensor
 # diffusers' names of the kernels `auto` tries, in the order of a tie: PyTorch's own first
 ATTENTION_CANDIDATES = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3", "sage",
                         "flash_4_hub", "_flash_3_hub")
-# diffusers' Hub-fetched backends whose kernel an installed package provides: backend -> the pip package
-INSTALLED_KERNELS = {"flash_4_hub": "flash-attn-4", "_flash_3_hub": "vllm"}
 # vLLM's FlashAttention-3 build, inside its package
 VLLM_FLASH_ATTENTION_3 = ("vllm_flash_attn", "_vllm_fa3_C.abi3.so")
 # torch._scaled_mm's operands: both sizes of an FP8 weight must be multiples of 16
@@ -363,11 +361,11 @@ def installed_kernel(backend: str) -> None:
 
     config = _HUB_KERNELS_REGISTRY[AttentionBackendName(backend)]
     if config.kernel_fn is None:
-        config.kernel_fn = _KERNELS[backend]()
-    # the context-parallel forms diffusers would otherwise fetch (sequence parallel keeps diffusers' own attention)
-    for attr in ("wrapped_forward_fn", "wrapped_backward_fn"):
-        if getattr(config, attr, None) is None and getattr(config, attr.replace("_fn", "_attr"), None) is not None:
-            setattr(config, attr, functools.partial(_not_context_parallel, backend))
+        config.kernel_fn = INSTALLED_KERNELS[backend]()
+        # and the context-parallel forms diffusers would otherwise fetch (sequence parallel keeps its own attention)
+        refuse = functools.partial(_not_context_parallel, backend)
+        config.wrapped_forward_fn = config.wrapped_forward_fn or refuse
+        config.wrapped_backward_fn = config.wrapped_backward_fn or refuse
 
 
 def _not_context_parallel(backend: str, *args, **kwargs):
@@ -459,4 +457,5 @@ def _vllm_flash_attention_3_library() -> str:
                       f"(pip install vllm, a CUDA build): {where}")
 
 
-_KERNELS = {"flash_4_hub": _flash_attention_4_op, "_flash_3_hub": _flash_attention_3_op}
+# diffusers' Hub-fetched backends whose kernel an installed package provides: backend -> its custom op's maker
+INSTALLED_KERNELS = {"flash_4_hub": _flash_attention_4_op, "_flash_3_hub": _flash_attention_3_op}
