@@ -13,8 +13,9 @@ pipeline call, unguided, with ``--rows`` prompts); each mode then replays that f
 - ``max-autotune-no-cudagraphs``: inductor's autotuned matmul and attention templates.
 
 Prints milliseconds per forward, the ratio against the first line of its batch size (the first
-attention kernel's first mode) and the MFU (``Family.forward_flops`` over the time, of the GPU's
-dense bf16 peak), for each attention kernel listed (``auto``: the one a served model would choose).
+attention kernel's first mode), the MFU (``Family.forward_flops`` over the time, of the GPU's
+dense bf16 peak) and how far its prediction is from that first line's (relative L2), for each
+attention kernel listed (``auto``: the one a served model would choose).
 
     .venv/bin/python benchmarks/dit_step.py --family qwen-image --modes eager,default     # CPU, tiny
     python benchmarks/dit_step.py --family qwen-image --preset realistic --size 1024 --rows 1,4
@@ -24,6 +25,8 @@ dense bf16 peak), for each attention kernel listed (``auto``: the one a served m
     python benchmarks/dit_step.py --family qwen-image --preset realistic --quantization fp8 --modes eager --profile 25
     python benchmarks/dit_step.py --family wan --preset realistic --modes default --profile 25   # 832x480, 81 frames
     python benchmarks/dit_step.py --family wan --preset realistic --modes default --projections unfused,fused
+    python benchmarks/dit_step.py --family wan --preset realistic --rows 2 --modes default \\
+        --projections fused,gelu-epilogue
 
 ``--profile N``: after each mode's timing, one more forward under ``torch.profiler``, and its N
 kernels that took the most device time, with each kind's share of the forward (matmuls, attention,
@@ -46,6 +49,7 @@ from triton_omni.diffusion.cuda_graphs import GraphedDenoiser
 from triton_omni.diffusion.kernels import (
     Fp8Plan,
     NetworkKernels,
+    fuse_gelu_epilogues,
     fuse_projections,
     installed_kernel,
     resolve_attention,
@@ -110,8 +114,9 @@ def set_mode(network: torch.nn.Module, mode: str) -> GraphedDenoiser | None:
     return GraphedDenoiser(network) if mode == "graphs" else None
 
 
-def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.device) -> float:
-    """Seconds per forward: three warm-up calls (compiling, capturing), then ``repeats`` timed."""
+def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Seconds per forward: three warm-up calls (compiling, capturing), then ``repeats`` timed; and
+    the last forward's prediction."""
     def forward():
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
@@ -124,10 +129,11 @@ def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.d
             torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(repeats):
-            forward()
+            out = forward()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeats
+    seconds = (time.perf_counter() - started) / repeats
+    return seconds, (out[0] if isinstance(out, tuple) else out.sample).float().clone()
 
 
 # A kernel's kind, by its name (the first match): what the profile's shares are of. FP8's own work
@@ -184,7 +190,8 @@ def main() -> None:
     parser.add_argument("--fp8-scales", choices=["row", "tensor"], default="row", help="FP8's scales (fp8_scales)")
     parser.add_argument("--attention-backend", default="auto", help="comma-separated kernels, each timed")
     parser.add_argument("--projections", default="unfused",
-                        help="unfused, fused (fuse_projections) or unfused,fused: each timed, in that order")
+                        help="unfused, fused (fuse_projections), gelu-epilogue (then each tanh GELU in its "
+                             "projection's matmul, fuse_gelu_epilogues; GPU) or several: each timed, in that order")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each mode, profile one forward and print its N costliest kernels")
     parser.add_argument("--json", help="also write the figures here")
@@ -212,16 +219,19 @@ def main() -> None:
           + f", on {device_name()}, {dtype}, quantization {args.quantization}"
           + (f" (scales per {args.fp8_scales})" if plan else "") + ", "
           f"{family.recipe.padded_to or TEXT_TOKENS} text tokens")
-    print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6}")
+    print(f"{'rows':>4} {'attention':>14} {'mode':>28} {'ms/forward':>11} {'/ first':>8} {'MFU':>6} "
+          f"{'from first':>10}")
     states = args.projections.split(",")
-    if unknown := set(states) - {"unfused", "fused"}:
-        parser.error(f"--projections: unfused and/or fused, not {', '.join(sorted(unknown))}")
+    if unknown := set(states) - {"unfused", "fused", "gelu-epilogue"}:
+        parser.error(f"--projections: unfused, fused, gelu-epilogue, not {', '.join(sorted(unknown))}")
     if "fused" in states and not family.capabilities.fused_projections:
         parser.error(f"--projections fused: the {family.name} family's attention does not take fused projections")
-    points, baselines = [], {}
+    points, baselines, references = [], {}, {}
     for projections in states:
         if projections == "fused":  # in place, for good: the unfused layers are dropped
             print(f"fuse_projections: {fuse_projections(network)} attention layers fused")
+        if projections == "gelu-epilogue":  # in place, for good, on top of the ways before it
+            print(f"fuse_gelu_epilogues: {fuse_gelu_epilogues(network)} feed-forward GELUs in their matmuls")
         for rows in (int(r) for r in args.rows.split(",")):
             call_args, call_kwargs, text = captured_forward(pipeline, family, rows, shape, device, dtype)
             flops = family.forward_flops(family.image_tokens(*shape), text, rows)
@@ -232,17 +242,19 @@ def main() -> None:
                     if mode == "graphs" and device.type != "cuda":
                         continue  # CUDA graphs need a GPU
                     graphs = set_mode(network, mode)
-                    s = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
+                    s, prediction = time_forward(network, call_args, call_kwargs, mode, args.repeats, device)
                     baseline = baselines.setdefault(rows, s)
+                    reference = references.setdefault(rows, prediction)  # the first line's prediction
+                    distance = ((prediction - reference).norm() / reference.norm()).item()
                     mfu = f"{flops / s / peak:.1%}" if peak else "-"
                     print(f"{rows:>4} {attention:>14} {mode + ', ' + projections:>28} {s * 1e3:>11.2f} "
-                          f"{s / baseline:>8.3f} {mfu:>6}", flush=True)
+                          f"{s / baseline:>8.3f} {mfu:>6} {distance:>10.2e}", flush=True)
                     if args.profile:  # before the graphs are removed: the forward as timed
                         profile_forward(network, call_args, call_kwargs, mode, args.profile, device)
                     if graphs is not None:
                         graphs.remove()
                     points.append({"rows": rows, "attention": attention, "mode": mode, "projections": projections,
-                                   "seconds": s, "ratio_to_first": s / baseline,
+                                   "seconds": s, "ratio_to_first": s / baseline, "distance_from_first": distance,
                                    "mfu": flops / s / peak if peak else None})
     if args.json:
         Path(args.json).write_text(json.dumps({"family": args.family, "preset": args.preset, "shape": shape,

@@ -175,3 +175,33 @@ def test_fused_projections_under_fp8_compiled_and_graphed_give_the_unfused_image
           f"mean {float(difference.float().mean()):.3f}; another prompt PSNR {psnr(other, unfused):.1f} dB")
     assert float(difference.float().mean()) <= 1.0
     assert psnr(fused, unfused) > psnr(other, unfused) + 10
+
+
+def test_gelu_epilogues_give_the_unfused_prediction():
+    """``fuse_gelu_epilogues`` on the tiny Wan's DiT in bf16 (its feed-forwards' tanh GELUs): the
+    prediction within bf16 rounding of the unfused one (the GELU reads the float32 sum before it is
+    rounded), where another timestep moves it far past that."""
+    from diffusers import DiffusionPipeline
+    from triton_omni.demo_models import resolve_model
+    from triton_omni.diffusion.kernels import fuse_gelu_epilogues
+
+    dit = DiffusionPipeline.from_pretrained(resolve_model("demo:tiny-wan"), torch_dtype=torch.bfloat16).transformer
+    dit = dit.to("cuda")
+    config, generator = dit.config, torch.Generator("cuda").manual_seed(0)
+    latents = torch.randn(1, config.in_channels, 3, 16, 16, device="cuda", generator=generator, dtype=torch.bfloat16)
+    text = torch.randn(1, 32, config.text_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+
+    def predict(timestep: float) -> torch.Tensor:
+        with torch.inference_mode():
+            return dit(latents, torch.tensor([timestep], device="cuda"), text, return_dict=False)[0].float()
+
+    unfused, other = predict(500.0), predict(900.0)
+    assert fuse_gelu_epilogues(dit) == len(dit.blocks)
+    fused = predict(500.0)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    print(f"GELU epilogues against unfused: relative L2 {distance(fused, unfused):.2e}; "
+          f"another timestep {distance(other, unfused):.2e}")
+    assert distance(fused, unfused) < 1e-2 < distance(other, unfused)

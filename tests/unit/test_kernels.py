@@ -17,6 +17,7 @@ from triton_omni.diffusion.kernels import (
     Fp8Plan,
     channels_last_convolutions,
     convolutions_pad_space,
+    fuse_gelu_epilogues,
     group_norm,
     resolve_attention,
     spread_group_norms,
@@ -303,3 +304,25 @@ def test_fused_projections_are_refused_where_they_cannot_apply():
         DiffusionRunner(DiffusionRunnerConfig(QWEN, fuse_projections=True))
     with pytest.raises(ValueError, match="fuse_projections: not with lora_adapters"):
         DiffusionRunnerConfig(QWEN, fuse_projections=True, lora_adapters={"a": "/nowhere"})
+
+
+def test_a_gelu_epilogue_is_its_layer_and_activation_and_only_a_gpus_bf16_layers_take_it():
+    """``fuse_gelu_epilogues``: a tanh GELU's projection and activation as one
+    ``torch._addmm_activation``. On the CPU PyTorch's op applies the exact GELU (cuBLASLt's epilogue
+    and its CUDA fallback the tanh one), so the module's plumbing (rows, weight, bias, shape) is held
+    to the exact GELU here; tests/gpu/test_kernels.py holds the GPU's to the unfused forward. No
+    layer on the CPU, nor in float32, is fused."""
+    from diffusers.models.activations import GELU
+    from triton_omni.diffusion.kernels import _gelu_epilogue_class
+
+    torch.manual_seed(0)
+    module = GELU(16, 24, approximate="tanh")
+    x = torch.randn(2, 5, 16)
+    exact = torch.nn.functional.gelu(module.proj(x))
+    assert fuse_gelu_epilogues(torch.nn.Sequential(module)) == 0  # float32, on the CPU
+    module.__class__ = _gelu_epilogue_class()
+    with torch.no_grad():
+        fused = module(x)
+    assert fused.shape == (2, 5, 24)
+    torch.testing.assert_close(fused, exact, rtol=1e-5, atol=1e-6)
+    assert (fused - torch.nn.functional.gelu(module.proj(x), approximate="tanh")).abs().max() > 1e-5

@@ -130,6 +130,46 @@ def fuse_projections(network: torch.nn.Module) -> int:
     return len(fused)
 
 
+def fuse_gelu_epilogues(network: torch.nn.Module) -> int:
+    """Each feed-forward's first projection and its tanh GELU (diffusers' ``GELU`` with
+    ``approximate="tanh"``: Wan's, FLUX.1's and Qwen-Image's blocks) one call on a GPU, the bias
+    and the activation applied by the matmul's epilogue (``torch._addmm_activation``, cuBLASLt's
+    GELU_BIAS, the same tanh approximation). Unfused, the GELU is a pass of its own over the widest
+    activation of a block, written and read back once more. The GELU reads the float32 sum before
+    it is rounded to bf16, so a value can move by a unit in its last place. Only plain bf16 or
+    float16 layers on a GPU: an FP8 layer's GELU is already fused into its output's quantization.
+    Returns how many were fused."""
+    from diffusers.models.activations import GELU
+
+    fused = 0
+    for module in network.modules():
+        if type(module) is GELU and module.approximate == "tanh" and _epilogue_takes(module.proj):
+            module.__class__ = _gelu_epilogue_class()  # its weights and their names as they were
+            fused += 1
+    return fused
+
+
+def _epilogue_takes(layer: torch.nn.Module) -> bool:
+    weight = getattr(layer, "weight", None)
+    return (type(layer) is torch.nn.Linear and layer.bias is not None and type(weight.data) is torch.Tensor
+            and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16))
+
+
+@functools.cache
+def _gelu_epilogue_class() -> type:
+    from diffusers.models.activations import GELU
+
+    class GeluEpilogue(GELU):
+        """diffusers' ``GELU`` whose projection applies its bias and activation in the matmul."""
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = torch._addmm_activation(self.proj.bias, rows, self.proj.weight.t(), use_gelu=True)
+            return out.view(*hidden_states.shape[:-1], out.shape[-1])
+
+    return GeluEpilogue
+
+
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                eps: float) -> torch.Tensor:
     """``F.group_norm(x, groups, weight, bias, eps)``, computed so that a GPU spreads each group over
