@@ -67,6 +67,11 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
      "sequence parallel does not combine with attention_backend"),
     ({"fuse_projections": True, "sp_devices": ("cpu",), "batching": "step"},
      "sequence parallel does not combine with fuse_projections"),
+    ({"gelu_epilogue": True}, "gelu_epilogue: needs a GPU and bfloat16 or float16 .*, not cpu in float32"),
+    ({"gelu_epilogue": True, "lora_adapters": {"a": "/nowhere"}}, "gelu_epilogue: not with lora_adapters"),
+    ({"gelu_epilogue": True, "exact_batching": "pipeline"}, "gelu_epilogue: not with exact_batching pipeline"),
+    ({"gelu_epilogue": True, "sp_devices": ("cpu",), "batching": "step"},
+     "sequence parallel does not combine with gelu_epilogue"),
 ])
 def test_what_this_host_cannot_run_is_refused_at_load_by_name(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -16,6 +16,8 @@
   the families whose attention takes it: one matmul in place of three, and under FP8 one
   quantization of their input in place of three. The sums are the same; a matmul of another
   width may round a bf16 value differently.
+- ``gelu_epilogue``: on a GPU, each feed-forward's tanh GELU applied by its projection's matmul
+  (``fuse_gelu_epilogues``), saving a pass over the block's widest activation.
 - ``attention_backend``: the kernel diffusers' attention dispatcher calls. ``auto`` times every
   kernel this host can run on the calls the network makes at its shape (without a mask, and, for
   a family whose passes pad shorter prompts, with one too) and keeps the fastest; a name sets it
@@ -92,12 +94,13 @@ class Fp8Plan:
 @dataclass(frozen=True)
 class NetworkKernels:
     """What a runner sets on its DiT at load, and CFG parallel's worker on its copy: the fused
-    projections, the FP8 plan (None: bf16 throughout) and the attention kernel (None: diffusers'
-    default, PyTorch's SDPA)."""
+    projections, the FP8 plan (None: bf16 throughout), the attention kernel (None: diffusers'
+    default, PyTorch's SDPA) and the GELU epilogues (of the layers FP8 left in bf16)."""
 
     fp8: Fp8Plan | None = None
     attention: str | None = None
     fused: bool = False
+    gelu_epilogue: bool = False
 
     def apply(self, network: torch.nn.Module) -> None:
         if self.fused:  # before FP8: the fused layers are the ones quantized
@@ -106,6 +109,11 @@ class NetworkKernels:
             count = quantize_fp8(network, self.fp8)
             logger.info("quantization fp8: %d linear layers of the %s blocks, scales per %s (kept as they were: %s)",
                         count, ", ".join(self.fp8.blocks), self.fp8.scales, ", ".join(self.fp8.kept) or "none")
+        if self.gelu_epilogue:  # after FP8: its layers' GELU is fused into their output's quantization
+            if not (count := fuse_gelu_epilogues(network)):
+                raise ValueError("model parameter gelu_epilogue: none of this DiT's feed-forwards is a tanh GELU "
+                                 "over a bf16 or float16 projection")
+            logger.info("gelu_epilogue: %d feed-forward GELUs applied in their projections' matmuls", count)
         if self.attention not in (None, "native"):
             installed_kernel(self.attention)
             network.set_attention_backend(self.attention)

@@ -167,6 +167,8 @@ class DiffusionRunnerConfig:
     fp8_scales: str = "row"  # "row" or "tensor" (kernels.py)
     # each attention's q, k and v projections one linear layer (kernels.py), where the family's attention takes it
     fuse_projections: bool = False
+    # on a GPU, each feed-forward's tanh GELU applied in its projection's matmul (kernels.py)
+    gelu_epilogue: bool = False
     # diffusers' attention kernel for the DiT: "auto" (the fastest this host runs), or a backend's name
     attention_backend: str = "auto"
 
@@ -205,6 +207,12 @@ class DiffusionRunnerConfig:
         if self.fuse_projections and self.exact_mode == "pipeline":
             raise ValueError("model parameter fuse_projections: not with exact_batching pipeline (whose "
                              "promise is the pipeline's own layers)")
+        if self.gelu_epilogue and self.lora_adapters:
+            raise ValueError("model parameter gelu_epilogue: not with lora_adapters (an adapter wraps the "
+                             "projection the epilogue's matmul reads around)")
+        if self.gelu_epilogue and self.exact_mode == "pipeline":
+            raise ValueError("model parameter gelu_epilogue: not with exact_batching pipeline (whose "
+                             "promise is the pipeline's own kernels)")
         if self.lora_fuse and not self.lora_adapters:
             raise ValueError("model parameter lora_fuse: this model has no lora_adapters to fuse")
         if self.lora_fuse and self.exact_mode != "false":
@@ -230,6 +238,7 @@ class DiffusionRunnerConfig:
                             ("blocks" in self.compiled, f"compile {self.compile!r}"),
                             (self.quantization != "none", f"quantization {self.quantization!r}"),
                             (self.fuse_projections, "fuse_projections"),
+                            (self.gelu_epilogue, "gelu_epilogue"),
                             (self.attention_backend != "auto", f"attention_backend {self.attention_backend!r}")):
             if clash:
                 raise ValueError(f"sequence parallel does not combine with {what}")
@@ -397,13 +406,16 @@ class DiffusionRunner:
         checked here."""
         c = self.config
         if not self.family.capabilities.compile:  # no repeated transformer blocks: a UNet
-            if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections:
-                raise ValueError(f"model parameters quantization, attention_backend and fuse_projections: the "
-                                 f"{self.family.name} family has no diffusion transformer")
+            if c.quantization != "none" or c.attention_backend != "auto" or c.fuse_projections or c.gelu_epilogue:
+                raise ValueError(f"model parameters quantization, attention_backend, fuse_projections and "
+                                 f"gelu_epilogue: the {self.family.name} family has no diffusion transformer")
             return NetworkKernels()
         if c.fuse_projections and not self.family.capabilities.fused_projections:
             raise ValueError(f"model parameter fuse_projections: the {self.family.name} family's attention "
                              "does not take fused projections")
+        if c.gelu_epilogue and (self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"model parameter gelu_epilogue: needs a GPU and bfloat16 or float16 (cuBLASLt's "
+                             f"epilogue), not {self.device.type} in {str(self.dtype).removeprefix('torch.')}")
         plan = None
         if c.quantization == "fp8":
             check_fp8(self.device)
@@ -417,7 +429,7 @@ class DiffusionRunner:
                                                                         heads, head_dim, self.family.attention_masked,
                                                                         tokens))
             logger.info("attention_backend %s: %s", c.attention_backend, attention)
-        return NetworkKernels(plan, attention, c.fuse_projections)
+        return NetworkKernels(plan, attention, c.fuse_projections, c.gelu_epilogue)
 
     def _vae_kernels(self) -> bool:
         """On a GPU the VAE's group norms run ``kernels.group_norm`` (PyTorch's arithmetic, spread

@@ -52,6 +52,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[DiffusionRunnerConfig
         fp8_kept=_patterns(params["fp8_kept"]) if "fp8_kept" in params else None,
         fp8_scales=params.get("fp8_scales", "row"),
         fuse_projections=params.get("fuse_projections", "false").lower() == "true",
+        gelu_epilogue=params.get("gelu_epilogue", "false").lower() == "true",
         attention_backend=params.get("attention_backend", "auto"),
         **lora_settings(params, args),
         lora_fuse=params.get("lora_fuse", "false").lower() == "true",
