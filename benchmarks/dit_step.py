@@ -124,7 +124,7 @@ def time_forward(network, args, kwargs, mode: str, repeats: int, device: torch.d
 
     with torch.inference_mode():
         for _ in range(3):
-            forward()
+            out = forward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()

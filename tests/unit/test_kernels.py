@@ -69,6 +69,7 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
      "sequence parallel does not combine with fuse_projections"),
     ({"gelu_epilogue": True}, "gelu_epilogue: needs a GPU and bfloat16 or float16 .*, not cpu in float32"),
     ({"gelu_epilogue": True, "lora_adapters": {"a": "/nowhere"}}, "gelu_epilogue: not with lora_adapters"),
+    ({"gelu_epilogue": True, "quantization": "fp8"}, "gelu_epilogue: not with quantization 'fp8'"),
     ({"gelu_epilogue": True, "exact_batching": "pipeline"}, "gelu_epilogue: not with exact_batching pipeline"),
     ({"gelu_epilogue": True, "sp_devices": ("cpu",), "batching": "step"},
      "sequence parallel does not combine with gelu_epilogue"),
@@ -76,6 +77,11 @@ def test_fp8_skips_layers_whose_sizes_its_matmul_cannot_take():
 def test_what_this_host_cannot_run_is_refused_at_load_by_name(settings, message):
     with pytest.raises(ValueError, match=message):
         DiffusionRunner(DiffusionRunnerConfig(QWEN, **settings))
+
+
+def test_a_gelu_epilogue_is_refused_by_name_for_a_dit_without_a_gelu_feed_forward():
+    with pytest.raises(ValueError, match="gelu_epilogue: the z_image family's DiT has no feed-forward with a tanh"):
+        DiffusionRunner(DiffusionRunnerConfig("demo:tiny-z-image", gelu_epilogue=True))
 
 
 def test_a_unet_takes_neither():

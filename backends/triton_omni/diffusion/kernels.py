@@ -109,7 +109,7 @@ class NetworkKernels:
             count = quantize_fp8(network, self.fp8)
             logger.info("quantization fp8: %d linear layers of the %s blocks, scales per %s (kept as they were: %s)",
                         count, ", ".join(self.fp8.blocks), self.fp8.scales, ", ".join(self.fp8.kept) or "none")
-        if self.gelu_epilogue:  # after FP8: its layers' GELU is fused into their output's quantization
+        if self.gelu_epilogue:  # after FP8 (which the runner does not combine with it): plain layers only
             if not (count := fuse_gelu_epilogues(network)):
                 raise ValueError("model parameter gelu_epilogue: none of this DiT's feed-forwards is a tanh GELU "
                                  "over a bf16 or float16 projection")
@@ -140,27 +140,34 @@ def fuse_projections(network: torch.nn.Module) -> int:
 
 def fuse_gelu_epilogues(network: torch.nn.Module) -> int:
     """Each feed-forward's first projection and its tanh GELU (diffusers' ``GELU`` with
-    ``approximate="tanh"``: Wan's, FLUX.1's and Qwen-Image's blocks) one call on a GPU, the bias
-    and the activation applied by the matmul's epilogue (``torch._addmm_activation``, cuBLASLt's
-    GELU_BIAS, the same tanh approximation). Unfused, the GELU is a pass of its own over the widest
-    activation of a block, written and read back once more. The GELU reads the float32 sum before
-    it is rounded to bf16, so a value can move by a unit in its last place. Only plain bf16 or
-    float16 layers on a GPU: an FP8 layer's GELU is already fused into its output's quantization.
-    Returns how many were fused."""
-    from diffusers.models.activations import GELU
-
+    ``approximate="tanh"``: Wan's, Qwen-Image's and FLUX.1's double-stream blocks; FLUX.1's
+    single-stream blocks apply theirs inline) one call on a GPU, the bias and the activation applied
+    by the matmul's epilogue (``torch._addmm_activation``, cuBLASLt's GELU_BIAS, the same tanh
+    approximation). Unfused, the GELU is a pass of its own over the widest activation of a block,
+    written and read back once more. The GELU reads the float32 sum before it is rounded to bf16,
+    so a value can move by a unit in its last place. Only plain bf16 or float16 layers on a GPU (an
+    FP8 layer is left as it is). Returns how many were fused."""
     fused = 0
-    for module in network.modules():
-        if type(module) is GELU and module.approximate == "tanh" and _epilogue_takes(module.proj):
+    for module in gelu_feed_forwards(network):
+        if _epilogue_takes(module.proj):
             module.__class__ = _gelu_epilogue_class()  # its weights and their names as they were
             fused += 1
     return fused
 
 
-def _epilogue_takes(layer: torch.nn.Module) -> bool:
-    weight = getattr(layer, "weight", None)
-    return (type(layer) is torch.nn.Linear and layer.bias is not None and type(weight.data) is torch.Tensor
-            and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16))
+def gelu_feed_forwards(network: torch.nn.Module) -> list[torch.nn.Module]:
+    """``network``'s diffusers ``GELU`` modules with the tanh approximation and a biased linear
+    projection: what ``fuse_gelu_epilogues`` can fuse, whatever their device and dtype."""
+    from diffusers.models.activations import GELU
+
+    return [m for m in network.modules() if type(m) is GELU and m.approximate == "tanh"
+            and type(m.proj) is torch.nn.Linear and m.proj.bias is not None]
+
+
+def _epilogue_takes(layer: torch.nn.Linear) -> bool:
+    weight = layer.weight
+    return (type(weight.data) is torch.Tensor and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+            and layer.bias.dtype == weight.dtype)  # cuBLASLt reads the bias as the output's type
 
 
 @functools.cache

@@ -52,6 +52,7 @@ from triton_omni.diffusion.kernels import (
     channels_last_convolutions,
     check_fp8,
     convolutions_pad_space,
+    gelu_feed_forwards,
     resolve_attention,
     spread_group_norms,
 )
@@ -210,6 +211,10 @@ class DiffusionRunnerConfig:
         if self.gelu_epilogue and self.lora_adapters:
             raise ValueError("model parameter gelu_epilogue: not with lora_adapters (an adapter wraps the "
                              "projection the epilogue's matmul reads around)")
+        if self.gelu_epilogue and self.quantization != "none":
+            raise ValueError(f"model parameter gelu_epilogue: not with quantization {self.quantization!r} (the "
+                             "feed-forwards' projections are then FP8 layers, whose GELU compile: blocks fuses "
+                             "into their output's quantization)")
         if self.gelu_epilogue and self.exact_mode == "pipeline":
             raise ValueError("model parameter gelu_epilogue: not with exact_batching pipeline (whose "
                              "promise is the pipeline's own kernels)")
@@ -413,6 +418,9 @@ class DiffusionRunner:
         if c.fuse_projections and not self.family.capabilities.fused_projections:
             raise ValueError(f"model parameter fuse_projections: the {self.family.name} family's attention "
                              "does not take fused projections")
+        if c.gelu_epilogue and not any(gelu_feed_forwards(n) for n in self.family.networks):
+            raise ValueError(f"model parameter gelu_epilogue: the {self.family.name} family's DiT has no "
+                             "feed-forward with a tanh GELU")
         if c.gelu_epilogue and (self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError(f"model parameter gelu_epilogue: needs a GPU and bfloat16 or float16 (cuBLASLt's "
                              f"epilogue), not {self.device.type} in {str(self.dtype).removeprefix('torch.')}")
