@@ -155,28 +155,37 @@ def test_under_exact_batching_pipeline_the_vae_keeps_pytorchs_group_norms():
             runner.close()
 
 
+def compiled_image(model: str, prompt: str, options: dict, **settings) -> torch.Tensor:
+    """One 64² request of 4 steps (seed 3) through a step-batching runner in bf16 under ``compile:
+    blocks``, with ``settings`` on top; the runner closed after it."""
+    runner = DiffusionRunner(DiffusionRunnerConfig(model, device="cuda", dtype="bfloat16", batching="step",
+                                                   exact_batching=False, compile="blocks", **settings))
+    try:
+        return runner.submit(runner.parse({"prompt": prompt, "num_inference_steps": 4, "height": 64,
+                                           "width": 64, "seed": 3} | options)).result()
+    finally:
+        runner.close()
+
+
+def assert_within_a_level(what: str, changed: torch.Tensor, unchanged: torch.Tensor, other: torch.Tensor) -> None:
+    """``changed`` is ``unchanged``'s image within a level or so; ``other`` (another prompt) far past it."""
+    difference = (changed.int() - unchanged.int()).abs()
+    print(f"{what}: max {int(difference.max())}, mean {float(difference.float().mean()):.3f}; "
+          f"another prompt PSNR {psnr(other, unchanged):.1f} dB")
+    assert float(difference.float().mean()) <= 1.0
+    assert psnr(changed, unchanged) > psnr(other, unchanged) + 10
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
 def test_fused_projections_under_fp8_compiled_and_graphed_give_the_unfused_image():
     """``fuse_projections`` (FLUX.1's q, k and v one layer) with FP8, ``compile: blocks`` and its CUDA
     graphs: the fused layer's rows keep their scales, so the image is the unfused one's within a
     level or so; another prompt is far past that."""
     def flux(fused: bool, prompt: str = "a red fox") -> torch.Tensor:
-        runner = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-flux1-dev", device="cuda", dtype="bfloat16",
-                                                       batching="step", exact_batching=False, quantization="fp8",
-                                                       compile="blocks", fuse_projections=fused))
-        try:
-            return runner.submit(runner.parse({"prompt": prompt, "num_inference_steps": 4, "height": 64,
-                                               "width": 64, "seed": 3})).result()
-        finally:
-            runner.close()
+        return compiled_image("demo:tiny-flux1-dev", prompt, {}, quantization="fp8", fuse_projections=fused)
 
-    unfused, fused, other = flux(False), flux(True), flux(True, "a blue whale")
-    difference = (fused.int() - unfused.int()).abs()
-    print(f"fused against unfused (FP8, compiled): max {int(difference.max())}, "
-          f"mean {float(difference.float().mean()):.3f}; another prompt PSNR {psnr(other, unfused):.1f} dB")
-    assert float(difference.float().mean()) <= 1.0
-    assert psnr(fused, unfused) > psnr(other, unfused) + 10
-
+    assert_within_a_level("fused against unfused (FP8, compiled)", flux(True), flux(False),
+                          flux(True, "a blue whale"))
 
 
 @pytest.mark.parametrize(("model", "options"), [("demo:tiny-flux1-dev", {"guidance_scale": 3.5}),
@@ -186,18 +195,7 @@ def test_gelu_epilogues_compiled_give_the_unfused_image(model, options):
     blocks`` in bf16: the GELU reads the float32 sum before it is rounded, so the image (every frame)
     is the unfused one's within a level or so; another prompt is far past that."""
     def served(epilogue: bool, prompt: str = "a red fox") -> torch.Tensor:
-        runner = DiffusionRunner(DiffusionRunnerConfig(model, device="cuda", dtype="bfloat16", batching="step",
-                                                       exact_batching=False, compile="blocks",
-                                                       gelu_epilogue=epilogue))
-        try:
-            return runner.submit(runner.parse({"prompt": prompt, "num_inference_steps": 4, "height": 64,
-                                               "width": 64, "seed": 3} | options)).result()
-        finally:
-            runner.close()
+        return compiled_image(model, prompt, options, gelu_epilogue=epilogue)
 
-    unfused, fused, other = served(False), served(True), served(True, "a blue whale")
-    difference = (fused.int() - unfused.int()).abs()
-    print(f"{model}: GELU epilogues against unfused (compiled): max {int(difference.max())}, "
-          f"mean {float(difference.float().mean()):.3f}; another prompt PSNR {psnr(other, unfused):.1f} dB")
-    assert float(difference.float().mean()) <= 1.0
-    assert psnr(fused, unfused) > psnr(other, unfused) + 10
+    assert_within_a_level(f"{model}: GELU epilogues against unfused (compiled)", served(True), served(False),
+                          served(True, "a blue whale"))
