@@ -94,6 +94,24 @@ def test_auto_keeps_pytorchs_sdpa_on_the_cpu_and_a_named_kernel_is_checked_there
     assert resolve_attention("_native_math", torch.device("cpu"), torch.float32, 2, 16) == "_native_math"
 
 
+def test_a_network_keeps_its_own_kernel_after_another_in_the_process_set_a_different_one():
+    """diffusers' ``set_attention_backend`` also sets a process-wide active backend, which a
+    processor left unset follows: a second runner choosing PyTorch's SDPA must set it on its own
+    network, not run the first runner's kernel (on a GPU: FlashAttention-4 on a head size it refuses)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    first = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan", attention_backend="_native_math"))
+    second = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan"))
+    try:
+        for runner, expected in ((first, "_native_math"), (second, "native")):
+            kernels = {m.processor._attention_backend for m in runner.family.network.modules()
+                       if hasattr(getattr(m, "processor", None), "_attention_backend")}
+            assert kernels == {AttentionBackendName(expected)}
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_kernel_that_takes_no_mask_serves_only_a_family_whose_passes_never_pad():
     cpu = torch.device("cpu")
     assert resolve_attention("_native_flash", cpu, torch.float32, 2, 16, masked=False) == "_native_flash"

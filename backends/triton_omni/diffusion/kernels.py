@@ -114,7 +114,8 @@ class NetworkKernels:
                 raise ValueError("model parameter gelu_epilogue: none of this DiT's feed-forwards is a tanh GELU "
                                  "over a bf16 or float16 projection")
             logger.info("gelu_epilogue: %d feed-forward GELUs applied in their projections' matmuls", count)
-        if self.attention not in (None, "native"):
+        if self.attention is not None:  # "native" too: a processor left unset follows diffusers'
+            # process-wide active backend, which the last network set in this process chose
             installed_kernel(self.attention)
             network.set_attention_backend(self.attention)
 
