@@ -164,6 +164,32 @@ def test_rows_drawn_together_draw_what_each_draws_alone():
     assert together.tolist() != _draws(probs, generators()[::-1]).tolist()  # other generators, other tokens
 
 
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"),
+                         [(0.9, 50, 0.8, 0.0), (1.0, 40, 0.9, 0.01), (0.7, 0, 0.95, 0.0), (1.0, 10, 1.0, 0.05),
+                          (1.0, 50, 0.8, 0.0)])
+def test_filtered_probabilities_are_transformers_warpers(temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p and min-p for a batch at once: the distribution ``generate``'s
+    warpers leave (in their order: top-p over what top-k kept), over a vocabulary's logits."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from triton_omni.ar.batching import filtered_probs
+
+    logits = torch.randn(4, 2048, generator=torch.Generator().manual_seed(5))
+    vocab = logits.shape[-1]
+    params = torch.tensor([[temperature, top_k or vocab, top_p, min_p]] * len(logits))
+    probs, order = filtered_probs(logits, params)
+    ours = torch.zeros_like(probs).scatter(1, order, probs)
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) \
+        + ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+    theirs = logits.clone()
+    for warper in warpers:
+        theirs = warper(None, theirs)
+    theirs = theirs.softmax(dim=-1)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs)
+    if top_p < 1:  # top-p took tokens that top-k kept
+        assert (ours > 0).sum(dim=-1).max() < (top_k or vocab)
+
+
 def test_penalties_for_all_rows_at_once_equal_transformers_processors_row_by_row():
     """Each row's repetition penalty (over its prompt and its output, as transformers' processor
     reads its ids) and its stop tokens banned below ``min_tokens``, applied to a whole batch at

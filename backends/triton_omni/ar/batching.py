@@ -462,10 +462,12 @@ def filtered_probs(logits: torch.Tensor, params: torch.Tensor) -> tuple[torch.Te
     them. Tensor work only, so a CUDA graph may hold it (the talker's code predictor's)."""
     temperature, top_k, top_p, min_p = params.T
     ordered, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = (ranks >= top_k[:, None]) | (probs.cumsum(dim=-1) - probs > top_p[:, None]) \
-        | (probs < min_p[:, None] * probs[:, :1])
+    # top-p over the top k's own distribution, as transformers' warpers and vLLM's sampler take it
+    # (over the whole vocabulary's, a row with both keeps more tokens than they do)
+    ordered = ordered.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs > top_p[:, None]) | (probs < min_p[:, None] * probs[:, :1])
     drop[:, 0] = False  # the most likely token always stays
     return ordered.masked_fill(drop, float("-inf")).softmax(dim=-1), order
 
