@@ -98,8 +98,9 @@ def test_a_network_keeps_its_own_kernel_after_another_in_the_process_set_a_diffe
     """diffusers' ``set_attention_backend`` also sets a process-wide active backend, which a
     processor left unset follows: a second runner choosing PyTorch's SDPA must set it on its own
     network, not run the first runner's kernel (on a GPU: FlashAttention-4 on a head size it refuses)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
+    before, _ = _AttentionBackendRegistry.get_active_backend()
     first = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan", attention_backend="_native_math"))
     second = DiffusionRunner(DiffusionRunnerConfig("demo:tiny-wan"))
     try:
@@ -110,6 +111,8 @@ def test_a_network_keeps_its_own_kernel_after_another_in_the_process_set_a_diffe
     finally:
         first.close()
         second.close()
+        # the later tests' own pipelines (diffusers' reference calls) follow the process-wide backend
+        _AttentionBackendRegistry.set_active_backend(before)
 
 
 def test_a_kernel_that_takes_no_mask_serves_only_a_family_whose_passes_never_pad():
