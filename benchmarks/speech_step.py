@@ -31,7 +31,7 @@ states in its prompts), its steps and first frame only: its decoder, ``token2wav
 ``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor] [--modes compiled,graphs] [--cold-codec] [--model qwen2.5-omni]
+        [--compile predictor[,talker]] [--modes compiled,graphs] [--cold-codec] [--model qwen2.5-omni]
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def main() -> None:
     parser.add_argument("--no-tf32", action="store_true",
                         help="cuDNN's convolutions and matmuls in full float32 (PyTorch runs them in TF32 by default)")
     parser.add_argument("--compile", default="", metavar="PARTS",
-                        help="also measure the stage with these parts compiled (predictor)")
+                        help="also measure the stage with these parts compiled (predictor, talker)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager and compiled (default: all that apply)")
     parser.add_argument("--cold-codec", action="store_true",

@@ -75,10 +75,12 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
 
 
-@pytest.fixture(scope="module", params=["off", "predictor"], ids=["graphs", "compiled"])
+@pytest.fixture(scope="module", params=["off", "predictor", "predictor,talker"],
+                ids=["graphs", "compiled", "compiled talker"])
 def bf16(request):
     """The GPU runner in bfloat16, the dtype whose talker steps are captured; with its captured
-    passes under torch.compile too (the model parameter ``compile``)."""
+    passes under torch.compile too (the model parameter ``compile``: the predictor's frame, and the
+    talker steps' regions)."""
     runner = SpeechRunner(SpeechConfig(model=DEMO, device="cuda:0", dtype="bfloat16", compile=request.param))
     yield runner
     runner.close()
@@ -177,9 +179,13 @@ def test_a_prompt_at_image_positions_replays_as_run_eagerly(bf16):
 def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
     """Three rows (the graph of four replayed, a padding row) with prompts of three lengths, stepped
     across two widths: each replay's states and logits are the same step's run eagerly; a row
-    whose keys at its prompt's first positions are wrong gets other logits (the comparison can fail)."""
+    whose keys at its prompt's first positions are wrong gets other logits (the comparison can fail).
+    With the talker's regions compiled (fused kernels round otherwise in bfloat16), every step's
+    logits and states within a tenth of how far that wrong row's logits move."""
     model = bf16.batcher.model
     captured = bf16.batcher.talker_steps
+    compiled = captured.regions is not None
+    apart = {"logits": 0.0, "hidden": 0.0}
     eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
     torch.manual_seed(0)
     width = model.model.config.hidden_size
@@ -195,8 +201,13 @@ def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
         for _ in range(60):
             inputs = torch.randn(3, 1, width, device="cuda", dtype=torch.bfloat16)
             (hidden, logits), (hidden_eager, logits_eager) = captured(inputs), eager(inputs)
-            torch.testing.assert_close(logits, logits_eager)
-            torch.testing.assert_close(hidden, hidden_eager)
+            if compiled:
+                apart["logits"] = max(apart["logits"], (logits - logits_eager).abs().max().item())
+                relative = (hidden - hidden_eager).abs().max() / hidden_eager.abs().max()
+                apart["hidden"] = max(apart["hidden"], relative.item())
+            else:
+                torch.testing.assert_close(logits, logits_eager)
+                torch.testing.assert_close(hidden, hidden_eager)
         assert max(captured.cache.lengths) > 256
         for keys in eager.cache.keys:  # row 0's keys of its prompt's first 100 positions, wrong
             keys[0, :, :100] = 0
@@ -204,6 +215,11 @@ def test_the_talkers_cuda_graphs_replay_its_steps(bf16):
         (_, logits), (_, moved) = captured(inputs), eager(inputs)
         captured.cache.clear()
         eager.cache.clear()
+    if compiled:
+        wrong = (logits[0] - moved[0]).abs().max().item()
+        print(f"compiled regions / transformers' layers, apart at most: {apart}; the wrong row's logits: {wrong}")
+        assert apart["logits"] < wrong / 10 and apart["hidden"] < 0.05
+        return
     torch.testing.assert_close(logits[1:], moved[1:])
     with pytest.raises(AssertionError):  # the tolerance above does not hide a wrong state
         torch.testing.assert_close(logits[0], moved[0])

@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, DynamicCache
 from triton_omni.channel import ReplyReader, ReplyWriter
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestCancelledError, RequestValidationError
@@ -419,21 +419,24 @@ def test_a_chunk_default_out_of_bounds_fails_the_load_not_every_request(name):
         SpeechConfig(**{name: 0})
 
 
-@pytest.mark.parametrize("value", ["vae", "predictor,blocks", "talker"])
+@pytest.mark.parametrize("value", ["vae", "predictor,blocks", "thinker"])
 def test_compile_naming_no_part_of_the_stage_fails_the_load(value):
-    with pytest.raises(ValueError, match="model parameter compile must name parts of predictor "):
+    with pytest.raises(ValueError, match="model parameter compile must name parts of predictor, talker "):
         SpeechConfig(compile=value)
     assert SpeechConfig(compile=" predictor ").compile_parts() == ("predictor",)
+    assert SpeechConfig(compile="predictor, talker").compile_parts() == ("predictor", "talker")
     assert SpeechConfig(compile="off").compile_parts() == ()
 
 
-@pytest.fixture
-def slots(runner, monkeypatch):
-    """The runner's talker on a slot cache of 64 columns, read 16, 32 or 64 wide."""
+@pytest.fixture(params=[(), ("talker",)], ids=["layers", "compiled regions"])
+def slots(runner, monkeypatch, request):
+    """The runner's talker on a slot cache of 64 columns, read 16, 32 or 64 wide; its steps through
+    transformers' layers, or through their width-independent regions compiled (``compile: talker``)."""
     monkeypatch.setattr(talker_graphs, "SMALLEST_WIDTH", 16)
     monkeypatch.setattr(talker_graphs, "SMALLEST_PREFILL", 16)
     eager = runner.batcher
-    runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, max_len=64, slot_cache=True)
+    runner.batcher = TalkerBatcher(runner.talker, 4, cuda_graphs=False, max_len=64, slot_cache=True,
+                                   compile=request.param)
     yield runner.batcher
     runner.batcher.stop()
     runner.batcher = eager
@@ -520,6 +523,46 @@ def test_a_wrong_column_or_position_moves_the_codes(runner, slots, monkeypatch, 
     monkeypatch.setattr(part, "run", wrongly)
     wrong_codes = joined(speak(runner, r)[0])[1]
     assert right.shape != wrong_codes.shape or not np.array_equal(right, wrong_codes)
+
+
+def test_the_talkers_compiled_regions_step_as_its_layers_once_for_every_layer_and_width(runner, monkeypatch):
+    """Steps of 4, 3 (the 4 padded), 2 and 1 rows over prompts of three lengths, across two widths:
+    through the compiled regions (``compile: talker``), each row's state and logits are those of
+    transformers' layers; each region compiled at most once per batch size (automatic dynamic: the
+    first size, then one for all sizes but 1), shared by both layers and every width; and a row
+    whose keys are wrong gets other logits (the comparison can fail)."""
+    monkeypatch.setattr(talker_graphs, "SMALLEST_WIDTH", 16)
+    model = runner.batcher.model
+    assert len(model.model.layers) > 1  # the sharing below is across layers
+    layers, regions = (talker_graphs.TalkerSteps(model, 4, 64, capture=False, compile=compiled)
+                       for compiled in (False, True))
+    width, generator = model.model.config.hidden_size, torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (4, 3, 2, 1):
+            lengths = [14, 9, 6, 3][:rows]
+            mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
+            cache = DynamicCache()
+            model.model(inputs_embeds=torch.randn(rows, max(lengths), width, generator=generator), attention_mask=mask,
+                        past_key_values=cache, use_cache=True)
+            for steps in (layers, regions):
+                steps.cache.clear()
+                steps.cache.add_rows(cache, mask)
+            for _ in range(6):  # the longest crosses from width 16 to 32
+                inputs = torch.randn(rows, 1, width, generator=generator)
+                (hidden, logits), (hidden_compiled, logits_compiled) = layers(inputs), regions(inputs)
+                torch.testing.assert_close(logits_compiled, logits)
+                torch.testing.assert_close(hidden_compiled, hidden)
+        assert max(regions.cache.lengths) > 16
+        for keys in layers.cache.keys:  # row 0's keys of its prompt, wrong
+            keys[0, :, :3] = 0
+        inputs = torch.randn(1, 1, width, generator=generator)
+        (_, wrong), (_, logits_compiled) = layers(inputs), regions(inputs)
+    compiled = regions.regions
+    for region in (compiled.before, compiled.after):  # 2 or 3 as the sizes came (1, 2, 4 or 4, 2, 1); per layer, 6
+        variants = torch._dynamo.eval_frame._debug_get_cache_entry_list(region._torchdynamo_orig_callable.__code__)
+        assert 1 <= len(variants) <= 3
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(logits_compiled, wrong)
 
 
 def with_image(runner, prompt: str = "what is it", reply: tuple[int, ...] = (40, 41, 42, 43, 3), **options):

@@ -70,7 +70,7 @@ class SpeechConfig:
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     # on a GPU, the talker's step and the code predictor's frame as CUDA graphs (Qwen2.5-Omni: token2wav's ODE)
     cuda_graphs: bool = True
-    # the parts whose captured passes run torch.compile's kernels ("predictor"; "off"): on a GPU only
+    # the parts whose captured passes run torch.compile's kernels ("predictor", "talker"; "off"): on a GPU only
     compile: str = "predictor"
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)

@@ -57,9 +57,10 @@ _PREDICTOR_SAMPLED = SamplingOptions(temperature=1.0, top_k=50, top_p=0.8)
 _PREDICTOR_GREEDY = SamplingOptions(temperature=0.0)
 # the longest an utterance may grow, its prompt and its codes (vLLM's max_model_len): its KV cache's columns
 TALKER_MAX_LEN = 5120
-# what the model parameter `compile` may name: the code predictor's captured frames. (The talker's
-# captured passes compiled took minutes per load at real shapes, for its dozens of widths and batch sizes.)
-COMPILE_PARTS = ("predictor",)
+# what the model parameter `compile` may name: the code predictor's captured frames, the talker's captured
+# steps' width-independent regions (``talker_regions.py``; the whole step compiled took minutes a load at real
+# shapes, for its dozens of widths and batch sizes)
+COMPILE_PARTS = ("predictor", "talker")
 
 
 @dataclass
@@ -336,7 +337,8 @@ class TalkerBatcher(ContinuousBatch):
         (``SlotCache``), as the graphs need it; by default where they run, and on a CPU where
         asked (the tests, to hold those steps to the ``PaddedCache`` ones). ``compile``: the parts
         (``COMPILE_PARTS``) whose static passes run under torch.compile (the code predictor's captured
-        frames); the other paths never do."""
+        frames; the steps over the slot cache of a Qwen3-Omni talker, their layers' width-independent
+        regions); the other paths never do."""
         super().__init__(talker.device, max_num_seqs)
         self.talker = talker
         self.model = talker.talker
@@ -362,10 +364,13 @@ class TalkerBatcher(ContinuousBatch):
         if slot_cache if slot_cache is not None else capture:
             from triton_omni.speech.talker_graphs import TalkerSteps
 
-            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture)
+            self.talker_steps = TalkerSteps(self.model, max_num_seqs, max_len, capture=capture,
+                                            compile="talker" in compile and not self.whole_codes)
             self._cache = self.talker_steps.cache
         if "predictor" in compile and self.graphs is None:
             logger.info("compile: predictor ignored: only the code predictor's CUDA graphs (a GPU's) are compiled")
+        if "talker" in compile and (self.talker_steps is None or self.whole_codes):
+            logger.info("compile: talker ignored: only a Qwen3-Omni talker's steps over its slot cache are compiled")
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
         self.waits = 0  # rows left out of a step (or of a wait for one), waiting for their reply's next token

@@ -27,12 +27,14 @@ A row cannot outgrow the buffer: the runner refuses (or bounds) an utterance who
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from triton_omni.ar.batching import to_device
-from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured
+from triton_omni.speech.predictor_graphs import CAPTURED_ROWS, captured, compiling
+from triton_omni.speech.talker_regions import CompiledRegions
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +144,13 @@ class TalkerStep:
     ``inputs`` [rows, 1, hidden] in; ``hidden`` (each row's last layer's state, the code
     predictor's input) and ``logits`` (its first codebook's) out."""
 
-    def __init__(self, talker, cache: SlotCache, rows: int, width: int):
+    def __init__(self, talker, cache: SlotCache, rows: int, width: int, regions=None):
+        """``regions``: the talker's ``CompiledRegions``, which its passes run (none: transformers' layers)."""
         self.talker, self.cache, self.rows = talker, cache, rows
-        self.inputs = torch.zeros(rows, 1, talker.model.config.hidden_size, device=cache.writes.device,
-                                  dtype=cache.keys[0].dtype)
+        self.regions = regions
+        with torch.inference_mode():  # as every layer's input is (compiled regions: one variant for all layers)
+            self.inputs = torch.zeros(rows, 1, talker.model.config.hidden_size, device=cache.writes.device,
+                                      dtype=cache.keys[0].dtype)
         self.columns = torch.arange(width, device=cache.writes.device)
         self.layers = _SlotLayers(cache, rows, width)
         self.hidden = self.logits = None
@@ -157,8 +162,9 @@ class TalkerStep:
         self.layers.index = writes.view(-1, 1, 1, 1).expand(self.rows, key.shape[1], 1, key.shape[3])
         mask = (self.columns[None, :] <= writes[:, None])[:, None, None, :]  # its own positions and the new one
         positions = (writes + self.cache.shifts[:self.rows])[None, :, None].expand(3, -1, -1)  # column + shift
-        out = self.talker.model(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
-                                past_key_values=self.layers, use_cache=True, output_hidden_states=True)
+        with self.regions.running() if self.regions is not None else contextlib.nullcontext():
+            out = self.talker.model(inputs_embeds=self.inputs, attention_mask=mask, position_ids=positions,
+                                    past_key_values=self.layers, use_cache=True, output_hidden_states=True)
         self.hidden = out.hidden_states[-1][:, -1:]
         self.logits = self.talker.codec_head(out.last_hidden_state[:, -1])
 
@@ -206,16 +212,19 @@ class TalkerPrefill:
 class TalkerSteps:
     """The talker's steps over one ``SlotCache``: a ``TalkerStep`` per captured batch size (up to
     ``max_rows``) and width (up to ``capacity``), each captured as a CUDA graph where ``capture``
-    (all in one memory pool: one replays at a time), run as they are otherwise."""
+    (all in one memory pool: one replays at a time), run as they are otherwise. ``compile``: the
+    steps' layers run their width-independent work compiled (``talker_regions.py``); the prefills
+    never do."""
 
-    def __init__(self, talker, max_rows: int, capacity: int, capture: bool):
+    def __init__(self, talker, max_rows: int, capacity: int, capture: bool, compile: bool = False):
         weight = talker.codec_head.weight
         self.cache = SlotCache(talker.model.config, max_rows, capacity, weight.device, weight.dtype)
         size = sum(buffer.nbytes for buffer in (*self.cache.keys, *self.cache.values))
         logger.info("the talker's KV cache: %d rows of %d columns, %.2f GiB", max_rows, capacity, size / 2**30)
         sizes = [n for n in CAPTURED_ROWS if n < max_rows] + [max_rows]
         widths = _widths(SMALLEST_WIDTH, capacity)
-        self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width)
+        self.regions = regions = CompiledRegions.of(talker) if compile else None
+        self.steps = {(rows, width): TalkerStep(talker, self.cache, rows, width, regions)
                       for rows in sizes for width in widths}
         self.prefills = {width: TalkerPrefill(talker, self.cache, width)
                          for width in _widths(min(SMALLEST_PREFILL, capacity), min(LARGEST_PREFILL, capacity))}
@@ -223,7 +232,7 @@ class TalkerSteps:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:  # all in one pool, the largest first (the others fit in it): one replays at a time
             pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(weight.device):
+            with torch.cuda.device(weight.device), compiling(compile):
                 for width in sorted(self.prefills, reverse=True):
                     self.prefill_graphs[width] = captured(self.prefills[width].run, pool)
                 for shape in sorted(self.steps, reverse=True):
@@ -254,6 +263,7 @@ class TalkerSteps:
         self.cache.lengths.append(length)
         return prefill.hidden[:, length - 1:length].clone(), prefill.last[:, length - 1].clone()
 
+    @torch.inference_mode()
     def __call__(self, inputs: torch.Tensor, kept: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the running rows (``inputs`` [rows, 1, hidden], a row per slot): each
         row's last layer's state [rows, 1, hidden] and first codebook's logits [rows, vocab].

@@ -1,0 +1,104 @@
+"""The talker's steps with each layer's width-independent work under torch.compile (``compile: talker``).
+
+A Qwen3-Omni talker step is about 85 kernels a layer, most of them small elementwise and
+reduction ones (three RMSNorms, the rotary embedding, the MoE block's routing and sums), each a
+few microseconds even replayed from a CUDA graph: at one utterance the step is bound by their
+count, not by the weights it reads. Compiling the whole step would take a variant per batch size
+and attention width (the captured ladder is dozens of them, minutes a load). Only the KV cache's
+write and the attention read the width, so each layer's step is split in three here:
+
+- before attention (the input norm, the q/k/v projections, the q/k norms, the rotary embedding),
+  compiled;
+- the cache write and the attention, as transformers runs them;
+- after attention (the output projection, the residual, the norm, the MoE block, the residual),
+  compiled.
+
+The layers share each compiled region (PyTorch's regional compilation: a module's parameters are
+the compiled code's inputs, not its constants), so a load compiles the two regions once per batch
+size shape, whatever the widths and however many layers. Only the steps of ``TalkerSteps`` built
+with ``compile`` run the regions (``active``); every other pass of the model (prefills, the eager
+reference steps) runs transformers' layer as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb, eager_attention_forward
+
+from triton_omni.speech.predictor_graphs import own_code
+
+
+class CompiledRegions:
+    """The talker model's decoder layers, each running its two compiled regions while ``active``."""
+
+    def __init__(self, talker):
+        self.active = False
+        self.before = torch.compile(own_code(_before_attention))
+        self.after = torch.compile(own_code(_after_attention))
+        for layer in talker.model.layers:
+            layer.forward = functools.partial(self._layer, layer, layer.forward)
+
+    @classmethod
+    def of(cls, talker) -> CompiledRegions:
+        """The talker's regions, made at its first compiled steps (its layers are wrapped once)."""
+        if getattr(talker, "_compiled_regions", None) is None:
+            talker._compiled_regions = cls(talker)
+        return talker._compiled_regions
+
+    @contextlib.contextmanager
+    def running(self):
+        """The layers' passes inside it run the compiled regions."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _layer(self, layer, transformers_forward, hidden_states, attention_mask=None, position_ids=None,
+               past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
+        if not self.active:
+            return transformers_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                        past_key_values=past_key_values, use_cache=use_cache,
+                                        position_embeddings=position_embeddings, **kwargs)
+        attention = layer.self_attn
+        query, key, value = self.before(layer, hidden_states, *position_embeddings)
+        key, value = past_key_values.update(key, value, attention.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+        attended, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                             sliding_window=attention.sliding_window, **kwargs)
+        return self.after(layer, hidden_states, attended)
+
+
+def _before_attention(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The layer's queries, keys and values of ``hidden`` [rows, positions, width], rotated
+    (transformers' decoder layer and attention up to the cache's update)."""
+    attention = layer.self_attn
+    normed = layer.input_layernorm(hidden)
+    shape = (*hidden.shape[:-1], -1, attention.head_dim)
+    query = attention.q_norm(attention.q_proj(normed).view(shape)).transpose(1, 2)
+    key = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)
+    value = attention.v_proj(normed).view(shape).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    return query, key, value
+
+
+def _after_attention(layer, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The layer's output from its input ``residual`` and its attention's ``attended`` (transformers'
+    decoder layer after the attention interface)."""
+    hidden = residual + layer.self_attn.o_proj(attended.reshape(*residual.shape[:-1], -1).contiguous())
+    return hidden + _moe(layer.mlp, layer.post_attention_layernorm(hidden))
+
+
+def _moe(block, hidden: torch.Tensor) -> torch.Tensor:
+    """The sparse MoE block's output (transformers' ``forward``), its router called past its module's
+    hooks: the model records the router's logits through one, which reads a ``ContextVar``, and
+    dynamo breaks the region there."""
+    rows = hidden.view(-1, hidden.shape[-1])
+    shared = block.shared_expert(rows)
+    _, weights, experts = block.gate.forward(rows)
+    out = block.experts(rows, experts, weights) + torch.sigmoid(block.shared_expert_gate(rows)) * shared
+    return out.view(hidden.shape)
