@@ -22,7 +22,8 @@ own parts in one process, with no server, so each part's cost per step is seen a
 - on a GPU, all of it with CUDA graphs (the talker's step and the code predictor's frame: the
   stage's default) and without, and the ratio of their steps; with ``--compile PARTS``, also with
   those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
-  to the graphs alone.
+  to the graphs alone; with ``--baseline PARTS``, also with those parts compiled, and the compiled
+  mode's ratio to it (``--compile predictor,talker --baseline predictor``: the talker's regions).
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works). ``--model qwen2.5-omni``:
@@ -31,7 +32,8 @@ states in its prompts), its steps and first frame only: its decoder, ``token2wav
 ``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor[,talker]] [--modes compiled,graphs] [--cold-codec] [--model qwen2.5-omni]
+        [--compile predictor[,talker]] [--baseline PARTS] [--modes compiled,graphs,baseline] [--cold-codec]
+        [--model qwen2.5-omni]
 """
 
 from __future__ import annotations
@@ -313,11 +315,13 @@ def modes(args, device: torch.device) -> dict[str, dict]:
         found["cuda graphs"] = {"cuda_graphs": True}
         if args.compile:
             found["compiled"] = {"cuda_graphs": True, "compile": compile_parts(args.compile)}
+        if args.baseline:
+            found["baseline"] = {"cuda_graphs": True, "compile": compile_parts(args.baseline)}
     wanted = {"graphs": "cuda graphs"}
     names = [wanted.get(m, m) for m in args.modes.split(",")] if args.modes else list(found)
     if missing := [name for name in names if name not in found]:
-        raise SystemExit(f"--modes {', '.join(missing)}: not measured here (compiled needs --compile, "
-                         "and both it and the graphs a GPU)")
+        raise SystemExit(f"--modes {', '.join(missing)}: not measured here (compiled needs --compile, baseline "
+                         "--baseline, and they and the graphs a GPU)")
     return {name: found[name] for name in names}
 
 
@@ -346,8 +350,11 @@ def main() -> None:
                         help="cuDNN's convolutions and matmuls in full float32 (PyTorch runs them in TF32 by default)")
     parser.add_argument("--compile", default="", metavar="PARTS",
                         help="also measure the stage with these parts compiled (predictor, talker)")
+    parser.add_argument("--baseline", default="", metavar="PARTS",
+                        help="also measure the stage with these parts compiled, the compiled mode's baseline "
+                             "(its ratio to it printed: --compile predictor,talker --baseline predictor)")
     parser.add_argument("--modes", default="",
-                        help="the modes measured, of graphs, eager and compiled (default: all that apply)")
+                        help="the modes measured, of graphs, eager, compiled and baseline (default: all that apply)")
     parser.add_argument("--cold-codec", action="store_true",
                         help="first, each stream count's first chunks decoded the first time and the second")
     parser.add_argument("--profile", type=int, metavar="ROWS",
@@ -440,7 +447,7 @@ def main() -> None:
                 print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)
         finally:
             batcher.stop()
-    for faster, slower in (("cuda graphs", "eager"), ("compiled", "cuda graphs")):
+    for faster, slower in (("cuda graphs", "eager"), ("compiled", "cuda graphs"), ("compiled", "baseline")):
         if faster in figures["modes"] and slower in figures["modes"]:
             print_ratios(figures["modes"][faster], figures["modes"][slower], f"{faster} / {slower}", levels)
     if args.json:
