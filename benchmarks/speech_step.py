@@ -430,7 +430,7 @@ def main() -> None:
         print(f"{mode}: the talker's batcher built in {figures['load_s'][mode]:.1f} s", flush=True)
         timers.wrap(batcher, "_step", "step")
         timers.wrap(batcher, "_predict_residuals", "code predictor")
-        timers.wrap(batcher, "_accept", "first code draw")
+        timers.wrap(batcher, "_draw", "first code draw")
         timers.wrap(batcher, "_talker_forward", "talker forward")
         timers.wrap(batcher, "_join", "prefill")
         figures["modes"][mode] = {}

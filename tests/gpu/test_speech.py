@@ -87,11 +87,12 @@ def bf16(request):
 
 
 def test_the_talkers_step_never_waits_for_the_gpu(bf16):
-    """The talker's step (a CUDA graph's replay over the slot cache) queues its work: the host
-    reads only the codes drawn from its logits."""
+    """The talker's step (a CUDA graph's replay over the slot cache) and the frame before it (the
+    code predictor's, its codes read after the step's draw) queue their work: the host reads only
+    the codes drawn from its logits, with the frame's, once a step."""
     assert bf16.batcher.talker_steps is not None and bf16.batcher.talker_steps.graphs
     spoken(bf16, sampled=False)
-    with no_host_syncs(bf16.batcher, "_talker_forward") as failures:  # one chunk, decoded once the talker is done
+    with no_host_syncs(bf16.batcher, "_talker_forward", "_frame_inputs") as failures:  # one chunk, decoded at the end
         chunks = spoken(bf16, sampled=False, chunk_frames=64)
     assert not failures, failures[0]
     assert sum(c.codes.shape[1] for c in chunks) == 11

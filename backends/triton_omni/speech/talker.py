@@ -405,7 +405,7 @@ class TalkerBatcher(ContinuousBatch):
         self._shift_slots([utterance])
         # its last position's state: the code predictor's first input
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
-        self._accept([utterance], self.model.codec_head(normed))
+        self._accept([utterance], self._draw([utterance], self.model.codec_head(normed)))
         utterance.joined_at = time.monotonic()  # after _accept's draw, which waits for the prefill
 
     def _join_all(self, utterances: list[Utterance]) -> None:
@@ -435,7 +435,7 @@ class TalkerBatcher(ContinuousBatch):
         self._shift_slots(utterances)
         last = out.hidden_states[-1][:, -1:]  # each prompt ends at the last column
         self._hidden = last if self._hidden is None else torch.cat([self._hidden, last])
-        self._accept(utterances, self.model.codec_head(out.last_hidden_state[:, -1]))
+        self._accept(utterances, self._draw(utterances, self.model.codec_head(out.last_hidden_state[:, -1])))
         joined = time.monotonic()
         for utterance in utterances:
             utterance.joined_at = joined
@@ -447,10 +447,14 @@ class TalkerBatcher(ContinuousBatch):
         if self.talker_steps is not None and any(shifts):
             self.talker_steps.cache.shift(len(self.rows) - len(joined), shifts)
 
-    def _accept(self, rows: list[Utterance], logits: torch.Tensor) -> None:
+    def _draw(self, rows: list[Utterance], logits: torch.Tensor) -> list[int]:
+        """Each row's next first code: the one wait for the GPU in a step."""
         logits = logits.float()
         logits[:, self.talker.suppressed] = float("-inf")
-        for utterance, code in zip(rows, sample(logits, rows, self.generator), strict=True):
+        return sample(logits, rows, self.generator)
+
+    def _accept(self, rows: list[Utterance], codes: list[int]) -> None:
+        for utterance, code in zip(rows, codes, strict=True):
             utterance.output_ids.append(code)
             if code in utterance.stop_ids:
                 utterance.finish("stop")
@@ -478,7 +482,11 @@ class TalkerBatcher(ContinuousBatch):
             self.waits += len(rows) - len(moving)
             rows = [u for u, r in zip(rows, ready, strict=True) if r]
             steps = [s for s, r in zip(steps, ready, strict=True) if r]
-        inputs = self._whole_code_inputs(rows, steps) if self.whole_codes else self._frame_inputs(rows, steps, moving)
+        residual = None
+        if self.whole_codes:
+            inputs = self._whole_code_inputs(rows, steps)
+        else:
+            inputs, residual = self._frame_inputs(rows, steps, moving)
         if moving is None:
             self._hidden, logits = self._talker_forward(inputs, rows, steps)
         else:  # the waiting rows' passes are made and thrown away: their caches do not keep them
@@ -488,20 +496,25 @@ class TalkerBatcher(ContinuousBatch):
             self._hidden = self._hidden.index_copy(0, moving, hidden.index_select(0, moving))
             logits = logits.index_select(0, moving)
         self.steps += 1
-        self._accept(rows, logits)
+        codes = self._draw(rows, logits)  # the GPU's work queued so far is done after it: the frames too
+        if residual is not None:
+            for utterance, frame in zip(rows, residual.tolist(), strict=True):
+                utterance.emit([utterance.output_ids[-1], *frame])
+        self._accept(rows, codes)
 
-    def _frame_inputs(self, rows: list[Utterance], steps: list[int], moving: torch.Tensor | None) -> torch.Tensor:
-        """Qwen3-Omni's step: each row's frame finished by the code predictor and spoken, then the
+    def _frame_inputs(self, rows: list[Utterance], steps: list[int], moving: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3-Omni's step: each row's frame finished by the code predictor (its residual codes
+        [rows, groups - 1], spoken once the step's next codes are drawn: reading them here would wait
+        for the predictor, and the GPU would wait for the host to queue the talker), then the
         talker's inputs, its codes' embeddings and its reply's next state [rows, 1, width]."""
         first = to_device([[u.output_ids[-1]] for u in rows], torch.long, self.device)
         first_embeds = self.model.get_input_embeddings()(first)  # [rows, 1, width]
         hidden = self._hidden if moving is None else self._hidden.index_select(0, moving)
         residual, residual_embeds = self._predict_residuals(hidden, first_embeds, rows)
-        for utterance, codes in zip(rows, residual.tolist(), strict=True):
-            utterance.emit([utterance.output_ids[-1], *codes])
         trailing = [u.prompt.trailing[s] if s < len(u.prompt.trailing) else self._pad
                     for u, s in zip(rows, steps, strict=True)]
-        return first_embeds + residual_embeds + torch.stack(trailing)[:, None]
+        return first_embeds + residual_embeds + torch.stack(trailing)[:, None], residual
 
     def _whole_code_inputs(self, rows: list[Utterance], steps: list[int]) -> torch.Tensor:
         """Qwen2.5-Omni's step (its codes spoken as drawn): the talker's inputs from each row's last
