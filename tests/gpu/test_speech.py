@@ -111,6 +111,13 @@ def test_a_talker_prompt_and_a_replys_next_tokens_never_wait_for_the_gpu(bf16):
     assert not failures, failures[0]
 
 
+def same_steps_uncaptured(captured: TalkerSteps, model) -> TalkerSteps:
+    """``captured``'s steps run as they are, not replayed: with its compiled regions where it has them
+    (the next test holds those to transformers' layers)."""
+    return TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False,
+                       compile=captured.regions is not None)
+
+
 def test_the_talkers_lone_prefill_replays_as_run_eagerly_and_never_waits_for_the_gpu(bf16):
     """Two prompts prefilled one after the other into slots 0 and 1 (widths 64 and 256 replayed):
     each one's states and its slot's keys are those of the same prefill run eagerly, and a step
@@ -119,7 +126,7 @@ def test_the_talkers_lone_prefill_replays_as_run_eagerly_and_never_waits_for_the
     model = bf16.batcher.model
     captured = bf16.batcher.talker_steps
     assert set(captured.prefill_graphs) == set(captured.prefills) and len(captured.prefills) > 1
-    eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
+    eager = same_steps_uncaptured(captured, model)
     torch.manual_seed(0)
     width = model.model.config.hidden_size
     prompts = [torch.randn(n, width, device="cuda", dtype=torch.bfloat16) for n in (40, 200)]
@@ -152,7 +159,7 @@ def test_a_prompt_at_image_positions_replays_as_run_eagerly(bf16):
     ones' states and logits; at its columns, unshifted, the logits differ (the comparison can fail)."""
     model = bf16.batcher.model
     captured = bf16.batcher.talker_steps
-    eager = TalkerSteps(model, captured.cache.writes.shape[0], captured.cache.capacity, capture=False)
+    eager = same_steps_uncaptured(captured, model)
     torch.manual_seed(0)
     width = model.model.config.hidden_size
     prompt = torch.randn(40, width, device="cuda", dtype=torch.bfloat16)

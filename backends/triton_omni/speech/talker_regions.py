@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -33,10 +34,13 @@ from triton_omni.speech.predictor_graphs import own_code
 
 
 class CompiledRegions:
-    """The talker model's decoder layers, each running its two compiled regions while ``active``."""
+    """The talker model's decoder layers, each running its two compiled regions while ``running``
+    on the thread that runs them (any other thread's passes run transformers' layers meanwhile)."""
+
+    _wrapping = threading.Lock()
 
     def __init__(self, talker):
-        self.active = False
+        self._thread = threading.local()
         self.before = torch.compile(own_code(_before_attention))
         self.after = torch.compile(own_code(_after_attention))
         for layer in talker.model.layers:
@@ -45,22 +49,23 @@ class CompiledRegions:
     @classmethod
     def of(cls, talker) -> CompiledRegions:
         """The talker's regions, made at its first compiled steps (its layers are wrapped once)."""
-        if getattr(talker, "_compiled_regions", None) is None:
-            talker._compiled_regions = cls(talker)
-        return talker._compiled_regions
+        with cls._wrapping:
+            if getattr(talker, "_compiled_regions", None) is None:
+                talker._compiled_regions = cls(talker)
+            return talker._compiled_regions
 
     @contextlib.contextmanager
     def running(self):
-        """The layers' passes inside it run the compiled regions."""
-        self.active = True
+        """The layers' passes inside it, on this thread, run the compiled regions."""
+        self._thread.active = True
         try:
             yield
         finally:
-            self.active = False
+            self._thread.active = False
 
     def _layer(self, layer, transformers_forward, hidden_states, attention_mask=None, position_ids=None,
                past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
-        if not self.active:
+        if not getattr(self._thread, "active", False):
             return transformers_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                         past_key_values=past_key_values, use_cache=use_cache,
                                         position_embeddings=position_embeddings, **kwargs)
@@ -68,8 +73,10 @@ class CompiledRegions:
         query, key, value = self.before(layer, hidden_states, *position_embeddings)
         key, value = past_key_values.update(key, value, attention.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
-        attended, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                             sliding_window=attention.sliding_window, **kwargs)
+        attended, _ = attend(attention, query, key, value, attention_mask,
+                             dropout=0.0 if not attention.training else attention.attention_dropout,
+                             scaling=attention.scaling, sliding_window=attention.sliding_window,
+                             position_ids=position_ids, use_cache=use_cache, **kwargs)
         return self.after(layer, hidden_states, attended)
 
 
