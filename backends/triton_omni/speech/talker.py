@@ -369,7 +369,7 @@ class TalkerBatcher(ContinuousBatch):
             self._cache = self.talker_steps.cache
         if "predictor" in compile and self.graphs is None:
             logger.info("compile: predictor ignored: only the code predictor's CUDA graphs (a GPU's) are compiled")
-        if "talker" in compile and (self.talker_steps is None or self.whole_codes):
+        if "talker" in compile and (self.talker_steps is None or self.talker_steps.regions is None):
             logger.info("compile: talker ignored: only a Qwen3-Omni talker's steps over its slot cache are compiled")
         self._hidden: torch.Tensor | None = None  # [rows, 1, width]: each row's last-layer state of its last position
         self.steps = 0  # forward passes run (the tests read it)
