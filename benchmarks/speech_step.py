@@ -23,7 +23,10 @@ own parts in one process, with no server, so each part's cost per step is seen a
   stage's default) and without, and the ratio of their steps; with ``--compile PARTS``, also with
   those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
   to the graphs alone; with ``--baseline PARTS``, also with those parts compiled, and the compiled
-  mode's ratio to it (``--compile predictor,talker --baseline predictor``: the talker's regions).
+  mode's ratio to it (``--compile predictor,talker --baseline predictor``: the talker's regions);
+  with ``--fuse-projections``, the compiled mode's model with its projections fused (the model
+  parameter ``fuse_projections``; ``--compile predictor --baseline predictor --fuse-projections``:
+  the fusion alone).
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works). ``--model qwen2.5-omni``:
@@ -32,7 +35,8 @@ states in its prompts), its steps and first frame only: its decoder, ``token2wav
 ``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor[,talker]] [--baseline PARTS] [--modes compiled,graphs,baseline] [--cold-codec]
+        [--compile predictor[,talker]] [--baseline PARTS] [--fuse-projections] [--modes compiled,graphs,baseline]
+        [--cold-codec]
         [--model qwen2.5-omni]
 """
 
@@ -311,6 +315,8 @@ def modes(args, device: torch.device) -> dict[str, dict]:
     found = {"eager": {"cuda_graphs": False}}
     if args.compile and args.model != "qwen3-omni":
         raise SystemExit("--compile: the code predictor's, which a Qwen2.5-Omni talker has not")
+    if args.fuse_projections and not args.compile:
+        raise SystemExit("--fuse-projections: the compiled mode's, which needs --compile")
     if device.type == "cuda":
         found["cuda graphs"] = {"cuda_graphs": True}
         if args.compile:
@@ -353,6 +359,8 @@ def main() -> None:
     parser.add_argument("--baseline", default="", metavar="PARTS",
                         help="also measure the stage with these parts compiled, the compiled mode's baseline "
                              "(its ratio to it printed: --compile predictor,talker --baseline predictor)")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="the compiled mode's q/k/v and gate/up projections fused (needs --compile)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager, compiled and baseline (default: all that apply)")
     parser.add_argument("--cold-codec", action="store_true",
@@ -364,6 +372,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
     from triton_omni.demo_models import resolve_model
     from triton_omni.speech.codec import StreamingCode2Wav
+    from triton_omni.speech.fused_projections import fuse_projections
     from triton_omni.speech.qwen25_talker import Qwen25Talker
     from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech, load_qwen25_speech
     from triton_omni.speech.talker import Qwen3Talker, TalkerBatcher
@@ -424,6 +433,7 @@ def main() -> None:
     # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU), eager,
     # and compiled (the graphs' passes under torch.compile)
     for mode, options in modes(args, device).items():
+        unfuse = fuse_projections(model) if mode == "compiled" and args.fuse_projections else None
         started = time.perf_counter()
         batcher = TalkerBatcher(talker, max(levels), **options)
         figures.setdefault("load_s", {})[mode] = time.perf_counter() - started
@@ -447,6 +457,8 @@ def main() -> None:
                 print(f"{mode}, {rows} rows: {json.dumps(found)}", flush=True)
         finally:
             batcher.stop()
+            if unfuse is not None:
+                unfuse()
     for faster, slower in (("cuda graphs", "eager"), ("compiled", "cuda graphs"), ("compiled", "baseline")):
         if faster in figures["modes"] and slower in figures["modes"]:
             print_ratios(figures["modes"][faster], figures["modes"][slower], f"{faster} / {slower}", levels)

@@ -72,6 +72,8 @@ class SpeechConfig:
     cuda_graphs: bool = True
     # the parts whose captured passes run torch.compile's kernels ("predictor", "talker"; "off"): on a GPU only
     compile: str = "predictor"
+    # a Qwen3-Omni talker's and code predictor's q/k/v projections one matmul, and their dense MLPs' gate/up one
+    fuse_projections: bool = False
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
@@ -130,12 +132,18 @@ class SpeechRunner:
         qwen3 = model_config.model_type == "qwen3_omni_moe"
         if qwen3:
             talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
+            if config.fuse_projections:
+                from triton_omni.speech.fused_projections import fuse_projections
+
+                fuse_projections(talker)
             self.talker = Qwen3Talker(talker, embedding, model_config)
             self.decoder = StreamingCode2Wav(code2wav)
         else:
             talker, token2wav, embedding, speakers = load_qwen25_speech(folder, model_config, self.device,
                                                                         config.torch_dtype())
             self.talker = Qwen25Talker(talker, embedding, speakers, model_config)
+            if config.fuse_projections:
+                logger.info("fuse_projections ignored: only a Qwen3-Omni talker's projections are fused")
             self.decoder = StreamingToken2Wav(token2wav)
             if config.cuda_graphs and self.device.type == "cuda":  # its ODE's usual windows, captured now
                 try:

@@ -27,9 +27,9 @@ import functools
 import threading
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
+from triton_omni.speech.fused_projections import attend, queries_keys_values
 from triton_omni.speech.predictor_graphs import own_code
 
 
@@ -69,26 +69,17 @@ class CompiledRegions:
             return transformers_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                         past_key_values=past_key_values, use_cache=use_cache,
                                         position_embeddings=position_embeddings, **kwargs)
-        attention = layer.self_attn
         query, key, value = self.before(layer, hidden_states, *position_embeddings)
-        key, value = past_key_values.update(key, value, attention.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
-        attended, _ = attend(attention, query, key, value, attention_mask,
-                             dropout=0.0 if not attention.training else attention.attention_dropout,
-                             scaling=attention.scaling, sliding_window=attention.sliding_window,
+        attended, _ = attend(layer.self_attn, query, key, value, attention_mask, past_key_values,
                              position_ids=position_ids, use_cache=use_cache, **kwargs)
         return self.after(layer, hidden_states, attended)
 
 
 def _before_attention(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The layer's queries, keys and values of ``hidden`` [rows, positions, width], rotated
-    (transformers' decoder layer and attention up to the cache's update)."""
-    attention = layer.self_attn
-    normed = layer.input_layernorm(hidden)
-    shape = (*hidden.shape[:-1], -1, attention.head_dim)
-    query = attention.q_norm(attention.q_proj(normed).view(shape)).transpose(1, 2)
-    key = attention.k_norm(attention.k_proj(normed).view(shape)).transpose(1, 2)
-    value = attention.v_proj(normed).view(shape).transpose(1, 2)
+    (transformers' decoder layer and attention up to the cache's update; its q/k/v one projection
+    with ``fuse_projections``)."""
+    query, key, value = queries_keys_values(layer.self_attn, layer.input_layernorm(hidden))
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     return query, key, value
 
