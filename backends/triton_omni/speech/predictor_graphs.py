@@ -8,7 +8,14 @@ captured once per batch size when the stage loads and replayed at each step, the
 to the nearest captured size.
 
 ``PredictorFrame`` is that frame with static shapes, plain tensor work that also runs eagerly (the
-CPU tests hold it to the eager predictor). Its draws are the eager path's (the predictor's
+CPU tests hold it to the eager predictor). Its passes are transformers' decoder layers over a KV
+cache of the frame's own, with what transformers' model computes at every pass made once: the
+rotary embedding of each pass's positions and each pass's mask, additive. Its attention reads the
+keys and values as they are, one copy for all the query heads that share them, not repeated for
+each of them: a frame's query heads of a key head are folded into the query's positions (a pass
+reads one or two positions, the mask says which keys each sees), which leaves transformers' two
+copies a layer and pass (``repeat_kv``, that SDPA with a mask needs) and the mask's conversion out
+of each of the frame's 75 passes through a layer. Its draws are the eager path's (the predictor's
 temperature, top-k and top-p, then the argmax of the probabilities over exponential noise, which
 is ``torch.multinomial``'s one-sample path), but a row's noise for the frame's 15 draws comes from
 its generator in one call before the replay, not in 15: a seeded utterance is as reproducible as
@@ -28,9 +35,10 @@ import functools
 import types
 
 import torch
-from transformers import StaticCache
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from triton_omni.ar.batching import filtered_probs
+from triton_omni.speech.fused_projections import queries_keys_values
 
 # the batch sizes captured: a step of n rows replays the smallest that holds them
 CAPTURED_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -48,53 +56,87 @@ class PredictorFrame:
     and ``total``, the sum of their embeddings."""
 
     def __init__(self, predictor, groups: int, rows: int, sampled: list[float], forward=None, choose=None):
-        """``forward``, ``choose``: the predictor's model and the draw to run (compiled ones), by
-        default the model itself and ``choose_codes``."""
-        config = predictor.config
+        """``forward``, ``choose``: the pass (``predictor_pass``'s arguments after the model) and the
+        draw to run (compiled ones), by default ``predictor_pass`` and ``choose_codes``."""
+        config, model = predictor.config, predictor.model
         device, dtype = predictor.lm_head[0].weight.device, predictor.lm_head[0].weight.dtype
         self.predictor, self.draws = predictor, groups - 1
-        self.forward, self.choose = forward or predictor.model, choose or choose_codes
+        self.forward = forward or functools.partial(predictor_pass, model)
+        self.choose = choose or choose_codes
         self.hidden = torch.zeros(rows, 1, config.hidden_size, device=device, dtype=dtype)
         self.first = torch.zeros_like(self.hidden)
         self.noise = torch.ones(rows, self.draws, config.vocab_size, device=device)
         self.params = torch.tensor([sampled] * rows, device=device)
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
-        self.cache = StaticCache(config=config, max_cache_len=groups)  # 2 positions, then one a draw
+        attention = model.layers[0].self_attn
+        windows = [layer.self_attn.sliding_window for layer in model.layers]
+        if any(window is not None and window < groups for window in windows):  # its passes see every position
+            raise ValueError(f"the code predictor's sliding windows {windows} are shorter than its frame ({groups})")
+        self.keys = [torch.zeros(rows, config.num_key_value_heads, groups, attention.head_dim, device=device,
+                                 dtype=dtype) for _ in model.layers]
+        self.values = [torch.zeros_like(keys) for keys in self.keys]
         # pass 0 reads positions 0 and 1, pass t position t + 1: each attends to the positions up to its own
-        self.positions = [torch.tensor([[0, 1]], device=device)] + [
-            torch.tensor([[t + 1]], device=device) for t in range(1, self.draws)]
-        keys = torch.arange(groups, device=device)
-        self.masks = [{kind: (keys[None, :] <= p[0][:, None])[None, None].expand(rows, 1, -1, -1)
-                       for kind in set(config.layer_types)} for p in self.positions]
+        self.positions = [torch.tensor([0, 1], device=device)] + [
+            torch.tensor([t + 1], device=device) for t in range(1, self.draws)]
+        self.rotary = [model.rotary_emb(self.hidden, p[None]) for p in self.positions]
+        shared = config.num_attention_heads // config.num_key_value_heads
+        self.masks = [folded_mask(p, groups, shared, dtype) for p in self.positions]
         self.codes = self.total = None
         self.flags: tuple[bool, ...] | None = None  # the greedy rows ``greedy`` holds
-        if forward is not None:
-            self._prime()
-
-    @torch.inference_mode()
-    def _prime(self) -> None:
-        """The static cache's layers made by one uncompiled pass (``run`` starts them over): made
-        by a compiled first call, they would take a compiled variant of their own."""
-        self.predictor.model(inputs_embeds=torch.cat([self.hidden, self.first], dim=1), attention_mask=self.masks[0],
-                             position_ids=self.positions[0], past_key_values=self.cache, use_cache=True)
 
     @torch.inference_mode()
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()  # the stale keys past it are masked out
         inputs = torch.cat([self.hidden, self.first], dim=1)
         codes, total = [], torch.zeros_like(self.first)
         for draw in range(self.draws):
-            out = self.forward(inputs_embeds=inputs, attention_mask=self.masks[draw],
-                                       position_ids=self.positions[draw], past_key_values=self.cache, use_cache=True)
-            logits = self.predictor.lm_head[draw](out.last_hidden_state[:, -1]).float()
+            hidden = self.forward(inputs, *self.rotary[draw], self.masks[draw], self.positions[draw], self.keys,
+                                  self.values)
+            logits = self.predictor.lm_head[draw](hidden[:, -1]).float()
             code = self.choose(logits, self.params, self.noise[:, draw], self.greedy)
             codes.append(code)
             inputs = self.predictor.get_input_embeddings()[draw](code)[:, None]
             total = total + inputs
         self.codes, self.total = torch.stack(codes, dim=1), total
         return self.codes, self.total
+
+
+def predictor_pass(model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                   positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The code predictor ``model``'s pass over ``hidden`` [rows, n, width] at ``positions`` (their
+    rotary ``cos`` and ``sin``, their ``folded_mask``): transformers' decoder layers and final norm,
+    each layer's keys and values written at ``positions`` of its ``keys`` and ``values`` buffers
+    [rows, key heads, groups, head_dim] and read as they are (``folded_attention``)."""
+    for layer, layer_keys, layer_values in zip(model.layers, keys, values, strict=True):
+        attention = layer.self_attn
+        query, key, value = queries_keys_values(attention, layer.input_layernorm(hidden))
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        layer_keys.index_copy_(2, positions, key)
+        layer_values.index_copy_(2, positions, value)
+        attended = folded_attention(query, layer_keys, layer_values, mask, attention.scaling)
+        hidden = hidden + attention.o_proj(attended)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.norm(hidden)
+
+
+def folded_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Grouped-query attention of ``query`` [rows, heads, n, head_dim] over ``keys`` and ``values``
+    [rows, key heads, columns, head_dim], as [rows, n, heads x head_dim]: each key head's query heads
+    folded into its query positions (transformers' ``repeat_kv`` gives query head h the key head
+    h // shared), so SDPA reads each key once; ``mask`` is ``folded_mask``'s."""
+    rows, heads, n, head_dim = query.shape
+    key_heads = keys.shape[1]
+    folded = query.reshape(rows, key_heads, heads // key_heads * n, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(rows, heads, n, head_dim).transpose(1, 2).reshape(rows, n, heads * head_dim)
+
+
+def folded_mask(positions: torch.Tensor, columns: int, shared: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, shared x n, columns] of ``folded_attention`` for queries at
+    ``positions`` (n of them, ``shared`` query heads a key head): each sees the columns up to its own."""
+    seen = torch.arange(columns, device=positions.device)[None, :] <= positions[:, None]  # [n, columns]
+    additive = torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf"))
+    return additive.repeat(shared, 1)[None, None]
 
 
 def choose_codes(logits: torch.Tensor, params: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -142,9 +184,9 @@ class PredictorGraphs:
 
 
 def compiled_forward(model: torch.nn.Module):
-    """The predictor ``model``'s forward under torch.compile, with a code object of this call's
-    own (``own_code``)."""
-    return functools.partial(torch.compile(own_code(_predictor_pass)), model)
+    """``predictor_pass`` for ``model`` under torch.compile, with a code object of this call's own
+    (``own_code``)."""
+    return functools.partial(torch.compile(own_code(predictor_pass)), model)
 
 
 def own_code(function: types.FunctionType) -> types.FunctionType:
@@ -171,10 +213,6 @@ def compiling(compile: bool = True):
         except AttributeError:  # a PyTorch without the option: past the limit, a shape runs eagerly
             stack.enter_context(config.patch(recompile_limit=RECOMPILE_LIMIT))
         yield
-
-
-def _predictor_pass(model, **inputs):
-    return model(**inputs)
 
 
 def captured(run, pool, warmups: int = 2) -> torch.cuda.CUDAGraph:
