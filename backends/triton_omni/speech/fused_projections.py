@@ -9,8 +9,8 @@ predictor's layer runs four matmuls in place of seven (225 fewer a frame), the t
 three fewer. The weights are the same ones, concatenated, so the outputs are the unfused layers'
 up to the matmuls' rounding (a wider matmul may run another kernel).
 
-The attention's own forward (``_fused_attention``) is transformers' with the one projection; the
-compiled regions of ``compile: talker`` read the same ``queries_keys_values`` and ``attend``.
+The attention's own forward (``_fused_attention``) is transformers' with the one projection, from
+the pieces in ``attention.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import types
 from collections.abc import Callable
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qwen3_omni
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
+
+from triton_omni.speech.attention import attend, queries_keys_values
 
 # the talker's attention is the thinker's class; its shared expert is the talker's dense MLP
 _ATTENTIONS = (qwen3_omni.Qwen3OmniMoeThinkerTextAttention, qwen3_omni.Qwen3OmniMoeTalkerCodePredictorAttention)
@@ -61,32 +62,6 @@ def fuse_projections(model: torch.nn.Module) -> Callable[[], None]:
             step()
 
     return unfuse
-
-
-def queries_keys_values(attention, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention's normed queries and keys and its values of ``hidden`` [rows, positions, width],
-    each [rows, heads, positions, head_dim], before the rotary embedding (transformers' attention),
-    through its fused projection where it has one."""
-    shape = (*hidden.shape[:-1], -1, attention.head_dim)
-    fused = getattr(attention, "qkv_proj", None)  # (``fuse_projections``' own attribute)
-    if fused is not None:
-        query, key, value = fused(hidden).split(attention.qkv_widths, dim=-1)
-    else:
-        query, key, value = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
-    return (attention.q_norm(query.view(shape)).transpose(1, 2), attention.k_norm(key.view(shape)).transpose(1, 2),
-            value.view(shape).transpose(1, 2))
-
-
-def attend(attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, past_key_values,
-           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention's output before its output projection, [rows, positions, heads, head_dim], and
-    its weights: the cache written, then transformers' attention interface (transformers' attention)."""
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, attention.layer_idx)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
-    return interface(attention, query, key, value, attention_mask,
-                     dropout=0.0 if not attention.training else attention.attention_dropout,
-                     scaling=attention.scaling, sliding_window=attention.sliding_window, **kwargs)
 
 
 def joined(*linears: torch.nn.Linear) -> torch.nn.Linear:

@@ -38,7 +38,7 @@ import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from triton_omni.ar.batching import filtered_probs
-from triton_omni.speech.fused_projections import queries_keys_values
+from triton_omni.speech.attention import folded_attention, folded_mask, queries_keys_values
 
 # the batch sizes captured: a step of n rows replays the smallest that holds them
 CAPTURED_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -116,27 +116,6 @@ def predictor_pass(model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         hidden = hidden + attention.o_proj(attended)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.norm(hidden)
-
-
-def folded_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Grouped-query attention of ``query`` [rows, heads, n, head_dim] over ``keys`` and ``values``
-    [rows, key heads, columns, head_dim], as [rows, n, heads x head_dim]: each key head's query heads
-    folded into its query positions (transformers' ``repeat_kv`` gives query head h the key head
-    h // shared), so SDPA reads each key once; ``mask`` is ``folded_mask``'s."""
-    rows, heads, n, head_dim = query.shape
-    key_heads = keys.shape[1]
-    folded = query.reshape(rows, key_heads, heads // key_heads * n, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(rows, heads, n, head_dim).transpose(1, 2).reshape(rows, n, heads * head_dim)
-
-
-def folded_mask(positions: torch.Tensor, columns: int, shared: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, shared x n, columns] of ``folded_attention`` for queries at
-    ``positions`` (n of them, ``shared`` query heads a key head): each sees the columns up to its own."""
-    seen = torch.arange(columns, device=positions.device)[None, :] <= positions[:, None]  # [n, columns]
-    additive = torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill(~seen, float("-inf"))
-    return additive.repeat(shared, 1)[None, None]
 
 
 def choose_codes(logits: torch.Tensor, params: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

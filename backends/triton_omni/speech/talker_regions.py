@@ -29,7 +29,7 @@ import threading
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
-from triton_omni.speech.fused_projections import attend, queries_keys_values
+from triton_omni.speech.attention import attend, queries_keys_values
 from triton_omni.speech.predictor_graphs import own_code
 
 
