@@ -137,10 +137,12 @@ class TritonPythonModel:
             async with self.responses.serving(sender, self.context, self.metrics, started,
                                               cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
                                               on_cancel=lambda: self.runner.abort(request_id), key=key):
-                await self.runner.stream(request, request_id, respond, on_first_token=first_token)
+                try:
+                    await self.runner.stream(request, request_id, respond, on_first_token=first_token)
+                finally:  # the count is exact once a request ends, before it leaves the in-flight gauge
+                    self.metrics.generated_tokens.flush()
         finally:
             self.loads.add(-1)
-            self.metrics.generated_tokens.flush()  # the count is exact once a request ends
 
     # -- encode ---------------------------------------------------------------
 
