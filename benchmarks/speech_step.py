@@ -26,7 +26,8 @@ own parts in one process, with no server, so each part's cost per step is seen a
   mode's ratio to it (``--compile predictor,talker --baseline predictor``: the talker's regions);
   with ``--fuse-projections``, the compiled mode's model with its projections fused (the model
   parameter ``fuse_projections``; ``--compile predictor --baseline predictor --fuse-projections``:
-  the fusion alone).
+  the fusion alone in the code predictor, and in the talker the fusion with its steps' attention
+  folded, which the fused attention runs and transformers' does not).
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works). ``--model qwen2.5-omni``:

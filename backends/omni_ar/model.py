@@ -133,10 +133,14 @@ class TritonPythonModel:
                 self.responses.send(sender, ar_io.generate_response(response, request.outputs),
                                     final=response.final)
 
+        async def abort() -> None:
+            await self.runner.abort(request_id)
+            self.metrics.generated_tokens.flush()  # what the engine made until it stopped
+
         try:
             async with self.responses.serving(sender, self.context, self.metrics, started,
                                               cancelled_elsewhere=lambda: self.cancellations.is_cancelled(key),
-                                              on_cancel=lambda: self.runner.abort(request_id), key=key):
+                                              on_cancel=abort, key=key):
                 try:
                     await self.runner.stream(request, request_id, respond, on_first_token=first_token)
                 finally:  # the count is exact once a request ends, before it leaves the in-flight gauge

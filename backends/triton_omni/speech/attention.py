@@ -40,8 +40,9 @@ def attend(attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     that reads every query head alike ([rows, 1, 1, columns]), folded (``folded_attention``)."""
     if past_key_values is not None:
         key, value = past_key_values.update(key, value, attention.layer_idx)
-    if query.shape[2] == 1 and attention.config._attn_implementation == "sdpa" and \
-            (attention_mask is None or attention_mask.shape[1] == 1) and not attention.training:
+    one_row_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
+    if query.shape[2] == 1 and attention.config._attn_implementation == "sdpa" and one_row_mask and \
+            not attention.training:
         return folded_attention(query, key, value, attention_mask, attention.scaling), None
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
     return interface(attention, query, key, value, attention_mask,
