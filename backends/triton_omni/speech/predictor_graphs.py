@@ -24,8 +24,8 @@ on the eager path, with other codes. Greedy rows get the eager path's codes.
 With ``compile`` (the model parameter's ``predictor``), the predictor's passes and the draws run
 under torch.compile inside the graph: a replay still launches every kernel on the GPU, a few
 microseconds each, and inductor fuses the norms, rotary embeddings, activations and the draws'
-elementwise work into far fewer. Only the captured frames call the compiled forward: the eager
-path's growing ``DynamicCache`` would recompile it at every length.
+elementwise work into far fewer. Only the captured frames run this pass; the eager path (a CPU,
+or ``cuda_graphs: false``) runs transformers' model over a growing ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -170,9 +170,8 @@ def compiled_forward(model: torch.nn.Module):
 
 def own_code(function: types.FunctionType) -> types.FunctionType:
     """``function`` with a code object of its own. torch.compile keeps a function's compiled
-    variants on its code object, shared by every copy compiled in the process: transformers wraps
-    every model's forward in one decorator, so the predictor's shapes would share one set with
-    any other model compiled in the process, and another runner's (another dtype) would find it
+    variants on its code object, shared by every copy compiled in the process: another runner's
+    frames (another dtype, another model) compiling the same function would find its variants
     full; past ``recompile_limit`` a shape runs eagerly, silently."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
