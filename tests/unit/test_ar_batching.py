@@ -188,6 +188,11 @@ def test_filtered_probabilities_are_transformers_warpers(temperature, top_k, top
     torch.testing.assert_close(ours, theirs)
     if top_p < 1:  # top-p took tokens that top-k kept
         assert (ours > 0).sum(dim=-1).max() < (top_k or vocab)
+    if top_k:  # only the top k ranked (the code predictor's topk): the same first k columns
+        ranked_probs, ranked_order = filtered_probs(logits, params, ranked=top_k)
+        assert ranked_probs.shape[-1] == top_k
+        torch.testing.assert_close(ranked_probs, probs[:, :top_k], rtol=0, atol=0)
+        assert torch.equal(ranked_order, order[:, :top_k])
 
 
 def test_penalties_for_all_rows_at_once_equal_transformers_processors_row_by_row():

@@ -105,3 +105,24 @@ def test_each_compiled_pass_keeps_its_own_variants_and_one_past_the_limit_fails(
         compiled(torch.ones(2))
         with pytest.raises(Exception, match=r"recompile_limit|cache_size_limit|recompil"):
             compiled(torch.ones(3))
+
+
+def test_a_frame_that_ranks_only_its_top_k_draws_the_codes_of_the_whole_sort(runner):
+    """The frame ranks only its top-k's codes (``ranked``, a ``topk`` in place of the codebook's
+    sort): the codes the whole sort draws, from the same noise; a top-k below the tiny codebook's."""
+    predictor = runner.batcher.model.code_predictor
+    width = predictor.config.hidden_size
+    torch.manual_seed(2)
+    hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
+    top_k = predictor.config.vocab_size // 4
+    sampled = [1.0, top_k, 0.95, 0.0]
+    ranking = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, sampled)
+    sorting = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, sampled)
+    sorting.ranked = None
+    assert ranking.ranked == top_k
+    codes = frame_codes(runner, hidden, first, frame=ranking)[0]
+    assert codes.tolist() == frame_codes(runner, hidden, first, frame=sorting)[0].tolist()
+    sampled_rows = [row for row, seed in enumerate(SEEDS) if seed is not None]
+    # other noise draws other codes: the comparison can fail
+    other = frame_codes(runner, hidden, first, seed_offset=100, frame=ranking)[0]
+    assert (other[sampled_rows] != codes[sampled_rows]).float().mean() > 0.5

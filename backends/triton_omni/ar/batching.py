@@ -456,13 +456,18 @@ def _sample_rows(logits: torch.Tensor, rows: list[Sequence], shared: torch.Gener
     return order.gather(1, _draws(probs, [s.generator or shared for s in rows])).squeeze(1)
 
 
-def filtered_probs(logits: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(logits: torch.Tensor, params: torch.Tensor, ranked: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's probabilities after its temperature, top-k, top-p and min-p (``params``' columns,
     one row of them per row of ``logits``), sorted from the most likely, and the order that sorted
-    them. Tensor work only, so a CUDA graph may hold it (the talker's code predictor's)."""
+    them. Tensor work only, so a CUDA graph may hold it (the talker's code predictor's).
+
+    ``ranked``: no row's top-k is larger, so only that many are ranked (a ``topk`` in place of
+    the whole vocabulary's sort) and the columns past it, which every row drops, are left out."""
     temperature, top_k, top_p, min_p = params.T
-    ordered, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    scaled = logits / temperature[:, None]
+    ordered, order = scaled.topk(ranked, dim=-1) if ranked else scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(ordered.shape[-1], device=logits.device)[None, :]
     # top-p over the top k's own distribution, as transformers' warpers and vLLM's sampler take it
     # (over the whole vocabulary's, a row with both keeps more tokens than they do)
     ordered = ordered.masked_fill(ranks >= top_k[:, None], float("-inf"))

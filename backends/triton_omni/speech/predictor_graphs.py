@@ -67,6 +67,9 @@ class PredictorFrame:
         self.first = torch.zeros_like(self.hidden)
         self.noise = torch.ones(rows, self.draws, config.vocab_size, device=device)
         self.params = torch.tensor([sampled] * rows, device=device)
+        # every row samples with the same top-k: only that many codes are ranked, not the codebook
+        top_k = int(sampled[1])
+        self.ranked = top_k if 0 < top_k < config.vocab_size else None
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
         attention = model.layers[0].self_attn
         windows = [layer.self_attn.sliding_window for layer in model.layers]
@@ -92,7 +95,7 @@ class PredictorFrame:
             hidden = self.forward(inputs, *self.rotary[draw], self.masks[draw], self.positions[draw], self.keys,
                                   self.values)
             logits = self.predictor.lm_head[draw](hidden[:, -1]).float()
-            code = self.choose(logits, self.params, self.noise[:, draw], self.greedy)
+            code = self.choose(logits, self.params, self.noise[:, draw], self.greedy, self.ranked)
             codes.append(code)
             inputs = self.predictor.get_input_embeddings()[draw](code)[:, None]
             total = total + inputs
@@ -118,11 +121,13 @@ def predictor_pass(model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return model.norm(hidden)
 
 
-def choose_codes(logits: torch.Tensor, params: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def choose_codes(logits: torch.Tensor, params: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor,
+                 ranked: int | None = None) -> torch.Tensor:
     """Each row's code: the argmax of its filtered probabilities over its exponential ``noise``
-    (``torch.multinomial``'s one-sample path), or of its logits where ``greedy``."""
-    probs, order = filtered_probs(logits, params)
-    picks = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    (``torch.multinomial``'s one-sample path; a rank's noise is its column's), or of its logits
+    where ``greedy``. ``ranked``: ``filtered_probs``' (the most any row's top-k keeps)."""
+    probs, order = filtered_probs(logits, params, ranked)
+    picks = order.gather(1, (probs / noise[:, :probs.shape[-1]]).argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), picks)
 
 
