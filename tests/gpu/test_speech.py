@@ -267,6 +267,40 @@ def test_the_predictors_cuda_graph_replays_its_frame(runners, bf16, runner):
     torch.testing.assert_close(total, eager_total[:3])
 
 
+def test_a_captured_frame_ranking_its_top_k_draws_the_sorted_frames_codes(runners):
+    """The captured frame with a top-k below the tiny codebook's (the real one ranks 50 of 2048
+    codes; the tiny one has 32): each draw ranks only its top-k (``topk``), and from the same noise
+    it draws the codes the whole sort draws (float32: no tied logits); other noise, other codes."""
+    from triton_omni.speech.predictor_graphs import captured
+
+    gpu = runners["cuda:0"]
+    predictor = gpu.batcher.model.code_predictor
+    replayed, _ = gpu.batcher.graphs.frames[4]
+    sampled = [1.0, predictor.config.vocab_size // 4, 0.95, 0.0]
+    ranking, sorting = (PredictorFrame(predictor, gpu.talker.groups, 4, sampled, replayed.forward, replayed.choose)
+                        for _ in range(2))
+    sorting.ranked = None
+    assert ranking.ranked == sampled[1]
+    torch.manual_seed(0)
+    hidden, first = (torch.randn(4, 1, predictor.config.hidden_size, device="cuda", dtype=predictor.dtype)
+                     for _ in range(2))
+
+    def draws(frame, seed: int) -> list[list[int]]:
+        frame.hidden[:], frame.first[:] = hidden, first
+        frame.greedy[:] = torch.tensor([True, False, False, False])
+        frame.noise.exponential_(1, generator=torch.Generator("cuda").manual_seed(seed))
+        if frame is ranking:
+            graph.replay()
+            return frame.codes.tolist()
+        return frame.run()[0].tolist()
+
+    graph = captured(ranking.run, torch.cuda.graph_pool_handle())
+    codes = draws(ranking, 1)
+    assert codes == draws(sorting, 1)
+    other = draws(ranking, 2)
+    assert codes[0] == other[0] and codes[1:] != other[1:]
+
+
 def test_streams_decoded_together_on_the_gpu_equal_each_decoded_alone(runners):
     """``Code2WavBatcher``'s way on the GPU (float32, TF32 off): streams at their first chunk, behind
     earlier frames and past the sliding window, their transformer and convolutions run together,

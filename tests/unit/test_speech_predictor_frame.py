@@ -107,16 +107,19 @@ def test_each_compiled_pass_keeps_its_own_variants_and_one_past_the_limit_fails(
             compiled(torch.ones(3))
 
 
-def test_a_frame_that_ranks_only_its_top_k_draws_the_codes_of_the_whole_sort(runner):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_frame_that_ranks_only_its_top_k_draws_the_codes_of_the_whole_sort(runner, compiled):
     """The frame ranks only its top-k's codes (``ranked``, a ``topk`` in place of the codebook's
-    sort): the codes the whole sort draws, from the same noise; a top-k below the tiny codebook's."""
+    sort): the codes the whole sort draws, from the same noise, eagerly and compiled; a top-k
+    below the tiny codebook's (the real one's 50 of 2048; the tiny one has 32 codes)."""
     predictor = runner.batcher.model.code_predictor
     width = predictor.config.hidden_size
     torch.manual_seed(2)
     hidden, first = torch.randn(len(SEEDS), 1, width), torch.randn(len(SEEDS), 1, width)
     top_k = predictor.config.vocab_size // 4
     sampled = [1.0, top_k, 0.95, 0.0]
-    ranking = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, sampled)
+    passes = (compiled_forward(predictor.model), torch.compile(choose_codes)) if compiled else (None, None)
+    ranking = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, sampled, *passes)
     sorting = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, sampled)
     sorting.ranked = None
     assert ranking.ranked == top_k
@@ -126,3 +129,15 @@ def test_a_frame_that_ranks_only_its_top_k_draws_the_codes_of_the_whole_sort(run
     # other noise draws other codes: the comparison can fail
     other = frame_codes(runner, hidden, first, seed_offset=100, frame=ranking)[0]
     assert (other[sampled_rows] != codes[sampled_rows]).float().mean() > 0.5
+
+
+def test_a_frame_without_a_top_k_ranks_the_whole_codebook(runner):
+    """A top-k of 0 (``SamplingOptions``' "none") is the whole codebook, as on the eager path,
+    not a top-k that keeps nothing."""
+    predictor = runner.batcher.model.code_predictor
+    frame = PredictorFrame(predictor, runner.talker.groups, len(SEEDS) + 1, [1.0, 0, 1.0, 0.0])
+    assert frame.ranked is None and frame.params[:, 1].eq(predictor.config.vocab_size).all()
+    torch.manual_seed(3)
+    hidden, first = (torch.randn(len(SEEDS), 1, predictor.config.hidden_size) for _ in range(2))
+    codes = frame_codes(runner, hidden, first, frame=frame)[0]
+    assert codes.ge(0).all() and codes.lt(predictor.config.vocab_size).all()

@@ -19,7 +19,11 @@ of each of the frame's 75 passes through a layer. Its draws are the eager path's
 temperature, top-k and top-p, then the argmax of the probabilities over exponential noise, which
 is ``torch.multinomial``'s one-sample path), but a row's noise for the frame's 15 draws comes from
 its generator in one call before the replay, not in 15: a seeded utterance is as reproducible as
-on the eager path, with other codes. Greedy rows get the eager path's codes.
+on the eager path, with other codes. A draw ranks only the codes its top-k keeps (a ``topk``, not
+the codebook's sort): the same distribution, and on a CPU the same codes (on a GPU, tied logits
+may rank in another order, and sums over fewer columns round otherwise). Greedy rows get the eager
+path's codes (in bfloat16 on a GPU, but at a near tie, which another attention kernel may break
+otherwise).
 
 With ``compile`` (the model parameter's ``predictor``), the predictor's passes and the draws run
 under torch.compile inside the graph: a replay still launches every kernel on the GPU, a few
@@ -66,10 +70,11 @@ class PredictorFrame:
         self.hidden = torch.zeros(rows, 1, config.hidden_size, device=device, dtype=dtype)
         self.first = torch.zeros_like(self.hidden)
         self.noise = torch.ones(rows, self.draws, config.vocab_size, device=device)
-        self.params = torch.tensor([sampled] * rows, device=device)
+        temperature, top_k, top_p, min_p = sampled
+        top_k = int(top_k) or config.vocab_size  # 0: no top-k (``SamplingOptions``'), the whole codebook
+        self.params = torch.tensor([[temperature, top_k, top_p, min_p]] * rows, device=device)
         # every row samples with the same top-k: only that many codes are ranked, not the codebook
-        top_k = int(sampled[1])
-        self.ranked = top_k if 0 < top_k < config.vocab_size else None
+        self.ranked = top_k if top_k < config.vocab_size else None
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
         attention = model.layers[0].self_attn
         windows = [layer.self_attn.sliding_window for layer in model.layers]
