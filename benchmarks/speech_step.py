@@ -36,7 +36,8 @@ states in its prompts), its steps and first frame only: its decoder, ``token2wav
 ``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor[,talker]] [--baseline PARTS] [--fuse-projections] [--modes compiled,graphs,baseline]
+        [--compile predictor[,talker]] [--baseline PARTS] [--grouped-baseline] [--fuse-projections]
+        [--modes compiled,graphs,baseline]
         [--cold-codec]
         [--model qwen2.5-omni]
 """
@@ -362,6 +363,10 @@ def main() -> None:
                              "(its ratio to it printed: --compile predictor,talker --baseline predictor)")
     parser.add_argument("--fuse-projections", action="store_true",
                         help="the compiled mode's q/k/v and gate/up projections fused (needs --compile)")
+    parser.add_argument("--grouped-baseline", action="store_true",
+                        help="the baseline mode's one-row talker steps run their experts as grouped GEMMs, as "
+                             "the wider steps do (--compile predictor,talker --baseline predictor,talker: the "
+                             "compiled regions' batched experts at one row, alone)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager, compiled and baseline (default: all that apply)")
     parser.add_argument("--cold-codec", action="store_true",
@@ -372,12 +377,16 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoTokenizer
     from triton_omni.demo_models import resolve_model
+    from triton_omni.speech import talker_regions
     from triton_omni.speech.codec import StreamingCode2Wav
     from triton_omni.speech.fused_projections import fuse_projections
     from triton_omni.speech.qwen25_talker import Qwen25Talker
     from triton_omni.speech.runner import SpeechConfig, load_qwen3_speech, load_qwen25_speech
     from triton_omni.speech.talker import Qwen3Talker, TalkerBatcher
 
+    if args.grouped_baseline and "talker" not in compile_parts(args.baseline):
+        raise SystemExit("--grouped-baseline: the baseline's compiled talker regions', which need --baseline talker")
+    few_rows = talker_regions.FEW_ROWS
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     folder = Path(resolve_model(f"demo:{args.preset}-{args.model}"))
@@ -435,6 +444,7 @@ def main() -> None:
     # and compiled (the graphs' passes under torch.compile)
     for mode, options in modes(args, device).items():
         unfuse = fuse_projections(model) if mode == "compiled" and args.fuse_projections else None
+        talker_regions.FEW_ROWS = 0 if mode == "baseline" and args.grouped_baseline else few_rows
         started = time.perf_counter()
         batcher = TalkerBatcher(talker, max(levels), **options)
         figures.setdefault("load_s", {})[mode] = time.perf_counter() - started
@@ -460,6 +470,7 @@ def main() -> None:
             batcher.stop()
             if unfuse is not None:
                 unfuse()
+            talker_regions.FEW_ROWS = few_rows
     for faster, slower in (("cuda graphs", "eager"), ("compiled", "cuda graphs"), ("compiled", "baseline")):
         if faster in figures["modes"] and slower in figures["modes"]:
             print_ratios(figures["modes"][faster], figures["modes"][slower], f"{faster} / {slower}", levels)

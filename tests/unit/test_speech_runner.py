@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, DynamicCache
 from triton_omni.channel import ReplyReader, ReplyWriter
 from triton_omni.demo_models import resolve_model
 from triton_omni.errors import RequestCancelledError, RequestValidationError
-from triton_omni.speech import talker_graphs
+from triton_omni.speech import talker_graphs, talker_regions
 from triton_omni.speech.runner import SpeechConfig, SpeechRunner
 from triton_omni.speech.talker import TalkerBatcher
 
@@ -563,6 +563,34 @@ def test_the_talkers_compiled_regions_step_as_its_layers_once_for_every_layer_an
         assert 1 <= len(variants) <= 3
     with pytest.raises(AssertionError):
         torch.testing.assert_close(logits_compiled, wrong)
+
+
+def test_a_rows_experts_run_as_batched_gemms_and_give_the_blocks_output(runner, monkeypatch):
+    """A step of one row (``talker_regions.FEW_ROWS``) runs the MoE block's chosen experts as batched
+    GEMMs over their weights' copies, two rows as the model's ``experts_implementation``: each gives
+    transformers' block's output, and a row routed to other experts gets another (the comparison
+    can fail)."""
+    block = runner.batcher.model.model.layers[0].mlp
+    batched, forward = [], talker_regions.batched_mm_experts_forward
+
+    def counted(*args):
+        batched.append(args[1].shape[0])
+        return forward(*args)
+
+    monkeypatch.setattr(talker_regions, "batched_mm_experts_forward", counted)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (2, 1):
+            hidden = torch.randn(rows, 1, block.experts.gate_up_proj.shape[-1], generator=generator)
+            right = block(hidden)
+            torch.testing.assert_close(talker_regions._moe(block, hidden), right)
+        assert batched == [1]
+        route = block.gate.forward
+        others = block.experts.num_experts
+        monkeypatch.setattr(block.gate, "forward", lambda x: (*route(x)[:2], (route(x)[2] + 1) % others))
+        rerouted = talker_regions._moe(block, hidden)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(rerouted, right)
 
 
 def with_image(runner, prompt: str = "what is it", reply: tuple[int, ...] = (40, 41, 42, 43, 3), **options):

@@ -13,6 +13,12 @@ write and the attention read the width, so each layer's step is split in three h
 - after attention (the output projection, the residual, the norm, the MoE block, the residual),
   compiled.
 
+A step of one row runs its six chosen experts as two batched GEMMs over copies of their weights
+(transformers' ``batched_mm``), where transformers' ``grouped_mm`` sorts, counts and scatters the
+rows by expert first: at one row those small kernels, which inductor cannot fuse, cost more than
+copying the six experts' weights. With more rows the copies grow with them (at 64 rows most of the
+128 experts, each copied once per row that chose it), so those steps keep the grouped GEMMs.
+
 The layers share each compiled region (PyTorch's regional compilation: a module's parameters are
 the compiled code's inputs, not its constants), so a load compiles the two regions once per batch
 size shape, whatever the widths and however many layers. Only the steps of ``TalkerSteps`` built
@@ -27,10 +33,14 @@ import functools
 import threading
 
 import torch
+from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from triton_omni.speech.attention import attend, queries_keys_values
 from triton_omni.speech.predictor_graphs import own_code
+
+# a step of at most this many rows runs its experts as batched GEMMs over their weights' copies
+FEW_ROWS = 1
 
 
 class CompiledRegions:
@@ -94,9 +104,13 @@ def _after_attention(layer, residual: torch.Tensor, attended: torch.Tensor) -> t
 def _moe(block, hidden: torch.Tensor) -> torch.Tensor:
     """The sparse MoE block's output (transformers' ``forward``), its router called past its module's
     hooks: the model records the router's logits through one, which reads a ``ContextVar``, and
-    dynamo breaks the region there."""
+    dynamo breaks the region there. At most ``FEW_ROWS`` rows, the experts run as ``batched_mm``
+    (whatever the model's ``experts_implementation``)."""
     rows = hidden.view(-1, hidden.shape[-1])
     shared = block.shared_expert(rows)
     _, weights, experts = block.gate.forward(rows)
-    out = block.experts(rows, experts, weights) + torch.sigmoid(block.shared_expert_gate(rows)) * shared
+    few = rows.shape[0] <= FEW_ROWS
+    routed = (batched_mm_experts_forward(block.experts, rows, experts, weights) if few
+              else block.experts(rows, experts, weights))
+    out = routed + torch.sigmoid(block.shared_expert_gate(rows)) * shared
     return out.view(hidden.shape)
