@@ -247,9 +247,15 @@ def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_token
         ended.wait()
 
     speak()
+    stepped = batcher.steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         speak()
-    return profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    stepped = batcher.steps - stepped
+    # a step at one row is bound by how many kernels it launches, not by the weights it reads
+    launched = sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    return (f"{rows} rows, {stepped} steps profiled: {launched / max(stepped, 1):.0f} device events (kernels and "
+            f"copies) a step, the prefill's included\n{table}")
 
 
 def cold_first_chunks_ms(decoder, groups: int, timers: Timers, streams: int, frames: int) -> dict:
