@@ -229,10 +229,12 @@ def first_chunk_decode_ms(decoder, groups: int, frames: int, timers: Timers, rep
 
 def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_tokens: int) -> str:
     """torch.profiler's table of ``steps`` steps of ``rows`` utterances (after as many unprofiled):
-    the operators by their own device time, and how many times each ran (what launches cost)."""
+    the operators by their own device time, and how many times each ran (what launches cost); and
+    the device events (kernels and copies) a step, from a second profile of twice the steps (the
+    difference leaves the prefill and the first draw out)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def speak() -> None:
+    def speak(frames: int) -> None:
         ended, left = threading.Event(), [rows]
 
         def emit(item):
@@ -241,21 +243,26 @@ def profile_steps(batcher, talker, tokenizer, rows: int, steps: int, reply_token
                 if not left[0]:
                     ended.set()
 
-        for utterance in utterances(talker, tokenizer, rows, steps, reply_tokens):
+        for utterance in utterances(talker, tokenizer, rows, frames, reply_tokens):
             utterance.emit = emit
             batcher.submit(utterance)
         ended.wait()
 
-    speak()
-    stepped = batcher.steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        speak()
-    stepped = batcher.steps - stepped
+    def profiled(frames: int):
+        stepped = batcher.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            speak(frames)
+        events = sum(1 for e in profiler.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+        return profiler, events, batcher.steps - stepped
+
+    speak(steps)
+    profiler, events, stepped = profiled(steps)
+    _, more_events, more_steps = profiled(2 * steps)
     # a step at one row is bound by how many kernels it launches, not by the weights it reads
-    launched = sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    per_step = (more_events - events) / max(more_steps - stepped, 1)
     table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
-    return (f"{rows} rows, {stepped} steps profiled: {launched / max(stepped, 1):.0f} device events (kernels and "
-            f"copies) a step, the prefill's included\n{table}")
+    return f"{rows} rows: {per_step:.0f} device events (kernels and copies) a step\n{table}"
 
 
 def cold_first_chunks_ms(decoder, groups: int, timers: Timers, streams: int, frames: int) -> dict:

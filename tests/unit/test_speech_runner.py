@@ -565,26 +565,26 @@ def test_the_talkers_compiled_regions_step_as_its_layers_once_for_every_layer_an
         torch.testing.assert_close(logits_compiled, wrong)
 
 
-def test_a_rows_experts_run_as_batched_gemms_and_give_the_blocks_output(runner, monkeypatch):
-    """A step of one row (``talker_regions.FEW_ROWS``) runs the MoE block's chosen experts as batched
-    GEMMs over their weights' copies, two rows as the model's ``experts_implementation``: each gives
-    transformers' block's output, and a row routed to other experts gets another (the comparison
-    can fail)."""
+def test_a_rows_experts_run_as_reductions_and_give_the_blocks_output(runner, monkeypatch):
+    """A step of one row (``talker_regions.FEW_ROWS``) runs the MoE block's chosen experts as
+    reductions over their weights (``_chosen_experts``), two rows as the model's
+    ``experts_implementation``: each gives transformers' block's output, and a row routed to other
+    experts gets another (the comparison can fail)."""
     block = runner.batcher.model.model.layers[0].mlp
-    batched, forward = [], talker_regions.batched_mm_experts_forward
+    reduced, forward = [], talker_regions._chosen_experts
 
     def counted(*args):
-        batched.append(args[1].shape[0])
+        reduced.append(args[1].shape[0])
         return forward(*args)
 
-    monkeypatch.setattr(talker_regions, "batched_mm_experts_forward", counted)
+    monkeypatch.setattr(talker_regions, "_chosen_experts", counted)
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in (2, 1):
             hidden = torch.randn(rows, 1, block.experts.gate_up_proj.shape[-1], generator=generator)
             right = block(hidden)
             torch.testing.assert_close(talker_regions._moe(block, hidden), right)
-        assert batched == [1]
+        assert reduced == [1]
         route = block.gate.forward
         others = block.experts.num_experts
         monkeypatch.setattr(block.gate, "forward", lambda x: (*route(x)[:2], (route(x)[2] + 1) % others))

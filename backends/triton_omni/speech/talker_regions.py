@@ -13,11 +13,13 @@ write and the attention read the width, so each layer's step is split in three h
 - after attention (the output projection, the residual, the norm, the MoE block, the residual),
   compiled.
 
-A step of one row runs its six chosen experts as two batched GEMMs over copies of their weights
-(transformers' ``batched_mm``), where transformers' ``grouped_mm`` sorts, counts and scatters the
-rows by expert first: at one row those small kernels, which inductor cannot fuse, cost more than
-copying the six experts' weights. With more rows the copies grow with them (at 64 rows most of the
-128 experts, each copied once per row that chose it), so those steps keep the grouped GEMMs.
+A step of one row runs its six chosen experts as reductions over their weights, each projection
+a product with the row summed over its width (``_chosen_experts``), which inductor compiles into
+one kernel that reads each chosen expert's weights where they are. transformers' ``grouped_mm``
+first sorts, counts and scatters the rows by expert, small kernels inductor cannot fuse, and its
+``batched_mm`` copies the chosen experts' weights before its matmuls (the copies written and read
+again). With more rows a reduction would read an expert's weights once per row that chose it (at
+64 rows most of the 128 experts, several times each), so those steps keep the grouped matmuls.
 
 The layers share each compiled region (PyTorch's regional compilation: a module's parameters are
 the compiled code's inputs, not its constants), so a load compiles the two regions once per batch
@@ -33,13 +35,12 @@ import functools
 import threading
 
 import torch
-from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 from triton_omni.speech.attention import attend, queries_keys_values
 from triton_omni.speech.predictor_graphs import own_code
 
-# a step of at most this many rows runs its experts as batched GEMMs over their weights' copies
+# a step of at most this many rows runs its experts as reductions over their weights (``_chosen_experts``)
 FEW_ROWS = 1
 
 
@@ -104,13 +105,26 @@ def _after_attention(layer, residual: torch.Tensor, attended: torch.Tensor) -> t
 def _moe(block, hidden: torch.Tensor) -> torch.Tensor:
     """The sparse MoE block's output (transformers' ``forward``), its router called past its module's
     hooks: the model records the router's logits through one, which reads a ``ContextVar``, and
-    dynamo breaks the region there. At most ``FEW_ROWS`` rows, the experts run as ``batched_mm``
-    (whatever the model's ``experts_implementation``)."""
+    dynamo breaks the region there. At most ``FEW_ROWS`` rows, the experts run as
+    ``_chosen_experts`` (whatever the model's ``experts_implementation``)."""
     rows = hidden.view(-1, hidden.shape[-1])
     shared = block.shared_expert(rows)
     _, weights, experts = block.gate.forward(rows)
     few = rows.shape[0] <= FEW_ROWS
-    routed = (batched_mm_experts_forward(block.experts, rows, experts, weights) if few
-              else block.experts(rows, experts, weights))
+    routed = _chosen_experts(block.experts, rows, experts, weights) if few else block.experts(rows, experts, weights)
     out = routed + torch.sigmoid(block.shared_expert_gate(rows)) * shared
     return out.view(hidden.shape)
+
+
+def _chosen_experts(experts, rows: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The ``experts`` module's output for ``rows`` [rows, width], each row through its ``chosen``
+    experts [rows, k] weighted by ``weights`` [rows, k]: each projection a product of the chosen
+    experts' weights (``gate_up_proj`` [experts, 2 x inner, width], ``down_proj`` [experts, width,
+    inner], as the Qwen3-Omni talker's experts hold them) with the row, summed over its width, which
+    inductor fuses, gather included, into one reduction a projection."""
+    k = chosen.shape[-1]
+    picked = chosen.reshape(-1)
+    inputs = rows.repeat_interleave(k, dim=0)  # [rows x k, width]: each row once per expert it chose
+    inner = experts._apply_gate((experts.gate_up_proj[picked] * inputs[:, None, :]).sum(-1))
+    out = (experts.down_proj[picked] * inner[:, None, :]).sum(-1) * weights.reshape(-1, 1)
+    return out.view(*chosen.shape, -1).sum(1).to(rows.dtype)
