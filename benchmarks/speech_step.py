@@ -343,6 +343,8 @@ def modes(args, device: torch.device) -> dict[str, dict]:
     if missing := [name for name in names if name not in found]:
         raise SystemExit(f"--modes {', '.join(missing)}: not measured here (compiled needs --compile, baseline "
                          "--baseline, and they and the graphs a GPU)")
+    if args.grouped_baseline and "baseline" not in names:
+        raise SystemExit("--grouped-baseline: the baseline mode's, which is not measured here (it needs a GPU)")
     return {name: found[name] for name in names}
 
 
