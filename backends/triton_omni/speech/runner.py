@@ -71,7 +71,7 @@ class SpeechConfig:
     # on a GPU, the talker's step and the code predictor's frame as CUDA graphs (Qwen2.5-Omni: token2wav's ODE)
     cuda_graphs: bool = True
     # the parts whose captured passes run torch.compile's kernels ("predictor", "talker"; "off"): on a GPU only
-    compile: str = "predictor"
+    compile: str = "predictor,talker"
     # a Qwen3-Omni talker's and code predictor's q/k/v projections one matmul, and their dense MLPs' gate/up one
     fuse_projections: bool = False
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
