@@ -381,7 +381,7 @@ def main() -> None:
     parser.add_argument("--grouped-baseline", action="store_true",
                         help="the baseline mode's one-row talker steps run their experts as grouped GEMMs, as "
                              "the wider steps do (--compile predictor,talker --baseline predictor,talker: the "
-                             "compiled regions' batched experts at one row, alone)")
+                             "compiled regions' one-row experts as reductions, alone)")
     parser.add_argument("--modes", default="",
                         help="the modes measured, of graphs, eager, compiled and baseline (default: all that apply)")
     parser.add_argument("--cold-codec", action="store_true",
