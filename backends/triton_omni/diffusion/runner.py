@@ -685,13 +685,14 @@ class DiffusionRunner:
 
     def _run_steps(self, requests, on_step, is_cancelled) -> list[torch.Tensor | Exception]:
         futures: list[Future | Exception] = []
-        for i, request in enumerate(requests):
-            try:
-                futures.append(self.submit(request, None if on_step is None else
-                                           lambda step, total, i=i: on_step(i, step, total),
-                                           None if is_cancelled is None else lambda i=i: is_cancelled(i)))
-            except Exception as exc:
-                futures.append(exc)
+        with self.steps.together():  # one call's requests share their first step, as Triton's batch does
+            for i, request in enumerate(requests):
+                try:
+                    futures.append(self.submit(request, None if on_step is None else
+                                               lambda step, total, i=i: on_step(i, step, total),
+                                               None if is_cancelled is None else lambda i=i: is_cancelled(i)))
+                except Exception as exc:
+                    futures.append(exc)
         results = []
         for future in futures:
             try:
