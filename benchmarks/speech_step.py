@@ -24,10 +24,10 @@ own parts in one process, with no server, so each part's cost per step is seen a
   those parts' captured passes under torch.compile (the model parameter ``compile``), and its ratio
   to the graphs alone; with ``--baseline PARTS``, also with those parts compiled, and the compiled
   mode's ratio to it (``--compile predictor,talker --baseline predictor``: the talker's regions);
-  with ``--fuse-projections``, the compiled mode's model with its projections fused (the model
-  parameter ``fuse_projections``; ``--compile predictor --baseline predictor --fuse-projections``:
-  the fusion alone in the code predictor, and in the talker the fusion with its steps' attention
-  folded, which the fused attention runs and transformers' does not).
+  with ``--fuse-projections [PARTS]``, the compiled mode's model with those parts' projections fused
+  (the model parameter ``fuse_projections``; the parts predictor, talker, both when none are named;
+  ``--compile predictor,talker --baseline predictor,talker --fuse-projections predictor``: the
+  served default's fusion alone). Every other mode's projections are unfused.
 
 Random weights at Qwen3-Omni-30B-A3B's talker and decoder shapes (``--preset realistic``, a GPU),
 or the tiny demo's on this host's CPU (it only shows the benchmark works). ``--model qwen2.5-omni``:
@@ -36,7 +36,7 @@ states in its prompts), its steps and first frame only: its decoder, ``token2wav
 ``benchmarks/token2wav_batch.py``'s, and its real-time floor here is the talker's steps alone.
 
     python benchmarks/speech_step.py [--preset realistic] [--rows 1,8,64] [--steps 40] [--json OUT] [--profile 8]
-        [--compile predictor[,talker]] [--baseline PARTS] [--grouped-baseline] [--fuse-projections]
+        [--compile predictor[,talker]] [--baseline PARTS] [--grouped-baseline] [--fuse-projections [PARTS]]
         [--modes compiled,graphs,baseline]
         [--cold-codec]
         [--model qwen2.5-omni]
@@ -324,6 +324,13 @@ def compile_parts(value: str) -> tuple[str, ...]:
     return SpeechConfig(compile=value).compile_parts()
 
 
+def fused_parts(value: str) -> tuple[str, ...]:
+    """``--fuse-projections``' parts, checked as the model parameter is."""
+    from triton_omni.speech.runner import SpeechConfig
+
+    return SpeechConfig(fuse_projections=value).fused_parts()
+
+
 def modes(args, device: torch.device) -> dict[str, dict]:
     """The batcher's options of each mode measured: on a GPU CUDA graphs, eager and (with
     ``--compile``) compiled; on a CPU eager alone."""
@@ -376,8 +383,9 @@ def main() -> None:
     parser.add_argument("--baseline", default="", metavar="PARTS",
                         help="also measure the stage with these parts compiled, the compiled mode's baseline "
                              "(its ratio to it printed: --compile predictor,talker --baseline predictor)")
-    parser.add_argument("--fuse-projections", action="store_true",
-                        help="the compiled mode's q/k/v and gate/up projections fused (needs --compile)")
+    parser.add_argument("--fuse-projections", nargs="?", const="predictor,talker", default="", metavar="PARTS",
+                        help="the compiled mode's q/k/v and gate/up projections fused in these parts (predictor, "
+                             "talker; both if none are named; needs --compile)")
     parser.add_argument("--grouped-baseline", action="store_true",
                         help="the baseline mode's one-row talker steps run their experts as grouped GEMMs, as "
                              "the wider steps do (--compile predictor,talker --baseline predictor,talker: the "
@@ -458,7 +466,8 @@ def main() -> None:
     # the talker's step and the code predictor as CUDA graphs (the stage's default on a GPU), eager,
     # and compiled (the graphs' passes under torch.compile)
     for mode, options in modes(args, device).items():
-        unfuse = fuse_projections(model) if mode == "compiled" and args.fuse_projections else None
+        fused = fused_parts(args.fuse_projections) if mode == "compiled" else ()
+        unfuse = fuse_projections(model, fused) if fused else None
         talker_regions.FEW_ROWS = 0 if mode == "baseline" and args.grouped_baseline else few_rows
         started = time.perf_counter()
         batcher = TalkerBatcher(talker, max(levels), **options)

@@ -75,13 +75,14 @@ def test_the_code_predictor_never_waits_for_the_gpu(runners, sampled):
     assert sum(c.codes.shape[1] for c in chunks) == 11  # max_tokens 12: the last code drawn makes no frame
 
 
-@pytest.fixture(scope="module", params=[("off", False), ("predictor", False), ("predictor,talker", False),
-                                        ("predictor,talker", True)],
+@pytest.fixture(scope="module", params=[("off", "off"), ("predictor", "off"), ("predictor,talker", "predictor"),
+                                        ("predictor,talker", "true")],
                 ids=["graphs", "compiled", "compiled talker", "fused projections"])
 def bf16(request):
     """The GPU runner in bfloat16, the dtype whose talker steps are captured; with its captured
     passes under torch.compile too (the model parameter ``compile``: the predictor's frame, and the
-    talker steps' regions), and with its projections fused (``fuse_projections``)."""
+    talker steps' regions), and with its projections fused (``fuse_projections``: the code
+    predictor's, the default, or the talker's too)."""
     compile, fused = request.param
     runner = SpeechRunner(SpeechConfig(model=DEMO, device="cuda:0", dtype="bfloat16", compile=compile,
                                        fuse_projections=fused))

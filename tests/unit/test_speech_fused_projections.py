@@ -26,7 +26,7 @@ SPOKEN = [{}, {"temperature": 0.9, "seed": 3, "max_tokens": 16}]
 
 @pytest.fixture(scope="module")
 def runners():
-    unfused, fused = SpeechRunner(SpeechConfig()), SpeechRunner(SpeechConfig(fuse_projections=True))
+    unfused, fused = (SpeechRunner(SpeechConfig(fuse_projections=parts)) for parts in ("off", "true"))
     yield unfused, fused
     unfused.close()
     fused.close()
@@ -38,6 +38,23 @@ def test_every_attention_and_dense_mlp_is_fused(runners):
     assert all(hasattr(a, "qkv_proj") and not hasattr(a, "q_proj") for a in attentions)
     assert all(isinstance(layer.mlp, FusedMLP) for layer in model.code_predictor.model.layers)
     assert all(isinstance(layer.mlp.shared_expert, FusedMLP) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("parts", [("predictor",), ("talker",)])
+def test_each_part_fuses_its_own_layers_alone(runners, parts):
+    """``fuse_projections: predictor`` (the default) fuses the code predictor's layers and leaves the
+    talker's own as transformers has them; ``talker`` the other way round."""
+    model = runners[0].batcher.model
+    unfuse = fuse_projections(model, parts)
+    try:
+        for part, layers in (("talker", model.model.layers), ("predictor", model.code_predictor.model.layers)):
+            fused = [hasattr(layer.self_attn, "qkv_proj") for layer in layers]
+            mlps = [isinstance(layer.mlp if part == "predictor" else layer.mlp.shared_expert, FusedMLP)
+                    for layer in layers]
+            assert fused == mlps == [part in parts] * len(layers), part
+    finally:
+        unfuse()
+    assert not any(isinstance(m, FusedMLP) for m in model.modules())
 
 
 @pytest.mark.parametrize("options", SPOKEN, ids=["greedy", "seeded"])
@@ -122,7 +139,7 @@ def test_the_fused_compiled_frame_draws_the_unfused_frames_codes(runners):
 
 
 def test_a_qwen25_talker_ignores_it():
-    runner = SpeechRunner(SpeechConfig(model="demo:tiny-qwen2.5-omni", fuse_projections=True))
+    runner = SpeechRunner(SpeechConfig(model="demo:tiny-qwen2.5-omni", fuse_projections="true"))
     try:
         assert not any(isinstance(m, FusedMLP) for m in runner.batcher.model.modules())
     finally:
@@ -139,5 +156,10 @@ def test_the_model_parameter_reaches_the_runner():
         config = {"name": "speech", "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
         return runner_config(config, {"model_instance_kind": "KIND_CPU"})[0]
 
-    assert parsed({"fuse_projections": "true"}).fuse_projections
-    assert not parsed({}).fuse_projections
+    assert parsed({}).fused_parts() == ("predictor",)  # the default: the code predictor's alone
+    assert parsed({"fuse_projections": "true"}).fused_parts() == ("predictor", "talker")
+    assert parsed({"fuse_projections": "talker"}).fused_parts() == ("talker",)
+    assert parsed({"fuse_projections": "off"}).fused_parts() == ()
+    assert parsed({"fuse_projections": "false"}).fused_parts() == ()
+    with pytest.raises(ValueError, match=r"fuse_projections must name parts of predictor, talker.*'predicter'"):
+        parsed({"fuse_projections": "predicter"})

@@ -42,12 +42,20 @@ class FusedMLP(torch.nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def fuse_projections(model: torch.nn.Module) -> Callable[[], None]:
-    """Every Qwen3-Omni attention's q/k/v and every dense MLP's gate/up in ``model`` (a talker, its
-    code predictor with it) fused, in place; returns what puts the unfused layers back (the
-    benchmark measures both on one model's weights)."""
+def fuse_projections(model: torch.nn.Module, parts: tuple[str, ...] = ("predictor", "talker")) -> Callable[[], None]:
+    """Every Qwen3-Omni attention's q/k/v and every dense MLP's gate/up in ``model``'s ``parts`` (a
+    talker: ``"talker"`` its own layers, ``"predictor"`` its code predictor's; any other model: all
+    of it) fused, in place; returns what puts the unfused layers back (the benchmark measures both
+    on one model's weights)."""
     undo: list[Callable[[], None]] = []
-    for module in list(model.modules()):
+    predictor = getattr(model, "code_predictor", None)
+    if predictor is None:
+        modules = list(model.modules())
+    else:  # the talker's own modules are all of the model's but its code predictor's
+        own = {id(m) for m in predictor.modules()}
+        modules = ([m for m in model.modules() if id(m) not in own] if "talker" in parts else []) + \
+            (list(predictor.modules()) if "predictor" in parts else [])
+    for module in modules:
         if isinstance(module, _ATTENTIONS):
             undo.append(_fuse_attention(module))
         for name, child in list(module.named_children()):

@@ -72,8 +72,10 @@ class SpeechConfig:
     cuda_graphs: bool = True
     # the parts whose captured passes run torch.compile's kernels ("predictor", "talker"; "off"): on a GPU only
     compile: str = "predictor,talker"
-    # a Qwen3-Omni talker's and code predictor's q/k/v projections one matmul, and their dense MLPs' gate/up one
-    fuse_projections: bool = False
+    # the parts of a Qwen3-Omni talker whose q/k/v projections are one matmul and whose dense MLPs' gate/up
+    # are one ("predictor", "talker"; "off"; "true" is both). The code predictor's fused frame is faster
+    # at one utterance and at 64 alike; the talker's fused forward only at one (benchmarks/speech_step.py)
+    fuse_projections: str = "predictor"
     talker_max_len: int = TALKER_MAX_LEN  # an utterance's prompt and codes at most (its KV cache's columns)
     limits: SpeechLimits = field(default_factory=SpeechLimits)
 
@@ -88,16 +90,29 @@ class SpeechConfig:
         if unknown:
             raise ValueError(f"model parameter compile must name parts of {', '.join(COMPILE_PARTS)} "
                              f"(comma-separated) or be off, got {self.compile!r}")
+        unknown = set(self.fused_parts()) - set(COMPILE_PARTS)
+        if unknown:
+            raise ValueError(f"model parameter fuse_projections must name parts of {', '.join(COMPILE_PARTS)} "
+                             f"(comma-separated), or be true or off, got {self.fuse_projections!r}")
         if self.talker_max_len < 2:
             raise ValueError(f"model parameter talker_max_len must be at least 2, got {self.talker_max_len}")
 
     def compile_parts(self) -> tuple[str, ...]:
-        return () if self.compile.strip() in ("", "off") else tuple(p.strip() for p in self.compile.split(","))
+        return _parts(self.compile)
+
+    def fused_parts(self) -> tuple[str, ...]:
+        """The parts ``fuse_projections`` names (the talker's own layers, its code predictor's)."""
+        return COMPILE_PARTS if self.fuse_projections.strip().lower() == "true" else _parts(self.fuse_projections)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return getattr(torch, self.dtype)
+
+
+def _parts(value: str) -> tuple[str, ...]:
+    """A comma-separated list of parts; "off" or "false" (or nothing) is none."""
+    return () if value.strip().lower() in ("", "off", "false") else tuple(p.strip() for p in value.split(","))
 
 
 @dataclass
@@ -132,17 +147,17 @@ class SpeechRunner:
         qwen3 = model_config.model_type == "qwen3_omni_moe"
         if qwen3:
             talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
-            if config.fuse_projections:
+            if config.fused_parts():
                 from triton_omni.speech.fused_projections import fuse_projections
 
-                fuse_projections(talker)
+                fuse_projections(talker, config.fused_parts())
             self.talker = Qwen3Talker(talker, embedding, model_config)
             self.decoder = StreamingCode2Wav(code2wav)
         else:
             talker, token2wav, embedding, speakers = load_qwen25_speech(folder, model_config, self.device,
                                                                         config.torch_dtype())
             self.talker = Qwen25Talker(talker, embedding, speakers, model_config)
-            if config.fuse_projections:
+            if config.fused_parts():
                 logger.info("fuse_projections ignored: only a Qwen3-Omni talker's projections are fused")
             self.decoder = StreamingToken2Wav(token2wav)
             if config.cuda_graphs and self.device.type == "cuda":  # its ODE's usual windows, captured now

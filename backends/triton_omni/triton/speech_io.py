@@ -32,7 +32,7 @@ def runner_config(model_config: dict, args: dict) -> tuple[SpeechConfig, Placeme
                           first_chunk_frames=int(params.get("first_chunk_frames", SpeechConfig.first_chunk_frames)),
                           cuda_graphs=params.get("cuda_graphs", "true").lower() == "true",
                           compile=params.get("compile", SpeechConfig.compile),
-                          fuse_projections=params.get("fuse_projections", "false").lower() == "true",
+                          fuse_projections=params.get("fuse_projections", SpeechConfig.fuse_projections),
                           talker_max_len=int(params.get("talker_max_len", SpeechConfig.talker_max_len)), limits=limits)
     return config, placement
 
