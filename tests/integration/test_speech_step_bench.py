@@ -26,7 +26,7 @@ def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
     assert set(cold) == {f"{n}x{f}" for n in (1, 3) for f in (1, 2, 4)}
     assert all(found["first"] > 0 and found["second"] > 0 for found in cold.values())
     for chunk in report["chunk_decode_ms"].values():
-        assert chunk["one after another"] > 0 and chunk["together"] >= chunk["transformer"] > 0
+        assert chunk["one after another"] > 0 and chunk["together"] > 0 and chunk["transformer"] > 0
         assert chunk["max sample difference"] < 1e-4
     assert set(report["modes"]) == set(report["first_frame_ms"]) == {"eager"}  # a CPU's: CUDA graphs are a GPU's
     first = report["first_frame_ms"]["eager"]
@@ -36,7 +36,7 @@ def test_the_speech_stage_step_is_split_into_its_parts(tmp_path):
     for found in report["modes"]["eager"].values():
         parts = found["parts_ms (synchronised)"]
         assert found["step_ms"] > 0 and found["rtf_floor"] > 0
-        assert parts["step"] >= parts["code predictor"] > 0 and parts["first code draw"] > 0
+        assert min(parts[part] for part in ("step", "code predictor", "first code draw")) > 0
 
 
 def test_a_qwen25_talkers_steps_are_measured_without_a_code_predictor(tmp_path):
@@ -53,7 +53,8 @@ def test_a_qwen25_talkers_steps_are_measured_without_a_code_predictor(tmp_path):
     assert set(report["modes"]) == {"eager"} and set(report["modes"]["eager"]) == {"1", "3"}
     for found in report["modes"]["eager"].values():
         parts = found["parts_ms (synchronised)"]
-        assert "code predictor" not in parts and parts["step"] >= parts["talker forward"] > 0
+        # (each part a median over the steps of its own timings: a part's may exceed the step's)
+        assert "code predictor" not in parts and parts["step"] > 0 and parts["talker forward"] > 0
         assert abs(found["rtf_floor"] - found["step_ms"] * 50 / 1000) < 1e-9
     assert report["first_frame_ms"]["eager"]["to the first frame"] > 0
 
