@@ -43,19 +43,14 @@ class FusedMLP(torch.nn.Module):
 
 
 def fuse_projections(model: torch.nn.Module, parts: tuple[str, ...] = ("predictor", "talker")) -> Callable[[], None]:
-    """Every Qwen3-Omni attention's q/k/v and every dense MLP's gate/up in ``model``'s ``parts`` (a
-    talker: ``"talker"`` its own layers, ``"predictor"`` its code predictor's; any other model: all
-    of it) fused, in place; returns what puts the unfused layers back (the benchmark measures both
-    on one model's weights)."""
+    """Every Qwen3-Omni attention's q/k/v and every dense MLP's gate/up in the talker ``model``'s
+    ``parts`` (``"talker"``: its own layers, ``"predictor"``: its code predictor's) fused, in place;
+    returns what puts the unfused layers back (the benchmark measures both on one model's weights)."""
     undo: list[Callable[[], None]] = []
-    predictor = getattr(model, "code_predictor", None)
-    if predictor is None:
-        modules = list(model.modules())
-    else:  # the talker's own modules are all of the model's but its code predictor's
-        own = {id(m) for m in predictor.modules()}
-        modules = ([m for m in model.modules() if id(m) not in own] if "talker" in parts else []) + \
-            (list(predictor.modules()) if "predictor" in parts else [])
-    for module in modules:
+    predictor = list(model.code_predictor.modules())
+    inside = {id(m) for m in predictor}
+    modules = {"predictor": predictor, "talker": [m for m in model.modules() if id(m) not in inside]}
+    for module in (m for part in parts for m in modules[part]):
         if isinstance(module, _ATTENTIONS):
             undo.append(_fuse_attention(module))
         for name, child in list(module.named_children()):

@@ -147,10 +147,10 @@ class SpeechRunner:
         qwen3 = model_config.model_type == "qwen3_omni_moe"
         if qwen3:
             talker, code2wav, embedding = load_qwen3_speech(folder, model_config, self.device, config.torch_dtype())
-            if config.fused_parts():
+            if fused := config.fused_parts():
                 from triton_omni.speech.fused_projections import fuse_projections
 
-                fuse_projections(talker, config.fused_parts())
+                fuse_projections(talker, fused)
             self.talker = Qwen3Talker(talker, embedding, model_config)
             self.decoder = StreamingCode2Wav(code2wav)
         else:
